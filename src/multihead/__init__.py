@@ -1,0 +1,32 @@
+"""multihead: multi-head attention exactly as it is taught, run fast and safely.
+
+    import multihead as mh
+    layer = mh.MultiHeadAttention(768, 12, causal=True, rope=mh.RoPE(64))
+    y = layer(x)                               # x (B, S, 768) -> (B, S, 768)
+    out = mh.attention(q, k, v, causal=True)   # q (B, H, Sq, D), k/v (B, Hkv, Sk, D)
+
+Masks everywhere: bool, **True = may attend** (see :mod:`multihead.masks`).
+"""
+
+from . import backends, masks, reference
+from .functional import attention
+from .module import MultiHeadAttention, merge_heads, split_heads
+from .rope import RoPE, half_to_interleaved, interleaved_to_half
+from .trace import Trace, trace
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "attention",
+    "MultiHeadAttention",
+    "RoPE",
+    "trace",
+    "Trace",
+    "split_heads",
+    "merge_heads",
+    "interleaved_to_half",
+    "half_to_interleaved",
+    "masks",
+    "backends",
+    "reference",
+]

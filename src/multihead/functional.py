@@ -1,0 +1,123 @@
+"""The functional core: scaled dot-product attention over heads, in PyTorch's layout.
+
+Notation: B batch, H query heads, Hkv key/value heads, G = H // Hkv, Sq queries,
+Sk keys, D head dim (Dv for values).
+
+Each head k computes ``softmax(Q_k K_kᵀ · scale) V_k`` (the seed's
+``V_k · softmax(Q_kᵀ K_k / √d_head)ᵀ`` transposed into [tokens, features]); heads never
+share attention matrices. The default scale is ``1/√D``, the head's width, not the
+model's.
+
+GQA / MQA: with Hkv < H, query heads are split into Hkv consecutive groups of G; query
+head i reads K/V head ``i // G`` (the grouping of Llama checkpoints and of
+``repeat_kv``). K and V are never repeated in memory::
+
+    query heads   0 1 2 3 | 4 5 6 7      (H = 8)
+    K/V heads        0    |    1         (Hkv = 2, G = 4)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import backends as _backends
+from ._checks import check_bool_mask, check_float, check_float_tensor, check_int, check_like, check_tensor
+
+__all__ = ["attention", "DEFAULT_BACKEND"]
+
+#: Backend used when ``backend=None`` and no weights are asked for.
+DEFAULT_BACKEND = "sdpa"
+#: Backend used when ``return_weights=True`` and ``backend=None``.
+WEIGHTS_BACKEND = "explicit"
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    mask: torch.Tensor | None = None,
+    window: int | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+    backend: str | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Multi-head scaled dot-product attention.
+
+    Args:
+        q: (B, H, Sq, D) queries.
+        k: (B, Hkv, Sk, D) keys; Hkv must divide H (GQA; Hkv = 1 is MQA).
+        v: (B, Hkv, Sk, Dv) values.
+        causal: mask future keys, aligned **bottom-right**: query i sits at position
+            ``i + Sk - Sq`` and sees keys up to it (the decoding convention; SDPA's
+            ``is_causal`` aligns top-left, they agree when Sq == Sk).
+        mask: bool, broadcastable to (B, H, Sq, Sk); **True = may attend** (as in
+            torch's scaled_dot_product_attention; ``torch.nn.MultiheadAttention`` uses
+            True = ignore: convert with :func:`multihead.masks.from_torch_mha`).
+            Combined with ``causal`` and ``window`` by logical and.
+        window: sliding window: with ``causal`` each query sees itself and the
+            ``window - 1`` keys before it (Mistral's convention); without ``causal``
+            keys closer than ``window`` positions on either side.
+        scale: multiplies the logits; default ``1/√D``.
+        dropout_p: dropout on the attention probabilities (pass 0 in eval).
+        return_weights: also return the per-head attention weights, never averaged.
+        backend: a name from :func:`multihead.backends.available_backends`; default
+            ``"sdpa"``, or ``"explicit"`` when ``return_weights`` is set. All give the
+            same numbers within rounding.
+
+    Returns:
+        out (B, H, Sq, Dv), or ``(out, weights)`` with weights (B, H, Sq, Sk) when
+        ``return_weights``. A query that may attend to no key outputs zeros (and zero
+        weights, zero gradients), never NaN.
+
+    Raises:
+        TypeError: non-tensors, non-float q/k/v, mismatched dtypes, non-bool mask.
+        ValueError: wrong ranks or sizes, H not divisible by Hkv, mismatched devices,
+            bad mask shape, window < 1, dropout_p outside [0, 1), unknown backend.
+    """
+    check_tensor("q", q, ndim=4)
+    check_tensor("k", k, ndim=4)
+    check_tensor("v", v, ndim=4)
+    check_float_tensor("q", q)
+    check_like("k", k, "q", q)
+    check_like("v", v, "q", q)
+    b, h, sq, d = q.shape
+    _, hkv, sk, _ = k.shape
+    if k.shape[0] != b or v.shape[0] != b:
+        raise ValueError(f"q, k and v must share the batch size, got q {b}, k {k.shape[0]}, v {v.shape[0]}")
+    if k.shape[-1] != d:
+        raise ValueError(f"k must have head dim {d} like q [B, Hkv, Sk, D], got {k.shape[-1]} (shape {list(k.shape)})")
+    if v.shape[1] != hkv or v.shape[2] != sk:
+        raise ValueError(
+            f"v must have shape [B, Hkv, Sk, Dv] = [{b}, {hkv}, {sk}, Dv] like k, got {list(v.shape)}"
+        )
+    if hkv == 0 or h % hkv != 0:
+        raise ValueError(f"the number of query heads ({h}) must be a multiple of the number of K/V heads ({hkv})")
+    if mask is not None:
+        mask = check_bool_mask("mask", mask, (b, h, sq, sk), "[B, H, Sq, Sk]")
+        if mask.device != q.device:
+            raise ValueError(f"mask must be on device {q.device} like q, got {mask.device}")
+    if window is not None:
+        check_int("window", window)
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    else:
+        scale = check_float("scale", scale, low=0.0, high=math.inf, low_inclusive=False, high_inclusive=False)
+    dropout_p = check_float("dropout_p", dropout_p, low=0.0, high=1.0, high_inclusive=False)
+    if backend is None:
+        backend = WEIGHTS_BACKEND if return_weights else DEFAULT_BACKEND
+    fn = _backends.get_backend(backend)
+    out, weights = fn(
+        q, k, v,
+        mask=mask, causal=bool(causal), window=window, scale=scale,
+        dropout_p=dropout_p, return_weights=return_weights,
+    )
+    if return_weights:
+        if weights is None:
+            raise ValueError(f"backend {backend!r} cannot return weights; use backend='explicit'")
+        return out, weights
+    return out

@@ -1,0 +1,136 @@
+"""Attention masks, in one polarity: ``True`` = may attend.
+
+Notation: B batch, H query heads, Sq queries, Sk keys.
+
+This is the convention of ``torch.nn.functional.scaled_dot_product_attention``.
+``torch.nn.MultiheadAttention`` uses the OPPOSITE one (``True`` = ignore) for both
+``attn_mask`` and ``key_padding_mask``; convert such masks with :func:`from_torch_mha`.
+Hugging Face's 2-D ``attention_mask`` (1 = real token, 0 = padding) is already in our
+polarity once cast to bool; pass it as ``key_mask``.
+
+Causal masks are aligned **bottom-right**: the last query sees the last key, which is
+what decoding with a cache needs. With Sq=2, Sk=5 (``1`` = may attend)::
+
+    1 1 1 1 0
+    1 1 1 1 1
+
+``torch.nn.functional.scaled_dot_product_attention(is_causal=True)`` aligns top-left
+instead (the first query sees the first key); the two agree when Sq == Sk.
+
+A query row with no allowed key outputs zeros (never NaN) on every path of multihead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import check_int, check_tensor
+
+__all__ = [
+    "causal_mask",
+    "sliding_window_mask",
+    "key_padding_mask",
+    "from_torch_mha",
+    "from_additive",
+    "to_additive",
+]
+
+
+def _offsets(sq: int, sk: int, device: torch.device | str | None) -> torch.Tensor:
+    """(Sq, Sk) matrix of ``j - (i + Sk - Sq)``: how far key j lies after query i's own position."""
+    rows = torch.arange(sq, device=device).unsqueeze(1) + (sk - sq)  # (Sq, 1)
+    cols = torch.arange(sk, device=device).unsqueeze(0)  # (1, Sk)
+    return cols - rows  # (Sq, Sk)
+
+
+def causal_mask(sq: int, sk: int | None = None, *, device: torch.device | str | None = None) -> torch.Tensor:
+    """Bottom-right aligned causal mask.
+
+    Args:
+        sq: number of queries.
+        sk: number of keys (default ``sq``); query i sits at position ``i + sk - sq``.
+        device: where to build it.
+
+    Returns:
+        bool (Sq, Sk), True where key j <= the query's position.
+    """
+    sk = sq if sk is None else sk
+    check_int("sq", sq)
+    check_int("sk", sk)
+    return _offsets(sq, sk, device) <= 0
+
+
+def sliding_window_mask(
+    sq: int, sk: int | None = None, *, window: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Causal sliding-window mask (Mistral's convention), bottom-right aligned.
+
+    Each query attends to itself and the ``window - 1`` keys before it.
+
+    Returns:
+        bool (Sq, Sk).
+    """
+    sk = sq if sk is None else sk
+    check_int("sq", sq)
+    check_int("sk", sk)
+    check_int("window", window)
+    off = _offsets(sq, sk, device)
+    return (off <= 0) & (off > -window)
+
+
+def key_padding_mask(key_mask: torch.Tensor) -> torch.Tensor:
+    """Turn a (B, Sk) key mask (True = real token) into a (B, 1, 1, Sk) attention mask."""
+    check_tensor("key_mask", key_mask, ndim=2)
+    if key_mask.dtype != torch.bool:
+        raise TypeError(f"key_mask must be a bool tensor (True = real token), got dtype {key_mask.dtype}")
+    return key_mask[:, None, None, :]  # (B, 1, 1, Sk)
+
+
+def from_torch_mha(mask: torch.Tensor) -> torch.Tensor:
+    """Convert a ``torch.nn.MultiheadAttention`` mask to multihead's polarity.
+
+    ``nn.MultiheadAttention`` reads a bool mask as True = *ignore*, and a float mask as
+    an additive bias where ``-inf`` blocks a position.
+
+    Returns:
+        bool tensor of the same shape, True = may attend.
+
+    Raises:
+        ValueError: a float mask holds finite non-zero values (a bias, not a mask).
+    """
+    check_tensor("mask", mask)
+    if mask.dtype == torch.bool:
+        return ~mask
+    return from_additive(mask)
+
+
+def from_additive(mask: torch.Tensor) -> torch.Tensor:
+    """Convert an additive float mask (0 = attend, -inf or a huge negative = block) to bool.
+
+    Values at or below half of the dtype's lowest finite number count as blocked, which
+    covers both ``-inf`` and Hugging Face's ``torch.finfo(dtype).min``.
+
+    Raises:
+        TypeError: ``mask`` is not floating point.
+        ValueError: it contains values that are neither 0 nor blocking, i.e. a real
+            bias such as ALiBi that a boolean mask cannot express.
+    """
+    check_tensor("mask", mask)
+    if not mask.is_floating_point():
+        raise TypeError(f"mask must be a floating-point additive mask, got dtype {mask.dtype}")
+    blocked = mask <= torch.finfo(mask.dtype).min / 2
+    if bool(((mask != 0) & ~blocked).any()):
+        raise ValueError(
+            "mask holds finite non-zero values: it is an additive bias, not a mask; "
+            "only 0 (attend) and -inf/finfo.min (blocked) convert to a bool mask"
+        )
+    return ~blocked
+
+
+def to_additive(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Convert a bool mask (True = may attend) to an additive one (0 or -inf)."""
+    check_tensor("mask", mask)
+    if mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool tensor, got dtype {mask.dtype}")
+    out = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return out.masked_fill(~mask, float("-inf"))

@@ -1,0 +1,282 @@
+"""The multi-head attention layer, reading top to bottom as the seed's pipeline.
+
+Notation: B batch, S tokens (queries), Sk keys, E embed_dim, H query heads,
+Hkv key/value heads, D head_dim.
+
+    x (B, S, E)
+      -> q_proj, k_proj, v_proj         project        (B, S, H·D), (B, Sk, Hkv·D) ×2
+      -> split_heads                     a view          (B, H, S, D), (B, Hkv, Sk, D) ×2
+      -> RoPE on q and k                 per head
+      -> attention                       per head        (B, H, S, D)
+      -> merge_heads                     concat          (B, S, H·D)
+      -> o_proj                          mix the heads   (B, S, E)
+
+The residual ``x + o`` belongs to the surrounding block (as in torch and Hugging Face);
+:func:`multihead.trace` shows it as the seed's last step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ._checks import check_bool_mask, check_float, check_int, check_tensor
+from .functional import attention
+from .masks import key_padding_mask
+from .rope import RoPE, check_positions
+
+__all__ = ["MultiHeadAttention", "split_heads", "merge_heads"]
+
+Observer = Callable[[str, torch.Tensor], None]
+
+
+def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """(B, S, H·D) -> (B, H, S, D), a view: no new weights, no copy."""
+    b, s, hd = x.shape
+    return x.view(b, s, num_heads, hd // num_heads).transpose(1, 2)  # (B, H, S, D)
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """(B, H, S, D) -> (B, S, H·D): the seed's concat, head k in rows k·D .. (k+1)·D-1."""
+    b, h, s, d = x.shape
+    return x.transpose(1, 2).reshape(b, s, h * d)  # (B, S, H·D)
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head (and grouped-query / multi-query) attention.
+
+    Args:
+        embed_dim: E, the model width (``hidden_size``).
+        num_heads: H, query heads (``num_attention_heads``).
+        num_kv_heads: Hkv, key/value heads; must divide H. Default H (MHA); 1 is MQA;
+            in between is GQA, where query head i reads K/V head ``i // (H // Hkv)``.
+        head_dim: D; default E // H, which then must divide exactly (the seed's
+            constraint). Set it for models where H·D != E (Gemma).
+        bias: bias on q_proj, k_proj, v_proj (and o_proj unless ``o_bias`` says).
+        o_bias: bias on o_proj; default same as ``bias`` (Qwen2: bias=True, o_bias=False).
+        causal: mask future tokens (decoders); False = bidirectional (encoders, ViT).
+        rope: a :class:`RoPE` for q and k (its head_dim must equal D), or None.
+        dropout: dropout on the attention probabilities, in training mode only.
+        scale: logit scale; default 1/√D (per head, not 1/√E).
+        window: sliding-window size (Mistral's convention), or None.
+        kdim, vdim: width of the ``context`` for cross-attention; default E.
+        backend: attention backend name; None = the functional default.
+        device, dtype: for the parameters.
+
+    Raises:
+        ValueError, TypeError: bad sizes or types, named in the message.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        bias: bool = True,
+        o_bias: bool | None = None,
+        causal: bool = False,
+        rope: RoPE | None = None,
+        dropout: float = 0.0,
+        scale: float | None = None,
+        window: int | None = None,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        backend: str | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        check_int("embed_dim", embed_dim)
+        check_int("num_heads", num_heads)
+        num_kv_heads = num_heads if num_kv_heads is None else check_int("num_kv_heads", num_kv_heads)
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
+        if head_dim is None:
+            if embed_dim % num_heads:
+                raise ValueError(
+                    f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads}), "
+                    "or pass head_dim explicitly"
+                )
+            head_dim = embed_dim // num_heads
+        check_int("head_dim", head_dim)
+        if rope is not None:
+            if not isinstance(rope, RoPE):
+                raise TypeError(f"rope must be a multihead.RoPE or None, got {type(rope).__name__}")
+            if rope.head_dim != head_dim:
+                raise ValueError(f"rope.head_dim must equal head_dim={head_dim}, got {rope.head_dim}")
+        self.dropout = check_float("dropout", dropout, low=0.0, high=1.0, high_inclusive=False)
+        if scale is not None:
+            scale = check_float("scale", scale, low=0.0, high=math.inf, low_inclusive=False, high_inclusive=False)
+        if window is not None:
+            check_int("window", window)
+        kdim = embed_dim if kdim is None else check_int("kdim", kdim)
+        vdim = embed_dim if vdim is None else check_int("vdim", vdim)
+        if backend is not None:
+            from .backends import get_backend
+
+            get_backend(backend)  # fail now, not at the first forward
+
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.causal = bool(causal)
+        self.scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+        self.window = window
+        self.kdim, self.vdim = kdim, vdim
+        self.backend = backend
+        o_bias = bias if o_bias is None else o_bias
+        factory = {"device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=bias, **factory)
+        self.k_proj = nn.Linear(kdim, num_kv_heads * head_dim, bias=bias, **factory)
+        self.v_proj = nn.Linear(vdim, num_kv_heads * head_dim, bias=bias, **factory)
+        self.o_proj = nn.Linear(num_heads * head_dim, embed_dim, bias=o_bias, **factory)
+        self.rope = rope
+
+    def extra_repr(self) -> str:
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, causal={self.causal}, window={self.window}"
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | None = None,
+        *,
+        mask: torch.Tensor | None = None,
+        key_mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        return_weights: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attend from ``x`` to itself (or to ``context``).
+
+        Args:
+            x: (B, S, E).
+            context: (B, Sk, kdim) for cross-attention; None = self-attention.
+            mask: bool, broadcastable to (B, H, S, Sk), **True = may attend**.
+            key_mask: (B, Sk) bool, True = real token, False = padding.
+            positions: (S,) or (B, S) integer RoPE positions; default 0 .. S-1.
+            return_weights: also return per-head weights (B, H, S, Sk), never averaged.
+
+        Returns:
+            y (B, S, E), or ``(y, weights)``. A query with no allowed key gets zeros
+            from attention (so ``y`` is o_proj's bias there).
+
+        Raises:
+            TypeError: wrong dtype (must match the weights) or non-bool masks.
+            ValueError: wrong rank/width/device, bad mask shapes, causal or RoPE with
+                ``context`` (cross-attention is neither causal nor rotary).
+        """
+        return self._forward(x, context, mask=mask, key_mask=key_mask, positions=positions,
+                             return_weights=return_weights, observe=None)
+
+    # The body lives here so that :func:`multihead.trace` can watch every step.
+    def _forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | None,
+        *,
+        mask: torch.Tensor | None,
+        key_mask: torch.Tensor | None,
+        positions: torch.Tensor | None,
+        return_weights: bool,
+        observe: Observer | None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        attn_mask = self._check_inputs(x, context, mask, key_mask, positions)
+        src = x if context is None else context
+        seen = observe or (lambda name, t: None)
+        seen("X", x)
+
+        q = self.q_proj(x)  # (B, S, H·D)
+        k = self.k_proj(src)  # (B, Sk, Hkv·D)
+        v = self.v_proj(src)  # (B, Sk, Hkv·D)
+        seen("Q", q), seen("K", k), seen("V", v)
+
+        q = split_heads(q, self.num_heads)  # (B, H, S, D)
+        k = split_heads(k, self.num_kv_heads)  # (B, Hkv, Sk, D)
+        v = split_heads(v, self.num_kv_heads)  # (B, Hkv, Sk, D)
+        seen("Q_k", q), seen("K_k", k), seen("V_k", v)
+
+        if self.rope is not None:
+            q = self.rope(q, positions)
+            k = self.rope(k, positions)
+            seen("Q_rot", q), seen("K_rot", k)
+
+        result = attention(
+            q, k, v,
+            causal=self.causal, mask=attn_mask, window=self.window, scale=self.scale,
+            dropout_p=self.dropout if self.training else 0.0,
+            return_weights=return_weights, backend=self.backend,
+        )
+        heads, weights = result if return_weights else (result, None)  # (B, H, S, D)
+        seen("head_k", heads)
+
+        concat = merge_heads(heads)  # (B, S, H·D)
+        seen("concat", concat)
+        y = self.o_proj(concat)  # (B, S, E)
+        seen("O", y)
+        return (y, weights) if return_weights else y
+
+    def _check_inputs(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        key_mask: torch.Tensor | None,
+        positions: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """Validate everything before computing; return the combined bool mask or None."""
+        weight = self.q_proj.weight
+        check_tensor("x", x, ndim=3)
+        _check_matches_weight("x", x, weight, self.embed_dim, "[B, S, E]")
+        b, s, _ = x.shape
+        sk = s
+        if context is not None:
+            if self.causal:
+                raise ValueError("context was given to a causal layer: cross-attention is not causal; "
+                                 "build the cross-attention layer with causal=False")
+            if self.rope is not None:
+                raise ValueError("context was given to a layer with rope: queries and keys of two "
+                                 "sequences share no positions; build the cross-attention layer with rope=None")
+            check_tensor("context", context, ndim=3)
+            _check_matches_weight("context", context, weight, self.kdim, "[B, Sk, kdim]")
+            if context.shape[0] != b:
+                raise ValueError(f"context must have batch size {b} like x, got {context.shape[0]}")
+            sk = context.shape[1]
+        if positions is not None:
+            if self.rope is None:
+                raise ValueError("positions were given but the layer has no rope to apply them")
+            positions = check_positions(positions, b, s)
+            if positions.device != x.device:
+                raise ValueError(f"positions must be on device {x.device} like x, got {positions.device}")
+        combined = None
+        if mask is not None:
+            combined = check_bool_mask("mask", mask, (b, self.num_heads, s, sk), "[B, H, S, Sk]")
+            if mask.device != x.device:
+                raise ValueError(f"mask must be on device {x.device} like x, got {mask.device}")
+        if key_mask is not None:
+            check_tensor("key_mask", key_mask, ndim=2)
+            if key_mask.dtype != torch.bool:
+                raise TypeError(f"key_mask must be a bool tensor (True = real token), got dtype {key_mask.dtype}")
+            if tuple(key_mask.shape) != (b, sk):
+                raise ValueError(f"key_mask must have shape [B, Sk] = [{b}, {sk}], got {list(key_mask.shape)}")
+            if key_mask.device != x.device:
+                raise ValueError(f"key_mask must be on device {x.device} like x, got {key_mask.device}")
+            padding = key_padding_mask(key_mask)  # (B, 1, 1, Sk)
+            combined = padding if combined is None else combined & padding
+        return combined
+
+
+def _check_matches_weight(name: str, t: torch.Tensor, weight: torch.Tensor, width: int, legend: str) -> None:
+    if t.shape[-1] != width:
+        raise ValueError(f"{name} must have last dim {width} in {legend}, got shape {list(t.shape)}")
+    if t.dtype != weight.dtype:
+        raise TypeError(f"{name} must have dtype {weight.dtype} like the layer's weights, got {t.dtype}")
+    if t.device != weight.device:
+        raise ValueError(f"{name} must be on device {weight.device} like the layer's weights, got {t.device}")

@@ -1,0 +1,192 @@
+"""Rotary position embedding (RoPE), applied per head after the split, to q and k only.
+
+Notation: B batch, H heads, S tokens, D head dim, R rotary dims (R <= D, even).
+
+Pair p (p = 0 .. R/2 - 1) rotates by the angle ``position · base^(-2p/R)``. Which two
+coordinates of a head form pair p is the *pairing*, and checkpoints disagree on it:
+
+* ``"half"`` (rotate-half; the default): pair p is (p, p + R/2). Hugging Face
+  Llama/Mistral/Qwen/Gemma/GPT-NeoX checkpoints.
+* ``"interleaved"``: pair p is (2p, 2p + 1). The RoFormer paper, Meta's original Llama
+  code, GPT-J.
+
+Both give the same attention when the q and k projection rows are permuted
+accordingly: :func:`interleaved_to_half` and :func:`half_to_interleaved` do that to
+weights (what Hugging Face's Llama conversion script does). With a partial rotary
+(R < D, GPT-NeoX's ``rotary_pct``), dims R..D-1 pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ._checks import check_float, check_int, check_tensor
+
+__all__ = ["RoPE", "interleaved_to_half", "half_to_interleaved"]
+
+
+class RoPE(nn.Module):
+    """Rotary position embedding with tables computed once.
+
+    Args:
+        head_dim: D, the width of one head.
+        base: the frequency base (``rope_theta``), e.g. 10000 or 500000.
+        interleaved: pairing; False = rotate-half (HF), True = interleaved (Meta/GPT-J).
+        rotary_dim: R, how many leading dims rotate (default all of D); even.
+        max_positions: size of the precomputed cos/sin table; positions beyond it are
+            computed on the fly (same formula, same numbers).
+
+    Raises:
+        ValueError: odd head_dim or rotary_dim, rotary_dim > head_dim, base <= 0.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    inv_freq: torch.Tensor
+
+    def __init__(
+        self,
+        head_dim: int,
+        base: float = 10000.0,
+        *,
+        interleaved: bool = False,
+        rotary_dim: int | None = None,
+        max_positions: int = 4096,
+    ) -> None:
+        super().__init__()
+        check_int("head_dim", head_dim)
+        if head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE (it rotates pairs), got {head_dim}")
+        rotary_dim = head_dim if rotary_dim is None else check_int("rotary_dim", rotary_dim)
+        if rotary_dim % 2 or rotary_dim > head_dim:
+            raise ValueError(f"rotary_dim must be even and <= head_dim={head_dim}, got {rotary_dim}")
+        self.base = check_float("base", base, low=0.0, high=float("inf"), low_inclusive=False, high_inclusive=False)
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        self.interleaved = bool(interleaved)
+        self.max_positions = check_int("max_positions", max_positions, maximum=1 << 24)
+        # Same float32 formula as Hugging Face's default rope init, so tables match bitwise.
+        inv_freq = 1.0 / (self.base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (R/2,)
+        angles = torch.arange(self.max_positions, dtype=torch.float32)[:, None] * inv_freq  # (P, R/2)
+        self.register_buffer("cos", angles.cos(), persistent=False)  # (P, R/2)
+        self.register_buffer("sin", angles.sin(), persistent=False)  # (P, R/2)
+
+    @property
+    def pairing(self) -> str:
+        """``"interleaved"`` or ``"half"``."""
+        return "interleaved" if self.interleaved else "half"
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, base={self.base}, pairing={self.pairing!r}, rotary_dim={self.rotary_dim}"
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin, float32, shaped like ``positions`` + (R/2,)."""
+        if positions.numel() and int(positions.max()) < self.max_positions and int(positions.min()) >= 0:
+            return self.cos[positions], self.sin[positions]
+        angles = positions.to(torch.float32)[..., None] * self.inv_freq
+        return angles.cos(), angles.sin()
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate ``x``.
+
+        Args:
+            x: (B, H, S, D) queries or keys, split into heads.
+            positions: (S,) or (B, S) integer positions; default 0 .. S-1.
+
+        Returns:
+            (B, H, S, D), same dtype as ``x`` (the rotation is computed in float32 or wider).
+        """
+        check_tensor("x", x, ndim=4)
+        if x.shape[-1] != self.head_dim:
+            raise ValueError(f"x must have head dim {self.head_dim} in [B, H, S, D], got shape {list(x.shape)}")
+        b, _, s, _ = x.shape
+        if positions is None:
+            positions = torch.arange(s, device=x.device)
+        else:
+            positions = check_positions(positions, b, s)
+        cos, sin = self.tables(positions)  # (S, R/2) or (B, S, R/2)
+        if cos.dim() == 3:
+            cos, sin = cos[:, None], sin[:, None]  # (B, 1, S, R/2)
+        return apply_rotary(x, cos, sin, interleaved=self.interleaved)
+
+
+def check_positions(positions: object, batch: int, seq: int) -> torch.Tensor:
+    """Positions must be an integer tensor of shape (S,) or (B, S)."""
+    positions = check_tensor("positions", positions, ndim=(1, 2))
+    if positions.dtype.is_floating_point or positions.dtype == torch.bool or positions.is_complex():
+        raise TypeError(f"positions must be an integer tensor, got dtype {positions.dtype}")
+    if positions.shape[-1] != seq or (positions.dim() == 2 and positions.shape[0] not in (1, batch)):
+        raise ValueError(f"positions must have shape [S] = [{seq}] or [B, S] = [{batch}, {seq}], got {list(positions.shape)}")
+    return positions
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool) -> torch.Tensor:
+    """Rotate the first R = 2·cos.shape[-1] dims of x's last axis by (cos, sin).
+
+    Args:
+        x: (..., S, D).
+        cos, sin: broadcastable to (..., S, R/2), float32.
+    """
+    half = cos.shape[-1]
+    rot, rest = x[..., : 2 * half], x[..., 2 * half :]
+    work = torch.promote_types(x.dtype, torch.float32)
+    rot = rot.to(work)
+    if interleaved:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]  # (..., S, R/2) each
+    else:
+        x1, x2 = rot[..., :half], rot[..., half:]
+    cos, sin = cos.to(work), sin.to(work)
+    y1 = x1 * cos - x2 * sin
+    y2 = x2 * cos + x1 * sin
+    if interleaved:
+        y = torch.stack((y1, y2), dim=-1).flatten(-2)  # (..., S, R): pairs back side by side
+    else:
+        y = torch.cat((y1, y2), dim=-1)
+    y = y.to(x.dtype)
+    return y if rest.shape[-1] == 0 else torch.cat((y, rest), dim=-1)
+
+
+def interleaved_to_half(weight: torch.Tensor, num_heads: int, rotary_dim: int | None = None) -> torch.Tensor:
+    """Permute q or k projection rows from the interleaved pairing to rotate-half.
+
+    A layer with interleaved RoPE and weight ``W`` computes the same attention as a layer
+    with rotate-half RoPE and ``interleaved_to_half(W)`` (for both q_proj and k_proj).
+    This is the permutation of Hugging Face's Llama conversion script.
+
+    Args:
+        weight: (H·D, E) weight or (H·D,) bias, rows grouped by head.
+        num_heads: H.
+        rotary_dim: R (default D); rows R..D-1 of each head stay in place.
+
+    Returns:
+        a new tensor of the same shape.
+    """
+    return _permute_pairs(weight, num_heads, rotary_dim, to_half=True)
+
+
+def half_to_interleaved(weight: torch.Tensor, num_heads: int, rotary_dim: int | None = None) -> torch.Tensor:
+    """Inverse of :func:`interleaved_to_half`."""
+    return _permute_pairs(weight, num_heads, rotary_dim, to_half=False)
+
+
+def _permute_pairs(weight: torch.Tensor, num_heads: int, rotary_dim: int | None, *, to_half: bool) -> torch.Tensor:
+    check_tensor("weight", weight, ndim=(1, 2))
+    check_int("num_heads", num_heads)
+    rows = weight.shape[0]
+    if rows % num_heads:
+        raise ValueError(f"weight must have a multiple of num_heads={num_heads} rows, got {rows}")
+    d = rows // num_heads
+    r = d if rotary_dim is None else check_int("rotary_dim", rotary_dim)
+    if r % 2 or r > d:
+        raise ValueError(f"rotary_dim must be even and <= head dim {d}, got {r}")
+    w = weight.reshape(num_heads, d, *weight.shape[1:])  # (H, D, ...)
+    rot, rest = w[:, :r], w[:, r:]
+    tail = rot.shape[2:]
+    if to_half:
+        rot = rot.reshape(num_heads, r // 2, 2, *tail).transpose(1, 2)  # (H, 2, R/2, ...)
+    else:
+        rot = rot.reshape(num_heads, 2, r // 2, *tail).transpose(1, 2)  # (H, R/2, 2, ...)
+    rot = rot.reshape(num_heads, r, *tail)
+    return torch.cat((rot, rest), dim=1).reshape(weight.shape).contiguous()
