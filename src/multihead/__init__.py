@@ -9,6 +9,7 @@ Masks everywhere: bool, **True = may attend** (see :mod:`multihead.masks`).
 """
 
 from . import backends, masks, reference
+from .cache import KVCache
 from .functional import attention
 from .module import MultiHeadAttention, merge_heads, split_heads
 from .rope import RoPE, half_to_interleaved, interleaved_to_half
@@ -20,6 +21,7 @@ __all__ = [
     "attention",
     "MultiHeadAttention",
     "RoPE",
+    "KVCache",
     "trace",
     "Trace",
     "split_heads",

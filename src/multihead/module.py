@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ._checks import check_bool_mask, check_float, check_int, check_tensor
+from .cache import KVCache
 from .functional import attention
 from .masks import key_padding_mask
 from .rope import RoPE, check_positions
@@ -138,6 +139,51 @@ class MultiHeadAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, embed_dim, bias=o_bias, **factory)
         self.rope = rope
 
+    @classmethod
+    def from_torch(cls, module: nn.Module, **overrides: object) -> "MultiHeadAttention":
+        """Convert a ``torch.nn.MultiheadAttention`` (weights copied); see :mod:`multihead.interop`."""
+        from .interop import from_torch
+
+        return from_torch(module, **overrides)
+
+    @classmethod
+    def from_hf(cls, module: nn.Module, config: object | None = None, **overrides: object) -> "MultiHeadAttention":
+        """Convert a Hugging Face attention module (BERT, GPT-2, Llama families); see :mod:`multihead.interop`."""
+        from .interop import from_hf
+
+        return from_hf(module, config, **overrides)
+
+    def new_cache(
+        self,
+        batch_size: int,
+        max_len: int,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        ring: bool | None = None,
+    ) -> KVCache:
+        """A preallocated :class:`KVCache` for this layer (its K/V heads only).
+
+        Args:
+            batch_size: B.
+            max_len: the most tokens any row will hold (prompt + generated).
+            dtype, device: default the layer's weights'.
+            ring: keep only the last ``window`` tokens per row in a ring buffer; default
+                True when the layer has a sliding window shorter than ``max_len``.
+
+        Returns:
+            a cache with buffers (B, Hkv, C, D), C = max_len (or the window for a ring).
+        """
+        weight = self.q_proj.weight
+        if ring is None:
+            ring = self.window is not None and self.window < max_len
+        return KVCache(
+            batch_size, max_len, self.num_kv_heads, self.head_dim,
+            dtype=weight.dtype if dtype is None else dtype,
+            device=weight.device if device is None else device,
+            window=self.window, ring=ring,
+        )
+
     def extra_repr(self) -> str:
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
@@ -152,16 +198,22 @@ class MultiHeadAttention(nn.Module):
         mask: torch.Tensor | None = None,
         key_mask: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
         return_weights: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Attend from ``x`` to itself (or to ``context``).
+        """Attend from ``x`` to itself (or to ``context``), optionally through a KV cache.
 
         Args:
             x: (B, S, E).
             context: (B, Sk, kdim) for cross-attention; None = self-attention.
             mask: bool, broadcastable to (B, H, S, Sk), **True = may attend**.
             key_mask: (B, Sk) bool, True = real token, False = padding.
-            positions: (S,) or (B, S) integer RoPE positions; default 0 .. S-1.
+            positions: (S,) or (B, S) integer RoPE positions; default 0 .. S-1, or with a
+                cache each row's next positions (its length onwards).
+            cache: a :class:`KVCache` from :meth:`new_cache`: the new tokens' K/V are
+                appended in place and the queries attend to everything cached
+                (causally, bottom-right aligned). With a cache, ``key_mask`` (B, S)
+                marks the real tokens of right-padded prompts; ``mask`` is refused.
             return_weights: also return per-head weights (B, H, S, Sk), never averaged.
 
         Returns:
@@ -174,7 +226,7 @@ class MultiHeadAttention(nn.Module):
                 ``context`` (cross-attention is neither causal nor rotary).
         """
         return self._forward(x, context, mask=mask, key_mask=key_mask, positions=positions,
-                             return_weights=return_weights, observe=None)
+                             cache=cache, return_weights=return_weights, observe=None)
 
     # The body lives here so that :func:`multihead.trace` can watch every step.
     def _forward(
@@ -187,8 +239,12 @@ class MultiHeadAttention(nn.Module):
         positions: torch.Tensor | None,
         return_weights: bool,
         observe: Observer | None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        attn_mask = self._check_inputs(x, context, mask, key_mask, positions)
+        real = self._check_cache(x, context, mask, key_mask, cache) if cache is not None else None
+        attn_mask = self._check_inputs(x, context, mask, None if cache is not None else key_mask, positions)
+        if cache is not None and positions is None:
+            positions = cache.positions(x.shape[1])  # (B, S): each row continues from its length
         src = x if context is None else context
         seen = observe or (lambda name, t: None)
         seen("X", x)
@@ -208,9 +264,16 @@ class MultiHeadAttention(nn.Module):
             k = self.rope(k, positions)
             seen("Q_rot", q), seen("K_rot", k)
 
+        causal, window = self.causal, self.window
+        if cache is not None:
+            k, v, attn_mask, in_order = cache.append(k, v, real, causal=causal, window=window)
+            seen("K_cache", k), seen("V_cache", v)
+            if not in_order:  # the mask carries causality and the window
+                causal, window = False, None
+
         result = attention(
             q, k, v,
-            causal=self.causal, mask=attn_mask, window=self.window, scale=self.scale,
+            causal=causal, mask=attn_mask, window=window, scale=self.scale,
             dropout_p=self.dropout if self.training else 0.0,
             return_weights=return_weights, backend=self.backend,
         )
@@ -222,6 +285,43 @@ class MultiHeadAttention(nn.Module):
         y = self.o_proj(concat)  # (B, S, E)
         seen("O", y)
         return (y, weights) if return_weights else y
+
+    def _check_cache(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        key_mask: torch.Tensor | None,
+        cache: KVCache,
+    ) -> list[int] | None:
+        """Validate a cached call before anything is written; return real tokens per row."""
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a multihead.KVCache (from layer.new_cache), got {type(cache).__name__}")
+        if context is not None:
+            raise ValueError("cache with context is not supported: a cache holds a sequence's own keys")
+        if mask is not None:
+            raise ValueError("mask is not supported with a cache (the cache builds the causal mask); "
+                             "mark padding with key_mask")
+        check_tensor("x", x, ndim=3)
+        _check_matches_weight("x", x, self.q_proj.weight, self.embed_dim, "[B, S, E]")
+        if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
+            raise ValueError("cache= is for inference: call the layer under torch.no_grad() or "
+                             "torch.inference_mode() (cached K/V keep no autograd history)")
+        b, s, _ = x.shape
+        real = None
+        if key_mask is not None:
+            check_tensor("key_mask", key_mask, ndim=2)
+            if key_mask.dtype != torch.bool:
+                raise TypeError(f"key_mask must be a bool tensor (True = real token), got dtype {key_mask.dtype}")
+            if tuple(key_mask.shape) != (b, s):
+                raise ValueError(f"key_mask must have shape [B, S] = [{b}, {s}] with a cache, got {list(key_mask.shape)}")
+            real = key_mask.sum(dim=1).tolist()
+            right_padded = torch.arange(s, device=key_mask.device)[None, :] < key_mask.sum(dim=1, keepdim=True)
+            if not torch.equal(right_padded, key_mask):
+                raise ValueError("key_mask with a cache must be right-padded (each row's real tokens first, "
+                                 "then padding); left padding would leave holes in the cache")
+        cache.check_append(b, self.num_kv_heads, self.head_dim, x.dtype, x.device, s)
+        return real
 
     def _check_inputs(
         self,

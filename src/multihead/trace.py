@@ -26,6 +26,8 @@ _STEPS: dict[str, tuple[str, str]] = {
     "V_k": ("split heads", "V_k"),
     "Q_rot": ("RoPE", "RoPE(Q_k)"),
     "K_rot": ("RoPE", "RoPE(K_k)"),
+    "K_cache": ("KV cache", "K (cached)"),
+    "V_cache": ("KV cache", "V (cached)"),
     "head_k": ("single-head attention", "head_k"),
     "concat": ("concat", "Concat"),
     "O": ("W_o", "O"),

@@ -1,0 +1,287 @@
+"""The KV cache: preallocated, written in place, with explicit per-row lengths.
+
+Notation: B batch, Hkv key/value heads, C capacity (slots per row), D head_dim,
+Sn new tokens in this call, L tokens written so far in a row.
+
+At inference each head's K and V are kept so that a new token costs O(S), not O(S²)
+(the seed's section 9). Only the K/V heads are stored, so GQA's saving is real:
+``nbytes = 2 · B · Hkv · C · D · itemsize``.
+
+* **Per-row lengths.** Each row b has its own length ``L_b`` (``lengths``), kept on
+  the device and mirrored on the host, so nothing is read back from the device on the
+  hot path and nothing is ever inferred from the data. Prompts of different lengths are
+  given **right-padded** with ``key_mask`` (real tokens first): each row then
+  continues from its own length, so its tokens sit at positions 0, 1, 2, … with no
+  gaps and RoPE positions need no bookkeeping. (Left padding, as Hugging Face uses,
+  leaves holes in the cache and shifts positions; it is refused with a message.)
+* **In place.** New keys and values are scattered into their slots; the cache never
+  grows or concatenates. Keys are stored after RoPE, at their absolute positions.
+* **Ring buffer for sliding windows.** A layer with ``window=w`` can use a cache of
+  ``w`` slots per row (``ring=True``): token ``p`` lives in slot ``p % w``, and the
+  slot's position is recorded in ``slot_pos``, so memory stays bounded however long
+  the sequence grows.
+* **Errors lose nothing.** Every check (room, batch, heads, dtype, device) runs before
+  anything is written; after an error the cache holds exactly what it held before.
+
+The cache is for inference: it stores tensors without autograd history, and a call
+with gradients enabled on tensors that require them is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ._checks import check_int
+
+__all__ = ["KVCache"]
+
+_MAX_CACHE_BYTES = 1 << 40  # 1 TiB: anything larger is a mistake, refused before allocating
+
+
+class KVCache:
+    """Preallocated K/V buffers of one attention layer.
+
+    Create it with :meth:`multihead.MultiHeadAttention.new_cache`.
+
+    Attributes:
+        k, v: (B, Hkv, C, D) buffers.
+        lengths: (B,) int64 tokens written per row (device).
+        slot_pos: (B, C) int64 absolute position held by each slot, -1 if empty.
+        max_len: the most tokens a row may hold in total.
+        ring: whether slots are reused (sliding window of ``capacity`` tokens).
+    """
+
+    def __init__(
+        self,
+        batch_size: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        window: int | None = None,
+        ring: bool = False,
+    ) -> None:
+        check_int("batch_size", batch_size)
+        check_int("max_len", max_len, maximum=1 << 31)
+        check_int("num_kv_heads", num_kv_heads)
+        check_int("head_dim", head_dim)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+        if ring and window is None:
+            raise ValueError("ring=True needs a layer with a sliding window (window=None)")
+        capacity = min(window, max_len) if ring and window is not None else max_len
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        nbytes = 2 * batch_size * num_kv_heads * capacity * head_dim * itemsize
+        if nbytes > _MAX_CACHE_BYTES:
+            raise ValueError(
+                f"a cache of batch_size={batch_size}, capacity={capacity}, num_kv_heads={num_kv_heads}, "
+                f"head_dim={head_dim} would take {nbytes / 2**40:.1f} TiB; refusing to allocate it"
+            )
+        shape = (batch_size, num_kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (B, Hkv, C, D)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # (B, Hkv, C, D)
+        self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)  # (B,)
+        self.slot_pos = torch.full((batch_size, capacity), -1, dtype=torch.int64, device=device)  # (B, C)
+        self._host_lengths = [0] * batch_size  # mirror of ``lengths``: no device reads
+        self.max_len = max_len
+        self.window = window
+        self.ring = bool(ring)
+
+    # -- sizes -----------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        """Slots per row: ``max_len``, or the window for a ring cache."""
+        return self.k.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the K and V buffers: ``2 · B · Hkv · C · D · itemsize``."""
+        return self.k.nbytes + self.v.nbytes
+
+    def host_lengths(self) -> list[int]:
+        """Tokens written per row, from the host mirror (no device read)."""
+        return list(self._host_lengths)
+
+    def __repr__(self) -> str:
+        return (f"KVCache(batch_size={self.batch_size}, max_len={self.max_len}, capacity={self.capacity}, "
+                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
+                f"ring={self.ring}, lengths={self._host_lengths})")
+
+    # -- state changes ---------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget every token (buffers are not cleared: empty slots are never read)."""
+        self.lengths.zero_()
+        self.slot_pos.fill_(-1)
+        self._host_lengths = [0] * self.batch_size
+
+    def crop(self, n: int | Sequence[int]) -> None:
+        """Roll back to ``n`` tokens per row (e.g. after rejected speculative tokens).
+
+        Args:
+            n: an int for every row, or one int per row; rows shorter than n keep
+                their length.
+
+        Raises:
+            ValueError: negative n, wrong count, or (ring cache) a roll-back further than
+                the ring still holds.
+        """
+        targets = [n] * self.batch_size if isinstance(n, int) else list(n)
+        if len(targets) != self.batch_size:
+            raise ValueError(f"n must be an int or {self.batch_size} ints (one per row), got {len(targets)}")
+        for t in targets:
+            check_int("n", t, minimum=0, maximum=self.max_len)
+        new = [min(t, length) for t, length in zip(targets, self._host_lengths)]
+        if self.ring:
+            w = self.window
+            for b, (t, length) in enumerate(zip(new, self._host_lengths)):
+                # Slots hold positions length-C .. length-1; the next query (at t) needs t-w+1 .. t-1.
+                if t < length and t - w + 1 < length - self.capacity and t > 0:
+                    raise ValueError(
+                        f"cannot crop row {b} from {length} to {t} tokens: a ring cache of {self.capacity} "
+                        f"slots no longer holds the window before position {t}"
+                    )
+        lengths = torch.tensor(new, dtype=torch.int64, device=self.device)
+        self.slot_pos.masked_fill_(self.slot_pos >= lengths[:, None], -1)
+        self.lengths.copy_(lengths)
+        self._host_lengths = new
+
+    # -- used by MultiHeadAttention --------------------------------------------------
+    def check_append(self, batch: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                     device: torch.device, new_tokens: int) -> None:
+        """Raise before anything is written if ``new_tokens`` can't be appended."""
+        if batch != self.batch_size:
+            raise ValueError(f"cache has batch_size {self.batch_size}, got a batch of {batch}")
+        if (num_kv_heads, head_dim) != (self.num_kv_heads, self.head_dim):
+            raise ValueError(
+                f"cache holds {self.num_kv_heads} K/V heads of dim {self.head_dim}, "
+                f"the layer has {num_kv_heads} of dim {head_dim}"
+            )
+        if dtype != self.dtype:
+            raise TypeError(f"cache has dtype {self.dtype}, the layer computes in {dtype}")
+        if device != self.device:
+            raise ValueError(f"cache is on device {self.device}, the layer on {device}")
+        longest = max(self._host_lengths)
+        if longest + new_tokens > self.max_len:
+            raise ValueError(
+                f"cache overflow: a row holds {longest} tokens, {new_tokens} more exceed max_len={self.max_len}"
+            )
+
+    def positions(self, new_tokens: int) -> torch.Tensor:
+        """(B, Sn) absolute positions of the next ``new_tokens`` tokens of each row."""
+        return self.lengths[:, None] + torch.arange(new_tokens, device=self.device)
+
+    def append(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        real: Sequence[int] | None,
+        *,
+        causal: bool,
+        window: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
+        """Write the new K/V in place and return what the new queries attend to.
+
+        Args:
+            k, v: (B, Hkv, Sn, D) new keys (after RoPE) and values.
+            real: per row, how many of the Sn tokens are real (right padding); None = all.
+            causal, window: the layer's masking.
+
+        Returns:
+            ``(keys, values, mask, bottom_right)``: keys/values (B, Hkv, Sk, D) views of
+            the cache; mask bool (B, 1, Sn, Sk) or None; ``bottom_right`` True when the
+            caller should pass ``causal``/``window`` to the attention core instead of a
+            mask (every row has the same length, slots in order).
+        """
+        b, _, sn, _ = k.shape
+        old = self._host_lengths
+        real_counts = [sn] * b if real is None else list(real)
+        uniform = real is None and len(set(old)) == 1
+        if self.ring and sn > 1:
+            return self._append_ring_chunk(k, v, real_counts, causal=causal, window=window)
+
+        positions = self.positions(sn)  # (B, Sn)
+        slots = positions % self.capacity if self.ring else positions  # (B, Sn)
+        index = slots[:, None, :, None].expand(b, self.num_kv_heads, sn, self.head_dim)
+        self.k.scatter_(2, index, k.detach())
+        self.v.scatter_(2, index, v.detach())
+        if real is None:
+            self.slot_pos.scatter_(1, slots, positions)
+            self.lengths.add_(sn)
+        else:
+            real_t = torch.tensor(real_counts, dtype=torch.int64, device=self.device)
+            # Padding tokens (beyond each row's real count) are written but never become keys.
+            valid = torch.arange(sn, device=self.device)[None, :] < real_t[:, None]  # (B, Sn)
+            self.slot_pos.scatter_(1, slots, torch.where(valid, positions, -1))
+            self.lengths.add_(real_t)
+        self._host_lengths = [length + r for length, r in zip(old, real_counts)]
+
+        used = min(self.capacity, max(length + sn for length in old))
+        keys, values = self.k[:, :, :used], self.v[:, :, :used]  # (B, Hkv, Sk, D)
+        if uniform and (not self.ring or old[0] + sn <= self.capacity or (sn == 1 and window is not None and window >= self.capacity)):
+            return keys, values, None, True
+        return keys, values, self._mask(positions, self.slot_pos[:, :used], causal=causal, window=window), False
+
+    def _append_ring_chunk(self, k: torch.Tensor, v: torch.Tensor, real: list[int], *,
+                           causal: bool, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+        """A chunk of several tokens into a ring: attend over (ring + chunk), then keep the tail.
+
+        Writing first could overwrite keys that the chunk's early queries still need,
+        so the chunk's queries see a temporary (ring, chunk) pair; only the last
+        ``capacity`` tokens of the chunk are then written.
+        """
+        b, hkv, sn, d = k.shape
+        positions = self.positions(sn)  # (B, Sn)
+        keys = torch.cat((self.k, k.detach()), dim=2)  # (B, Hkv, C + Sn, D), temporary
+        values = torch.cat((self.v, v.detach()), dim=2)
+        real_t = torch.tensor(real, dtype=torch.int64, device=self.device)
+        # Padding tokens of this chunk (beyond each row's real count) are never keys.
+        chunk_valid = torch.arange(sn, device=self.device)[None, :] < real_t[:, None]  # (B, Sn)
+        key_pos = torch.cat((self.slot_pos, torch.where(chunk_valid, positions, -1)), dim=1)  # (B, C + Sn)
+        mask = self._mask(positions, key_pos, causal=causal, window=window)
+        tail = min(sn, self.capacity)
+        pos_tail = positions[:, sn - tail:]  # (B, tail)
+        slots = pos_tail % self.capacity
+        index = slots[:, None, :, None].expand(b, hkv, tail, d)
+        self.k.scatter_(2, index, k.detach()[:, :, sn - tail:])
+        self.v.scatter_(2, index, v.detach()[:, :, sn - tail:])
+        valid_tail = chunk_valid[:, sn - tail:]
+        self.slot_pos.scatter_(1, slots, torch.where(valid_tail, pos_tail, -1))
+        self.lengths.add_(real_t)
+        self._host_lengths = [length + r for length, r in zip(self._host_lengths, real)]
+        return keys, values, mask, False
+
+    @staticmethod
+    def _mask(q_pos: torch.Tensor, key_pos: torch.Tensor, *, causal: bool, window: int | None) -> torch.Tensor:
+        """(B, 1, Sn, Sk) bool: slot j holds a token the query may see."""
+        qp = q_pos[:, :, None]  # (B, Sn, 1)
+        kp = key_pos[:, None, :]  # (B, 1, Sk)
+        mask = kp >= 0
+        if causal:
+            mask = mask & (kp <= qp)
+        if window is not None:
+            mask = mask & (kp > qp - window) & (kp < qp + window)
+        return mask[:, None]  # (B, 1, Sn, Sk)
