@@ -250,8 +250,8 @@ class KVCache:
         """A chunk of several tokens into a ring: attend over (ring + chunk), then keep the tail.
 
         Writing first could overwrite keys that the chunk's early queries still need,
-        so the chunk's queries see a temporary (ring, chunk) pair; only the last
-        ``capacity`` tokens of the chunk are then written.
+        so the chunk's queries see a temporary (ring, chunk) pair; then each row's last
+        ``capacity`` real tokens are written.
         """
         b, hkv, sn, d = k.shape
         positions = self.positions(sn)  # (B, Sn)
@@ -262,14 +262,17 @@ class KVCache:
         chunk_valid = torch.arange(sn, device=self.device)[None, :] < real_t[:, None]  # (B, Sn)
         key_pos = torch.cat((self.slot_pos, torch.where(chunk_valid, positions, -1)), dim=1)  # (B, C + Sn)
         mask = self._mask(positions, key_pos, causal=causal, window=window)
-        tail = min(sn, self.capacity)
-        pos_tail = positions[:, sn - tail:]  # (B, tail)
-        slots = pos_tail % self.capacity
-        index = slots[:, None, :, None].expand(b, hkv, tail, d)
-        self.k.scatter_(2, index, k.detach()[:, :, sn - tail:])
-        self.v.scatter_(2, index, v.detach()[:, :, sn - tail:])
-        valid_tail = chunk_valid[:, sn - tail:]
-        self.slot_pos.scatter_(1, slots, torch.where(valid_tail, pos_tail, -1))
+        # Keep each row's last C *real* tokens: chunk index real_b - C + i for slot i's token.
+        c = self.capacity
+        idx = real_t[:, None] - c + torch.arange(c, device=self.device)  # (B, C)
+        keep = idx >= 0  # rows with fewer than C real tokens keep their older ring entries
+        pos = positions[:, :1] + idx  # (B, C) absolute positions
+        slots = pos % c  # distinct within a row: C consecutive positions
+        expand = lambda t: t[:, None, :, None].expand(b, hkv, c, d)  # noqa: E731
+        for buf, new in ((self.k, k.detach()), (self.v, v.detach())):
+            fresh = new.gather(2, expand(idx.clamp(min=0)))  # (B, Hkv, C, D)
+            buf.scatter_(2, expand(slots), torch.where(keep[:, None, :, None], fresh, buf.gather(2, expand(slots))))
+        self.slot_pos.scatter_(1, slots, torch.where(keep, pos, self.slot_pos.gather(1, slots)))
         self.lengths.add_(real_t)
         self._host_lengths = [length + r for length, r in zip(self._host_lengths, real)]
         return keys, values, mask, False
