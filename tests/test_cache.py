@@ -295,3 +295,18 @@ def test_decoding_example_runs_and_matches_the_full_forward() -> None:
     assert "ms/token" in out and "MiB" in out
     err = float(out.rsplit("=", 1)[1])
     assert err < 1e-4
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "explicit"])
+@pytest.mark.parametrize("sq, sk", [(9, 9), (3, 11), (1, 7)])
+def test_window_in_the_functional_core_equals_an_explicit_banded_mask(backend: str, sq: int, sk: int) -> None:
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, sq, 8), torch.randn(2, 2, sk, 8), torch.randn(2, 2, sk, 8)
+    banded = torch.zeros(sq, sk, dtype=torch.bool)
+    for i in range(sq):
+        pos = i + sk - sq  # bottom-right: the query's own position among the keys
+        banded[i, max(0, pos - 2) : pos + 1] = True  # itself and the 2 keys before it
+    expected = mh.attention(q, k, v, mask=banded, backend="explicit")
+    got = mh.attention(q, k, v, causal=True, window=3, backend=backend)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(mh.masks.sliding_window_mask(sq, sk, window=3), banded)
