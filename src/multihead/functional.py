@@ -23,6 +23,7 @@ import math
 import torch
 
 from . import backends as _backends
+from ._checks import check_finite as _check_finite
 from ._checks import check_bool_mask, check_float, check_float_tensor, check_int, check_like, check_tensor
 
 __all__ = ["attention", "DEFAULT_BACKEND"]
@@ -45,6 +46,7 @@ def attention(
     dropout_p: float = 0.0,
     return_weights: bool = False,
     backend: str | None = None,
+    check_finite: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Multi-head scaled dot-product attention.
 
@@ -68,6 +70,8 @@ def attention(
         backend: a name from :func:`multihead.backends.available_backends`; default
             ``"sdpa"``, or ``"explicit"`` when ``return_weights`` is set. All give the
             same numbers within rounding.
+        check_finite: raise if q, k or v hold NaN or Inf, naming the tensor and the
+            first bad index (costs one pass over the inputs; off by default).
 
     Returns:
         out (B, H, Sq, Dv), or ``(out, weights)`` with weights (B, H, Sq, Sk) when
@@ -77,7 +81,8 @@ def attention(
     Raises:
         TypeError: non-tensors, non-float q/k/v, mismatched dtypes, non-bool mask.
         ValueError: wrong ranks or sizes, H not divisible by Hkv, mismatched devices,
-            bad mask shape, window < 1, dropout_p outside [0, 1), unknown backend.
+            bad mask shape, window < 1, dropout_p outside [0, 1), unknown backend,
+            non-finite inputs with ``check_finite``.
     """
     check_tensor("q", q, ndim=4)
     check_tensor("k", k, ndim=4)
@@ -111,6 +116,9 @@ def attention(
     if backend is None:
         backend = WEIGHTS_BACKEND if return_weights else DEFAULT_BACKEND
     fn = _backends.get_backend(backend)
+    if check_finite:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            _check_finite(name, t)
     out, weights = fn(
         q, k, v,
         mask=mask, causal=bool(causal), window=window, scale=scale,

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ._checks import check_finite as _check_finite
 from ._checks import check_bool_mask, check_float, check_int, check_tensor
 from .cache import KVCache
 from .functional import attention
@@ -200,6 +201,7 @@ class MultiHeadAttention(nn.Module):
         positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
         return_weights: bool = False,
+        check_finite: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend from ``x`` to itself (or to ``context``), optionally through a KV cache.
 
@@ -215,6 +217,8 @@ class MultiHeadAttention(nn.Module):
                 (causally, bottom-right aligned). With a cache, ``key_mask`` (B, S)
                 marks the real tokens of right-padded prompts; ``mask`` is refused.
             return_weights: also return per-head weights (B, H, S, Sk), never averaged.
+            check_finite: raise ``ValueError`` if ``x`` or ``context`` hold NaN/Inf,
+                naming the tensor and the first bad index, before anything else.
 
         Returns:
             y (B, S, E), or ``(y, weights)``. A query with no allowed key gets zeros
@@ -225,6 +229,10 @@ class MultiHeadAttention(nn.Module):
             ValueError: wrong rank/width/device, bad mask shapes, causal or RoPE with
                 ``context`` (cross-attention is neither causal nor rotary).
         """
+        if check_finite:
+            for name, t in (("x", x), ("context", context)):
+                if isinstance(t, torch.Tensor):
+                    _check_finite(name, t)
         return self._forward(x, context, mask=mask, key_mask=key_mask, positions=positions,
                              cache=cache, return_weights=return_weights, observe=None)
 
