@@ -1,0 +1,446 @@
+"""The sizes of one attention layer, and how to read them from a Hugging Face config.json.
+
+Notation: E embed_dim (``hidden_size``), H query heads, Hkv key/value heads, D head_dim,
+L layers, S tokens.
+
+    E --q_proj--> H·D     E --k_proj--> Hkv·D     E --v_proj--> Hkv·D     H·D --o_proj--> E
+
+H·D equals E in the seed (``d_head = d / h``); Gemma and Qwen3 set D explicitly and
+H·D may differ from E. Query head i reads key/value head ``i // (H // Hkv)``:
+Hkv = H is MHA, Hkv = 1 is MQA, anything in between is GQA.
+
+:meth:`AttentionConfig.from_hf` reads the model families in ``ENCODERS`` and
+``DECODERS``; other model types are read only when the file says ``is_decoder`` or
+``is_encoder_decoder``. Where a model alternates sliding-window and full-attention
+layers (Gemma 2/3, ``layer_types``), the config describes the full-attention layers
+(``window=None``), so costs computed from it are upper bounds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ._checks import MAX_DIM, check_int
+
+__all__ = ["AttentionConfig", "ENCODERS", "DECODERS"]
+
+MAX_LAYERS = 10_000
+MAX_POSITIONS = 1 << 30
+# Projection weights of one layer; Llama-3.1-405B has 5.7e8, so 4.3e9 is never real.
+MAX_LAYER_PARAMS = 1 << 32
+MAX_CONFIG_BYTES = 64 << 20
+
+# Bidirectional self-attention (causal=False); absolute or relative positions, no RoPE.
+ENCODERS = frozenset({"bert", "roberta", "distilbert", "albert", "electra", "xlm-roberta",
+                      "vit", "deit", "clip_vision_model", "mpnet"})
+# Causal self-attention. Values: (q/k/v bias, o bias, RoPE) when the file is silent.
+DECODERS: Mapping[str, tuple[bool, bool, bool]] = {
+    "gpt2": (True, True, False), "opt": (True, True, False),
+    "gpt_neox": (True, True, True), "gptj": (False, False, True), "phi": (True, True, True),
+    "falcon": (False, False, True), "stablelm": (False, False, True),
+    "llama": (False, False, True), "mistral": (False, False, True), "mixtral": (False, False, True),
+    "qwen2": (True, False, True), "qwen2_moe": (True, False, True),
+    "qwen3": (False, False, True), "qwen3_moe": (False, False, True),
+    "gemma": (False, False, True), "gemma2": (False, False, True), "gemma3_text": (False, False, True),
+    "phi3": (False, False, True), "olmo": (False, False, True), "olmo2": (False, False, True),
+    "starcoder2": (True, True, True),
+}
+# GPT-J pairs coordinates (2p, 2p+1) like Meta's original checkpoints; HF Llama rotates halves.
+INTERLEAVED_ROPE = frozenset({"gptj"})
+
+_KEYS_WIDTH = ("hidden_size", "n_embd", "d_model")
+_KEYS_HEADS = ("num_attention_heads", "n_head", "num_heads")
+_KEYS_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv")
+_KEYS_HEAD_DIM = ("head_dim", "d_kv")
+_KEYS_LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+_KEYS_POSITIONS = ("max_position_embeddings", "n_positions")
+_KEYS_QKV_BIAS = ("qkv_bias", "use_qkv_bias")  # q/k/v only
+_KEYS_ALL_BIAS = ("attention_bias", "bias", "enable_bias")  # q/k/v and o
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionConfig:
+    """The shape of a multi-head attention layer (and of the L layers of a model).
+
+    Args:
+        embed_dim: E, model width (``hidden_size``).
+        num_heads: H, query heads; with ``layer_num_heads``, the widest layer's H.
+        num_kv_heads: Hkv, key/value heads; must divide H (and every per-layer H).
+        head_dim: D, always explicit here (``from_hf`` derives E // H when a file omits it).
+        num_layers: L.
+        causal: mask future tokens (decoders); False = bidirectional (encoders, ViT).
+        bias: bias on q_proj, k_proj, v_proj.
+        o_bias: bias on o_proj; None = same as ``bias`` (Qwen2: bias=True, o_bias=False).
+        rope_base: RoPE base θ, or None for no RoPE.
+        rope_interleaved: RoPE pairing: False rotate-half (HF), True interleaved (GPT-J, Meta).
+        rotary_dim: rotated coordinates per head (partial rotary); None = all D.
+        max_positions: trained context length, or None.
+        window: sliding window (Mistral's ``sliding_window``): keys per query, or None.
+        scale: logit scale; None = 1/√D.
+        model_type: the Hugging Face ``model_type`` it came from, if any.
+        layer_num_heads: per-layer H (lists in some ViT configs); its length must be L.
+            K/V heads per layer: H_i for an MHA config (Hkv == H), else Hkv.
+
+    Raises:
+        TypeError: a field of the wrong type (bools are not ints).
+        ValueError: a size out of range or an inconsistent combination, named with the
+            expected and the actual values.
+    """
+
+    embed_dim: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int = 1
+    causal: bool = False
+    bias: bool = True
+    o_bias: bool | None = None
+    rope_base: float | None = None
+    rope_interleaved: bool = False
+    rotary_dim: int | None = None
+    max_positions: int | None = None
+    window: int | None = None
+    scale: float | None = None
+    model_type: str | None = None
+    layer_num_heads: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("embed_dim", "num_heads", "num_kv_heads", "head_dim"):
+            check_int(name, getattr(self, name))
+        check_int("num_layers", self.num_layers, maximum=MAX_LAYERS)
+        if self.num_heads * self.head_dim > MAX_DIM:
+            raise ValueError(f"num_heads * head_dim must be <= {MAX_DIM}, got "
+                             f"{self.num_heads} * {self.head_dim} = {self.num_heads * self.head_dim}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads must be a multiple of num_kv_heads, got "
+                             f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}")
+        params = (2 * self.embed_dim * self.num_heads + 2 * self.embed_dim * self.num_kv_heads) * self.head_dim
+        if params > MAX_LAYER_PARAMS:
+            raise ValueError(f"projection weights per layer must be <= {MAX_LAYER_PARAMS}, got {params} "
+                             f"(embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+                             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim})")
+        for name in ("causal", "bias", "rope_interleaved"):
+            _check_bool(name, getattr(self, name))
+        if self.o_bias is not None:
+            _check_bool("o_bias", self.o_bias)
+        if self.rope_base is not None:
+            _check_positive_float("rope_base", self.rope_base)
+        elif self.rope_interleaved or self.rotary_dim is not None:
+            given = "rope_interleaved=True" if self.rope_interleaved else f"rotary_dim={self.rotary_dim}"
+            raise ValueError(f"{given} needs rope_base (RoPE on), got rope_base=None")
+        if self.rotary_dim is not None:
+            check_int("rotary_dim", self.rotary_dim, minimum=2, maximum=self.head_dim)
+            if self.rotary_dim % 2:
+                raise ValueError(f"rotary_dim must be even (coordinates rotate in pairs), got {self.rotary_dim}")
+        for name in ("max_positions", "window"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), maximum=MAX_POSITIONS)
+        if self.scale is not None:
+            _check_positive_float("scale", self.scale)
+        if self.model_type is not None and not isinstance(self.model_type, str):
+            raise TypeError(f"model_type must be a str or None, got {type(self.model_type).__name__}")
+        if self.layer_num_heads is not None:
+            object.__setattr__(self, "layer_num_heads", self._checked_layer_heads(self.layer_num_heads))
+
+    def _checked_layer_heads(self, value: object) -> tuple[int, ...]:
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+            raise TypeError(f"layer_num_heads must be a sequence of ints, got {type(value).__name__}")
+        heads = tuple(check_int(f"layer_num_heads[{i}]", h) for i, h in enumerate(value))
+        if len(heads) != self.num_layers:
+            raise ValueError(f"layer_num_heads must have num_layers={self.num_layers} entries, got {len(heads)}")
+        if max(heads) != self.num_heads:
+            raise ValueError(f"num_heads must be the widest layer's head count max(layer_num_heads)="
+                             f"{max(heads)}, got {self.num_heads}")
+        if self.num_kv_heads != self.num_heads:
+            bad = [h for h in heads if h % self.num_kv_heads]
+            if bad:
+                raise ValueError(f"every layer_num_heads entry must be a multiple of num_kv_heads="
+                                 f"{self.num_kv_heads}, got {bad}")
+        return heads
+
+    # ---- derived sizes -------------------------------------------------------------
+    @property
+    def kv_group_size(self) -> int:
+        """Query heads per key/value head, H // Hkv (1 for MHA, H for MQA)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def kind(self) -> str:
+        """``"MHA"``, ``"GQA"`` or ``"MQA"``."""
+        if self.num_kv_heads == self.num_heads:
+            return "MHA"
+        return "MQA" if self.num_kv_heads == 1 else "GQA"
+
+    @property
+    def effective_o_bias(self) -> bool:
+        """Whether o_proj has a bias (``o_bias``, or ``bias`` when it is None)."""
+        return self.bias if self.o_bias is None else self.o_bias
+
+    @property
+    def effective_scale(self) -> float:
+        """The logit scale actually used: ``scale`` or 1/√D (per head, not 1/√E)."""
+        return 1.0 / math.sqrt(self.head_dim) if self.scale is None else self.scale
+
+    @property
+    def effective_rotary_dim(self) -> int | None:
+        """Rotated coordinates per head: ``rotary_dim``, D when RoPE is on, None without RoPE."""
+        if self.rope_base is None:
+            return None
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    def heads_in_layer(self, layer: int) -> tuple[int, int]:
+        """(H, Hkv) of layer ``layer`` (0-based), honouring ``layer_num_heads``."""
+        check_int("layer", layer, minimum=0, maximum=self.num_layers - 1)
+        if self.layer_num_heads is None:
+            return self.num_heads, self.num_kv_heads
+        h = self.layer_num_heads[layer]
+        return h, (h if self.num_kv_heads == self.num_heads else self.num_kv_heads)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict of the fields; ``AttentionConfig(**d)`` rebuilds it."""
+        d = asdict(self)
+        if d["layer_num_heads"] is not None:
+            d["layer_num_heads"] = list(d["layer_num_heads"])
+        return d
+
+    # ---- reading Hugging Face files --------------------------------------------------
+    @classmethod
+    def from_hf(cls, source: Mapping[str, Any] | str | os.PathLike[str]) -> AttentionConfig:
+        """Read a Hugging Face config: a dict, a config.json path, or a folder holding one.
+
+        Field names of every family are accepted (``hidden_size``/``n_embd``/``d_model``,
+        ``num_attention_heads``/``n_head``, ...); two names for one size must agree.
+        ``head_dim`` is read where given (Gemma, Qwen3), else E // H, which must divide.
+        RoPE base from ``rope_parameters`` (transformers v5), ``rope_theta`` or
+        ``rotary_emb_base`` (10000 for a RoPE family that is silent); partial rotary from
+        ``partial_rotary_factor``/``rotary_pct``/``rotary_dim``. ``sliding_window`` counts
+        unless ``use_sliding_window`` is false. Multimodal files are read from ``text_config``.
+
+        Raises:
+            ValueError: unreadable, truncated or non-JSON file, a missing file, a top level
+                that is not an object, missing or contradictory fields, unknown model types;
+                the message names the file and the field.
+            TypeError: ``source`` of the wrong type, or a field of the wrong type.
+        """
+        if isinstance(source, Mapping):
+            return _parse(source, "config")
+        if isinstance(source, (str, os.PathLike)):
+            path = Path(source)
+            return _parse(_read_json(path / "config.json" if path.is_dir() else path), str(path))
+        raise TypeError(f"source must be a dict, a path to config.json or a folder, got {type(source).__name__}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def _check_positive_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    return float(value)
+
+
+def _read_json(path: Path) -> Mapping[str, Any]:
+    if not path.is_file():
+        raise ValueError(f"{path}: no such config file")
+    size = path.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise ValueError(f"{path}: a config.json must be <= {MAX_CONFIG_BYTES} bytes, got {size}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"), parse_constant=_refuse_constant)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from e
+    except (UnicodeDecodeError, ValueError, OSError) as e:
+        raise ValueError(f"{path}: cannot be read as a JSON config ({e})") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: top level must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a number a config may hold")
+
+
+def _parse(cfg: Mapping[str, Any], src: str) -> AttentionConfig:
+    """Map one HF config dict to an AttentionConfig; every error names ``src`` and the key."""
+    text = cfg.get("text_config")
+    if _pick(cfg, _KEYS_WIDTH, src) is None and isinstance(text, Mapping):
+        return _parse(text, f"{src} text_config")
+    model_type = cfg.get("model_type")
+    if model_type is not None and not isinstance(model_type, str):
+        raise TypeError(f"{src}: model_type must be a str, got {type(model_type).__name__} {model_type!r}")
+
+    width_key, width = _required(cfg, _KEYS_WIDTH, src)
+    width = _as_int(width, width_key, src)
+    heads_key, heads = _required(cfg, _KEYS_HEADS, src)
+    layer_heads = None
+    if isinstance(heads, list):  # per-layer head counts
+        layer_heads = tuple(_as_int(h, f"{heads_key}[{i}]", src) for i, h in enumerate(heads))
+        if not layer_heads:
+            raise ValueError(f"{src}: {heads_key} must not be an empty list")
+        heads = max(layer_heads)
+    else:
+        heads = _as_int(heads, heads_key, src)
+    layers_key, layers = _required(cfg, _KEYS_LAYERS, src)
+    layers = _as_int(layers, layers_key, src)
+    if layer_heads is not None and len(layer_heads) != layers:
+        raise ValueError(f"{src}: {heads_key} has {len(layer_heads)} entries, expected one per layer ({layers})")
+
+    head_dim = _optional_int(cfg, _KEYS_HEAD_DIM, src)
+    if head_dim is None:
+        if layer_heads is not None and len(set(layer_heads)) > 1:
+            raise ValueError(f"{src}: {heads_key} varies by layer, so head_dim must be given explicitly")
+        if width % heads:
+            raise ValueError(f"{src}: {width_key}={width} must be divisible by {heads_key}={heads} "
+                             "when head_dim is not given")
+        head_dim = width // heads
+
+    kv_key, kv_heads = _pick(cfg, _KEYS_KV_HEADS, src) or (None, None)
+    if kv_heads is None:
+        kv_heads = 1 if _optional_bool(cfg, "multi_query", src) else heads
+    elif heads % _as_int(kv_heads, kv_key, src) or any(h % kv_heads for h in layer_heads or ()):
+        raise ValueError(f"{src}: {heads_key}={list(layer_heads) if layer_heads else heads} must be "
+                         f"divisible by {kv_key}={kv_heads}")
+
+    causal = _causal(cfg, model_type, src)
+    bias, o_bias = _bias(cfg, model_type, src)
+    rope_base, rotary_dim = _rope(cfg, model_type, head_dim, src)
+    try:
+        return AttentionConfig(
+            embed_dim=width, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+            num_layers=layers, causal=causal, bias=bias, o_bias=o_bias, rope_base=rope_base,
+            rope_interleaved=rope_base is not None and model_type in INTERLEAVED_ROPE,
+            rotary_dim=rotary_dim, max_positions=_optional_int(cfg, _KEYS_POSITIONS, src),
+            window=_window(cfg, model_type, src), scale=_scale(cfg, src), model_type=model_type,
+            layer_num_heads=layer_heads,
+        )
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{src}: {e}") from e
+
+
+def _pick(cfg: Mapping[str, Any], keys: Sequence[str], src: str) -> tuple[str, Any] | None:
+    """(key, value) of the first alias present (null counts as absent); aliases must agree."""
+    found = [(k, cfg[k]) for k in keys if cfg.get(k) is not None]
+    for k, v in found[1:]:
+        if v != found[0][1]:
+            raise ValueError(f"{src}: {found[0][0]}={found[0][1]!r} and {k}={v!r} contradict each other")
+    return found[0] if found else None
+
+
+def _required(cfg: Mapping[str, Any], keys: Sequence[str], src: str) -> tuple[str, Any]:
+    found = _pick(cfg, keys, src)
+    if found is None:
+        raise ValueError(f"{src}: missing field, expected one of {', '.join(keys)}")
+    return found
+
+
+def _optional_int(cfg: Mapping[str, Any], keys: Sequence[str], src: str) -> int | None:
+    found = _pick(cfg, keys, src)
+    return None if found is None else _as_int(found[1], found[0], src)
+
+
+def _as_int(value: object, key: str, src: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{src}: {key} must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{src}: {key} must be >= 1, got {value}")
+    return value
+
+
+def _optional_bool(cfg: Mapping[str, Any], key: str, src: str) -> bool | None:
+    value = cfg.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{src}: {key} must be true or false, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _optional_number(cfg: Mapping[str, Any], key: str, src: str) -> float | None:
+    value = cfg.get(key)
+    if value is None:
+        return None
+    try:
+        return _check_positive_float(key, value)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{src}: {e}") from e
+
+
+def _causal(cfg: Mapping[str, Any], model_type: str | None, src: str) -> bool:
+    if model_type in ENCODERS:
+        return False
+    if model_type in DECODERS:
+        return True
+    is_decoder = _optional_bool(cfg, "is_decoder", src)
+    if is_decoder is not None:
+        return is_decoder
+    if _optional_bool(cfg, "is_encoder_decoder", src):
+        return False  # the encoder's self-attention
+    known = ", ".join(sorted(ENCODERS | set(DECODERS)))
+    raise ValueError(f"{src}: model_type={model_type!r} is not known and the file has no is_decoder or "
+                     f"is_encoder_decoder hint; known model types: {known}")
+
+
+def _bias(cfg: Mapping[str, Any], model_type: str | None, src: str) -> tuple[bool, bool | None]:
+    qkv, out, _ = DECODERS.get(model_type, (True, True, False))  # encoders and unknown: nn.Linear default
+    for key in _KEYS_ALL_BIAS:
+        value = _optional_bool(cfg, key, src)
+        if value is not None:
+            qkv = out = value
+    for key in _KEYS_QKV_BIAS:
+        value = _optional_bool(cfg, key, src)
+        if value is not None:
+            qkv = value
+    return qkv, (None if out == qkv else out)
+
+
+def _rope(cfg: Mapping[str, Any], model_type: str | None, head_dim: int, src: str) -> tuple[float | None, int | None]:
+    params = cfg.get("rope_parameters")
+    if params is not None and not isinstance(params, Mapping):
+        raise TypeError(f"{src}: rope_parameters must be an object, got {type(params).__name__}")
+    params = params or {}
+    if "rope_theta" not in params and isinstance(params.get("full_attention"), Mapping):
+        params = params["full_attention"]  # per-layer-type RoPE (Gemma 3): the full-attention layers
+    base = _optional_number(params, "rope_theta", f"{src} rope_parameters")
+    for key in ("rope_theta", "rotary_emb_base"):
+        other = _optional_number(cfg, key, src)
+        if base is not None and other is not None and other != base:
+            raise ValueError(f"{src}: rope_parameters.rope_theta={base} and {key}={other} contradict each other")
+        base = other if base is None else base
+    has_rope = DECODERS.get(model_type, (None, None, base is not None))[2]
+    if not has_rope or _optional_bool(cfg, "alibi", src):
+        return None, None
+    base = 10000.0 if base is None else base
+    explicit = _optional_int(cfg, ("rotary_dim",), src)
+    factor = None
+    for where, key in ((params, "partial_rotary_factor"), (cfg, "partial_rotary_factor"), (cfg, "rotary_pct")):
+        factor = factor if factor is not None else _optional_number(where, key, src)
+    if factor is not None and factor > 1:
+        raise ValueError(f"{src}: partial rotary factor must be in (0, 1], got {factor}")
+    rotary = explicit if explicit is not None else (None if factor in (None, 1.0) else int(head_dim * factor))
+    return base, rotary
+
+
+def _window(cfg: Mapping[str, Any], model_type: str | None, src: str) -> int | None:
+    window = _optional_int(cfg, ("sliding_window",), src)
+    if window is None or _optional_bool(cfg, "use_sliding_window", src) is False:
+        return None
+    layer_types = cfg.get("layer_types")
+    pattern = cfg.get("sliding_window_pattern")
+    mixed = (model_type == "gemma2" or (isinstance(pattern, int) and pattern > 1)
+             or (isinstance(layer_types, list) and len(set(map(str, layer_types))) > 1))
+    return None if mixed else window
+
+
+def _scale(cfg: Mapping[str, Any], src: str) -> float | None:
+    if _optional_bool(cfg, "scale_attn_weights", src) is False:
+        return 1.0  # GPT-2 option: raw dot products
+    scalar = _optional_number(cfg, "query_pre_attn_scalar", src)  # Gemma 2/3
+    return None if scalar is None else 1.0 / math.sqrt(scalar)
