@@ -1,0 +1,323 @@
+"""Property-based equivalence: every path agrees with the float64 reference.
+
+Random configurations (hypothesis, fixed seed): batch, Sq and Sk (1, primes, sizes off
+any block size), heads and K/V heads, head_dim (odd without RoPE), bias, causal /
+bidirectional / sliding window, random boolean masks with fully masked rows, key
+padding, both RoPE pairings, cross-attention, float32 and float64, bfloat16/float16.
+
+Accuracy criterion (flash-attention's tests): versus the float64 ground truth, our
+error is at most 2× the error of a naive implementation in the same precision, plus a
+floor of a few ulps of the output's scale (a tiny tensor's naive error can be 0 by luck).
+
+Examples per test come from ``MULTIHEAD_PROPERTY_EXAMPLES`` (a multiplier; CI runs the
+fixed-seed default, ``MULTIHEAD_PROPERTY_EXAMPLES=25`` is the thorough profile of
+about 50,000 examples).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from conftest import reference_layer
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import multihead as mh
+
+SCALE = float(os.environ.get("MULTIHEAD_PROPERTY_EXAMPLES", "1"))
+
+
+def profile(examples: int) -> settings:
+    """Fixed seed (derandomize), no deadline: CPU timing varies on a shared machine."""
+    return settings(max_examples=max(1, int(examples * SCALE)), deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+SIZES = [1, 2, 3, 5, 7, 13, 16, 17, 31, 33, 64, 65]
+EPS = {torch.float64: 2.0**-52, torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+
+
+@dataclass
+class Case:
+    batch: int
+    sq: int
+    sk: int
+    embed_dim: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    bias: bool
+    causal: bool
+    window: int | None
+    rope: str | None
+    cross: bool
+    mask_kind: str
+    dtype: torch.dtype
+    seed: int
+
+    def build(self) -> mh.MultiHeadAttention:
+        torch.manual_seed(self.seed)
+        rope = None if self.rope is None else mh.RoPE(self.head_dim, 10000.0, interleaved=self.rope == "interleaved")
+        layer = mh.MultiHeadAttention(self.embed_dim, self.num_heads, num_kv_heads=self.num_kv_heads,
+                                      head_dim=self.head_dim, bias=self.bias, causal=self.causal,
+                                      window=self.window, rope=rope, dtype=torch.float64)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.normal_(0, 0.5)
+        return layer.eval()
+
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        gen = torch.Generator().manual_seed(self.seed + 1)
+        x = torch.randn(self.batch, self.sq, self.embed_dim, generator=gen, dtype=torch.float64)
+        context = torch.randn(self.batch, self.sk, self.embed_dim, generator=gen, dtype=torch.float64) if self.cross else None
+        sk = self.sk if self.cross else self.sq
+        mask = key_mask = None
+        if self.mask_kind == "random":
+            mask = torch.rand(self.batch, 1, self.sq, sk, generator=gen) < 0.6  # (B, 1, S, Sk)
+            mask[:, :, torch.rand(self.sq, generator=gen) < 0.2] = False  # some fully masked rows
+        elif self.mask_kind == "per_head":
+            mask = torch.rand(1, self.num_heads, self.sq, sk, generator=gen) < 0.5
+        elif self.mask_kind == "padding":
+            lengths = torch.randint(0, sk + 1, (self.batch,), generator=gen)
+            key_mask = torch.arange(sk)[None, :] < lengths[:, None]  # (B, Sk), some rows all padding
+        return x, context, mask, key_mask
+
+
+@st.composite
+def cases(draw: st.DrawFn, dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float64)) -> Case:
+    hkv = draw(st.sampled_from([1, 2, 3]))
+    h = hkv * draw(st.sampled_from([1, 2, 4]))
+    rope = draw(st.sampled_from([None, "half", "interleaved"]))
+    cross = rope is None and draw(st.booleans())
+    causal = not cross and draw(st.booleans())
+    d = draw(st.sampled_from([2, 4, 6, 8, 16])) if rope else draw(st.integers(1, 17))
+    return Case(
+        batch=draw(st.integers(1, 3)),
+        sq=draw(st.sampled_from(SIZES)),
+        sk=draw(st.sampled_from(SIZES)),
+        embed_dim=draw(st.integers(1, 24)),
+        num_heads=h,
+        num_kv_heads=hkv,
+        head_dim=d,
+        bias=draw(st.booleans()),
+        causal=causal,
+        window=draw(st.one_of(st.none(), st.integers(1, 9))),
+        rope=rope,
+        cross=cross,
+        mask_kind=draw(st.sampled_from(["none", "random", "per_head", "padding"])),
+        dtype=draw(st.sampled_from(dtypes)),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def naive_layer(layer: mh.MultiHeadAttention, x: torch.Tensor, context: torch.Tensor | None,
+                allowed: torch.Tensor) -> torch.Tensor:
+    """The textbook computation in x's dtype: no grouping tricks, no safe softmax."""
+    src = x if context is None else context
+    b, s, _ = x.shape
+    sk = src.shape[1]
+    h, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    lin = lambda m, t: t @ m.weight.to(t.dtype).T + (0 if m.bias is None else m.bias.to(t.dtype))  # noqa: E731
+    q = lin(layer.q_proj, x).view(b, s, h, d).transpose(1, 2)
+    k = lin(layer.k_proj, src).view(b, sk, hkv, d).transpose(1, 2)
+    v = lin(layer.v_proj, src).view(b, sk, hkv, d).transpose(1, 2)
+    if layer.rope is not None:
+        q, k = naive_rope(q, layer.rope), naive_rope(k, layer.rope)
+    k = k.repeat_interleave(h // hkv, dim=1)
+    v = v.repeat_interleave(h // hkv, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * layer.scale
+    weights = torch.softmax(scores.float().masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
+    out = (weights.to(x.dtype) @ v).transpose(1, 2).reshape(b, s, h * d)
+    return lin(layer.o_proj, out)
+
+
+def naive_rope(t: torch.Tensor, rope: mh.RoPE) -> torch.Tensor:
+    s, d = t.shape[2], t.shape[3]
+    pos = torch.arange(s, dtype=torch.float64)[:, None]
+    theta = pos * rope.base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)  # (S, D/2)
+    cos, sin = theta.cos().to(t.dtype), theta.sin().to(t.dtype)
+    if rope.interleaved:
+        a, c = t[..., 0::2], t[..., 1::2]
+        return torch.stack((a * cos - c * sin, c * cos + a * sin), dim=-1).flatten(-2)
+    a, c = t[..., : d // 2], t[..., d // 2 :]
+    return torch.cat((a * cos - c * sin, c * cos + a * sin), dim=-1)
+
+
+def allowed_mask(layer: mh.MultiHeadAttention, b: int, sq: int, sk: int,
+                 mask: torch.Tensor | None, key_mask: torch.Tensor | None) -> torch.Tensor:
+    off = torch.arange(sk)[None, :] - (torch.arange(sq)[:, None] + sk - sq)
+    allowed = torch.ones(b, layer.num_heads, sq, sk, dtype=torch.bool)
+    if layer.causal:
+        allowed &= off <= 0
+    if layer.window is not None:
+        allowed &= (off > -layer.window) & (off < layer.window)
+    if mask is not None:
+        allowed &= mask
+    if key_mask is not None:
+        allowed &= key_mask[:, None, None, :]
+    return allowed
+
+
+def assert_within_criterion(got: torch.Tensor, truth: np.ndarray, naive: torch.Tensor, dtype: torch.dtype,
+                            what: str, scale: float | None = None) -> None:
+    """``max|got - truth| <= 2 · max|naive - truth| + 8 ulps · (1 + scale)``.
+
+    ``scale`` defaults to max|truth|; gradients pass the largest gradient of the layer,
+    since a gradient that is exactly 0 in theory (one key: softmax is constant) comes
+    out of fused backward formulas as a cancellation at the scale of the others.
+    """
+    truth_t = torch.from_numpy(truth)
+    assert torch.isfinite(got).all(), f"{what}: non-finite output"
+    err = (got.double() - truth_t).abs().max().item() if got.numel() else 0.0
+    naive_err = (naive.double() - truth_t).abs().max().item() if got.numel() else 0.0
+    if scale is None:
+        scale = truth_t.abs().max().item() if truth_t.numel() else 0.0
+    floor = 8 * EPS[dtype] * (1.0 + scale)
+    assert err <= 2 * naive_err + floor, f"{what}: error {err:.3e} > 2 × naive {naive_err:.3e} + {floor:.1e}"
+
+
+@given(cases())
+@profile(1500)
+def test_every_backend_agrees_with_the_float64_reference(case: Case) -> None:
+    layer64 = case.build()
+    x, context, mask, key_mask = case.inputs()
+    truth, truth_w = reference_layer(layer64, x, context, mask=mask, key_mask=key_mask)
+    layer = layer64.to(case.dtype)
+    xd = x.to(case.dtype)
+    cd = None if context is None else context.to(case.dtype)
+    sk = case.sk if case.cross else case.sq
+    naive = naive_layer(layer, xd, cd, allowed_mask(layer, case.batch, case.sq, sk, mask, key_mask))
+    with torch.no_grad():
+        for backend in mh.backends.available_backends():
+            layer.backend = backend
+            if backend == "explicit":
+                got, weights = layer(xd, cd, mask=mask, key_mask=key_mask, return_weights=True)
+                np.testing.assert_allclose(weights.double().numpy(), truth_w, atol=1e-5 if case.dtype == torch.float32 else 1e-12)
+            else:
+                got = layer(xd, cd, mask=mask, key_mask=key_mask)
+            assert_within_criterion(got, truth, naive, case.dtype, f"backend {backend}")
+
+
+@given(cases(dtypes=(torch.bfloat16, torch.float16)))
+@profile(200)
+def test_half_precision_paths_meet_the_criterion(case: Case) -> None:
+    """bfloat16/float16 on the CPU: logits and softmax accumulate in float32."""
+    layer64 = case.build()
+    x, context, mask, key_mask = case.inputs()
+    truth, _ = reference_layer(layer64, x, context, mask=mask, key_mask=key_mask)
+    layer = layer64.to(case.dtype)
+    xd = x.to(case.dtype)
+    cd = None if context is None else context.to(case.dtype)
+    sk = case.sk if case.cross else case.sq
+    naive = naive_layer(layer, xd, cd, allowed_mask(layer, case.batch, case.sq, sk, mask, key_mask))
+    with torch.no_grad():
+        for backend in mh.backends.available_backends():
+            layer.backend = backend
+            got = layer(xd, cd, mask=mask, key_mask=key_mask)
+            # Half precision: rounding of the projections dominates; allow 2× naive + 4 ulps.
+            assert_within_criterion(got, truth, naive, case.dtype, f"{case.dtype} backend {backend}")
+
+
+@st.composite
+def decode_cases(draw: st.DrawFn) -> tuple[Case, list[int], int]:
+    case = draw(cases(dtypes=(torch.float64, torch.float32)))
+    case.cross, case.causal = False, True
+    case.mask_kind = "none"
+    case.sq = draw(st.integers(2, 24))
+    lengths = draw(st.lists(st.integers(1, case.sq), min_size=case.batch, max_size=case.batch))
+    return case, lengths, draw(st.integers(0, 6))
+
+
+@given(decode_cases())
+@profile(350)
+def test_cache_decoding_agrees_with_the_reference(params: tuple[Case, list[int], int]) -> None:
+    """Right-padded prompts of random lengths, then single tokens, per-row lengths."""
+    case, lengths, steps = params
+    layer64 = case.build()
+    x, *_ = case.inputs()  # (B, S, E); row b's prompt is x[b, :lengths[b]]
+    total = case.sq + steps
+    gen = torch.Generator().manual_seed(case.seed + 2)
+    seq = torch.randn(case.batch, total, case.embed_dim, generator=gen, dtype=torch.float64)
+    layer = layer64.to(case.dtype)
+    pad = max(lengths)
+    prompt = torch.zeros(case.batch, pad, case.embed_dim, dtype=torch.float64)
+    key_mask = torch.zeros(case.batch, pad, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        prompt[b, :n] = seq[b, :n]
+        key_mask[b, :n] = True
+    with torch.no_grad():
+        cache = layer.new_cache(case.batch, pad + steps)
+        first = layer(prompt.to(case.dtype), cache=cache, key_mask=key_mask)
+        later = [layer(torch.stack([seq[b, n + t] for b, n in enumerate(lengths)])[:, None].to(case.dtype), cache=cache)
+                 for t in range(steps)]
+    for b, n in enumerate(lengths):
+        row = seq[b : b + 1, : n + steps]
+        truth, _ = reference_layer(layer64, row)
+        naive = naive_layer(layer, row.to(case.dtype), None, allowed_mask(layer, 1, n + steps, n + steps, None, None))
+        got = torch.cat([first[b, :n]] + [o[b] for o in later], dim=0)[None]
+        assert_within_criterion(got, truth, naive, case.dtype, f"row {b} (prompt {n}, {steps} steps)")
+
+
+@given(cases(dtypes=(torch.float32,)))
+@profile(250)
+def test_float32_gradients_agree_with_float64_gradients(case: Case) -> None:
+    """Gradients of x (and context) and of every parameter, every backend, vs float64 autograd."""
+    layer64 = case.build()
+    x, context, mask, key_mask = case.inputs()
+    gen = torch.Generator().manual_seed(case.seed + 3)
+    upstream = torch.randn(case.batch, case.sq, case.embed_dim, generator=gen, dtype=torch.float64)
+
+    def grads(layer: mh.MultiHeadAttention, dtype: torch.dtype, backend: str) -> list[torch.Tensor]:
+        layer = layer.to(dtype)
+        layer.backend = backend
+        layer.zero_grad(set_to_none=True)
+        xs = x.to(dtype).clone().requires_grad_()
+        cs = None if context is None else context.to(dtype).clone().requires_grad_()
+        (layer(xs, cs, mask=mask, key_mask=key_mask) * upstream.to(dtype)).sum().backward()
+        out = [xs.grad] + ([cs.grad] if cs is not None else []) + [p.grad for p in layer.parameters()]
+        return [g.double() for g in out]
+
+    truth = grads(case.build(), torch.float64, "explicit")
+    naive_layer32 = case.build().float()
+    naive_layer32.zero_grad(set_to_none=True)
+    xs = x.float().clone().requires_grad_()
+    cs = None if context is None else context.float().clone().requires_grad_()
+    sk = case.sk if case.cross else case.sq
+    allowed = allowed_mask(naive_layer32, case.batch, case.sq, sk, mask, key_mask)
+    (naive_layer(naive_layer32, xs, cs, allowed) * upstream.float()).sum().backward()
+    naive = [xs.grad] + ([cs.grad] if cs is not None else []) + [p.grad for p in naive_layer32.parameters()]
+    scale = max(t.abs().max().item() for t in truth if t.numel())
+    for backend in mh.backends.available_backends():
+        got = grads(case.build(), torch.float32, backend)
+        for i, (g, t, n) in enumerate(zip(got, truth, naive)):
+            assert_within_criterion(g, t.numpy(), n.double(), torch.float32, f"backend {backend}, gradient {i}",
+                                    scale=scale)
+
+
+@pytest.mark.parametrize("backend", ["explicit", "sdpa"])
+@pytest.mark.parametrize("causal, window, hkv", [(False, None, 2), (True, None, 1), (True, 2, 2)])
+def test_gradcheck_float64(backend: str, causal: bool, window: int | None, hkv: int) -> None:
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 4, 3, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, hkv, 5, 3, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, hkv, 5, 3, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[True, True, False, True, True]]).expand(4, 5)
+    fn = lambda q, k, v: mh.attention(q, k, v, causal=causal, window=window, mask=mask, backend=backend)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+def test_gradcheck_module_parameters_float64() -> None:
+    torch.manual_seed(0)
+    layer = mh.MultiHeadAttention(6, 2, num_kv_heads=1, causal=True, rope=mh.RoPE(4), head_dim=4,
+                                  dtype=torch.float64)
+    x = torch.randn(1, 4, 6, dtype=torch.float64, requires_grad=True)
+    params = tuple(layer.parameters())
+
+    def fn(x: torch.Tensor, *ps: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(layer, dict(zip([n for n, _ in layer.named_parameters()], ps)), (x,))
+
+    assert torch.autograd.gradcheck(fn, (x, *[p.detach().requires_grad_() for p in params]))
