@@ -64,7 +64,8 @@ class MultiHeadAttention(nn.Module):
         dropout: dropout on the attention probabilities, in training mode only.
         scale: logit scale; default 1/√D (per head, not 1/√E).
         window: sliding-window size (Mistral's convention), or None.
-        kdim, vdim: width of the ``context`` for cross-attention; default E.
+        kdim, vdim: width of the ``context`` for cross-attention; default E. One
+            context feeds both k_proj and v_proj, so vdim must equal kdim.
         backend: attention backend name; None = the functional default.
         device, dtype: for the parameters.
 
@@ -117,7 +118,9 @@ class MultiHeadAttention(nn.Module):
         if window is not None:
             check_int("window", window)
         kdim = embed_dim if kdim is None else check_int("kdim", kdim)
-        vdim = embed_dim if vdim is None else check_int("vdim", vdim)
+        vdim = kdim if vdim is None else check_int("vdim", vdim)
+        if vdim != kdim:
+            raise ValueError(f"vdim ({vdim}) must equal kdim ({kdim}): one context feeds both k_proj and v_proj")
         if backend is not None:
             from .backends import get_backend
 
@@ -345,6 +348,9 @@ class MultiHeadAttention(nn.Module):
         _check_matches_weight("x", x, weight, self.embed_dim, "[B, S, E]")
         b, s, _ = x.shape
         sk = s
+        if context is None and self.kdim != self.embed_dim:
+            raise ValueError(f"the layer has kdim={self.kdim} != embed_dim={self.embed_dim}: "
+                             "it attends to a context, so pass context")
         if context is not None:
             if self.causal:
                 raise ValueError("context was given to a causal layer: cross-attention is not causal; "

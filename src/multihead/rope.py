@@ -73,6 +73,15 @@ class RoPE(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)  # (P, R/2)
         self.register_buffer("sin", angles.sin(), persistent=False)  # (P, R/2)
 
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        # ``layer.half()`` / ``.to(torch.bfloat16)`` convert every float buffer; the tables
+        # must stay float32 (rounding them to bf16 shifts angles), so only their device moves.
+        tables = {name: self._buffers[name] for name in ("inv_freq", "cos", "sin")}
+        super()._apply(fn, recurse)
+        for name, table in tables.items():
+            self._buffers[name] = table.to(device=self._buffers[name].device)
+        return self
+
     @property
     def pairing(self) -> str:
         """``"interleaved"`` or ``"half"``."""
@@ -81,8 +90,18 @@ class RoPE(nn.Module):
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, base={self.base}, pairing={self.pairing!r}, rotary_dim={self.rotary_dim}"
 
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin, float32, shaped like ``positions`` + (R/2,)."""
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin shaped like ``positions`` + (R/2,): float32, or float64 for ``dtype=float64``.
+
+        float32 is Hugging Face's table, bit for bit. A float32 angle is off by about
+        ``position · 1e-7``, so float64 inputs get angles computed in float64: a float64
+        layer then matches the float64 reference to rounding, not to float32's ~1e-8.
+        """
+        if dtype == torch.float64:
+            exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float64, device=positions.device)
+            inv_freq = 1.0 / (self.base ** (exponents / self.rotary_dim))  # (R/2,)
+            angles = positions.to(torch.float64)[..., None] * inv_freq
+            return angles.cos(), angles.sin()
         if positions.numel() and int(positions.max()) < self.max_positions and int(positions.min()) >= 0:
             return self.cos[positions], self.sin[positions]
         angles = positions.to(torch.float32)[..., None] * self.inv_freq
@@ -96,7 +115,8 @@ class RoPE(nn.Module):
             positions: (S,) or (B, S) integer positions; default 0 .. S-1.
 
         Returns:
-            (B, H, S, D), same dtype as ``x`` (the rotation is computed in float32 or wider).
+            (B, H, S, D), same dtype as ``x`` (the rotation is computed in float32 or wider,
+            float64 tables for float64 ``x``).
         """
         check_tensor("x", x, ndim=4)
         if x.shape[-1] != self.head_dim:
@@ -106,7 +126,7 @@ class RoPE(nn.Module):
             positions = torch.arange(s, device=x.device)
         else:
             positions = check_positions(positions, b, s)
-        cos, sin = self.tables(positions)  # (S, R/2) or (B, S, R/2)
+        cos, sin = self.tables(positions, x.dtype)  # (S, R/2) or (B, S, R/2)
         if cos.dim() == 3:
             cos, sin = cos[:, None], sin[:, None]  # (B, 1, S, R/2)
         return apply_rotary(x, cos, sin, interleaved=self.interleaved)
