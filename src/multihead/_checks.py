@@ -7,6 +7,7 @@ message that names the argument and shows what was expected and what was got.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -22,8 +23,10 @@ def check_int(name: str, value: object, *, minimum: int = 1, maximum: int = MAX_
         TypeError: ``value`` is not an int (bool is refused too).
         ValueError: ``value`` is outside [minimum, maximum].
     """
-    if isinstance(value, bool) or not isinstance(value, int):
+    # numbers.Integral admits numpy integers; bool is an int in Python but never a size.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    value = int(value)
     if value < minimum or value > maximum:
         raise ValueError(f"{name} must be in [{minimum}, {maximum}], got {value}")
     return value
@@ -32,7 +35,7 @@ def check_int(name: str, value: object, *, minimum: int = 1, maximum: int = MAX_
 def check_float(name: str, value: object, *, low: float, high: float,
                 high_inclusive: bool = True, low_inclusive: bool = True) -> float:
     """Return ``float(value)`` if it lies in the given interval, else raise."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
     value = float(value)
     ok_low = value >= low if low_inclusive else value > low
