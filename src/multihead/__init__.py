@@ -8,8 +8,12 @@
 Masks everywhere: bool, **True = may attend** (see :mod:`multihead.masks`).
 """
 
-from . import backends, masks, reference
+from typing import Any
+
+from . import backends, interop, masks, reference
 from .cache import KVCache
+from .config import AttentionConfig
+from .cost import Cost, cost
 from .functional import attention
 from .module import MultiHeadAttention, merge_heads, split_heads
 from .rope import RoPE, half_to_interleaved, interleaved_to_half
@@ -31,4 +35,22 @@ __all__ = [
     "masks",
     "backends",
     "reference",
+    "AttentionConfig",
+    "cost",
+    "Cost",
+    "interop",
+    "hf",
+    "models",
 ]
+
+# Hugging Face glue, imported on first use (they import transformers only inside functions,
+# but keeping them lazy keeps ``import multihead`` to the core).
+_LAZY = ("hf", "models")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

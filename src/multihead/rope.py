@@ -102,7 +102,8 @@ class RoPE(nn.Module):
             inv_freq = 1.0 / (self.base ** (exponents / self.rotary_dim))  # (R/2,)
             angles = positions.to(torch.float64)[..., None] * inv_freq
             return angles.cos(), angles.sin()
-        if positions.numel() and int(positions.max()) < self.max_positions and int(positions.min()) >= 0:
+        on_meta = positions.device.type == "meta"  # shapes only: no values to look up
+        if not on_meta and positions.numel() and int(positions.max()) < self.max_positions and int(positions.min()) >= 0:
             return self.cos[positions], self.sin[positions]
         angles = positions.to(torch.float32)[..., None] * self.inv_freq
         return angles.cos(), angles.sin()

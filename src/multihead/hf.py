@@ -1,0 +1,353 @@
+"""Run Hugging Face models on multihead: patch their attention modules, or register a kernel.
+
+Notation: B batch, S tokens (queries), Sk keys, E embed_dim, H query heads, Hkv key/value
+heads, D head_dim.
+
+Two ways in, for two needs:
+
+* :func:`patch` swaps every supported attention *module* of a model (BertAttention,
+  GPT2Attention, LlamaAttention / MistralAttention / Qwen2Attention, see
+  :func:`multihead.interop.hf_family`) for a wrapper around a converted
+  :class:`~multihead.MultiHeadAttention`: our projections, split, RoPE, attention, concat
+  and o_proj run; the wrapper keeps the HF module's forward signature and return value
+  ``(attn_output (B, S, E), None)``, so the model runs unchanged. :func:`unpatch` puts the
+  original module objects back.
+* :func:`register` adds multihead's attention *kernel* to transformers'
+  ``AttentionInterface`` under ``"multihead"``; then ``attn_implementation="multihead"``
+  works for any model that dispatches through that registry (HF keeps its own
+  projections and RoPE, we do the softmax(QKᵀ)V).
+
+HF hands attention a 4-D mask (B or 1, 1, S, Sk): bool (True = attend, the ``"sdpa"``
+format, which :func:`register` asks for) or additive float (``"eager"``: 0 or
+``finfo.min``); or None when the mask is purely causal or absent, with causality in
+``module.is_causal``. :func:`multihead.masks.from_additive` turns float masks into ours.
+
+Limits: while patched, ``output_attentions`` yields no weights from patched modules and
+their state_dict keys differ (unpatch before saving); weights trained while patched stay
+in the wrappers (copy them back with :func:`multihead.interop.to_hf`). During generation
+HF's own cache object is kept: the wrapper then runs the layer's modules step by step
+around ``cache.update`` (see :meth:`PatchedAttention.attend`). Cross-attention modules and
+RoPE scaling other than the default are refused.
+
+This module imports transformers lazily: ``import multihead`` never imports it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import interop
+from .functional import attention
+from .masks import from_additive
+from .module import MultiHeadAttention, merge_heads, split_heads
+
+__all__ = ["patch", "unpatch", "is_patched", "register", "attention_forward", "PatchedAttention", "NAME"]
+
+#: The name under which :func:`register` installs the kernel.
+NAME = "multihead"
+
+
+# ---- masks ------------------------------------------------------------------------------
+def bool_mask(attention_mask: torch.Tensor | None, sk: int | None = None) -> torch.Tensor | None:
+    """An HF 4-D mask (bool or additive float) as ours: bool (B|1, 1|H, S, Sk), True = attend.
+
+    Raises:
+        ValueError: a mask that is not 4-D, or a float mask holding a real bias (ALiBi).
+    """
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 4:
+        raise ValueError(f"attention_mask must be a 4-D HF mask [B, 1, S, Sk], got shape {list(attention_mask.shape)}")
+    mask = attention_mask if sk is None else attention_mask[..., :sk]  # may be built for a longer cache
+    return mask if mask.dtype == torch.bool else from_additive(mask)
+
+
+# ---- the kernel for AttentionInterface ------------------------------------------------------
+def attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """transformers' attention-function signature, computed by :func:`multihead.attention`.
+
+    Args:
+        module: the calling HF attention module (read for ``is_causal``).
+        query: (B, H, S, D).
+        key, value: (B, Hkv, Sk, D): GQA is handled by grouping, never by repeating K/V.
+        attention_mask: 4-D bool (True = attend) or additive float, or None.
+        scaling: logit scale; default 1/√D.
+        dropout: attention-probability dropout (HF passes 0 in eval).
+        **kwargs: ``is_causal`` (else ``module.is_causal``), ``sliding_window``,
+            ``output_attentions`` (then weights are returned); ``softcap`` and
+            ``position_bias`` are refused.
+
+    Returns:
+        (attn_output (B, S, H, D), weights (B, H, S, Sk) or None), as HF expects.
+
+    Raises:
+        ValueError: soft-capping, a position bias, or an additive mask with real bias values.
+    """
+    if kwargs.get("softcap") is not None:
+        raise ValueError("softcap (logit soft-capping) is not supported by the multihead kernel")
+    if kwargs.get("position_bias") is not None:
+        raise ValueError("position_bias (additive attention bias, T5 style) is not supported by the multihead kernel")
+    sq, sk = query.shape[2], key.shape[2]
+    mask = bool_mask(attention_mask, sk)
+    is_causal = kwargs.get("is_causal")
+    is_causal = getattr(module, "is_causal", False) if is_causal is None else is_causal
+    # HF drops its mask only when causality alone describes it; one query (decoding) sees all keys.
+    causal = bool(is_causal) and mask is None and sq > 1
+    window = kwargs.get("sliding_window") if causal else None  # with a mask, the window is already in it
+    if causal and sk > sq:
+        # HF's prefill into an empty static cache: keys past S are unwritten slots (HF slices them too).
+        key, value = key[:, :, :sq], value[:, :, :sq]
+    want_weights = bool(kwargs.get("output_attentions", False))
+    result = attention(query, key, value, causal=causal, mask=mask, window=window, scale=scaling,
+                       dropout_p=dropout, return_weights=want_weights)
+    out, weights = result if want_weights else (result, None)  # (B, H, S, D)
+    return out.transpose(1, 2).contiguous(), weights  # (B, S, H, D)
+
+
+def register(name: str = NAME) -> str:
+    """Register :func:`attention_forward` with transformers as ``name`` (idempotent).
+
+    It also registers HF's ``sdpa_mask`` under the same name in ``AttentionMaskInterface``,
+    so models build bool masks (True = attend) for it; without a mask function HF would
+    build no padding mask at all for an unknown implementation.
+
+    Returns:
+        ``name``, for ``from_pretrained(..., attn_implementation=name)``,
+        ``model.set_attn_implementation(name)`` or a config's ``_attn_implementation``.
+
+    Raises:
+        ValueError: ``name`` is empty or one of HF's own implementations.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if not isinstance(name, str) or not name or name in ("eager", "sdpa") or name.startswith("flash"):
+        raise ValueError(f"name must be a new non-empty implementation name, got {name!r}")
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
+
+
+# ---- module patching ------------------------------------------------------------------------
+class PatchedAttention(nn.Module):
+    """A :class:`MultiHeadAttention` wearing an HF attention module's forward signature.
+
+    ``self.mh`` is the converted layer; the original HF module is kept outside the module
+    tree (not in ``parameters()``) for :func:`unpatch`. Subclasses adapt one family's call
+    convention; all return ``(attn_output (B, S, E), None)``.
+    """
+
+    def __init__(self, original: nn.Module, mh: MultiHeadAttention) -> None:
+        super().__init__()
+        self.mh = mh
+        self.__dict__["original"] = original  # not a submodule: its weights stay out of ours
+        self.layer_idx = getattr(original, "layer_idx", getattr(getattr(original, "self", None), "layer_idx", None))
+        self.is_causal = mh.causal
+        self.train(original.training)
+
+    def attend(
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        positions: torch.Tensor | None,
+        cache: Any | None,
+        kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        """Our layer on ``x`` (B, S, E) -> (B, S, E).
+
+        With an HF cache (generation), our KVCache cannot stand in for HF's (HF's grows and
+        is shared by the model), so the layer's own modules run step by step around
+        ``cache.update``: q/k/v_proj, split, RoPE, HF cache, :func:`multihead.attention`,
+        concat, o_proj.
+        """
+        mask = bool_mask(attention_mask, x.shape[1] if cache is None else None)
+        if cache is None:
+            return self.mh(x, mask=mask, positions=positions if self.mh.rope is not None else None)
+        return self._attend_with_cache(x, mask, positions, cache, kwargs)
+
+    def _attend_with_cache(
+        self, x: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None, cache: Any,
+        kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        # The HF cache stores (B, Hkv, Sk, D) keys after RoPE, as our KVCache does.
+        layer = self.mh
+        q = split_heads(layer.q_proj(x), layer.num_heads)  # (B, H, S, D)
+        k = split_heads(layer.k_proj(x), layer.num_kv_heads)  # (B, Hkv, S, D)
+        v = split_heads(layer.v_proj(x), layer.num_kv_heads)  # (B, Hkv, S, D)
+        if layer.rope is not None:
+            q, k = layer.rope(q, positions), layer.rope(k, positions)
+        k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)  # (B, Hkv, Sk, D)
+        sq, sk = q.shape[2], k.shape[2]
+        if mask is not None:
+            mask = mask[..., :sk]
+        elif layer.causal and 1 < sq < sk:
+            # HF drops the mask with Sk > S only when prefilling an empty static cache: the
+            # keys past S are unwritten slots, which HF's own kernels slice off too.
+            k, v = k[:, :, :sq], v[:, :, :sq]
+        heads = attention(q, k, v, causal=layer.causal, mask=mask, window=layer.window, scale=layer.scale,
+                          dropout_p=layer.dropout if self.training else 0.0, backend=layer.backend)
+        return layer.o_proj(merge_heads(heads))  # (B, S, E)
+
+
+def _hf_cache(cache: Any | None, kwargs: dict[str, Any]) -> Any | None:
+    """The HF cache, under its v5 name ``cache`` or the older ``past_key_values``/``past_key_value``."""
+    for old in ("past_key_values", "past_key_value"):
+        cache = cache if cache is not None else kwargs.pop(old, None)
+    return cache
+
+
+def _positions(x: torch.Tensor, position_ids: torch.Tensor | None, cache: Any | None, layer_idx: int | None):
+    if position_ids is not None:
+        return position_ids
+    past = cache.get_seq_length(layer_idx) if cache is not None else 0
+    return torch.arange(past, past + x.shape[1], device=x.device)  # (S,)
+
+
+class _LlamaWrapper(PatchedAttention):
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: Any = None,
+                attention_mask: torch.Tensor | None = None, cache: Any | None = None,
+                **kwargs: Any) -> tuple[torch.Tensor, None]:
+        cache = _hf_cache(cache, kwargs)
+        positions = _positions(hidden_states, kwargs.get("position_ids"), cache, self.layer_idx)
+        return self.attend(hidden_states, attention_mask, positions, cache, kwargs), None
+
+
+class _GPT2Wrapper(PatchedAttention):
+    def __init__(self, original: nn.Module, mh: MultiHeadAttention) -> None:
+        super().__init__(original, mh)
+        self.resid_dropout = float(original.resid_dropout.p)
+
+    def forward(self, hidden_states: torch.Tensor, cache: Any | None = None,
+                attention_mask: torch.Tensor | None = None, encoder_hidden_states: torch.Tensor | None = None,
+                encoder_attention_mask: torch.Tensor | None = None, output_attentions: bool | None = False,
+                **kwargs: Any) -> tuple[torch.Tensor, None]:
+        if encoder_hidden_states is not None:
+            raise ValueError("encoder_hidden_states given to a patched GPT-2 self-attention: cross-attention "
+                             "is not supported")
+        cache = _hf_cache(cache, kwargs)
+        y = self.attend(hidden_states, attention_mask, None, cache, kwargs)
+        return F.dropout(y, self.resid_dropout, self.training), None
+
+
+class _BertWrapper(PatchedAttention):
+    """BertAttention = self-attention + ``output`` (dense = W_o, dropout, LayerNorm(y + x))."""
+
+    def __init__(self, original: nn.Module, mh: MultiHeadAttention) -> None:
+        super().__init__(original, mh)
+        self.LayerNorm = original.output.LayerNorm  # shared, not copied: not part of attention
+        self.hidden_dropout = float(original.output.dropout.p)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                encoder_hidden_states: torch.Tensor | None = None,
+                encoder_attention_mask: torch.Tensor | None = None, cache: Any | None = None,
+                **kwargs: Any) -> tuple[torch.Tensor, None]:
+        if encoder_hidden_states is not None:
+            raise ValueError("encoder_hidden_states given to a patched BERT self-attention: cross-attention "
+                             "is not supported")
+        cache = _hf_cache(cache, kwargs)
+        if cache is not None and hasattr(cache, "self_attention_cache"):
+            cache = cache.self_attention_cache
+        y = self.attend(hidden_states, attention_mask, None, cache, kwargs)
+        y = F.dropout(y, self.hidden_dropout, self.training)
+        return self.LayerNorm(y + hidden_states), None
+
+
+_WRAPPERS = {"bert": _BertWrapper, "gpt2": _GPT2Wrapper, "llama": _LlamaWrapper}
+
+
+def _candidates(model: nn.Module, *, include_patched: bool = False) -> list[tuple[str, nn.Module]]:
+    """Top-most attention modules (supported or not; wrappers too if asked), in model order."""
+    found: list[tuple[str, nn.Module]] = []
+    taken: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(f"{prefix}.") for prefix in taken):
+            continue  # inside an attention module already taken (BertAttention.self, a wrapper's mh)
+        if isinstance(module, PatchedAttention):
+            taken.append(name)
+            if include_patched:
+                found.append((name, module))
+        elif isinstance(module, MultiHeadAttention):
+            taken.append(name)  # ours already
+        elif interop.hf_family(module) is not None or (name and type(module).__name__.endswith("Attention")):
+            taken.append(name)
+            found.append((name, module))
+    return found
+
+
+def patch(model: nn.Module, *, strict: bool = True, backend: str | None = None) -> nn.Module:
+    """Replace every supported attention module of ``model`` by multihead's, in place.
+
+    Args:
+        model: a transformers model (e.g. BertModel, GPT2Model, LlamaForCausalLM).
+        strict: raise on an attention module that cannot be converted; False leaves
+            such modules as they are.
+        backend: multihead backend for the converted layers (default: the library's).
+
+    Returns:
+        ``model`` (patched in place; weights are copied, mode and dtype kept).
+
+    Raises:
+        TypeError: ``model`` is not an nn.Module.
+        ValueError: no supported attention module found, or (``strict``) one that is not
+            supported, naming it and why; the model is left unchanged then.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    overrides = {} if backend is None else {"backend": backend}
+    plan: list[tuple[str, PatchedAttention]] = []
+    for name, module in _candidates(model):
+        family = interop.hf_family(module)
+        try:
+            if family not in _WRAPPERS:
+                raise ValueError(f"{type(module).__name__} is not a supported attention layout")
+            wrapper = _WRAPPERS[family](module, interop.from_hf(module, **overrides))
+        except ValueError as e:
+            if strict:
+                raise ValueError(f"cannot patch {name} ({type(module).__name__}): {e}; "
+                                 "pass strict=False to leave it unpatched") from e
+            continue
+        plan.append((name, wrapper))
+    if not plan:
+        raise ValueError(f"model {type(model).__name__} has no supported attention module to patch")
+    for name, wrapper in plan:  # only now, so that a failure above leaves the model untouched
+        _set_submodule(model, name, wrapper)
+    return model
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Put the original HF modules back (the same objects :func:`patch` removed).
+
+    Weights changed while patched are *not* copied back; use
+    :func:`multihead.interop.to_hf` on ``wrapper.mh`` and ``wrapper.original`` for that.
+
+    Returns:
+        ``model``.
+    """
+    for name, module in list(model.named_modules()):
+        if isinstance(module, PatchedAttention):
+            _set_submodule(model, name, module.original)
+    return model
+
+
+def is_patched(model: nn.Module) -> bool:
+    """Whether any module of ``model`` is a :class:`PatchedAttention`."""
+    return any(isinstance(m, PatchedAttention) for m in model.modules())
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
