@@ -187,3 +187,27 @@ def test_cache_overflow_leaves_the_cache_unchanged() -> None:
     with pytest.raises(ValueError, match="overflow"):
         lay(torch.randn(1, 2, 16), cache=cache)
     assert cache.host_lengths() == [3] and torch.equal(cache.k, k)
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["cost", "missing-config.json"], "missing-config.json"),
+        (["cost", "tests/data/configs/gpt2.json", "--seq", "0"], "seq"),
+        (["cost", "tests/data/configs/gpt2.json", "--dtype", "float7"], "dtype"),
+        (["explain", "--seq", "-3"], "seq"),
+        (["run", "--model", "no-such-dir"], "no-such-dir"),
+    ],
+    ids=["cost-missing-file", "cost-seq-zero", "cost-bad-dtype", "explain-negative-seq", "run-missing-model"],
+)
+def test_cli_refuses_bad_arguments_with_exit_code_2(argv: list[str], match: str) -> None:
+    import re
+    import subprocess
+    import sys
+
+    root = Path(__file__).parents[1]
+    done = subprocess.run([sys.executable, "-m", "multihead", *argv], capture_output=True, text=True, cwd=root,
+                          timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert re.search(match, done.stderr), done.stderr
+    assert "Traceback" not in done.stderr
