@@ -321,11 +321,7 @@ class MultiHeadAttention(nn.Module):
         b, s, _ = x.shape
         real = None
         if key_mask is not None:
-            check_tensor("key_mask", key_mask, ndim=2)
-            if key_mask.dtype != torch.bool:
-                raise TypeError(f"key_mask must be a bool tensor (True = real token), got dtype {key_mask.dtype}")
-            if tuple(key_mask.shape) != (b, s):
-                raise ValueError(f"key_mask must have shape [B, S] = [{b}, {s}] with a cache, got {list(key_mask.shape)}")
+            _check_key_mask(key_mask, b, s, x.device)
             real = key_mask.sum(dim=1).tolist()
             right_padded = torch.arange(s, device=key_mask.device)[None, :] < key_mask.sum(dim=1, keepdim=True)
             if not torch.equal(right_padded, key_mask):
@@ -375,16 +371,21 @@ class MultiHeadAttention(nn.Module):
             if mask.device != x.device:
                 raise ValueError(f"mask must be on device {x.device} like x, got {mask.device}")
         if key_mask is not None:
-            check_tensor("key_mask", key_mask, ndim=2)
-            if key_mask.dtype != torch.bool:
-                raise TypeError(f"key_mask must be a bool tensor (True = real token), got dtype {key_mask.dtype}")
-            if tuple(key_mask.shape) != (b, sk):
-                raise ValueError(f"key_mask must have shape [B, Sk] = [{b}, {sk}], got {list(key_mask.shape)}")
-            if key_mask.device != x.device:
-                raise ValueError(f"key_mask must be on device {x.device} like x, got {key_mask.device}")
+            _check_key_mask(key_mask, b, sk, x.device)
             padding = key_padding_mask(key_mask)  # (B, 1, 1, Sk)
             combined = padding if combined is None else combined & padding
         return combined
+
+
+def _check_key_mask(key_mask: object, b: int, sk: int, device: torch.device) -> None:
+    """key_mask: bool (B, Sk), True = real token, on x's device."""
+    check_tensor("key_mask", key_mask, ndim=2)
+    if key_mask.dtype != torch.bool:
+        raise TypeError(f"key_mask must be a bool tensor (True = real token), got dtype {key_mask.dtype}")
+    if tuple(key_mask.shape) != (b, sk):
+        raise ValueError(f"key_mask must have shape [B, Sk] = [{b}, {sk}], got {list(key_mask.shape)}")
+    if key_mask.device != device:
+        raise ValueError(f"key_mask must be on device {device} like x, got {key_mask.device}")
 
 
 def _check_matches_weight(name: str, t: torch.Tensor, weight: torch.Tensor, width: int, legend: str) -> None:
