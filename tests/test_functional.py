@@ -112,11 +112,12 @@ def test_default_scale_is_one_over_sqrt_head_dim() -> None:
     assert (mh.attention(q, k, v) - mh.attention(q, k, v, scale=1 / math.sqrt(64))).abs().max() > 1e-3
 
 
-def test_default_backend_is_sdpa_and_weights_default_to_explicit() -> None:
-    assert mh.functional.DEFAULT_BACKEND == "sdpa"
+def test_default_backend_is_auto_and_weights_default_to_explicit() -> None:
+    assert mh.functional.DEFAULT_BACKEND == "auto"
     assert set(BACKENDS) <= set(mh.backends.available_backends())
     q, k, v = qkv()
-    torch.testing.assert_close(mh.attention(q, k, v), mh.attention(q, k, v, backend="sdpa"), rtol=0, atol=0)
+    torch.testing.assert_close(mh.attention(q, k, v), mh.attention(q, k, v, backend="auto"), rtol=0, atol=0)
+    torch.testing.assert_close(mh.attention(q, k, v), mh.attention(q, k, v, backend="sdpa"))
     out, _ = mh.attention(q, k, v, return_weights=True)
     torch.testing.assert_close(out, mh.attention(q, k, v, backend="explicit"), rtol=0, atol=0)
 

@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 # The seed's worked example (section 7).
@@ -141,6 +142,28 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import bench
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be a positive integer, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    print(f"torch threads: {torch.get_num_threads()}", file=sys.stderr, flush=True)
+    suite = bench.run_suite(quick=args.quick,
+                            progress=lambda line: print(f"  running {line}", file=sys.stderr, flush=True))
+    out = Path(args.out)
+    written = [str(bench.write_json(suite, out / "bench.json"))]
+    try:
+        written.append(str(bench.plot(suite, out / "bench.png")))
+    except ImportError:  # matplotlib is the optional [bench] extra
+        pass
+    _emit(args, suite, bench.format_report(suite) + "\n\nwrote " + " and ".join(written))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="multihead", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -165,6 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("bench", help="benchmark multihead against torch and Hugging Face on this machine")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, few repetitions (a smoke test)")
+    p.add_argument("--out", default="benchmarks/results", metavar="DIR",
+                   help="where to write bench.json and bench.png (default %(default)s)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

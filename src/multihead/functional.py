@@ -29,7 +29,7 @@ from ._checks import check_bool_mask, check_float, check_float_tensor, check_int
 __all__ = ["attention", "DEFAULT_BACKEND"]
 
 #: Backend used when ``backend=None`` and no weights are asked for.
-DEFAULT_BACKEND = "sdpa"
+DEFAULT_BACKEND = "auto"
 #: Backend used when ``return_weights=True`` and ``backend=None``.
 WEIGHTS_BACKEND = "explicit"
 
@@ -68,8 +68,9 @@ def attention(
         dropout_p: dropout on the attention probabilities (pass 0 in eval).
         return_weights: also return the per-head attention weights, never averaged.
         backend: a name from :func:`multihead.backends.available_backends`; default
-            ``"sdpa"``, or ``"explicit"`` when ``return_weights`` is set. All give the
-            same numbers within rounding.
+            ``"auto"`` (see :mod:`multihead.kernels`: the fast CPU kernel for inference,
+            SDPA when gradients or dropout are needed), or ``"explicit"`` when
+            ``return_weights`` is set. All give the same numbers within rounding.
         check_finite: raise if q, k or v hold NaN or Inf, naming the tensor and the
             first bad index (costs one pass over the inputs; off by default).
 
@@ -129,3 +130,6 @@ def attention(
             raise ValueError(f"backend {backend!r} cannot return weights; use backend='explicit'")
         return out, weights
     return out
+
+
+from . import kernels  # noqa: E402,F401  (registers the "blocked" and "auto" backends)
