@@ -199,8 +199,9 @@ def work_done(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         return wrapped
 
     monkeypatch.setattr(nn.Linear, "forward", spy("projection", nn.Linear.forward))
+    monkeypatch.setattr(mh.kernels, "linear", spy("projection", mh.kernels.linear))
     monkeypatch.setattr(mh.rope, "apply_rotary", spy("rope", mh.rope.apply_rotary))
-    for name in ("sdpa", "explicit"):
+    for name in mh.backends.available_backends():
         monkeypatch.setitem(mh.backends._BACKENDS, name, spy(name, mh.backends.get_backend(name)))
     return done
 

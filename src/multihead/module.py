@@ -26,6 +26,7 @@ from torch import nn
 from ._checks import check_finite as _check_finite
 from ._checks import check_bool_mask, check_float, check_int, check_tensor
 from .cache import KVCache
+from . import kernels
 from .functional import attention
 from .masks import key_padding_mask
 from .rope import RoPE, check_positions
@@ -256,13 +257,10 @@ class MultiHeadAttention(nn.Module):
         attn_mask = self._check_inputs(x, context, mask, None if cache is not None else key_mask, positions)
         if cache is not None and positions is None:
             positions = cache.positions(x.shape[1])  # (B, S): each row continues from its length
-        src = x if context is None else context
         seen = observe or (lambda name, t: None)
         seen("X", x)
 
-        q = self.q_proj(x)  # (B, S, H·D)
-        k = self.k_proj(src)  # (B, Sk, Hkv·D)
-        v = self.v_proj(src)  # (B, Sk, Hkv·D)
+        q, k, v = self._project(x, context)  # (B, S, H·D), (B, Sk, Hkv·D) ×2
         seen("Q", q), seen("K", k), seen("V", v)
 
         q = split_heads(q, self.num_heads)  # (B, H, S, D)
@@ -293,9 +291,42 @@ class MultiHeadAttention(nn.Module):
 
         concat = merge_heads(heads)  # (B, S, H·D)
         seen("concat", concat)
-        y = self.o_proj(concat)  # (B, S, E)
+        y = _apply_linear(self.o_proj, concat)  # (B, S, E)
         seen("O", y)
         return (y, weights) if return_weights else y
+
+    def _project(self, x: torch.Tensor, context: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (B, S, H·D), k and v (B, Sk, Hkv·D).
+
+        Self-attention without gradients runs the three projections as one GEMM over the
+        stacked weights [W_q; W_k; W_v] (one read of x, one kernel launch), then splits
+        the result (views, no copy). The stacked copy is rebuilt whenever a weight
+        changes (tracked by each tensor's version counter and storage).
+        """
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        if context is None and not _grad_needed(x, *self.parameters()) and all(map(_plain, projs)):
+            weight, bias = self._stacked_qkv()
+            return tuple(kernels.linear(x, weight, bias).split(self._qkv_sizes, dim=-1))  # type: ignore[return-value]
+        src = x if context is None else context
+        return _apply_linear(self.q_proj, x), _apply_linear(self.k_proj, src), _apply_linear(self.v_proj, src)
+
+    @property
+    def _qkv_sizes(self) -> list[int]:
+        return [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim]
+
+    def _stacked_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        tensors = [t for p in (self.q_proj, self.k_proj, self.v_proj) for t in (p.weight, p.bias) if t is not None]
+        key = tuple((t._version, t.data_ptr(), t.dtype, t.device) for t in tensors)
+        cached = self.__dict__.get("_stacked")
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])  # (H·D + 2·Hkv·D, E)
+                bias = None if self.q_proj.bias is None else torch.cat(
+                    [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
+            cached = (key, weight, bias)
+            self.__dict__["_stacked"] = cached  # a plain attribute: not a parameter, not in state_dict
+        return cached[1], cached[2]
 
     def _check_cache(
         self,
@@ -375,6 +406,25 @@ class MultiHeadAttention(nn.Module):
             padding = key_padding_mask(key_mask)  # (B, 1, 1, Sk)
             combined = padding if combined is None else combined & padding
         return combined
+
+
+def _plain(linear: nn.Module) -> bool:
+    """An ``nn.Linear`` with no hooks: its forward may be run by a faster GEMM.
+
+    Anything else (a subclass, a LoRA or quantized replacement, a module with hooks)
+    is called as a module, so its own behaviour is kept.
+    """
+    return (type(linear) is nn.Linear and not linear._forward_hooks and not linear._forward_pre_hooks
+            and not nn.modules.module._global_forward_hooks and not nn.modules.module._global_forward_pre_hooks)
+
+
+def _apply_linear(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``linear(x)``, through oneDNN's GEMM (:func:`multihead.kernels.linear`) when plain."""
+    return kernels.linear(x, linear.weight, linear.bias) if _plain(linear) else linear(x)
+
+
+def _grad_needed(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _check_key_mask(key_mask: object, b: int, sk: int, device: torch.device) -> None:

@@ -1,0 +1,75 @@
+"""The module's fast paths compute what its plain path computes, and step aside when they must."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import multihead as mh
+
+
+def layer_and_input(**kw) -> tuple[mh.MultiHeadAttention, torch.Tensor]:
+    torch.manual_seed(0)
+    return mh.MultiHeadAttention(64, 8, num_kv_heads=2, **kw).eval(), torch.randn(2, 40, 64)
+
+
+def test_stacked_qkv_without_gradients_equals_the_separate_projections() -> None:
+    layer, x = layer_and_input(causal=True, rope=mh.RoPE(8))
+    with torch.no_grad():
+        fast = layer(x)
+    slow = layer(x)  # with gradients: three separate projections, SDPA
+    torch.testing.assert_close(fast, slow.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_stacked_qkv_follows_in_place_weight_updates() -> None:
+    layer, x = layer_and_input()
+    with torch.no_grad():
+        before = layer(x)
+        layer.k_proj.weight.mul_(2.0)  # e.g. an optimizer step
+        after = layer(x)
+    expected = layer(x).detach()
+    assert not torch.allclose(before, after)
+    torch.testing.assert_close(after, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_stacked_qkv_follows_replaced_weights() -> None:
+    layer, x = layer_and_input(bias=True)
+    with torch.no_grad():
+        layer(x)
+        layer.v_proj.bias = nn.Parameter(torch.randn(16))
+        after = layer(x)
+    torch.testing.assert_close(after, layer(x).detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_stacked_weights_are_not_in_the_state_dict() -> None:
+    layer, x = layer_and_input()
+    with torch.no_grad():
+        layer(x)
+    assert set(layer.state_dict()) == {f"{p}_proj.{t}" for p in "qkvo" for t in ("weight", "bias")}
+
+
+def test_hooks_on_a_projection_are_honoured() -> None:
+    layer, x = layer_and_input()
+    calls: list[str] = []
+    layer.q_proj.register_forward_hook(lambda m, i, o: calls.append("q") or o * 0)
+    with torch.no_grad():
+        y = layer(x)
+    assert calls == ["q"]
+    # q = 0 makes every logit 0: each query averages the values, the same for every position.
+    torch.testing.assert_close(y[:, :1].expand_as(y), y, atol=1e-5, rtol=1e-5)
+
+
+def test_a_replaced_projection_module_is_called() -> None:
+    """A subclass (e.g. a LoRA or quantized linear) keeps its own forward."""
+
+    class Doubling(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * super().forward(x)
+
+    layer, x = layer_and_input()
+    with torch.no_grad():
+        plain = layer(x)
+        doubled = Doubling(64, 64)
+        doubled.load_state_dict(layer.o_proj.state_dict())
+        layer.o_proj = doubled
+        torch.testing.assert_close(layer(x), 2 * plain, atol=1e-5, rtol=1e-5)
