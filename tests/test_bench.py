@@ -94,7 +94,7 @@ def test_run_script_prints_the_report_and_writes_files(suite: dict[str, Any], tm
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     monkeypatch.setattr(bench, "run_suite", lambda **kw: suite)  # the suite itself ran in the fixture
-    assert module.main(["--quick", "--out", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    assert "torch threads" in out and "== core/causal ==" in out
+    assert module.main(["bench", "--quick", "--out", str(tmp_path)]) == 0  # run.py is `multihead bench`
+    captured = capsys.readouterr()
+    assert "torch threads" in captured.err and "== core/causal ==" in captured.out
     assert (tmp_path / "bench.json").exists() and (tmp_path / "bench.png").exists()
