@@ -73,3 +73,22 @@ def test_a_replaced_projection_module_is_called() -> None:
         doubled.load_state_dict(layer.o_proj.state_dict())
         layer.o_proj = doubled
         torch.testing.assert_close(layer(x), 2 * plain, atol=1e-5, rtol=1e-5)
+
+
+def test_auto_routes_short_sequences_to_sdpa_and_long_ones_to_blocked(monkeypatch) -> None:
+    """Measured thresholds: below S=512 SDPA is faster; GQA decoding over a long cache batches."""
+    seen: list[str] = []
+    for name in ("sdpa",):
+        real = mh.backends.get_backend(name)
+        monkeypatch.setitem(mh.backends._BACKENDS, name, lambda *a, _r=real, **k: seen.append("sdpa") or _r(*a, **k))
+    real_blocked, real_decode = mh.kernels.blocked_attention, mh.kernels.decode_attention
+    monkeypatch.setattr(mh.kernels, "blocked_attention", lambda *a, **k: seen.append("blocked") or real_blocked(*a, **k))
+    monkeypatch.setattr(mh.kernels, "decode_attention", lambda *a, **k: seen.append("decode") or real_decode(*a, **k))
+    short = torch.randn(1, 4, 64, 64)
+    long = torch.randn(1, 2, 512, 64)
+    q1, kv = torch.randn(1, 8, 1, 64), torch.randn(1, 2, 300, 64)
+    mh.attention(short, short, short, causal=True)
+    if mh.kernels.onednn_available():
+        mh.attention(long, long, long, causal=True)
+    mh.attention(q1, kv, kv, causal=True)
+    assert seen == ["sdpa"] + (["blocked"] if mh.kernels.onednn_available() else []) + ["decode"]

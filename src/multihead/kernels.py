@@ -66,8 +66,17 @@ _MIN_ROWS, _MAX_ROWS = 16, 512
 #: both time and memory in a long-running process.
 _KEY_ALIGN = 128
 _KEY_CHUNK = 4096
-#: At most this many query rows per K/V head (Sq·G) go to the batched decode path.
+#: At most this many query rows per K/V head (Sq·G) go to the batched decode path,
+#: and only with GQA sharing (G > 1) and enough keys: measured on this project's
+#: machine, SDPA is faster for MHA and for short caches (fixed costs dominate).
 _DECODE_ROWS = 32
+_DECODE_MIN_KEYS = 256
+#: "auto" uses "blocked" from this many queries and keys, and head dims from 64: below
+#: that SDPA wins (at S=128 "blocked" takes 2-3× SDPA's time, the GEMMs are too small
+#: for oneDNN's fixed costs and keys are padded to multiples of 128); from S=512 with
+#: D=64 "blocked" is 1.2-1.4× faster.
+_BLOCKED_MIN_SEQ = 512
+_BLOCKED_MIN_HEAD_DIM = 64
 
 _NEG_INF = float("-inf")
 MatMul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -454,8 +463,10 @@ def auto_backend(
         return get_backend("explicit")(q, k, v, **kwargs)
     if dropout_p > 0 or _needs_grad(q, k, v) or q.device.type != "cpu":
         return get_backend("sdpa")(q, k, v, **kwargs)
-    if _few_rows(q, k):
+    sq, sk, d, g = q.shape[2], k.shape[2], q.shape[3], q.shape[1] // k.shape[1]
+    if _few_rows(q, k) and g > 1 and sk >= _DECODE_MIN_KEYS:
         return decode_attention(q, k, v, scale=scale, causal=causal, window=window, mask=mask), None
-    if q.dtype == torch.float32 and onednn_available():
+    if (q.dtype == torch.float32 and onednn_available() and min(sq, sk) >= _BLOCKED_MIN_SEQ
+            and d >= _BLOCKED_MIN_HEAD_DIM):
         return blocked_attention(q, k, v, scale=scale, causal=causal, window=window, mask=mask), None
     return get_backend("sdpa")(q, k, v, **kwargs)
