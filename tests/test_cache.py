@@ -310,3 +310,24 @@ def test_window_in_the_functional_core_equals_an_explicit_banded_mask(backend: s
     got = mh.attention(q, k, v, causal=True, window=3, backend=backend)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
     torch.testing.assert_close(mh.masks.sliding_window_mask(sq, sk, window=3), banded)
+
+
+@torch.no_grad()
+def test_ring_cache_crops_freely_before_it_wraps() -> None:
+    layer = make_layer(2, window=4)
+    x = torch.randn(1, 6, E)
+    cache = layer.new_cache(1, 32)
+    layer(x[:, :3], cache=cache)
+    cache.crop(1)  # positions 0..2 are all still in the ring
+    rest = decode_with(layer, cache, x[:, 1:6])
+    torch.testing.assert_close(rest, layer(x)[:, 1:], atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def test_ring_cache_refuses_a_crop_past_what_it_holds() -> None:
+    layer = make_layer(2, window=4)
+    cache = layer.new_cache(1, 32)
+    layer(torch.randn(1, 10, E), cache=cache)
+    with pytest.raises(ValueError, match="no longer holds"):
+        cache.crop(5)
+    assert cache.host_lengths() == [10]

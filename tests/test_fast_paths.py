@@ -13,7 +13,7 @@ def layer_and_input(**kw) -> tuple[mh.MultiHeadAttention, torch.Tensor]:
     return mh.MultiHeadAttention(64, 8, num_kv_heads=2, **kw).eval(), torch.randn(2, 40, 64)
 
 
-def test_stacked_qkv_without_gradients_equals_the_separate_projections() -> None:
+def test_inference_path_equals_the_training_path() -> None:
     layer, x = layer_and_input(causal=True, rope=mh.RoPE(8))
     with torch.no_grad():
         fast = layer(x)
@@ -21,7 +21,7 @@ def test_stacked_qkv_without_gradients_equals_the_separate_projections() -> None
     torch.testing.assert_close(fast, slow.detach(), atol=1e-5, rtol=1e-5)
 
 
-def test_stacked_qkv_follows_in_place_weight_updates() -> None:
+def test_inference_path_follows_in_place_weight_updates() -> None:
     layer, x = layer_and_input()
     with torch.no_grad():
         before = layer(x)
@@ -32,7 +32,7 @@ def test_stacked_qkv_follows_in_place_weight_updates() -> None:
     torch.testing.assert_close(after, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_stacked_qkv_follows_replaced_weights() -> None:
+def test_inference_path_follows_replaced_weights() -> None:
     layer, x = layer_and_input(bias=True)
     with torch.no_grad():
         layer(x)
@@ -41,11 +41,34 @@ def test_stacked_qkv_follows_replaced_weights() -> None:
     torch.testing.assert_close(after, layer(x).detach(), atol=1e-5, rtol=1e-5)
 
 
-def test_stacked_weights_are_not_in_the_state_dict() -> None:
+def test_no_extra_state_is_kept() -> None:
     layer, x = layer_and_input()
     with torch.no_grad():
         layer(x)
     assert set(layer.state_dict()) == {f"{p}_proj.{t}" for p in "qkvo" for t in ("weight", "bias")}
+    assert not [k for k, v in vars(layer).items() if isinstance(v, torch.Tensor)]
+
+
+def test_inference_path_follows_data_edits() -> None:
+    """``p.data.mul_()`` bumps no version counter: nothing may be cached from the weights."""
+    layer, x = layer_and_input()
+    with torch.no_grad():
+        before = layer(x)
+        layer.q_proj.weight.data.mul_(2.0)
+        after = layer(x)
+    assert not torch.allclose(before, after)
+    torch.testing.assert_close(after, layer(x).detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_frozen_weights_get_no_gradient_but_inputs_do() -> None:
+    layer, x = layer_and_input()
+    for p in layer.parameters():
+        p.requires_grad_(False)
+    layer.o_proj.weight.requires_grad_(True)
+    xs = x.clone().requires_grad_()
+    layer(xs).sum().backward()
+    assert layer.q_proj.weight.grad is None and layer.o_proj.weight.grad is not None
+    assert xs.grad is not None and torch.isfinite(xs.grad).all()
 
 
 def test_hooks_on_a_projection_are_honoured() -> None:

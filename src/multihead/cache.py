@@ -159,7 +159,7 @@ class KVCache:
             w = self.window
             for b, (t, length) in enumerate(zip(new, self._host_lengths)):
                 # Slots hold positions length-C .. length-1; the next query (at t) needs t-w+1 .. t-1.
-                if t < length and t - w + 1 < length - self.capacity and t > 0:
+                if 0 < t < length and max(0, t - w + 1) < max(0, length - self.capacity):
                     raise ValueError(
                         f"cannot crop row {b} from {length} to {t} tokens: a ring cache of {self.capacity} "
                         f"slots no longer holds the window before position {t}"

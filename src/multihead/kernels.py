@@ -36,8 +36,10 @@ allowed key gets zeros. The output is returned as a (B, H, Sq, Dv) view of a
 (B, Sq, H, Dv) buffer, like SDPA's, so that merging heads afterwards costs no copy.
 
 ``"auto"`` (the default) picks per call: weights → ``"explicit"``; gradients or dropout
-→ ``"sdpa"`` (differentiable); few query rows (decoding) → :func:`decode_attention`, two
-batched matmuls; float32 with oneDNN → ``"blocked"``; anything else → ``"sdpa"``.
+→ ``"sdpa"`` (differentiable); few query rows sharing a K/V head over ≥ 256 keys (GQA
+decoding) → :func:`decode_attention`, two batched matmuls; float32 with oneDNN, Sq and
+Sk ≥ 512 and D ≥ 64 → ``"blocked"``; anything else (short sequences, MHA decoding,
+where SDPA's fixed costs are lower) → ``"sdpa"``. The thresholds were measured.
 
 :func:`linear` is ``F.linear`` on oneDNN (forward and backward), for the projections.
 """
@@ -392,10 +394,15 @@ class _OneDNNLinear(torch.autograd.Function):
         x2, w = ctx.saved_tensors
         gy2 = gy.reshape(-1, gy.shape[-1]).contiguous()  # (N, out)
         # oneDNN reads transposed operands slowly: pass contiguous copies (O(N·E), cheap next to the GEMMs).
-        gx = op(gy2, w.t().contiguous(), None, "none", [], "")  # gy · w      (N, in)
-        gw = op(gy2.t().contiguous(), x2.t().contiguous(), None, "none", [], "")  # gyᵀ · x  (out, in)
-        gb = gy2.sum(0) if ctx.has_bias else None
-        return gx.view(*gy.shape[:-1], w.shape[1]), gw, gb
+        need_x, need_w, need_b = ctx.needs_input_grad
+        gx = gw = gb = None
+        if need_x:
+            gx = op(gy2, w.t().contiguous(), None, "none", [], "").view(*gy.shape[:-1], w.shape[1])  # gy · w
+        if need_w:  # frozen weights (e.g. adapters) skip this GEMM
+            gw = op(gy2.t().contiguous(), x2.t().contiguous(), None, "none", [], "")  # gyᵀ · x  (out, in)
+        if need_b and ctx.has_bias:
+            gb = gy2.sum(0)
+        return gx, gw, gb
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

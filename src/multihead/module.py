@@ -297,36 +297,9 @@ class MultiHeadAttention(nn.Module):
 
     def _project(self, x: torch.Tensor, context: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q (B, S, H·D), k and v (B, Sk, Hkv·D).
-
-        Self-attention without gradients runs the three projections as one GEMM over the
-        stacked weights [W_q; W_k; W_v] (one read of x, one kernel launch), then splits
-        the result (views, no copy). The stacked copy is rebuilt whenever a weight
-        changes (tracked by each tensor's version counter and storage).
-        """
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        if context is None and not _grad_needed(x, *self.parameters()) and all(map(_plain, projs)):
-            weight, bias = self._stacked_qkv()
-            return tuple(kernels.linear(x, weight, bias).split(self._qkv_sizes, dim=-1))  # type: ignore[return-value]
+        """q (B, S, H·D) from x; k and v (B, Sk, Hkv·D) from the context (default x)."""
         src = x if context is None else context
         return _apply_linear(self.q_proj, x), _apply_linear(self.k_proj, src), _apply_linear(self.v_proj, src)
-
-    @property
-    def _qkv_sizes(self) -> list[int]:
-        return [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim]
-
-    def _stacked_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        tensors = [t for p in (self.q_proj, self.k_proj, self.v_proj) for t in (p.weight, p.bias) if t is not None]
-        key = tuple((t._version, t.data_ptr(), t.dtype, t.device) for t in tensors)
-        cached = self.__dict__.get("_stacked")
-        if cached is None or cached[0] != key:
-            with torch.no_grad():
-                weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])  # (H·D + 2·Hkv·D, E)
-                bias = None if self.q_proj.bias is None else torch.cat(
-                    [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
-            cached = (key, weight, bias)
-            self.__dict__["_stacked"] = cached  # a plain attribute: not a parameter, not in state_dict
-        return cached[1], cached[2]
 
     def _check_cache(
         self,
@@ -421,10 +394,6 @@ def _plain(linear: nn.Module) -> bool:
 def _apply_linear(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``linear(x)``, through oneDNN's GEMM (:func:`multihead.kernels.linear`) when plain."""
     return kernels.linear(x, linear.weight, linear.bias) if _plain(linear) else linear(x)
-
-
-def _grad_needed(*tensors: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _check_key_mask(key_mask: object, b: int, sk: int, device: torch.device) -> None:
