@@ -331,3 +331,13 @@ def test_ring_cache_refuses_a_crop_past_what_it_holds() -> None:
     with pytest.raises(ValueError, match="no longer holds"):
         cache.crop(5)
     assert cache.host_lengths() == [10]
+
+
+@torch.no_grad()
+def test_asking_a_weightless_backend_for_weights_writes_nothing() -> None:
+    layer = make_layer()
+    layer.backend = "sdpa"
+    cache = layer.new_cache(1, 8)
+    with pytest.raises(ValueError, match="cannot return weights"):
+        layer(torch.randn(1, 3, E), cache=cache, return_weights=True)
+    assert cache.host_lengths() == [0] and cache.lengths.tolist() == [0]

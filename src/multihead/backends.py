@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from .masks import _offsets
 
-__all__ = ["Backend", "register_backend", "get_backend", "available_backends", "full_mask"]
+__all__ = ["Backend", "register_backend", "get_backend", "resolve_backend", "available_backends", "full_mask"]
 
 
 class Backend(Protocol):
@@ -53,13 +53,24 @@ class Backend(Protocol):
 _BACKENDS: dict[str, Backend] = {}
 
 
-def register_backend(name: str, fn: Backend | None = None) -> Callable[[Backend], Backend] | Backend:
-    """Register ``fn`` under ``name`` (usable as a decorator). Re-registering replaces."""
+_WEIGHTS: set[str] = set()  # backends that can return attention weights
+
+
+def register_backend(name: str, fn: Backend | None = None, *, weights: bool = False
+                     ) -> Callable[[Backend], Backend] | Backend:
+    """Register ``fn`` under ``name`` (usable as a decorator). Re-registering replaces.
+
+    Args:
+        name: the name users pass as ``backend=``.
+        fn: the backend; omit to use as a decorator.
+        weights: whether it returns weights when asked (checked before it is called).
+    """
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty str, got {name!r}")
 
     def deco(f: Backend) -> Backend:
         _BACKENDS[name] = f
+        (_WEIGHTS.add if weights else _WEIGHTS.discard)(name)
         return f
 
     return deco if fn is None else deco(fn)
@@ -68,6 +79,19 @@ def register_backend(name: str, fn: Backend | None = None) -> Callable[[Backend]
 def available_backends() -> tuple[str, ...]:
     """Names of the registered backends."""
     return tuple(_BACKENDS)
+
+
+def resolve_backend(name: str, return_weights: bool) -> Backend:
+    """The backend ``name``, checked to return weights if they are asked for.
+
+    Raises:
+        ValueError: unknown name, or a backend that returns no weights asked for them.
+    """
+    fn = get_backend(name)
+    if return_weights and name not in _WEIGHTS:
+        raise ValueError(f"backend {name!r} cannot return weights; use one of {sorted(_WEIGHTS)} "
+                         "(the default picks 'explicit' when return_weights=True)")
+    return fn
 
 
 def get_backend(name: str) -> Backend:
@@ -124,7 +148,7 @@ def safe_softmax(scores: torch.Tensor) -> torch.Tensor:
     return e / torch.where(total == 0, torch.ones_like(total), total)
 
 
-@register_backend("explicit")
+@register_backend("explicit", weights=True)
 def explicit_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -174,8 +198,6 @@ def sdpa_attention(
     both alignments agree) and no other mask is given; otherwise the bottom-right
     causal mask is built and passed as ``attn_mask``.
     """
-    if return_weights:
-        raise ValueError("backend 'sdpa' cannot return weights; use backend='explicit' (the default when return_weights=True)")
     sq, sk = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
     if mask is None and window is None and (not causal or sq == sk):

@@ -114,9 +114,7 @@ def attention(
     else:
         scale = check_float("scale", scale, low=0.0, high=math.inf, low_inclusive=False, high_inclusive=False)
     dropout_p = check_float("dropout_p", dropout_p, low=0.0, high=1.0, high_inclusive=False)
-    if backend is None:
-        backend = WEIGHTS_BACKEND if return_weights else DEFAULT_BACKEND
-    fn = _backends.get_backend(backend)
+    fn = _backends.resolve_backend(default_backend(backend, return_weights), return_weights)
     if check_finite:
         for name, t in (("q", q), ("k", k), ("v", v)):
             _check_finite(name, t)
@@ -125,11 +123,14 @@ def attention(
         mask=mask, causal=bool(causal), window=window, scale=scale,
         dropout_p=dropout_p, return_weights=return_weights,
     )
-    if return_weights:
-        if weights is None:
-            raise ValueError(f"backend {backend!r} cannot return weights; use backend='explicit'")
-        return out, weights
-    return out
+    return (out, weights) if return_weights else out
+
+
+def default_backend(backend: str | None, return_weights: bool) -> str:
+    """``backend``, or the default for the call: "explicit" for weights, else "auto"."""
+    if backend is None:
+        return WEIGHTS_BACKEND if return_weights else DEFAULT_BACKEND
+    return backend
 
 
 from . import kernels  # noqa: E402,F401  (registers the "blocked" and "auto" backends)

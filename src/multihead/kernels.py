@@ -449,15 +449,13 @@ def blocked_backend(
     leaves the probabilities summing to 1 ± ε, which its Δ = rowsum(dO·O) term turns into
     gradient errors several times those of a plain float32 implementation.
     """
-    if return_weights:
-        raise ValueError("backend 'blocked' cannot return weights; use backend='explicit'")
     if dropout_p > 0 or _needs_grad(q, k, v):
         return get_backend("sdpa")(q, k, v, mask=mask, causal=causal, window=window, scale=scale,
                                    dropout_p=dropout_p, return_weights=False)
     return blocked_attention(q, k, v, scale=scale, causal=causal, window=window, mask=mask), None
 
 
-@register_backend("auto")
+@register_backend("auto", weights=True)
 def auto_backend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     mask: torch.Tensor | None, causal: bool, window: int | None, scale: float,

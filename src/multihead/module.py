@@ -27,7 +27,8 @@ from ._checks import check_finite as _check_finite
 from ._checks import check_bool_mask, check_float, check_int, check_tensor
 from .cache import KVCache
 from . import kernels
-from .functional import attention
+from .backends import get_backend, resolve_backend
+from .functional import attention, default_backend
 from .masks import key_padding_mask
 from .rope import RoPE, check_positions
 
@@ -123,8 +124,6 @@ class MultiHeadAttention(nn.Module):
         if vdim != kdim:
             raise ValueError(f"vdim ({vdim}) must equal kdim ({kdim}): one context feeds both k_proj and v_proj")
         if backend is not None:
-            from .backends import get_backend
-
             get_backend(backend)  # fail now, not at the first forward
 
         self.embed_dim = embed_dim
@@ -253,6 +252,8 @@ class MultiHeadAttention(nn.Module):
         observe: Observer | None,
         cache: KVCache | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # The backend must be able to do what is asked before anything runs or is written.
+        resolve_backend(default_backend(self.backend, return_weights), return_weights)
         real = self._check_cache(x, context, mask, key_mask, cache) if cache is not None else None
         attn_mask = self._check_inputs(x, context, mask, None if cache is not None else key_mask, positions)
         if cache is not None and positions is None:
