@@ -141,10 +141,14 @@ def test_nbytes_counts_only_kv_heads(num_kv_heads: int) -> None:
     assert cache.k.shape == (b, num_kv_heads, max_len, d)
 
 
-def test_new_cache_dtype_follows_the_layer_or_the_argument() -> None:
+def test_new_cache_dtype_follows_the_layer_and_refuses_another() -> None:
     layer = make_layer(dtype=torch.float64)
     assert layer.new_cache(1, 4).dtype == torch.float64
-    assert layer.new_cache(1, 4, dtype=torch.float32).nbytes == 2 * 1 * H * 4 * (E // H) * 4
+    assert layer.new_cache(1, 4, dtype=torch.float64).nbytes == 2 * 1 * H * 4 * (E // H) * 8
+    with pytest.raises(TypeError, match="dtype must be the layer's dtype"):
+        layer.new_cache(1, 4, dtype=torch.float32)
+    with pytest.raises(ValueError, match="device must be the layer's device"):
+        layer.new_cache(1, 4, device="meta")
 
 
 @torch.no_grad()
@@ -341,3 +345,10 @@ def test_asking_a_weightless_backend_for_weights_writes_nothing() -> None:
     with pytest.raises(ValueError, match="cannot return weights"):
         layer(torch.randn(1, 3, E), cache=cache, return_weights=True)
     assert cache.host_lengths() == [0] and cache.lengths.tolist() == [0]
+
+
+@pytest.mark.parametrize("backend", mh.backends.available_backends())
+def test_no_keys_or_no_queries_give_empty_or_zero_outputs(backend: str) -> None:
+    q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 0, 8)
+    assert torch.equal(mh.attention(q, k, k, backend=backend), torch.zeros(1, 2, 3, 8))
+    assert mh.attention(q[:, :, :0], q, q, backend=backend).shape == (1, 2, 0, 8)

@@ -194,3 +194,29 @@ def test_kernel_refuses_softcap_and_bias_masks() -> None:
 def test_register_refuses_hf_names() -> None:
     with pytest.raises(ValueError, match="name"):
         mh.hf.register("sdpa")
+
+
+def test_patching_a_bare_attention_module_is_refused() -> None:
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    cfg = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1)
+    att = LlamaAttention(cfg, layer_idx=0)
+    with pytest.raises(ValueError, match="itself an attention module"):
+        mh.hf.patch(att)
+    assert not mh.hf.is_patched(att) and "" not in dict(att.named_children())
+
+
+def test_unpatch_restores_the_mode_and_dtype_given_while_patched() -> None:
+    from transformers import BertConfig, BertModel
+
+    cfg = BertConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, intermediate_size=64,
+                     vocab_size=50)
+    model = BertModel(cfg).eval()
+    mh.hf.patch(model)
+    model.train().double()
+    mh.hf.unpatch(model)
+    att = model.encoder.layer[0].attention
+    assert att.training and att.self.query.weight.dtype == torch.float64
+    out = model(torch.tensor([[1, 2, 3]])).last_hidden_state
+    assert out.dtype == torch.float64

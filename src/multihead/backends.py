@@ -166,7 +166,10 @@ def explicit_attention(
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
     g = h // hkv
     acc = _accumulation_dtype(q.dtype)
-    qg = q.to(acc).reshape(b, hkv, g * sq, -1)  # (B, Hkv, G·Sq, D): query heads of one group stacked
+    if sk == 0 or sq == 0:  # nothing to attend to: zeros, as for a fully masked row
+        out = q.new_zeros(b, h, sq, dv)
+        return out, (q.new_zeros(b, h, sq, sk) if return_weights else None)
+    qg = q.to(acc).reshape(b, hkv, g * sq, q.shape[-1])  # (B, Hkv, G·Sq, D): query heads of one group stacked
     scores = torch.matmul(qg, k.to(acc).transpose(-1, -2)) * scale  # (B, Hkv, G·Sq, Sk)
     scores = scores.view(b, h, sq, sk)  # (B, H, Sq, Sk)
     combined = full_mask(mask, causal, window, sq, sk, q.device)

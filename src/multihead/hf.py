@@ -308,7 +308,11 @@ def patch(model: nn.Module, *, strict: bool = True, backend: str | None = None) 
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     overrides = {} if backend is None else {"backend": backend}
     plan: list[tuple[str, PatchedAttention]] = []
-    for name, module in _candidates(model):
+    candidates = _candidates(model)
+    if any(name == "" for name, _ in candidates):
+        raise ValueError(f"model is itself an attention module ({type(model).__name__}): patch the model that "
+                         "contains it, or convert it with multihead.MultiHeadAttention.from_hf")
+    for name, module in candidates:
         family = interop.hf_family(module)
         try:
             if family not in _WRAPPERS:
@@ -330,7 +334,8 @@ def patch(model: nn.Module, *, strict: bool = True, backend: str | None = None) 
 def unpatch(model: nn.Module) -> nn.Module:
     """Put the original HF modules back (the same objects :func:`patch` removed).
 
-    Weights changed while patched are *not* copied back; use
+    The originals follow the mode (train/eval), dtype and device the model was given
+    while patched. Weights changed while patched are *not* copied back; use
     :func:`multihead.interop.to_hf` on ``wrapper.mh`` and ``wrapper.original`` for that.
 
     Returns:
@@ -338,7 +343,12 @@ def unpatch(model: nn.Module) -> nn.Module:
     """
     for name, module in list(model.named_modules()):
         if isinstance(module, PatchedAttention):
-            _set_submodule(model, name, module.original)
+            original = module.original
+            # The original sat outside the module tree while patched: bring it to the
+            # mode, dtype and device the model was moved to meanwhile.
+            weight = module.mh.q_proj.weight
+            original.to(device=weight.device, dtype=weight.dtype).train(module.training)
+            _set_submodule(model, name, original)
     return model
 
 

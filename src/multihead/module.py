@@ -171,7 +171,8 @@ class MultiHeadAttention(nn.Module):
         Args:
             batch_size: B.
             max_len: the most tokens any row will hold (prompt + generated).
-            dtype, device: default the layer's weights'.
+            dtype, device: the layer's weights' (the default); anything else is refused,
+                since the cache stores exactly the K/V the layer computes.
             ring: keep only the last ``window`` tokens per row in a ring buffer; default
                 True when the layer has a sliding window shorter than ``max_len``.
 
@@ -179,6 +180,11 @@ class MultiHeadAttention(nn.Module):
             a cache with buffers (B, Hkv, C, D), C = max_len (or the window for a ring).
         """
         weight = self.q_proj.weight
+        # The cache holds what the layer computes: another dtype or device could never be used.
+        if dtype is not None and dtype != weight.dtype:
+            raise TypeError(f"dtype must be the layer's dtype {weight.dtype} (the cache stores its K/V), got {dtype}")
+        if device is not None and torch.device(device) != weight.device:
+            raise ValueError(f"device must be the layer's device {weight.device}, got {device}")
         if ring is None:
             ring = self.window is not None and self.window < max_len
         return KVCache(
