@@ -262,7 +262,8 @@ class MultiHeadAttention(nn.Module):
         resolve_backend(default_backend(self.backend, return_weights), return_weights)
         real = self._check_cache(x, context, mask, key_mask, cache) if cache is not None else None
         attn_mask = self._check_inputs(x, context, mask, None if cache is not None else key_mask, positions)
-        if cache is not None and positions is None:
+        own_positions = cache is not None and positions is None
+        if own_positions:
             positions = cache.positions(x.shape[1])  # (B, S): each row continues from its length
         seen = observe or (lambda name, t: None)
         seen("X", x)
@@ -276,8 +277,9 @@ class MultiHeadAttention(nn.Module):
         seen("Q_k", q), seen("K_k", k), seen("V_k", v)
 
         if self.rope is not None:
-            q = self.rope(q, positions)
-            k = self.rope(k, positions)
+            # With a cache the positions' range is known on the host: no device read.
+            bound = max(cache.host_lengths()) + x.shape[1] if cache is not None and own_positions else None
+            q, k = self.rope.rotate((q, k), positions, bound=bound)
             seen("Q_rot", q), seen("K_rot", k)
 
         causal, window = self.causal, self.window

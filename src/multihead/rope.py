@@ -90,20 +90,29 @@ class RoPE(nn.Module):
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, base={self.base}, pairing={self.pairing!r}, rotary_dim={self.rotary_dim}"
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32, *,
+               bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin shaped like ``positions`` + (R/2,): float32, or float64 for ``dtype=float64``.
 
         float32 is Hugging Face's table, bit for bit. A float32 angle is off by about
         ``position · 1e-7``, so float64 inputs get angles computed in float64: a float64
         layer then matches the float64 reference to rounding, not to float32's ~1e-8.
+
+        Args:
+            positions: integer positions, any shape.
+            dtype: the dtype of the tensor to rotate.
+            bound: a known upper bound (exclusive) of ``positions``, all >= 0; when given
+                nothing is read back from the device to choose the table or the formula.
         """
         if dtype == torch.float64:
             exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float64, device=positions.device)
             inv_freq = 1.0 / (self.base ** (exponents / self.rotary_dim))  # (R/2,)
             angles = positions.to(torch.float64)[..., None] * inv_freq
             return angles.cos(), angles.sin()
-        on_meta = positions.device.type == "meta"  # shapes only: no values to look up
-        if not on_meta and positions.numel() and int(positions.max()) < self.max_positions and int(positions.min()) >= 0:
+        if bound is None and positions.numel() and positions.device.type != "meta":  # meta: shapes only
+            low, high = torch.aminmax(positions)
+            bound = int(high) + 1 if int(low) >= 0 else None  # one read back, only for caller-given positions
+        if bound is not None and bound <= self.max_positions:
             return self.cos[positions], self.sin[positions]
         angles = positions.to(torch.float32)[..., None] * self.inv_freq
         return angles.cos(), angles.sin()
@@ -122,15 +131,35 @@ class RoPE(nn.Module):
         check_tensor("x", x, ndim=4)
         if x.shape[-1] != self.head_dim:
             raise ValueError(f"x must have head dim {self.head_dim} in [B, H, S, D], got shape {list(x.shape)}")
+        return self.rotate((x,), positions)[0]
+
+    def rotate(self, tensors: tuple[torch.Tensor, ...], positions: torch.Tensor | None = None, *,
+               bound: int | None = None) -> tuple[torch.Tensor, ...]:
+        """Rotate several tensors (q and k) at the same positions, with one table lookup.
+
+        Args:
+            tensors: each (B, H, S, D), same B, S and dtype (H may differ: GQA).
+            positions: (S,) or (B, S); default 0 .. S-1.
+            bound: known exclusive upper bound of ``positions`` (see :meth:`tables`).
+
+        Returns:
+            the rotated tensors, in order.
+        """
+        for i, t in enumerate(tensors):
+            check_tensor(f"tensors[{i}]", t, ndim=4)
+            if t.shape[-1] != self.head_dim:
+                raise ValueError(f"tensors[{i}] must have head dim {self.head_dim} in [B, H, S, D], "
+                                 f"got shape {list(t.shape)}")
+        x = tensors[0]
         b, _, s, _ = x.shape
         if positions is None:
-            positions = torch.arange(s, device=x.device)
+            positions, bound = torch.arange(s, device=x.device), s
         else:
             positions = check_positions(positions, b, s)
-        cos, sin = self.tables(positions, x.dtype)  # (S, R/2) or (B, S, R/2)
+        cos, sin = self.tables(positions, x.dtype, bound=bound)  # (S, R/2) or (B, S, R/2)
         if cos.dim() == 3:
             cos, sin = cos[:, None], sin[:, None]  # (B, 1, S, R/2)
-        return apply_rotary(x, cos, sin, interleaved=self.interleaved)
+        return tuple(apply_rotary(t, cos, sin, interleaved=self.interleaved) for t in tensors)
 
 
 def check_positions(positions: object, batch: int, seq: int) -> torch.Tensor:
