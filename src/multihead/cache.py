@@ -15,7 +15,10 @@ At inference each head's K and V are kept so that a new token costs O(S), not O(
   gaps and RoPE positions need no bookkeeping. (Left padding, as Hugging Face uses,
   leaves holes in the cache and shifts positions; it is refused with a message.)
 * **In place.** New keys and values are scattered into their slots; the cache never
-  grows or concatenates. Keys are stored after RoPE, at their absolute positions.
+  grows or concatenates. (A chunk of several tokens into a ring buffer is attended
+  together with the ring through a temporary concatenation, since writing first could
+  overwrite keys the chunk's early queries still need; the ring itself is written in
+  place.) Keys are stored after RoPE, at their absolute positions.
 * **Ring buffer for sliding windows.** A layer with ``window=w`` can use a cache of
   ``w`` slots per row (``ring=True``): token ``p`` lives in slot ``p % w``, and the
   slot's position is recorded in ``slot_pos``, so memory stays bounded however long
