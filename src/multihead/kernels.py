@@ -52,7 +52,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .backends import get_backend, register_backend, safe_softmax
+from .backends import _accumulation_dtype, full_mask, get_backend, register_backend, safe_softmax
 
 __all__ = ["blocked_attention", "decode_attention", "linear", "onednn_available", "gemm_for", "mm_nt"]
 
@@ -145,7 +145,7 @@ def _as_4d(mask: torch.Tensor | None) -> torch.Tensor | None:
 
 def _upcast(t: torch.Tensor) -> torch.Tensor:
     # Half-precision inputs are computed in float32 (softmax in float32 at least).
-    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+    return t.to(_accumulation_dtype(t.dtype))
 
 
 def blocked_attention(
@@ -366,8 +366,6 @@ def decode_attention(
 def _decode_mask(mask: torch.Tensor | None, b: int, h: int, hkv: int, g: int, sq: int, sk: int,
                  causal: bool, window: int | None, device: torch.device) -> torch.Tensor:
     """Combined mask broadcastable to (B, Hkv, Sq, G, Sk)."""
-    from .backends import full_mask
-
     m = _as_4d(full_mask(mask, causal, window, sq, sk, device))  # (B|1, H|1, Sq|1, Sk|1)
     m = m.expand(m.shape[0], m.shape[1], sq, m.shape[3])
     if m.shape[1] == h:
