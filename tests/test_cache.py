@@ -352,3 +352,18 @@ def test_no_keys_or_no_queries_give_empty_or_zero_outputs(backend: str) -> None:
     q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 0, 8)
     assert torch.equal(mh.attention(q, k, k, backend=backend), torch.zeros(1, 2, 3, 8))
     assert mh.attention(q[:, :, :0], q, q, backend=backend).shape == (1, 2, 0, 8)
+
+
+@torch.no_grad()
+def test_ring_cache_chunks_of_several_tokens_equal_the_full_forward() -> None:
+    """Chunks that fit before the ring wraps take the in-order path; later ones wrap it."""
+    layer = make_layer(2, window=8)
+    x = torch.randn(2, 30, E)
+    cache = layer.new_cache(2, 40)
+    assert cache.ring and cache.capacity == 8
+    outs, t = [layer(x[:, :3], cache=cache)], 3
+    while t < 30:
+        n = min(5, 30 - t)
+        outs.append(layer(x[:, t : t + n], cache=cache))
+        t += n
+    torch.testing.assert_close(torch.cat(outs, dim=1), layer(x), atol=1e-5, rtol=0)

@@ -223,7 +223,7 @@ class KVCache:
         old = self._host_lengths
         real_counts = [sn] * b if real is None else list(real)
         uniform = real is None and len(set(old)) == 1
-        if self.ring and sn > 1:
+        if self.ring and sn > 1 and max(old) + sn > self.capacity:  # the chunk would wrap the ring
             return self._append_ring_chunk(k, v, real_counts, causal=causal, window=window)
 
         positions = self.positions(sn)  # (B, Sn)
