@@ -4,6 +4,7 @@
     multihead explain CONFIG|DIR        the same table for a real config, on meta tensors
     multihead cost CONFIG|DIR           parameters, FLOPs and KV-cache bytes of a config
     multihead run [TEXT ...]            the bundled MiniLM (or --model DIR), patched and checked
+    multihead bench [--quick]           multihead against torch and Hugging Face on this machine
 """
 
 from __future__ import annotations
@@ -165,7 +166,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="multihead", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="multihead",
+        description="Multi-head attention exactly as it is taught: see each step, check it, cost it, run it.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("explain", help="the seed's section-7 table, observed while running a layer")
     p.add_argument("config", nargs="?", default=None, metavar="CONFIG|DIR",
