@@ -236,3 +236,16 @@ def test_linear_matches_f_linear_in_value_and_gradients(bias: bool) -> None:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     with torch.no_grad():
         torch.testing.assert_close(kernels.linear(x, w, b), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sq, sk", [(511, 511), (513, 513), (1025, 1025), (200, 1100)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_blocked_at_real_block_sizes_meets_the_accuracy_criterion(sq: int, sk: int, causal: bool) -> None:
+    """Default block sizes, key padding to 128 and chunk merges at realistic lengths."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, sq, 64), torch.randn(1, 2, sk, 64), torch.randn(1, 2, sk, 64)
+    truth = mh.attention(q.double(), k.double(), v.double(), causal=causal, backend="explicit")
+    got = mh.attention(q, k, v, causal=causal, backend="blocked")
+    naive = mh.attention(q, k, v, causal=causal, backend="explicit")  # plain float32 softmax(QKᵀ)V
+    err, naive_err = (got.double() - truth).abs().max().item(), (naive.double() - truth).abs().max().item()
+    assert err <= 2 * naive_err + 1e-6, (err, naive_err)
