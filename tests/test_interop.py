@@ -59,6 +59,14 @@ def _hf_mask(real: torch.Tensor, dtype: torch.dtype, *, causal: bool, window: in
     return torch.zeros(b, 1, s, s, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
+def _backward_and_compare(got: torch.Tensor, want: torch.Tensor, upstream: torch.Tensor, ours, theirs,
+                          x: torch.Tensor, x2: torch.Tensor, atol: float, rtol: float = 0.0) -> None:
+    """Backpropagate the same upstream gradient through both modules and compare every gradient."""
+    (got * upstream).sum().backward()
+    (want * upstream).sum().backward()
+    _compare_grads(ours, theirs, x, x2, atol, rtol=rtol)
+
+
 def _compare_grads(ours: mh.MultiHeadAttention, theirs: nn.Module, x_ours: torch.Tensor,
                    x_theirs: torch.Tensor, atol: float, rtol: float = 0.0) -> None:
     got = {n: p.grad for n, p in ours.named_parameters() if p.grad is not None}
@@ -122,10 +130,7 @@ def test_bert_attention_converts_with_output_dense_as_o_proj() -> None:
     got = ours(x, key_mask=real)
     want = theirs.output.dense(theirs.self(x2, attention_mask=_hf_mask(real, x.dtype, causal=False))[0])
     torch.testing.assert_close(got, want, rtol=0, atol=ATOL64)
-    g = torch.randn_like(got)
-    (got * g).sum().backward()
-    (want * g).sum().backward()
-    _compare_grads(ours, theirs, x, x2, 1e-9)
+    _backward_and_compare(got, want, torch.randn_like(got), ours, theirs, x, x2, 1e-9)
 
 
 def test_bert_attention_output_is_ours_plus_residual_and_layernorm() -> None:
@@ -166,10 +171,7 @@ def test_gpt2_attention_converts_fused_transposed_conv1d(options: dict) -> None:
     got = ours(x, key_mask=real)
     want = theirs(x2, attention_mask=_hf_mask(real, x.dtype, causal=True))[0]
     torch.testing.assert_close(got, want, rtol=0, atol=ATOL64)
-    g = torch.randn_like(got)
-    (got * g).sum().backward()
-    (want * g).sum().backward()
-    _compare_grads(ours, theirs, x, x2, 1e-9)
+    _backward_and_compare(got, want, torch.randn_like(got), ours, theirs, x, x2, 1e-9)
 
 
 def test_gpt2_cross_attention_is_refused() -> None:
@@ -213,10 +215,8 @@ def test_llama_family_converts_gqa_rope_bias_window(name: str) -> None:
     # A padding query whose window holds only padding has no key: we give zeros, HF's
     # eager softmax a uniform row over blocked keys. Only real queries are compared.
     torch.testing.assert_close(got[real], want[real], rtol=0, atol=ATOL32)
-    g = torch.randn_like(got) * real[..., None]
-    (got * g).sum().backward()
-    (want * g).sum().backward()
-    _compare_grads(ours, theirs, x, x2, 1e-5, rtol=1e-4)  # float32 sums over B·S terms
+    _backward_and_compare(got, want, torch.randn_like(got) * real[..., None], ours, theirs, x, x2,
+                          1e-5, rtol=1e-4)  # float32 sums over B·S terms
 
 
 def test_llama_rope_scaling_is_refused() -> None:
