@@ -98,20 +98,35 @@ def test_a_replaced_projection_module_is_called() -> None:
         torch.testing.assert_close(layer(x), 2 * plain, atol=1e-5, rtol=1e-5)
 
 
-def test_auto_routes_short_sequences_to_sdpa_and_long_ones_to_blocked(monkeypatch) -> None:
-    """Measured thresholds: below S=512 SDPA is faster; GQA decoding over a long cache batches."""
+def test_auto_routes_each_shape_to_its_measured_path(monkeypatch) -> None:
+    """Tiny problems: SDPA (lowest fixed cost); GQA decoding over a long cache: batched
+    matmuls; the rest: the native kernel, or "blocked" from S=512 where it cannot build."""
     seen: list[str] = []
-    for name in ("sdpa",):
-        real = mh.backends.get_backend(name)
-        monkeypatch.setitem(mh.backends._BACKENDS, name, lambda *a, _r=real, **k: seen.append("sdpa") or _r(*a, **k))
-    real_blocked, real_decode = mh.kernels.blocked_attention, mh.kernels.decode_attention
-    monkeypatch.setattr(mh.kernels, "blocked_attention", lambda *a, **k: seen.append("blocked") or real_blocked(*a, **k))
-    monkeypatch.setattr(mh.kernels, "decode_attention", lambda *a, **k: seen.append("decode") or real_decode(*a, **k))
-    short = torch.randn(1, 4, 64, 64)
+    real_sdpa = mh.backends.get_backend("sdpa")
+    monkeypatch.setitem(mh.backends._BACKENDS, "sdpa", lambda *a, **k: seen.append("sdpa") or real_sdpa(*a, **k))
+    for name, label in (("blocked_attention", "blocked"), ("decode_attention", "decode")):
+        real = getattr(mh.kernels, name)
+        monkeypatch.setattr(mh.kernels, name, lambda *a, _r=real, _l=label, **k: seen.append(_l) or _r(*a, **k))
+    real_native = mh.native.attention_f32
+    monkeypatch.setattr(mh.native, "attention_f32", lambda *a, **k: seen.append("native") or real_native(*a, **k))
+    tiny = torch.randn(1, 4, 8, 64)
+    mid = torch.randn(1, 4, 64, 64)
     long = torch.randn(1, 2, 512, 64)
     q1, kv = torch.randn(1, 8, 1, 64), torch.randn(1, 2, 300, 64)
-    mh.attention(short, short, short, causal=True)
-    if mh.kernels.onednn_available():
-        mh.attention(long, long, long, causal=True)
+    for t in (tiny, mid, long):
+        mh.attention(t, t, t, causal=True)
     mh.attention(q1, kv, kv, causal=True)
-    assert seen == ["sdpa"] + (["blocked"] if mh.kernels.onednn_available() else []) + ["decode"]
+    if mh.native.available():
+        assert seen == ["sdpa", "native", "native", "decode"]
+    else:
+        assert seen == ["sdpa", "sdpa", "blocked" if mh.kernels.onednn_available() else "sdpa", "decode"]
+
+
+def test_auto_without_the_native_kernel_uses_blocked_for_long_sequences(monkeypatch) -> None:
+    monkeypatch.setattr(mh.native, "available", lambda: False)
+    seen: list[str] = []
+    real = mh.kernels.blocked_attention
+    monkeypatch.setattr(mh.kernels, "blocked_attention", lambda *a, **k: seen.append("blocked") or real(*a, **k))
+    long = torch.randn(1, 2, 512, 64)
+    mh.attention(long, long, long, causal=True)
+    assert seen == (["blocked"] if mh.kernels.onednn_available() else [])

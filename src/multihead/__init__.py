@@ -10,7 +10,7 @@ Masks everywhere: bool, **True = may attend** (see :mod:`multihead.masks`).
 
 from typing import Any
 
-from . import backends, interop, masks, reference
+from . import backends, interop, masks, native, reference
 from .cache import KVCache
 from .config import AttentionConfig
 from .cost import Cost, cost
@@ -34,6 +34,7 @@ __all__ = [
     "half_to_interleaved",
     "masks",
     "backends",
+    "native",
     "reference",
     "AttentionConfig",
     "cost",

@@ -1,4 +1,4 @@
-"""Fast CPU attention kernels (backends ``"blocked"`` and ``"auto"``) and a fast ``linear``.
+"""Fast CPU attention paths (backends ``"native"``, ``"blocked"``, ``"auto"``) and a fast ``linear``.
 
 Notation: B batch, H query heads, Hkv key/value heads, G = H // Hkv query heads per
 K/V head, Sq queries, Sk keys, D head dim (Dv for values), P query positions in one
@@ -37,9 +37,11 @@ allowed key gets zeros. The output is returned as a (B, H, Sq, Dv) view of a
 
 ``"auto"`` (the default) picks per call: weights → ``"explicit"``; gradients or dropout
 → ``"sdpa"`` (differentiable); few query rows sharing a K/V head over ≥ 256 keys (GQA
-decoding) → :func:`decode_attention`, two batched matmuls; float32 with oneDNN, Sq and
-Sk ≥ 512 and D ≥ 64 → ``"blocked"``; anything else (short sequences, MHA decoding,
-where SDPA's fixed costs are lower) → ``"sdpa"``. The thresholds were measured.
+decoding) → :func:`decode_attention`, two batched matmuls; from 2^14 scores (B·H·Sq·Sk)
+the compiled kernel of :mod:`multihead.native` (``"native"``: float32, half precision
+upcast) when it builds here; without it, float32 with oneDNN, Sq and Sk ≥ 512 and
+D ≥ 64 → ``"blocked"``; anything else (tiny problems, where SDPA's fixed costs are
+lowest) → ``"sdpa"``. The thresholds were measured.
 
 :func:`linear` is ``F.linear`` on oneDNN (forward and backward), for the projections.
 """
@@ -52,6 +54,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .backends import _accumulation_dtype, full_mask, get_backend, register_backend, safe_softmax
 
 __all__ = ["blocked_attention", "decode_attention", "linear", "onednn_available", "gemm_for", "mm_nt"]
@@ -79,6 +82,12 @@ _DECODE_MIN_KEYS = 256
 #: D=64 "blocked" is 1.2-1.4× faster.
 _BLOCKED_MIN_SEQ = 512
 _BLOCKED_MIN_HEAD_DIM = 64
+#: "auto" uses the native kernel from this many scores (B·H·Sq·Sk): below, its fixed
+#: cost (~15 µs: ctypes, an OpenMP region, buffers) exceeds SDPA's (~10 µs).
+_NATIVE_MIN_SCORES = 1 << 14
+#: Input dtypes "auto" sends to the native kernel (half precision is computed in float32,
+#: which is also faster than SDPA's half-precision CPU path, measured 1.5-3×).
+_NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _NEG_INF = float("-inf")
 MatMul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -453,6 +462,45 @@ def blocked_backend(
     return blocked_attention(q, k, v, scale=scale, causal=causal, window=window, mask=mask), None
 
 
+@register_backend("native")
+def native_backend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+    mask: torch.Tensor | None, causal: bool, window: int | None, scale: float,
+    dropout_p: float, return_weights: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The compiled kernel (:mod:`multihead.native`), float32 (half precision upcast).
+
+    Gradients or dropout go to ``"sdpa"`` (differentiable); float64 goes to the
+    ``"blocked"`` kernel, in float64 (the compiled kernel is float32 only).
+
+    Raises:
+        RuntimeError: the kernel cannot be built or loaded here (the message says why),
+            or the tensors are not on the CPU.
+    """
+    if dropout_p > 0 or _needs_grad(q, k, v):
+        return get_backend("sdpa")(q, k, v, mask=mask, causal=causal, window=window, scale=scale,
+                                   dropout_p=dropout_p, return_weights=False)
+    if q.device.type != "cpu":
+        raise RuntimeError(f"backend 'native' runs on the CPU, got tensors on {q.device}")
+    if q.dtype not in _NATIVE_DTYPES:
+        return blocked_attention(q, k, v, scale=scale, causal=causal, window=window, mask=mask), None
+    return _native_call(q, k, v, scale=scale, causal=causal, window=window, mask=mask), None
+
+
+def _native_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool,
+                 window: int | None, mask: torch.Tensor | None) -> torch.Tensor:
+    dtype = q.dtype
+    out = native.attention_f32(_upcast(q), _upcast(k), _upcast(v), scale=scale, causal=causal, window=window,
+                               mask=mask)
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
+def _native_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether "auto" should use the native kernel for these tensors (built on first ask)."""
+    return (q.dtype in _NATIVE_DTYPES and v.shape[-1] % 16 == 0
+            and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] >= _NATIVE_MIN_SCORES and native.available())
+
+
 @register_backend("auto", weights=True)
 def auto_backend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -469,6 +517,8 @@ def auto_backend(
     sq, sk, d, g = q.shape[2], k.shape[2], q.shape[3], q.shape[1] // k.shape[1]
     if _few_rows(q, k) and g > 1 and sk >= _DECODE_MIN_KEYS:
         return decode_attention(q, k, v, scale=scale, causal=causal, window=window, mask=mask), None
+    if _native_fits(q, k, v):
+        return _native_call(q, k, v, scale=scale, causal=causal, window=window, mask=mask), None
     if (q.dtype == torch.float32 and onednn_available() and min(sq, sk) >= _BLOCKED_MIN_SEQ
             and d >= _BLOCKED_MIN_HEAD_DIM):
         return blocked_attention(q, k, v, scale=scale, causal=causal, window=window, mask=mask), None

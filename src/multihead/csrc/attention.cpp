@@ -1,0 +1,360 @@
+// multihead's native CPU attention kernel: float32, forward only, FlashAttention-style.
+//
+// Notation: B batch, H query heads, Hkv key/value heads, G = H / Hkv query heads per
+// K/V head, Sq queries, Sk keys, D head dim, Dv value head dim. Query i sits at key
+// position i + (Sk - Sq) (bottom-right alignment, as everywhere in multihead).
+//
+// Why it exists: torch's CPU SDPA does its GEMMs through MKL, which runs AVX2 code on
+// AMD CPUs, and with a causal mask computes whole 512-key blocks it then masks. Here
+// the two products run in AVX-512 register tiles (GCC vector extensions, compiled with
+// -march=native on the user's machine), key tiles of 32 above the diagonal are
+// skipped, and the softmax is fused in between, so no S×S matrix ever exists.
+//
+// Work item = (b, K/V head, tile of QT query positions), shared out dynamically across
+// OpenMP threads (torch's own libgomp: it is loaded before this library). An item
+//
+//   packs its G heads' queries, pre-multiplied by scale·log2(e)       (G, QT, D)
+//   for each chunk of KC keys its rows may see:
+//       packs K of the chunk as panels of 32 keys, (D, 32) each         (kt)
+//       for each head, for each MR query rows:
+//           s = q · kᵀ  over the panels some row may see (MR × 32 tiles)
+//           -inf where causal / window / the caller's mask / padding forbid
+//           online softmax (base 2): m' = max(m, max s); o *= 2^(m - m'); l *= 2^(m - m')
+//           p = 2^(s - m'); l += Σp; o += p · v      (MR_PV × Dv tiles, V read in place)
+//   writes o / l (zeros where l == 0: a query with no allowed key).
+//
+// Returns 0, or a negative code: -1 out of memory, -2 unsupported shape.
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <algorithm>
+#include <omp.h>
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));  // unaligned access
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+constexpr int64_t NR = 32;   // keys per panel: two vectors
+constexpr int MR = 12;       // query rows of a q·kᵀ tile (24 accumulators)
+constexpr int MR_PV = 6;     // query rows of a p·v tile (6 × 4 = 24 accumulators)
+constexpr int64_t KC = 512;  // keys per chunk (a packed chunk of D = 64 is 128 KiB, L2)
+constexpr float NEG_INF = -__builtin_inff();
+
+inline v16 load(const float* p) { return *(const v16u*)p; }
+inline void store(float* p, v16 x) { *(v16u*)p = x; }
+inline v16 splat(float x) { return (v16){} + x; }
+inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
+
+inline float hmax(v16 x) {
+    float m = x[0];
+    for (int i = 1; i < 16; ++i) m = std::max(m, x[i]);
+    return m;
+}
+
+inline float hsum(v16 x) {
+    float s = 0.f;
+    for (int i = 0; i < 16; ++i) s += x[i];
+    return s;
+}
+
+// 2^x for x <= 0 (scores minus their row maximum); exactly 0 for x <= -127, so -inf
+// (masked) gives 0. 2^x = 2^n · 2^f, n = round(x), f in [-1/2, 1/2], 2^f by its Taylor
+// series to degree 7 (relative error < 1e-8, below float32 rounding). NaN stays NaN.
+inline v16 exp2v(v16 x) {
+    x = x < -127.f ? splat(-127.f) : x;
+    const float round = 12582912.f;  // 1.5 · 2^23: adding it rounds to an integer
+    v16 n = (x + round) - round;
+    v16 f = x - n;
+    v16 p = splat(1.525273e-5f);
+    p = p * f + 1.540353e-4f;
+    p = p * f + 1.333355e-3f;
+    p = p * f + 9.618129e-3f;
+    p = p * f + 5.550411e-2f;
+    p = p * f + 2.402265e-1f;
+    p = p * f + 6.931472e-1f;
+    p = p * f + 1.f;
+    i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;  // 2^n; n = -127 gives +0
+    return p * (v16)bits;
+}
+
+// c (MR × 32, row stride ldc) = a (MR × d, rows contiguous) · panel (d × 32).
+inline void qk_tile(const float* __restrict a, int64_t d, const float* __restrict panel,
+                    float* __restrict c, int64_t ldc) {
+    v16 c0[MR], c1[MR];
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; ++i) c0[i] = c1[i] = (v16){};
+    for (int64_t t = 0; t < d; ++t) {
+        v16 b0 = load(panel + t * NR), b1 = load(panel + t * NR + 16);
+#pragma GCC unroll 12
+        for (int i = 0; i < MR; ++i) {
+            v16 ai = splat(a[i * d + t]);
+            c0[i] += ai * b0;
+            c1[i] += ai * b1;
+        }
+    }
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; ++i) {
+        store(c + i * ldc, c0[i]);
+        store(c + i * ldc + 16, c1[i]);
+    }
+}
+
+// o (rows × 16·NV, row stride ldo) += p (rows × n, row stride ldp) · v (n × 16·NV, row stride ldv).
+template <int ROWS, int NV>
+inline void pv_tile(const float* __restrict p, int64_t ldp, int64_t n, const float* __restrict v,
+                    int64_t ldv, float* __restrict o, int64_t ldo) {
+    v16 acc[ROWS][NV];
+#pragma GCC unroll 6
+    for (int i = 0; i < ROWS; ++i)
+#pragma GCC unroll 4
+        for (int t = 0; t < NV; ++t) acc[i][t] = load(o + i * ldo + 16 * t);
+    for (int64_t j = 0; j < n; ++j) {
+        v16 vj[NV];
+#pragma GCC unroll 4
+        for (int t = 0; t < NV; ++t) vj[t] = load(v + j * ldv + 16 * t);
+#pragma GCC unroll 6
+        for (int i = 0; i < ROWS; ++i) {
+            v16 pij = splat(p[i * ldp + j]);
+#pragma GCC unroll 4
+            for (int t = 0; t < NV; ++t) acc[i][t] += pij * vj[t];
+        }
+    }
+#pragma GCC unroll 6
+    for (int i = 0; i < ROWS; ++i)
+#pragma GCC unroll 4
+        for (int t = 0; t < NV; ++t) store(o + i * ldo + 16 * t, acc[i][t]);
+}
+
+template <int ROWS>
+void pv_rows(const float* p, int64_t ldp, int64_t n, const float* v, int64_t ldv, float* o, int64_t ldo,
+             int64_t dv) {
+    int64_t c = 0;
+    for (; c + 64 <= dv; c += 64) pv_tile<ROWS, 4>(p, ldp, n, v + c, ldv, o + c, ldo);
+    switch ((dv - c) / 16) {
+        case 3: pv_tile<ROWS, 3>(p, ldp, n, v + c, ldv, o + c, ldo); break;
+        case 2: pv_tile<ROWS, 2>(p, ldp, n, v + c, ldv, o + c, ldo); break;
+        case 1: pv_tile<ROWS, 1>(p, ldp, n, v + c, ldv, o + c, ldo); break;
+        default: break;
+    }
+    c += (dv - c) / 16 * 16;
+    for (int i = 0; i < ROWS; ++i)  // the last dv % 16 columns, plainly
+        for (int64_t j = 0; j < n; ++j)
+            for (int64_t t = c; t < dv; ++t) o[i * ldo + t] += p[i * ldp + j] * v[j * ldv + t];
+}
+
+// o (rows × dv) += p (rows × n) · v (n × dv), rows <= MR.
+void pv(const float* p, int64_t ldp, int64_t rows, int64_t n, const float* v, int64_t ldv, float* o,
+        int64_t ldo, int64_t dv) {
+    for (int64_t r = 0; r < rows; r += MR_PV) {
+        int64_t left = rows - r;
+        const float* pr = p + r * ldp;
+        float* orow = o + r * ldo;
+        switch (left >= MR_PV ? MR_PV : left) {
+            case 6: pv_rows<6>(pr, ldp, n, v, ldv, orow, ldo, dv); break;
+            case 5: pv_rows<5>(pr, ldp, n, v, ldv, orow, ldo, dv); break;
+            case 4: pv_rows<4>(pr, ldp, n, v, ldv, orow, ldo, dv); break;
+            case 3: pv_rows<3>(pr, ldp, n, v, ldv, orow, ldo, dv); break;
+            case 2: pv_rows<2>(pr, ldp, n, v, ldv, orow, ldo, dv); break;
+            default: pv_rows<1>(pr, ldp, n, v, ldv, orow, ldo, dv); break;
+        }
+    }
+}
+
+struct Problem {
+    const float *q, *k, *v;
+    float* out;
+    const uint8_t* mask;  // nullptr or bool bytes, True = may attend
+    int64_t B, H, Hkv, Sq, Sk, D, Dv;
+    int64_t qs[3], ks[3], vs[3], os[3], ms[4];  // strides (b, h, s) in elements; mask (b, h, i, j)
+    float scale;  // scale · log2(e)
+    bool causal;
+    int64_t window;  // 0: none
+};
+
+struct Buffers {
+    float *qbuf, *kt, *s, *m, *l, *o;
+    bool ok() const { return qbuf && kt && s && m && l && o; }
+    void release() {
+        for (float* p : {qbuf, kt, s, m, l, o}) std::free(p);
+    }
+};
+
+float* alloc(int64_t n) {
+    size_t bytes = (size_t(std::max<int64_t>(n, 16)) * sizeof(float) + 63) / 64 * 64;
+    return static_cast<float*>(std::aligned_alloc(64, bytes));
+}
+
+// Keys [lo, hi) that query position range [p0, p1) may see (structure only).
+inline void key_range(const Problem& P, int64_t p0, int64_t p1, int64_t& lo, int64_t& hi) {
+    int64_t off = P.Sk - P.Sq;
+    lo = 0;
+    hi = P.Sk;
+    if (P.causal) hi = std::min(hi, p1 - 1 + off + 1);
+    if (P.window > 0) {
+        lo = std::max<int64_t>(lo, p0 + off - P.window + 1);
+        if (!P.causal) hi = std::min(hi, p1 - 1 + off + P.window);
+    }
+    lo = std::max<int64_t>(lo, 0);
+}
+
+void run_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t p0, int64_t p1, int64_t qt_pad) {
+    const int64_t G = P.H / P.Hkv, D = P.D, Dv = P.Dv, rows = p1 - p0;
+    const int64_t off = P.Sk - P.Sq;
+    // Scaled queries of the G heads: (G, qt_pad, D), padding rows zero.
+    for (int64_t g = 0; g < G; ++g) {
+        const float* src = P.q + b * P.qs[0] + (kvh * G + g) * P.qs[1];
+        float* dst = buf.qbuf + g * qt_pad * D;
+        for (int64_t r = 0; r < qt_pad; ++r) {
+            if (r < rows) {
+                const float* qr = src + (p0 + r) * P.qs[2];
+                for (int64_t t = 0; t < D; ++t) dst[r * D + t] = qr[t] * P.scale;
+            } else {
+                std::memset(dst + r * D, 0, sizeof(float) * D);
+            }
+        }
+    }
+    for (int64_t r = 0; r < G * rows; ++r) { buf.m[r] = NEG_INF; buf.l[r] = 0.f; }
+    std::memset(buf.o, 0, sizeof(float) * G * rows * Dv);
+
+    int64_t lo, hi;
+    key_range(P, p0, p1, lo, hi);
+    lo = lo / NR * NR;  // panel aligned
+    const float* kb = P.k + b * P.ks[0] + kvh * P.ks[1];
+    const float* vb = P.v + b * P.vs[0] + kvh * P.vs[1];
+    for (int64_t c0 = lo; c0 < hi; c0 += KC) {
+        const int64_t c1 = std::min(c0 + KC, hi);
+        const int64_t npan = (c1 - c0 + NR - 1) / NR;
+        // Pack K[c0, c1) as panels (D, 32): kt[pan][t][j] = K[c0 + 32·pan + j][t]; zero past Sk.
+        for (int64_t pan = 0; pan < npan; ++pan) {
+            float* dst = buf.kt + pan * D * NR;
+            for (int64_t j = 0; j < NR; ++j) {
+                int64_t key = c0 + pan * NR + j;
+                if (key < P.Sk) {
+                    const float* kr = kb + key * P.ks[2];
+                    for (int64_t t = 0; t < D; ++t) dst[t * NR + j] = kr[t];
+                } else {
+                    for (int64_t t = 0; t < D; ++t) dst[t * NR + j] = 0.f;
+                }
+            }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+            const int64_t h = kvh * G + g;
+            for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+                const int64_t nr = std::min<int64_t>(MR, rows - r0);
+                int64_t blo, bhi;  // keys these rows may see
+                key_range(P, p0 + r0, p0 + r0 + nr, blo, bhi);
+                blo = std::max(blo, c0);
+                bhi = std::min(bhi, c1);
+                if (bhi <= blo) continue;
+                const int64_t pa = (blo - c0) / NR, pb = (bhi - c0 + NR - 1) / NR;
+                const int64_t j0 = c0 + pa * NR, width = (pb - pa) * NR;  // score columns [j0, j0 + width)
+                float* s = buf.s;  // (MR, KC)
+                for (int64_t pan = pa; pan < pb; ++pan)
+                    qk_tile(buf.qbuf + (g * qt_pad + r0) * D, D, buf.kt + pan * D * NR, s + (pan - pa) * NR, KC);
+                const int64_t valid = std::min(j0 + width, P.Sk) - j0;  // columns that are real keys
+                for (int64_t i = 0; i < nr; ++i) {
+                    float* si = s + i * KC;
+                    const int64_t pos = p0 + r0 + i + off;  // this query's key position
+                    // Structural limits for this row, as column indices into si.
+                    int64_t a = 0, e = valid;
+                    if (P.causal) e = std::min(e, pos + 1 - j0);
+                    if (P.window > 0) {
+                        a = std::max(a, pos - P.window + 1 - j0);
+                        if (!P.causal) e = std::min(e, pos + P.window - j0);
+                    }
+                    a = std::clamp<int64_t>(a, 0, width);
+                    e = std::clamp<int64_t>(e, a, width);
+                    for (int64_t j = 0; j < a; ++j) si[j] = NEG_INF;
+                    for (int64_t j = e; j < width; ++j) si[j] = NEG_INF;
+                    if (P.mask) {
+                        const uint8_t* mr = P.mask + b * P.ms[0] + h * P.ms[1] + (p0 + r0 + i) * P.ms[2];
+                        for (int64_t j = a; j < e; ++j)
+                            if (!mr[(j0 + j) * P.ms[3]]) si[j] = NEG_INF;
+                    }
+                    // Online softmax, base 2.
+                    const int64_t row = g * rows + r0 + i;
+                    v16 mx = splat(NEG_INF);
+                    for (int64_t j = 0; j < width; j += 16) mx = vmax(mx, load(si + j));
+                    const float m_old = buf.m[row];
+                    const float m_new = std::max(m_old, hmax(mx));
+                    // No allowed key yet: keep probabilities 0 (2^-inf) without NaN.
+                    const float m_use = m_new == NEG_INF ? 0.f : m_new;
+                    const float alpha = exp2v(splat(m_old - m_use))[0];
+                    v16 sum = (v16){};
+                    const v16 mv = splat(m_use);
+                    for (int64_t j = 0; j < width; j += 16) {
+                        v16 pj = exp2v(load(si + j) - mv);
+                        store(si + j, pj);
+                        sum += pj;
+                    }
+                    buf.m[row] = m_new;
+                    buf.l[row] = buf.l[row] * alpha + hsum(sum);
+                    if (alpha != 1.f) {
+                        float* orow = buf.o + row * Dv;
+                        for (int64_t t = 0; t < Dv; ++t) orow[t] *= alpha;
+                    }
+                }
+                pv(s, KC, nr, valid, vb + j0 * P.vs[2], P.vs[2], buf.o + (g * rows + r0) * Dv, Dv, Dv);
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+        float* ob = P.out + b * P.os[0] + (kvh * G + g) * P.os[1];
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t row = g * rows + r;
+            const float inv = buf.l[row] > 0.f ? 1.f / buf.l[row] : 0.f;
+            const float* src = buf.o + row * Dv;
+            float* dst = ob + (p0 + r) * P.os[2];
+            for (int64_t t = 0; t < Dv; ++t) dst[t] = src[t] * inv;
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" int mh_attention_f32(const float* q, const float* k, const float* v, float* out, const uint8_t* mask,
+                                const int64_t* dims, const int64_t* strides, float scale, int causal,
+                                int64_t window, int64_t query_tile, int threads) {
+    Problem P{};
+    P.q = q; P.k = k; P.v = v; P.out = out; P.mask = mask;
+    P.B = dims[0]; P.H = dims[1]; P.Hkv = dims[2]; P.Sq = dims[3]; P.Sk = dims[4]; P.D = dims[5]; P.Dv = dims[6];
+    for (int i = 0; i < 3; ++i) {
+        P.qs[i] = strides[i]; P.ks[i] = strides[3 + i]; P.vs[i] = strides[6 + i]; P.os[i] = strides[9 + i];
+    }
+    for (int i = 0; i < 4; ++i) P.ms[i] = strides[12 + i];
+    P.scale = scale * 1.4426950408889634f;
+    P.causal = causal != 0;
+    P.window = window;
+    if (P.Hkv <= 0 || P.H % P.Hkv != 0 || P.D <= 0 || P.Dv <= 0 || query_tile <= 0) return -2;
+    const int64_t G = P.H / P.Hkv;
+    const int64_t qt = std::min(query_tile, std::max<int64_t>(P.Sq, 1));
+    const int64_t tiles = (P.Sq + qt - 1) / qt;
+    const int64_t items = P.B * P.Hkv * tiles;
+    const int64_t qt_pad = (qt + MR - 1) / MR * MR;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        Buffers buf{alloc(G * qt_pad * P.D), alloc(KC * P.D), alloc(MR * KC), alloc(G * qt), alloc(G * qt),
+                    alloc(G * qt * P.Dv)};
+        if (!buf.ok()) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+            // Later query tiles see more keys under a causal mask: hand them out first.
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t it = 0; it < items; ++it) {
+                const int64_t tile = tiles - 1 - it % tiles, rest = it / tiles;
+                const int64_t kvh = rest % P.Hkv, b = rest / P.Hkv;
+                const int64_t p0 = tile * qt, p1 = std::min(p0 + qt, P.Sq);
+                run_item(P, buf, b, kvh, p0, p1, qt_pad);
+            }
+        }
+        buf.release();
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,168 @@
+"""The native CPU kernel (``csrc/attention.cpp``): built on first use, loaded with ctypes.
+
+Notation: B batch, H query heads, Hkv key/value heads, Sq queries, Sk keys, D head dim,
+Dv value head dim.
+
+The kernel is one C++ file with no dependency but OpenMP. The first call that needs it
+compiles it for this machine (``-O3 -march=native``, about one second) into a cache
+folder, ``$MULTIHEAD_CACHE_DIR`` or ``~/.cache/multihead``, under a name that hashes the
+source, the compiler and the CPU's flags, so a shared home folder or an upgraded
+compiler never loads a stale or foreign build. Nothing happens at import time.
+
+Without a C++ compiler (``$CXX``, ``g++`` or ``c++``), or with ``MULTIHEAD_NATIVE=0``,
+:func:`available` is False and the ``"auto"`` backend uses its torch paths; the reason
+is in :func:`status`. The library is written with ``-fopenmp`` and loaded after torch,
+so its threads come from torch's own OpenMP runtime (no second thread pool).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+__all__ = ["available", "status", "attention_f32", "build"]
+
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+_status = "not built yet"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("MULTIHEAD_CACHE_DIR")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "multihead"
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """Compile (once per machine and source) and load the kernel, or None with a reason."""
+    global _status
+    if os.environ.get("MULTIHEAD_NATIVE", "1") == "0":
+        _status = "disabled by MULTIHEAD_NATIVE=0"
+        return None
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not compiler:
+        _status = "no C++ compiler found (set CXX or install g++)"
+        return None
+    source = resources.files("multihead").joinpath("csrc", "attention.cpp").read_bytes()
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as err:
+        _status = f"compiler {compiler!r} does not run: {err}"
+        return None
+    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(_FLAGS).encode(),
+                                     _cpu_flags().encode()])).hexdigest()[:20]
+    target = _cache_dir() / f"attention-{key}.so"
+    if not target.exists():
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                src = Path(tmp) / "attention.cpp"
+                src.write_bytes(source)
+                out = Path(tmp) / target.name
+                done = subprocess.run([compiler, *_FLAGS, "-o", str(out), str(src)], capture_output=True,
+                                      text=True, timeout=300)
+                if done.returncode != 0:
+                    _status = f"compiling the native kernel failed: {done.stderr.strip()[-2000:]}"
+                    return None
+                os.replace(out, target)  # atomic: concurrent builders each write a whole file
+        except (OSError, subprocess.SubprocessError) as err:
+            _status = f"building the native kernel failed: {err}"
+            return None
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as err:
+        _status = f"loading {target} failed: {err}"
+        return None
+    fn = lib.mh_attention_f32
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.POINTER(ctypes.c_int64)] * 2 + [
+        ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    _status = f"ready: {target}"
+    return lib
+
+
+def build() -> bool:
+    """Build and load the kernel now (instead of on first use); True when available."""
+    return _library() is not None
+
+
+def available() -> bool:
+    """Whether the native kernel can run here (builds it on first call)."""
+    return _library() is not None
+
+
+def status() -> str:
+    """Why the kernel is or is not available (after :func:`available` or a call)."""
+    return _status
+
+
+#: Query positions per work item: items are (batch, K/V head, query tile).
+_QUERY_TILE = 48
+
+
+def attention_f32(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool = False,
+    window: int | None = None,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention with the native kernel, forward only (no autograd).
+
+    Args:
+        q: (B, H, Sq, D); k: (B, Hkv, Sk, D); v: (B, Hkv, Sk, Dv); float32 CPU tensors,
+            H a multiple of Hkv. Any strides (rows are made
+            contiguous if their last dim is not).
+        scale, causal, window: as in :func:`multihead.attention` (bottom-right aligned).
+        mask: bool, broadcastable to (B, H, Sq, Sk), True = may attend; or None.
+
+    Returns:
+        (B, H, Sq, Dv), a view of a (B, Sq, H, Dv) buffer; zeros for rows with no key.
+
+    Raises:
+        RuntimeError: the kernel is not available (see :func:`status`).
+    """
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(f"the native kernel is not available: {_status}")
+    b, h, sq, d = q.shape
+    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    out = torch.empty((b, sq, h, dv), dtype=torch.float32).permute(0, 2, 1, 3)  # (B, H, Sq, Dv)
+    if mask is not None:
+        mask = mask[(None,) * (4 - mask.dim())].expand(b, h, sq, sk)  # strides 0 where broadcast
+    dims = (ctypes.c_int64 * 7)(b, h, hkv, sq, sk, d, dv)
+    strides = (ctypes.c_int64 * 16)(*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+                                    *(mask.stride() if mask is not None else (0, 0, 0, 0)))
+    code = lib.mh_attention_f32(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                                mask.data_ptr() if mask is not None else None, dims, strides, float(scale),
+                                int(causal), int(window or 0), _QUERY_TILE, torch.get_num_threads())
+    if code == -1:
+        raise MemoryError("the native attention kernel could not allocate its buffers")
+    if code != 0:
+        raise RuntimeError(f"the native attention kernel refused the problem (code {code})")
+    return out

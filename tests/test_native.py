@@ -1,0 +1,224 @@
+"""The compiled kernel (:mod:`multihead.native`) against the float64 reference.
+
+Its tiles: 12 query rows × 32 keys for q·kᵀ, 6 rows × 16·k value columns for p·v,
+chunks of 512 keys merged by an online softmax, work items of ``query_tile`` query
+positions (patched small here). Shapes are drawn around those edges: Sq and Sk of 1,
+11-13, 31-33, 47-49, primes; head dims of 1, 7, 33 and value dims off the 16-grid
+(a scalar tail); causal with Sq ≠ Sk (bottom-right), windows, GQA/MQA, masks with
+fully masked rows, broadcast and per-head masks, transposed (strided) inputs.
+
+Accuracy criterion (flash-attention's): versus the float64 ground truth, the kernel's
+float32 error is at most 2× that of the naive ``"explicit"`` backend in float32, plus
+8 ulps of the output's scale.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from conftest import reference_core
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import multihead as mh
+from multihead import native
+
+SCALE = float(os.environ.get("MULTIHEAD_PROPERTY_EXAMPLES", "1"))
+PROFILE = settings(max_examples=max(1, int(300 * SCALE)), deadline=None, derandomize=True,
+                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SIZES = [1, 2, 5, 11, 12, 13, 31, 32, 33, 47, 48, 49, 61]
+
+
+def test_the_kernel_builds_on_this_machine() -> None:
+    """CI machines have g++: the fast path must really be there, not silently skipped."""
+    if os.environ.get("MULTIHEAD_NATIVE") == "0":
+        assert not native.available() and "MULTIHEAD_NATIVE=0" in native.status()
+    else:
+        assert native.available(), native.status()
+        assert native.status().startswith("ready")
+
+
+@st.composite
+def problems(draw: st.DrawFn) -> dict:
+    b = draw(st.sampled_from([1, 2]))
+    hkv = draw(st.sampled_from([1, 2, 3]))
+    g = draw(st.sampled_from([1, 2, 4]))
+    h = hkv * g
+    sq = draw(st.sampled_from(SIZES))
+    sk = draw(st.sampled_from([sq, sq] + SIZES))
+    d = draw(st.sampled_from([1, 7, 16, 33, 64]))
+    dv = draw(st.sampled_from([d, 8, 16, 24, 48, 80]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    strided = draw(st.booleans())  # as the module makes them: (B, S, H, D) buffers seen as (B, H, S, D)
+    q = randn(b, sq, h, d).transpose(1, 2) if strided else randn(b, h, sq, d)
+    k = randn(b, sk, hkv, d).transpose(1, 2) if strided else randn(b, hkv, sk, d)
+    v = randn(b, sk, hkv, dv).transpose(1, 2) if strided else randn(b, hkv, sk, dv)
+    mask = {
+        "none": None,
+        "random": torch.rand(b, h, sq, sk, generator=gen) < 0.5,  # some rows fully masked
+        "keys": torch.rand(b, 1, 1, sk, generator=gen) < 0.5,
+        "heads": torch.rand(1, h, sq, 1, generator=gen) < 0.7,
+        "2d": torch.rand(sq, sk, generator=gen) < 0.6,
+    }[draw(st.sampled_from(["none", "none", "random", "keys", "heads", "2d"]))]
+    return {"q": q, "k": k, "v": v, "causal": draw(st.booleans()), "mask": mask,
+            "window": draw(st.sampled_from([None, None, 1, 2, 13, 40])),
+            "scale": draw(st.sampled_from([None, 0.3])), "tile": draw(st.sampled_from([1, 5, 12, 48]))}
+
+
+def _criterion(p: dict, ours: torch.Tensor) -> None:
+    """Our float32 error ≤ 2 × the naive float32 error + 8 ulps of the output's scale."""
+    kw = dict(causal=p["causal"], window=p["window"], mask=p["mask"], scale=p["scale"])
+    ref = reference_core(p["q"], p["k"], p["v"], **kw)[0]
+    naive = mh.attention(*(p[n].float() for n in "qkv"), backend="explicit", **kw)
+    assert ours.shape == naive.shape and ours.dtype == torch.float32
+    err = np.abs(ours.double().numpy() - ref).max(initial=0.0)
+    naive_err = np.abs(naive.double().numpy() - ref).max(initial=0.0)
+    floor = 8 * 2.0**-23 * max(1.0, np.abs(ref).max(initial=0.0))
+    assert err <= 2 * naive_err + floor, (err, naive_err)
+
+
+@PROFILE
+@given(problems())
+def test_native_meets_the_accuracy_criterion_across_tile_edges(p: dict) -> None:
+    q, k, v = (p[n].float() for n in "qkv")
+    with mock.patch.object(native, "_QUERY_TILE", p["tile"]):
+        ours = native.attention_f32(q, k, v, scale=p["scale"] or q.shape[-1] ** -0.5, causal=p["causal"],
+                                    window=p["window"], mask=p["mask"])
+    _criterion(p, ours)
+
+
+@pytest.mark.parametrize("sq, sk", [(511, 511), (513, 513), (200, 1100), (1025, 1025), (3, 1500)])
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, 300), (False, 700)])
+def test_native_at_real_lengths_across_key_chunks(sq: int, sk: int, causal: bool, window: int | None) -> None:
+    """Chunks of 512 keys merged by the online softmax, at realistic lengths, with GQA."""
+    gen = torch.Generator().manual_seed(sq * sk)
+    q = torch.randn(1, 4, sq, 64, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, sk, 64, generator=gen, dtype=torch.float64) * 3 for _ in range(2))
+    p = {"q": q, "k": k, "v": v, "causal": causal, "window": window, "mask": None, "scale": None}
+    _criterion(p, mh.attention(q.float(), k.float(), v.float(), causal=causal, window=window, backend="native"))
+
+
+def test_rows_with_no_allowed_key_give_zeros_and_others_are_untouched() -> None:
+    q, k, v = (torch.randn(2, 3, 40, 32) for _ in range(3))
+    mask = torch.rand(2, 3, 40, 40) < 0.5
+    mask[0, 1, 7] = False
+    mask[1, :, 20:] = False
+    out = mh.attention(q, k, v, mask=mask, backend="native")
+    assert torch.isfinite(out).all()
+    assert (out[0, 1, 7] == 0).all() and (out[1, :, 20:] == 0).all()
+    torch.testing.assert_close(out, mh.attention(q, k, v, mask=mask, backend="explicit"), atol=1e-5, rtol=0)
+
+
+def test_huge_logits_do_not_overflow() -> None:
+    q, k, v = torch.randn(1, 2, 70, 16) * 300, torch.randn(1, 2, 70, 16) * 300, torch.randn(1, 2, 70, 16)
+    out = mh.attention(q, k, v, causal=True, backend="native")
+    want = mh.attention(q.double(), k.double(), v.double(), causal=True, backend="explicit")
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=0)
+
+
+def test_nan_inputs_propagate_instead_of_being_hidden() -> None:
+    q, k, v = (torch.randn(1, 1, 20, 16) for _ in range(3))
+    v[0, 0, 3, 0] = float("nan")
+    out = mh.attention(q, k, v, backend="native")
+    assert torch.isnan(out[0, 0, :, 0]).all() and torch.isfinite(out[0, 0, :, 1:]).all()
+
+
+def test_results_do_not_depend_on_the_thread_count() -> None:
+    """Each work item is computed whole by one thread: bitwise the same with 1 or 2 threads."""
+    q, k, v = torch.randn(2, 8, 300, 64), torch.randn(2, 2, 300, 64), torch.randn(2, 2, 300, 64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = mh.attention(q, k, v, causal=True, backend="native")
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, mh.attention(q, k, v, causal=True, backend="native"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_is_computed_in_float32(dtype: torch.dtype) -> None:
+    q, k, v = (torch.randn(1, 4, 37, 16) for _ in range(3))
+    out = mh.attention(q.to(dtype), k.to(dtype), v.to(dtype), causal=True, backend="native")
+    assert out.dtype == dtype
+    ref = mh.attention(q.double(), k.double(), v.double(), causal=True, backend="explicit")
+    torch.testing.assert_close(out.double(), ref, atol=4 * torch.finfo(dtype).eps, rtol=0)
+
+
+def test_float64_and_gradients_take_the_documented_fallbacks() -> None:
+    q, k, v = (torch.randn(1, 2, 30, 16, dtype=torch.float64) for _ in range(3))
+    want = mh.attention(q, k, v, causal=True, backend="explicit")
+    torch.testing.assert_close(mh.attention(q, k, v, causal=True, backend="native"), want, atol=1e-12, rtol=0)
+    qg = q.float().requires_grad_()
+    out = mh.attention(qg, k.float(), v.float(), causal=True, backend="native")
+    out.sum().backward()  # through SDPA
+    assert qg.grad is not None and torch.isfinite(qg.grad).all()
+
+
+def test_auto_uses_the_native_kernel_for_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[int, ...]] = []
+    real = native.attention_f32
+    monkeypatch.setattr(native, "attention_f32", lambda q, *a, **kw: calls.append(tuple(q.shape)) or real(q, *a, **kw))
+    q = torch.randn(1, 12, 64, 32)
+    mh.attention(q, q, q, causal=True)
+    mh.attention(q[:, :, :4], q[:, :, :4], q[:, :, :4])  # 192 scores: SDPA's lower fixed cost wins
+    assert calls == [(1, 12, 64, 32)]
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env})
+
+
+def test_without_a_compiler_everything_still_works(tmp_path) -> None:
+    """No compiler (CXX=false): native is unavailable with a reason; "auto" uses torch paths."""
+    code = """
+import torch, multihead as mh
+from multihead import native
+q, k, v = (torch.randn(1, 4, 600, 64) for _ in range(3))
+out = mh.attention(q, k, v, causal=True)
+want = mh.attention(q.double(), k.double(), v.double(), causal=True, backend="explicit")
+assert (out.double() - want).abs().max() < 1e-5
+assert not native.available()
+try:
+    mh.attention(q, k, v, backend="native")
+except RuntimeError as err:
+    print("refused:", err)
+"""
+    done = _python(code, CXX="false", MULTIHEAD_CACHE_DIR=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert "refused: the native kernel is not available: compiling the native kernel failed" in done.stdout
+    assert list(tmp_path.iterdir()) == []  # nothing half-written left behind
+
+
+def test_builds_once_into_the_cache_dir_and_reuses_it(tmp_path) -> None:
+    code = "from multihead import native; assert native.build(), native.status(); print(native.status())"
+    first = _python(code, MULTIHEAD_CACHE_DIR=str(tmp_path))
+    assert first.returncode == 0, first.stderr
+    built = sorted(tmp_path.iterdir())
+    assert len(built) == 1 and built[0].suffix == ".so" and str(built[0]) in first.stdout
+    mtime = built[0].stat().st_mtime_ns
+    again = _python(code, MULTIHEAD_CACHE_DIR=str(tmp_path))
+    assert again.returncode == 0 and sorted(tmp_path.iterdir()) == built and built[0].stat().st_mtime_ns == mtime
+
+
+def test_disabled_by_environment_variable() -> None:
+    done = _python("from multihead import native; print(native.available(), native.status())", MULTIHEAD_NATIVE="0")
+    assert done.stdout.strip() == "False disabled by MULTIHEAD_NATIVE=0"
+
+
+def test_importing_multihead_builds_nothing(tmp_path) -> None:
+    done = _python("import multihead, torch; multihead.attention(*(torch.randn(1, 1, 2, 4),) * 3)",
+                   MULTIHEAD_CACHE_DIR=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert list(tmp_path.iterdir()) == []  # tiny problems stay on SDPA: no build was needed
+
