@@ -199,7 +199,14 @@ def work_done(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         return wrapped
 
     monkeypatch.setattr(nn.Linear, "forward", spy("projection", nn.Linear.forward))
-    monkeypatch.setattr(mh.kernels, "linear", spy("projection", mh.kernels.linear))
+    real_linears = mh.kernels.linears  # kernels.linear goes through it too
+
+    def linears(x, layers):
+        out = real_linears(x, layers)
+        done.extend(["projection"] * len(layers))
+        return out
+
+    monkeypatch.setattr(mh.kernels, "linears", linears)
     monkeypatch.setattr(mh.rope, "apply_rotary", spy("rope", mh.rope.apply_rotary))
     for name in mh.backends.available_backends():
         monkeypatch.setitem(mh.backends._BACKENDS, name, spy(name, mh.backends.get_backend(name)))

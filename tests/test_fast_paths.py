@@ -99,16 +99,18 @@ def test_a_replaced_projection_module_is_called() -> None:
 
 
 def test_auto_routes_each_shape_to_its_measured_path(monkeypatch) -> None:
-    """Tiny problems: SDPA (lowest fixed cost); GQA decoding over a long cache: batched
-    matmuls; the rest: the native kernel, or "blocked" from S=512 where it cannot build."""
+    """Tiny problems: SDPA (lowest fixed cost); the rest: the native kernel (its decoding
+    loop for GQA decoding); where it cannot build, batched matmuls for GQA decoding over
+    a long cache and "blocked" from S=512."""
     seen: list[str] = []
     real_sdpa = mh.backends.get_backend("sdpa")
     monkeypatch.setitem(mh.backends._BACKENDS, "sdpa", lambda *a, **k: seen.append("sdpa") or real_sdpa(*a, **k))
     for name, label in (("blocked_attention", "blocked"), ("decode_attention", "decode")):
         real = getattr(mh.kernels, name)
         monkeypatch.setattr(mh.kernels, name, lambda *a, _r=real, _l=label, **k: seen.append(_l) or _r(*a, **k))
-    real_native = mh.native.attention_f32
-    monkeypatch.setattr(mh.native, "attention_f32", lambda *a, **k: seen.append("native") or real_native(*a, **k))
+    for name, label in (("attention_f32", "native"), ("decode_f32", "native decode")):
+        real = getattr(mh.native, name)
+        monkeypatch.setattr(mh.native, name, lambda *a, _r=real, _l=label, **k: seen.append(_l) or _r(*a, **k))
     tiny = torch.randn(1, 4, 8, 64)
     mid = torch.randn(1, 4, 64, 64)
     long = torch.randn(1, 2, 512, 64)
@@ -117,16 +119,19 @@ def test_auto_routes_each_shape_to_its_measured_path(monkeypatch) -> None:
         mh.attention(t, t, t, causal=True)
     mh.attention(q1, kv, kv, causal=True)
     if mh.native.available():
-        assert seen == ["sdpa", "native", "native", "decode"]
+        assert seen == ["sdpa", "native", "native", "native decode"]
     else:
         assert seen == ["sdpa", "sdpa", "blocked" if mh.kernels.onednn_available() else "sdpa", "decode"]
 
 
-def test_auto_without_the_native_kernel_uses_blocked_for_long_sequences(monkeypatch) -> None:
+def test_auto_without_the_native_kernel_uses_its_torch_paths(monkeypatch) -> None:
     monkeypatch.setattr(mh.native, "available", lambda: False)
     seen: list[str] = []
-    real = mh.kernels.blocked_attention
-    monkeypatch.setattr(mh.kernels, "blocked_attention", lambda *a, **k: seen.append("blocked") or real(*a, **k))
+    for name, label in (("blocked_attention", "blocked"), ("decode_attention", "decode")):
+        real = getattr(mh.kernels, name)
+        monkeypatch.setattr(mh.kernels, name, lambda *a, _r=real, _l=label, **k: seen.append(_l) or _r(*a, **k))
     long = torch.randn(1, 2, 512, 64)
     mh.attention(long, long, long, causal=True)
-    assert seen == (["blocked"] if mh.kernels.onednn_available() else [])
+    q1, kv = torch.randn(1, 8, 1, 64), torch.randn(1, 2, 300, 64)
+    mh.attention(q1, kv, kv, causal=True)
+    assert seen == (["blocked"] if mh.kernels.onednn_available() else []) + ["decode"]

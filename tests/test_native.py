@@ -88,13 +88,63 @@ def _criterion(p: dict, ours: torch.Tensor) -> None:
 
 
 @PROFILE
-@given(problems())
-def test_native_meets_the_accuracy_criterion_across_tile_edges(p: dict) -> None:
+@given(problems(), st.sampled_from([native.attention_f32, native.decode_f32]))
+def test_native_meets_the_accuracy_criterion_across_tile_edges(p: dict, kernel) -> None:
+    """Both loops: the FlashAttention one (tiles, packed keys) and the decoding one
+    (dot products along D, keys in place), on every shape, not only the ones "auto"
+    sends to each."""
     q, k, v = (p[n].float() for n in "qkv")
     with mock.patch.object(native, "_QUERY_TILE", p["tile"]):
-        ours = native.attention_f32(q, k, v, scale=p["scale"] or q.shape[-1] ** -0.5, causal=p["causal"],
-                                    window=p["window"], mask=p["mask"])
+        ours = kernel(q, k, v, scale=p["scale"] or q.shape[-1] ** -0.5, causal=p["causal"], window=p["window"],
+                      mask=p["mask"])
     _criterion(p, ours)
+
+
+@pytest.mark.parametrize("b, hkv, g", [(1, 1, 8), (1, 2, 4), (2, 1, 1), (3, 4, 2)])
+@pytest.mark.parametrize("sq, sk", [(1, 1100), (3, 1500), (1, 2048), (2, 600)])
+@pytest.mark.parametrize("causal, window", [(True, None), (False, None), (True, 700)])
+def test_decode_splits_long_caches_across_threads(b: int, hkv: int, g: int, sq: int, sk: int, causal: bool,
+                                                  window: int | None) -> None:
+    """With fewer K/V heads than threads the keys are split and merged by log-sum-exp
+    (flash-decoding); splits that see no key (windows) must weigh nothing."""
+    gen = torch.Generator().manual_seed(sk + sq)
+    q = torch.randn(b, hkv * g, sq, 64, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(b, hkv, sk, 64, generator=gen, dtype=torch.float64) * 2 for _ in range(2))
+    mask = torch.rand(b, 1, 1, sk, generator=gen) < 0.9
+    p = {"q": q, "k": k, "v": v, "causal": causal, "window": window, "mask": mask, "scale": None}
+    _criterion(p, native.decode_f32(q.float(), k.float(), v.float(), scale=0.125, causal=causal, window=window,
+                                    mask=mask))
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("k_in", [1, 16, 37, 300])
+def test_few_row_linear_matches_float64(m: int, k_in: int) -> None:
+    """Several layers in one call (rows split across threads over all of them), row
+    counts off the 4-row grid, an input width with a tail, with and without bias."""
+    gen = torch.Generator().manual_seed(m * k_in)
+    x = torch.randn(m, k_in, generator=gen)
+    layers = [(torch.randn(n, k_in, generator=gen), torch.randn(n, generator=gen) if n % 2 else None)
+              for n in (7, 1, 64, 5)]
+    outs = native.linear_few_rows(x, layers)
+    for (w, b), out in zip(layers, outs):
+        want = x.double() @ w.double().T + (0 if b is None else b.double())
+        naive = (x @ w.T + (0 if b is None else b)).double()
+        err, naive_err = (out.double() - want).abs().max(), (naive - want).abs().max()
+        assert out.shape == (m, w.shape[0]) and err <= 2 * naive_err + 8 * 2.0**-23 * want.abs().max(), (err, naive_err)
+
+
+def test_linear_uses_the_few_row_kernel_only_without_autograd(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = native.linear_few_rows
+    monkeypatch.setattr(native, "linear_few_rows", lambda x, layers: calls.append(len(layers)) or real(x, layers))
+    layer = mh.MultiHeadAttention(64, 4)
+    x = torch.randn(1, 1, 64)
+    y = layer(x)  # autograd: the differentiable oneDNN path
+    assert calls == [] and y.requires_grad
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), y.detach(), atol=1e-6, rtol=1e-6)
+        layer(torch.randn(1, 5, 64))  # 5 rows: oneDNN
+    assert calls == [3, 1]  # q, k, v in one call, then o_proj
 
 
 @pytest.mark.parametrize("sq, sk", [(511, 511), (513, 513), (200, 1100), (1025, 1025), (3, 1500)])

@@ -36,11 +36,12 @@ allowed key gets zeros. The output is returned as a (B, H, Sq, Dv) view of a
 (B, Sq, H, Dv) buffer, like SDPA's, so that merging heads afterwards costs no copy.
 
 ``"auto"`` (the default) picks per call: weights → ``"explicit"``; gradients or dropout
-→ ``"sdpa"`` (differentiable); few query rows sharing a K/V head over ≥ 256 keys (GQA
-decoding) → :func:`decode_attention`, two batched matmuls; from 2^14 scores (B·H·Sq·Sk)
-the compiled kernel of :mod:`multihead.native` (``"native"``: float32, half precision
-upcast) when it builds here; without it, float32 with oneDNN, Sq and Sk ≥ 512 and
-D ≥ 64 → ``"blocked"``; anything else (tiny problems, where SDPA's fixed costs are
+→ ``"sdpa"`` (differentiable); then, when the compiled kernel of :mod:`multihead.native`
+builds here (``"native"``: float32, half precision upcast), its decoding loop for few
+query rows per K/V head (Sq·G ≤ 32) from 2^11 scores (B·H·Sq·Sk), its FlashAttention
+loop from 2^14 scores. Without it: GQA decoding over ≥ 256 keys →
+:func:`decode_attention`, two batched matmuls; float32 with oneDNN, Sq and Sk ≥ 512 and
+D ≥ 64 → ``"blocked"``. Anything else (tiny problems, where SDPA's fixed costs are
 lowest) → ``"sdpa"``. The thresholds were measured.
 
 :func:`linear` is ``F.linear`` on oneDNN (forward and backward), for the projections.
@@ -57,7 +58,7 @@ import torch.nn.functional as F
 from . import native
 from .backends import _accumulation_dtype, full_mask, get_backend, register_backend, safe_softmax
 
-__all__ = ["blocked_attention", "decode_attention", "linear", "onednn_available", "gemm_for", "mm_nt"]
+__all__ = ["blocked_attention", "decode_attention", "linear", "linears", "onednn_available", "gemm_for", "mm_nt"]
 
 #: Rows (R = P·G) of one block: a power of two within these bounds. Measured on a
 #: 2-core Zen 5: each oneDNN call costs ~10 µs besides its FLOPs, so big blocks win even
@@ -85,6 +86,9 @@ _BLOCKED_MIN_HEAD_DIM = 64
 #: "auto" uses the native kernel from this many scores (B·H·Sq·Sk): below, its fixed
 #: cost (~15 µs: ctypes, an OpenMP region, buffers) exceeds SDPA's (~10 µs).
 _NATIVE_MIN_SCORES = 1 << 14
+#: The same for few query rows per K/V head (decoding), where the native kernel streams
+#: K and V without packing them: it wins from about 2^11 scores.
+_NATIVE_MIN_DECODE_SCORES = 1 << 11
 #: Input dtypes "auto" sends to the native kernel (half precision is computed in float32,
 #: which is also faster than SDPA's half-precision CPU path, measured 1.5-3×).
 _NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -416,8 +420,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear`` with oneDNN's GEMM for float32 CPU tensors (forward and backward).
 
     On AMD CPUs torch's float32 matmul (MKL) runs AVX2 code and its single-row GEMV uses
-    one core; oneDNN reaches about twice the FLOP rate and twice the bandwidth. Other
-    dtypes and devices, or oneDNN disabled, use ``F.linear``.
+    one core; oneDNN reaches about twice the FLOP rate and twice the bandwidth. Without
+    autograd, a few rows (decoding) go to :func:`multihead.native.linear_few_rows`,
+    which streams the weight faster still. Other dtypes and devices, or oneDNN
+    disabled, use ``F.linear``.
 
     Args:
         x: (..., in). weight: (out, in). bias: (out,) or None.
@@ -425,13 +431,35 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Returns:
         (..., out), differentiable in x, weight and bias.
     """
+    return linears(x, [(weight, bias)])[0]
+
+
+def linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
+    """:func:`linear` of one input through several layers: ``[x · wᵀ + b for w, b in layers]``.
+
+    When decoding (few rows of x, no autograd, float32, the native kernel built) the
+    layers run in one call that streams all their weights across threads at once.
+
+    Args:
+        x: (..., in). layers: (weight (out_i, in), bias (out_i,) or None).
+
+    Returns:
+        One (..., out_i) tensor per layer.
+    """
+    tensors = [x] + [t for layer in layers for t in layer if t is not None]
     if (_onednn_linear() is None or not torch.backends.mkldnn.enabled or x.device.type != "cpu"
-            or not (x.dtype == weight.dtype == torch.float32) or (bias is not None and bias.dtype != torch.float32)):
-        return F.linear(x, weight, bias)
-    if _needs_grad(x, weight, *(() if bias is None else (bias,))):
-        return _OneDNNLinear.apply(x, weight, bias)
-    return _onednn_linear()(x.reshape(-1, x.shape[-1]), weight, bias, "none", [], "").view(
-        *x.shape[:-1], weight.shape[0])
+            or any(t.dtype != torch.float32 for t in tensors)):
+        return [F.linear(x, w, b) for w, b in layers]
+    if _needs_grad(*tensors):
+        return [_OneDNNLinear.apply(x, w, b) for w, b in layers]
+    x2 = x.reshape(-1, x.shape[-1])  # (N, in)
+    if (0 < x2.shape[0] <= native.FEW_ROWS and all(t.is_contiguous() for t in tensors[1:])
+            and native.available()):
+        outs = native.linear_few_rows(x2.contiguous(), layers)
+    else:
+        op = _onednn_linear()
+        outs = [op(x2, w, b, "none", [], "") for w, b in layers]
+    return [o.view(*x.shape[:-1], o.shape[-1]) for o in outs]
 
 
 def _needs_grad(*tensors: torch.Tensor) -> bool:
@@ -488,17 +516,17 @@ def native_backend(
 
 
 def _native_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool,
-                 window: int | None, mask: torch.Tensor | None) -> torch.Tensor:
+                 window: int | None, mask: torch.Tensor | None, decode: bool | None = None) -> torch.Tensor:
     dtype = q.dtype
-    out = native.attention_f32(_upcast(q), _upcast(k), _upcast(v), scale=scale, causal=causal, window=window,
-                               mask=mask)
+    fn = native.decode_f32 if (_few_rows(q, k) if decode is None else decode) else native.attention_f32
+    out = fn(_upcast(q), _upcast(k), _upcast(v), scale=scale, causal=causal, window=window, mask=mask)
     return out if dtype == torch.float32 else out.to(dtype)
 
 
-def _native_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def _native_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, min_scores: int) -> bool:
     """Whether "auto" should use the native kernel for these tensors (built on first ask)."""
     return (q.dtype in _NATIVE_DTYPES and v.shape[-1] % 16 == 0
-            and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] >= _NATIVE_MIN_SCORES and native.available())
+            and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] >= min_scores and native.available())
 
 
 @register_backend("auto", weights=True)
@@ -515,9 +543,11 @@ def auto_backend(
     if dropout_p > 0 or _needs_grad(q, k, v) or q.device.type != "cpu":
         return get_backend("sdpa")(q, k, v, **kwargs)
     sq, sk, d, g = q.shape[2], k.shape[2], q.shape[3], q.shape[1] // k.shape[1]
+    if _few_rows(q, k) and _native_fits(q, k, v, _NATIVE_MIN_DECODE_SCORES):
+        return _native_call(q, k, v, scale=scale, causal=causal, window=window, mask=mask, decode=True), None
     if _few_rows(q, k) and g > 1 and sk >= _DECODE_MIN_KEYS:
         return decode_attention(q, k, v, scale=scale, causal=causal, window=window, mask=mask), None
-    if _native_fits(q, k, v):
+    if _native_fits(q, k, v, _NATIVE_MIN_SCORES):
         return _native_call(q, k, v, scale=scale, causal=causal, window=window, mask=mask), None
     if (q.dtype == torch.float32 and onednn_available() and min(sq, sk) >= _BLOCKED_MIN_SEQ
             and d >= _BLOCKED_MIN_HEAD_DIM):

@@ -307,6 +307,10 @@ class MultiHeadAttention(nn.Module):
     def _project(self, x: torch.Tensor, context: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (B, S, H·D) from x; k and v (B, Sk, Hkv·D) from the context (default x)."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        if context is None and all(map(_plain, projs)):  # one call: decoding streams all three at once
+            q, k, v = kernels.linears(x, [(p.weight, p.bias) for p in projs])
+            return q, k, v
         src = x if context is None else context
         return _apply_linear(self.q_proj, x), _apply_linear(self.k_proj, src), _apply_linear(self.v_proj, src)
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "status", "attention_f32", "build"]
+__all__ = ["available", "status", "attention_f32", "decode_f32", "linear_few_rows", "FEW_ROWS", "build"]
 
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _status = "not built yet"
@@ -94,10 +94,15 @@ def _library() -> ctypes.CDLL | None:
     except OSError as err:
         _status = f"loading {target} failed: {err}"
         return None
-    fn = lib.mh_attention_f32
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.POINTER(ctypes.c_int64)] * 2 + [
-        ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    common = [ctypes.c_void_p] * 5 + [ctypes.POINTER(ctypes.c_int64)] * 2 + [ctypes.c_float, ctypes.c_int,
+                                                                            ctypes.c_int64]
+    lib.mh_attention_f32.argtypes = common + [ctypes.c_int64, ctypes.c_int]  # + query tile, threads
+    lib.mh_decode_f32.argtypes = common + [ctypes.c_int]  # + threads
+    ptrs = ctypes.POINTER(ctypes.c_void_p)
+    lib.mh_linear_few_rows_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ptrs,
+                                           ctypes.POINTER(ctypes.c_int64), ptrs, ptrs, ctypes.c_int]
+    for fn in (lib.mh_attention_f32, lib.mh_decode_f32, lib.mh_linear_few_rows_f32):
+        fn.restype = ctypes.c_int
     _status = f"ready: {target}"
     return lib
 
@@ -133,10 +138,13 @@ def attention_f32(
 ) -> torch.Tensor:
     """Attention with the native kernel, forward only (no autograd).
 
+    Work items are (batch, K/V head, tile of query positions); each packs its keys in
+    panels and runs the FlashAttention loop over chunks of keys.
+
     Args:
         q: (B, H, Sq, D); k: (B, Hkv, Sk, D); v: (B, Hkv, Sk, Dv); float32 CPU tensors,
-            H a multiple of Hkv. Any strides (rows are made
-            contiguous if their last dim is not).
+            H a multiple of Hkv. Any strides (rows are made contiguous if their last
+            dim is not).
         scale, causal, window: as in :func:`multihead.attention` (bottom-right aligned).
         mask: bool, broadcastable to (B, H, Sq, Sk), True = may attend; or None.
 
@@ -146,6 +154,30 @@ def attention_f32(
     Raises:
         RuntimeError: the kernel is not available (see :func:`status`).
     """
+    return _run("mh_attention_f32", q, k, v, scale, causal, window, mask, _QUERY_TILE)
+
+
+def decode_f32(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool = False,
+    window: int | None = None,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """As :func:`attention_f32`, for few query rows per K/V head (G·Sq, e.g. decoding).
+
+    K and V are streamed once, in place (no packing); work items are (batch, K/V head,
+    key split), the keys being split (and the parts merged by their log-sum-exp, as in
+    flash-decoding) only when there are fewer K/V heads than threads.
+    """
+    return _run("mh_decode_f32", q, k, v, scale, causal, window, mask)
+
+
+def _run(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+         window: int | None, mask: torch.Tensor | None, *extra: int) -> torch.Tensor:
     lib = _library()
     if lib is None:
         raise RuntimeError(f"the native kernel is not available: {_status}")
@@ -158,11 +190,50 @@ def attention_f32(
     dims = (ctypes.c_int64 * 7)(b, h, hkv, sq, sk, d, dv)
     strides = (ctypes.c_int64 * 16)(*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
                                     *(mask.stride() if mask is not None else (0, 0, 0, 0)))
-    code = lib.mh_attention_f32(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-                                mask.data_ptr() if mask is not None else None, dims, strides, float(scale),
-                                int(causal), int(window or 0), _QUERY_TILE, torch.get_num_threads())
+    code = getattr(lib, name)(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                              mask.data_ptr() if mask is not None else None, dims, strides, float(scale),
+                              int(causal), int(window or 0), *extra, torch.get_num_threads())
     if code == -1:
         raise MemoryError("the native attention kernel could not allocate its buffers")
     if code != 0:
         raise RuntimeError(f"the native attention kernel refused the problem (code {code})")
     return out
+
+
+#: Most rows of x that :func:`linear_few_rows` takes.
+FEW_ROWS = 4
+
+
+def linear_few_rows(
+    x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | None]]
+) -> list[torch.Tensor]:
+    """``x · wᵀ + b`` for each ``(w, b)`` of ``layers`` in one call, for few rows of x.
+
+    For decoding: the weights are streamed once, all of them split across threads in
+    one parallel region (the q, k and v projections of a token cost one call). Forward
+    only.
+
+    Args:
+        x: (M, K) float32, contiguous, 1 ≤ M ≤ :data:`FEW_ROWS`.
+        layers: (w (N_i, K), b (N_i,) or None), float32 and contiguous.
+
+    Returns:
+        One (M, N_i) tensor per layer.
+
+    Raises:
+        RuntimeError: the kernel is not available (see :func:`status`).
+    """
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(f"the native kernel is not available: {_status}")
+    m, k = x.shape
+    outs = [torch.empty((m, w.shape[0]), dtype=torch.float32) for w, _ in layers]
+    n = len(layers)
+    code = lib.mh_linear_few_rows_f32(
+        x.data_ptr(), m, k, n, (ctypes.c_void_p * n)(*(w.data_ptr() for w, _ in layers)),
+        (ctypes.c_int64 * n)(*(w.shape[0] for w, _ in layers)),
+        (ctypes.c_void_p * n)(*(None if b is None else b.data_ptr() for _, b in layers)),
+        (ctypes.c_void_p * n)(*(o.data_ptr() for o in outs)), torch.get_num_threads())
+    if code != 0:
+        raise RuntimeError(f"the native linear kernel refused the problem (code {code})")
+    return outs

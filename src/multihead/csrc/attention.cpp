@@ -30,6 +30,9 @@
 #include <cstring>
 #include <algorithm>
 #include <omp.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -55,8 +58,22 @@ inline float hmax(v16 x) {
 }
 
 inline float hsum(v16 x) {
+#ifdef __AVX512F__
+    return _mm512_reduce_add_ps((__m512)x);
+#else
     float s = 0.f;
     for (int i = 0; i < 16; ++i) s += x[i];
+    return s;
+#endif
+}
+
+// Σ a[t]·b[t], vectorised along t.
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t d) {
+    v16 acc = (v16){};
+    int64_t t = 0;
+    for (; t + 16 <= d; t += 16) acc += load(a + t) * load(b + t);
+    float s = hsum(acc);
+    for (; t < d; ++t) s += a[t] * b[t];
     return s;
 }
 
@@ -200,6 +217,45 @@ inline void key_range(const Problem& P, int64_t p0, int64_t p1, int64_t& lo, int
     lo = std::max<int64_t>(lo, 0);
 }
 
+// One query row of a chunk: mask its scores si[0, width) (keys j0 + j; width a
+// multiple of 16; columns from `valid` on are not keys), then the online softmax
+// (base 2): m' = max(m, max si), o *= 2^(m - m'), l = l·2^(m - m') + Σ 2^(si - m'),
+// leaving the probabilities 2^(si - m') in si for p · v.
+inline void row_update(const Problem& P, float* __restrict si, int64_t width, int64_t valid, int64_t j0,
+                       int64_t pos, const uint8_t* mrow, float& m, float& l, float* __restrict orow) {
+    // Structural limits for this query (key position pos), as column indices into si.
+    int64_t a = 0, e = valid;
+    if (P.causal) e = std::min(e, pos + 1 - j0);
+    if (P.window > 0) {
+        a = std::max(a, pos - P.window + 1 - j0);
+        if (!P.causal) e = std::min(e, pos + P.window - j0);
+    }
+    a = std::clamp<int64_t>(a, 0, width);
+    e = std::clamp<int64_t>(e, a, width);
+    for (int64_t j = 0; j < a; ++j) si[j] = NEG_INF;
+    for (int64_t j = e; j < width; ++j) si[j] = NEG_INF;
+    if (mrow)
+        for (int64_t j = a; j < e; ++j)
+            if (!mrow[(j0 + j) * P.ms[3]]) si[j] = NEG_INF;
+    v16 mx = splat(NEG_INF);
+    for (int64_t j = 0; j < width; j += 16) mx = vmax(mx, load(si + j));
+    const float m_new = std::max(m, hmax(mx));
+    // No allowed key yet: keep probabilities 0 (2^-inf) without NaN.
+    const float m_use = m_new == NEG_INF ? 0.f : m_new;
+    const float alpha = exp2v(splat(m - m_use))[0];
+    v16 sum = (v16){};
+    const v16 mv = splat(m_use);
+    for (int64_t j = 0; j < width; j += 16) {
+        v16 pj = exp2v(load(si + j) - mv);
+        store(si + j, pj);
+        sum += pj;
+    }
+    m = m_new;
+    l = l * alpha + hsum(sum);
+    if (alpha != 1.f)
+        for (int64_t t = 0; t < P.Dv; ++t) orow[t] *= alpha;
+}
+
 void run_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t p0, int64_t p1, int64_t qt_pad) {
     const int64_t G = P.H / P.Hkv, D = P.D, Dv = P.Dv, rows = p1 - p0;
     const int64_t off = P.Sk - P.Sq;
@@ -256,46 +312,10 @@ void run_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t p0
                     qk_tile(buf.qbuf + (g * qt_pad + r0) * D, D, buf.kt + pan * D * NR, s + (pan - pa) * NR, KC);
                 const int64_t valid = std::min(j0 + width, P.Sk) - j0;  // columns that are real keys
                 for (int64_t i = 0; i < nr; ++i) {
-                    float* si = s + i * KC;
-                    const int64_t pos = p0 + r0 + i + off;  // this query's key position
-                    // Structural limits for this row, as column indices into si.
-                    int64_t a = 0, e = valid;
-                    if (P.causal) e = std::min(e, pos + 1 - j0);
-                    if (P.window > 0) {
-                        a = std::max(a, pos - P.window + 1 - j0);
-                        if (!P.causal) e = std::min(e, pos + P.window - j0);
-                    }
-                    a = std::clamp<int64_t>(a, 0, width);
-                    e = std::clamp<int64_t>(e, a, width);
-                    for (int64_t j = 0; j < a; ++j) si[j] = NEG_INF;
-                    for (int64_t j = e; j < width; ++j) si[j] = NEG_INF;
-                    if (P.mask) {
-                        const uint8_t* mr = P.mask + b * P.ms[0] + h * P.ms[1] + (p0 + r0 + i) * P.ms[2];
-                        for (int64_t j = a; j < e; ++j)
-                            if (!mr[(j0 + j) * P.ms[3]]) si[j] = NEG_INF;
-                    }
-                    // Online softmax, base 2.
+                    const uint8_t* mrow = P.mask ? P.mask + b * P.ms[0] + h * P.ms[1] + (p0 + r0 + i) * P.ms[2] : nullptr;
                     const int64_t row = g * rows + r0 + i;
-                    v16 mx = splat(NEG_INF);
-                    for (int64_t j = 0; j < width; j += 16) mx = vmax(mx, load(si + j));
-                    const float m_old = buf.m[row];
-                    const float m_new = std::max(m_old, hmax(mx));
-                    // No allowed key yet: keep probabilities 0 (2^-inf) without NaN.
-                    const float m_use = m_new == NEG_INF ? 0.f : m_new;
-                    const float alpha = exp2v(splat(m_old - m_use))[0];
-                    v16 sum = (v16){};
-                    const v16 mv = splat(m_use);
-                    for (int64_t j = 0; j < width; j += 16) {
-                        v16 pj = exp2v(load(si + j) - mv);
-                        store(si + j, pj);
-                        sum += pj;
-                    }
-                    buf.m[row] = m_new;
-                    buf.l[row] = buf.l[row] * alpha + hsum(sum);
-                    if (alpha != 1.f) {
-                        float* orow = buf.o + row * Dv;
-                        for (int64_t t = 0; t < Dv; ++t) orow[t] *= alpha;
-                    }
+                    row_update(P, s + i * KC, width, valid, j0, p0 + r0 + i + off, mrow, buf.m[row], buf.l[row],
+                               buf.o + row * Dv);
                 }
                 pv(s, KC, nr, valid, vb + j0 * P.vs[2], P.vs[2], buf.o + (g * rows + r0) * Dv, Dv, Dv);
             }
@@ -313,11 +333,85 @@ void run_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t p0
     }
 }
 
+// Decoding: few query rows per K/V head (G heads × Sq queries), so K and V are streamed
+// once, in place, with no packing: scores are dot products along D. An item is
+// (b, K/V head, key split); with fewer heads than threads the keys are split and the
+// partial (m, l, o) merged at the end (flash-decoding).
+void decode_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t k0, int64_t k1, float* part) {
+    const int64_t G = P.H / P.Hkv, D = P.D, Dv = P.Dv, Sq = P.Sq, rows = G * Sq;
+    const int64_t off = P.Sk - P.Sq;
+    for (int64_t g = 0; g < G; ++g) {  // row g·Sq + i: head kvh·G + g, query i
+        const float* src = P.q + b * P.qs[0] + (kvh * G + g) * P.qs[1];
+        for (int64_t i = 0; i < Sq; ++i)
+            for (int64_t t = 0; t < D; ++t) buf.qbuf[(g * Sq + i) * D + t] = src[i * P.qs[2] + t] * P.scale;
+    }
+    for (int64_t r = 0; r < rows; ++r) { buf.m[r] = NEG_INF; buf.l[r] = 0.f; }
+    std::memset(buf.o, 0, sizeof(float) * rows * Dv);
+    int64_t lo, hi;
+    key_range(P, 0, Sq, lo, hi);
+    lo = std::max(lo, k0);
+    hi = std::min(hi, k1);
+    const float* kb = P.k + b * P.ks[0] + kvh * P.ks[1];
+    const float* vb = P.v + b * P.vs[0] + kvh * P.vs[1];
+    for (int64_t c0 = lo; c0 < hi; c0 += KC) {
+        const int64_t n = std::min(KC, hi - c0), width = (n + 15) / 16 * 16;
+        for (int64_t j = 0; j < n; ++j) {
+            const float* kr = kb + (c0 + j) * P.ks[2];
+            for (int64_t r = 0; r < rows; ++r) buf.s[r * KC + j] = dot(buf.qbuf + r * D, kr, D);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t g = r / Sq, i = r % Sq;
+            const uint8_t* mrow = P.mask ? P.mask + b * P.ms[0] + (kvh * G + g) * P.ms[1] + i * P.ms[2] : nullptr;
+            row_update(P, buf.s + r * KC, width, n, c0, i + off, mrow, buf.m[r], buf.l[r], buf.o + r * Dv);
+        }
+        for (int64_t r0 = 0; r0 < rows; r0 += MR)
+            pv(buf.s + r0 * KC, KC, std::min<int64_t>(MR, rows - r0), n, vb + c0 * P.vs[2], P.vs[2],
+               buf.o + r0 * Dv, Dv, Dv);
+    }
+    if (part) {  // (rows, Dv + 2): o unnormalised, then m and l, merged by the caller
+        for (int64_t r = 0; r < rows; ++r) {
+            std::memcpy(part + r * (Dv + 2), buf.o + r * Dv, sizeof(float) * Dv);
+            part[r * (Dv + 2) + Dv] = buf.m[r];
+            part[r * (Dv + 2) + Dv + 1] = buf.l[r];
+        }
+        return;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t g = r / Sq, i = r % Sq;
+        const float inv = buf.l[r] > 0.f ? 1.f / buf.l[r] : 0.f;
+        float* dst = P.out + b * P.os[0] + (kvh * G + g) * P.os[1] + i * P.os[2];
+        for (int64_t t = 0; t < Dv; ++t) dst[t] = buf.o[r * Dv + t] * inv;
+    }
+}
+
+// Merge the key splits of (b, kvh): weights 2^(m_s - max m) as in the online softmax.
+void merge_splits(const Problem& P, const float* part, int64_t splits, int64_t b, int64_t kvh) {
+    const int64_t G = P.H / P.Hkv, Dv = P.Dv, Sq = P.Sq, rows = G * Sq, stride = rows * (Dv + 2);
+    for (int64_t r = 0; r < rows; ++r) {
+        float top = NEG_INF;
+        for (int64_t sp = 0; sp < splits; ++sp) top = std::max(top, part[sp * stride + r * (Dv + 2) + Dv]);
+        const float use = top == NEG_INF ? 0.f : top;
+        float total = 0.f;
+        const int64_t g = r / Sq, i = r % Sq;
+        float* dst = P.out + b * P.os[0] + (kvh * G + g) * P.os[1] + i * P.os[2];
+        for (int64_t t = 0; t < Dv; ++t) dst[t] = 0.f;
+        for (int64_t sp = 0; sp < splits; ++sp) {
+            const float* src = part + sp * stride + r * (Dv + 2);
+            const float w = exp2v(splat(src[Dv] - use))[0];
+            total += src[Dv + 1] * w;
+            for (int64_t t = 0; t < Dv; ++t) dst[t] += src[t] * w;
+        }
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        for (int64_t t = 0; t < Dv; ++t) dst[t] *= inv;
+    }
+}
+
 }  // namespace
 
-extern "C" int mh_attention_f32(const float* q, const float* k, const float* v, float* out, const uint8_t* mask,
-                                const int64_t* dims, const int64_t* strides, float scale, int causal,
-                                int64_t window, int64_t query_tile, int threads) {
+namespace {
+
+Problem make_problem(const float* q, const float* k, const float* v, float* out, const uint8_t* mask,
+                     const int64_t* dims, const int64_t* strides, float scale, int causal, int64_t window) {
     Problem P{};
     P.q = q; P.k = k; P.v = v; P.out = out; P.mask = mask;
     P.B = dims[0]; P.H = dims[1]; P.Hkv = dims[2]; P.Sq = dims[3]; P.Sk = dims[4]; P.D = dims[5]; P.Dv = dims[6];
@@ -325,10 +419,25 @@ extern "C" int mh_attention_f32(const float* q, const float* k, const float* v, 
         P.qs[i] = strides[i]; P.ks[i] = strides[3 + i]; P.vs[i] = strides[6 + i]; P.os[i] = strides[9 + i];
     }
     for (int i = 0; i < 4; ++i) P.ms[i] = strides[12 + i];
-    P.scale = scale * 1.4426950408889634f;
+    P.scale = scale * 1.4426950408889634f;  // scores in base 2: 2^(s·log2 e) = e^s
     P.causal = causal != 0;
     P.window = window;
-    if (P.Hkv <= 0 || P.H % P.Hkv != 0 || P.D <= 0 || P.Dv <= 0 || query_tile <= 0) return -2;
+    return P;
+}
+
+bool valid(const Problem& P) {
+    return P.B >= 0 && P.Sq >= 0 && P.Sk >= 0 && P.Hkv > 0 && P.H > 0 && P.H % P.Hkv == 0 && P.D > 0 && P.Dv > 0;
+}
+
+}  // namespace
+
+// q (B, H, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv) -> out (B, H, Sq, Dv); strides:
+// q, k, v, out (b, h, s) then mask (b, h, i, j), in elements; last dims contiguous.
+extern "C" int mh_attention_f32(const float* q, const float* k, const float* v, float* out, const uint8_t* mask,
+                                const int64_t* dims, const int64_t* strides, float scale, int causal,
+                                int64_t window, int64_t query_tile, int threads) {
+    const Problem P = make_problem(q, k, v, out, mask, dims, strides, scale, causal, window);
+    if (!valid(P) || query_tile <= 0) return -2;
     const int64_t G = P.H / P.Hkv;
     const int64_t qt = std::min(query_tile, std::max<int64_t>(P.Sq, 1));
     const int64_t tiles = (P.Sq + qt - 1) / qt;
@@ -357,4 +466,120 @@ extern "C" int mh_attention_f32(const float* q, const float* k, const float* v, 
         buf.release();
     }
     return failed ? -1 : 0;
+}
+
+// As mh_attention_f32, for few query rows per K/V head (G·Sq): see decode_item.
+extern "C" int mh_decode_f32(const float* q, const float* k, const float* v, float* out, const uint8_t* mask,
+                             const int64_t* dims, const int64_t* strides, float scale, int causal, int64_t window,
+                             int threads) {
+    const Problem P = make_problem(q, k, v, out, mask, dims, strides, scale, causal, window);
+    if (!valid(P)) return -2;
+    const int64_t G = P.H / P.Hkv, rows = G * P.Sq, heads = P.B * P.Hkv;
+    // Enough items for every thread, each split keeping at least 512 keys.
+    const int64_t splits = std::clamp<int64_t>(std::min<int64_t>((2 * threads + heads - 1) / std::max<int64_t>(heads, 1),
+                                                                 P.Sk / 512), 1, 64);
+    const int64_t per = (P.Sk + splits - 1) / splits, items = heads * splits;
+    float* part = nullptr;
+    if (splits > 1 && !(part = alloc(items * rows * (P.Dv + 2)))) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        Buffers buf{alloc(rows * P.D), alloc(1), alloc(rows * KC), alloc(rows), alloc(rows), alloc(rows * P.Dv)};
+        if (!buf.ok()) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (int64_t it = 0; it < items; ++it) {
+                const int64_t sp = it % splits, head = it / splits;
+                decode_item(P, buf, head / P.Hkv, head % P.Hkv, sp * per, std::min(P.Sk, (sp + 1) * per),
+                            part ? part + it * rows * (P.Dv + 2) : nullptr);
+            }
+            if (part) {
+#pragma omp for schedule(static)
+                for (int64_t head = 0; head < heads; ++head)
+                    merge_splits(P, part + head * splits * rows * (P.Dv + 2), splits, head / P.Hkv, head % P.Hkv);
+            }
+        }
+        buf.release();
+    }
+    std::free(part);
+    return failed ? -1 : 0;
+}
+
+// ---------------------------------------------------------------------------------------
+// Few-row linear layers (decoding): out_i (M, N_i) = x (M, K) · W_iᵀ (+ b_i) for `count`
+// weights at once (q, k and v projections share x), M <= 4. The weights' rows, all
+// weights together, are split evenly across threads; each weight row is read once and
+// multiplied with the M rows of x held in L1. Bandwidth-bound: this streams the weights.
+
+namespace {
+
+template <int M>
+void gemv_rows(const float* __restrict x, int64_t K, const float* __restrict w, int64_t rows, const float* bias,
+               float* __restrict out, int64_t ldo) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) {
+        const float* w0 = w + r * K;
+        v16 acc[4][M];
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i)
+#pragma GCC unroll 4
+            for (int m = 0; m < M; ++m) acc[i][m] = (v16){};
+        int64_t t = 0;
+        for (; t + 16 <= K; t += 16) {
+            v16 wv[4];
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; ++i) wv[i] = load(w0 + i * K + t);
+#pragma GCC unroll 4
+            for (int m = 0; m < M; ++m) {
+                v16 xm = load(x + m * K + t);
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; ++i) acc[i][m] += wv[i] * xm;
+            }
+        }
+        for (int i = 0; i < 4; ++i)
+            for (int m = 0; m < M; ++m) {
+                float s = hsum(acc[i][m]);
+                for (int64_t u = t; u < K; ++u) s += w0[i * K + u] * x[m * K + u];
+                out[m * ldo + r + i] = s + (bias ? bias[r + i] : 0.f);
+            }
+    }
+    for (; r < rows; ++r)
+        for (int m = 0; m < M; ++m) out[m * ldo + r] = dot(w + r * K, x + m * K, K) + (bias ? bias[r] : 0.f);
+}
+
+void gemv_any(int64_t M, const float* x, int64_t K, const float* w, int64_t rows, const float* bias, float* out,
+              int64_t ldo) {
+    switch (M) {
+        case 1: gemv_rows<1>(x, K, w, rows, bias, out, ldo); break;
+        case 2: gemv_rows<2>(x, K, w, rows, bias, out, ldo); break;
+        case 3: gemv_rows<3>(x, K, w, rows, bias, out, ldo); break;
+        default: gemv_rows<4>(x, K, w, rows, bias, out, ldo); break;
+    }
+}
+
+}  // namespace
+
+extern "C" int mh_linear_few_rows_f32(const float* x, int64_t M, int64_t K, int64_t count, const float* const* W,
+                                      const int64_t* N, const float* const* bias, float* const* out, int threads) {
+    if (M < 1 || M > 4 || K < 1 || count < 1) return -2;
+    int64_t total = 0;
+    for (int64_t i = 0; i < count; ++i) total += N[i];
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+        // This thread's rows of the concatenated weights, in multiples of 4.
+        const int64_t begin = (total * id / nt) / 4 * 4, end = id + 1 == nt ? total : (total * (id + 1) / nt) / 4 * 4;
+        int64_t base = 0;
+        for (int64_t i = 0; i < count; ++i) {
+            const int64_t lo = std::max(begin, base) - base, hi = std::min(end, base + N[i]) - base;
+            if (hi > lo)
+                gemv_any(M, x, K, W[i] + lo * K, hi - lo, bias[i] ? bias[i] + lo : nullptr, out[i] + lo, N[i]);
+            base += N[i];
+        }
+    }
+    return 0;
 }
