@@ -272,3 +272,92 @@ def test_importing_multihead_builds_nothing(tmp_path) -> None:
     assert done.returncode == 0, done.stderr
     assert list(tmp_path.iterdir()) == []  # tiny problems stay on SDPA: no build was needed
 
+
+
+# -- the fused decoding step -------------------------------------------------------------
+def _spy_steps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    real = native.decode_step
+    monkeypatch.setattr(native, "decode_step", lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
+    return calls
+
+
+ROPES = {"none": None, "half": lambda: mh.RoPE(32), "interleaved-partial": lambda: mh.RoPE(32, interleaved=True,
+                                                                                           rotary_dim=16)}
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+@pytest.mark.parametrize("heads, kv_heads, bias", [(4, 4, True), (8, 2, False), (6, 1, True)])
+def test_fused_step_equals_the_float64_reference_with_rows_of_different_lengths(
+        rope: str, heads: int, kv_heads: int, bias: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Right-padded prompts of 3 rows (lengths 600, 37, 1), then 4 fused steps: every
+    output row equals the float64 reference layer run on the row's real tokens."""
+    from conftest import reference_layer
+
+    steps = _spy_steps(monkeypatch)
+    torch.manual_seed(heads * 10 + kv_heads)
+    layer = mh.MultiHeadAttention(32 * heads, heads, num_kv_heads=kv_heads, causal=True, bias=bias,
+                                  rope=ROPES[rope]() if ROPES[rope] else None).eval()
+    e, lengths, new = layer.embed_dim, [600, 37, 1], 4
+    x = torch.randn(3, 600 + new, e)
+    key_mask = torch.arange(600)[None, :] < torch.tensor(lengths)[:, None]
+    cache = layer.new_cache(3, 700)
+    with torch.no_grad():
+        layer(x[:, :600], key_mask=key_mask, cache=cache)
+        outs = []
+        for i in range(new):  # row b's i-th new token is x[b, lengths[b] + i]
+            token = torch.stack([x[b, lengths[b] + i] for b in range(3)])[:, None]  # (3, 1, E)
+            outs.append(layer(token, cache=cache))
+    assert steps == [3] * new
+    assert cache.host_lengths() == [n + new for n in lengths] and cache.lengths.tolist() == cache.host_lengths()
+    assert (cache.slot_pos >= 0).sum(1).tolist() == cache.host_lengths()
+    for b in range(3):
+        want = reference_layer(layer, x[b:b + 1, :lengths[b] + new].double())[0][0, -new:]  # (new, E)
+        got = torch.cat([o[b] for o in outs]).double().numpy()
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["ring", "window", "key_mask", "positions", "hook", "rows", "backend", "float64",
+                                  "two tokens", "rope table"])
+def test_fused_step_is_skipped_where_it_does_not_apply_and_results_agree(case: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each condition outside the fused step takes the step-by-step path, which gives
+    the same result as the fused one on the nearest call it does take."""
+    steps = _spy_steps(monkeypatch)
+    torch.manual_seed(0)
+    b = 5 if case == "rows" else 2
+    dtype = torch.float64 if case == "float64" else torch.float32
+    layer = mh.MultiHeadAttention(64, 4, num_kv_heads=2, causal=True, window=8 if case in ("ring", "window") else None,
+                                  rope=mh.RoPE(16, max_positions=20 if case == "rope table" else 4096),
+                                  backend="sdpa" if case == "backend" else None, dtype=dtype).eval()
+    if case == "hook":
+        layer.v_proj.register_forward_hook(lambda m, i, o: o)
+    cache = layer.new_cache(b, 64, ring=case == "ring")
+    x = torch.randn(b, 30, 64, dtype=dtype)
+    kw: dict = {}
+    if case == "key_mask":
+        kw["key_mask"] = torch.ones(b, 1, dtype=torch.bool)
+    if case == "positions":
+        kw["positions"] = torch.tensor([29])
+    with torch.no_grad():
+        layer(x[:, :29], cache=cache)
+        step = x[:, 29:] if case != "two tokens" else x[:, 28:]
+        if case == "two tokens":
+            cache.crop(28)
+        got = layer(step, cache=cache, **kw)
+        want = layer(x[:, :30], **({} if case != "key_mask" else {}))[:, -step.shape[1]:]
+    assert steps == []
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_step_writes_nothing_when_the_call_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    steps = _spy_steps(monkeypatch)
+    layer = mh.MultiHeadAttention(64, 4, causal=True, rope=mh.RoPE(16)).eval()
+    cache = layer.new_cache(1, 5)
+    with torch.no_grad():
+        layer(torch.randn(1, 5, 64), cache=cache)
+        before = (cache.k.clone(), cache.v.clone(), cache.lengths.clone(), cache.slot_pos.clone())
+        with pytest.raises(ValueError, match="cache overflow"):
+            layer(torch.randn(1, 1, 64), cache=cache)
+    assert steps == [] and cache.host_lengths() == [5]
+    assert all(torch.equal(a, b) for a, b in zip(before, (cache.k, cache.v, cache.lengths, cache.slot_pos)))

@@ -26,7 +26,7 @@ from torch import nn
 from ._checks import check_finite as _check_finite
 from ._checks import check_bool_mask, check_float, check_int, check_tensor
 from .cache import KVCache
-from . import kernels
+from . import kernels, native
 from .backends import get_backend, resolve_backend
 from .functional import attention, default_backend
 from .masks import key_padding_mask
@@ -262,6 +262,9 @@ class MultiHeadAttention(nn.Module):
         resolve_backend(default_backend(self.backend, return_weights), return_weights)
         real = self._check_cache(x, context, mask, key_mask, cache) if cache is not None else None
         attn_mask = self._check_inputs(x, context, mask, None if cache is not None else key_mask, positions)
+        if cache is not None and observe is None and self._fused_step_fits(x, context, cache, real, positions,
+                                                                          return_weights):
+            return self._fused_step(x, cache)
         own_positions = cache is not None and positions is None
         if own_positions:
             positions = cache.positions(x.shape[1])  # (B, S): each row continues from its length
@@ -303,6 +306,42 @@ class MultiHeadAttention(nn.Module):
         y = _apply_linear(self.o_proj, concat)  # (B, S, E)
         seen("O", y)
         return (y, weights) if return_weights else y
+
+    def _fused_step_fits(self, x: torch.Tensor, context: torch.Tensor | None, cache: KVCache,
+                         real: list[int] | None, positions: torch.Tensor | None, return_weights: bool) -> bool:
+        """Whether this (validated) cached call is one plain decoding step that
+        :func:`multihead.native.decode_step` runs whole: one token per row, at most
+        ``FEW_ROWS`` rows, float32 on the CPU, no padding/positions/context/weights/window/
+        ring/dropout, plain projections, a plain RoPE whose table covers the positions,
+        the default or native backend, and the kernel built. Anything else takes the
+        step-by-step path (same results within rounding)."""
+        b, s, _ = x.shape
+        projs = (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
+        rope = self.rope
+        return (s == 1 and b <= native.FEW_ROWS and real is None and positions is None and context is None
+                and not return_weights and self.window is None and not cache.ring
+                and not (self.training and self.dropout > 0) and self.backend in (None, "auto", "native")
+                and x.dtype == torch.float32 and x.device.type == "cpu"
+                and cache.k.stride() == cache.v.stride() and cache.k.stride(-1) == 1
+                and all(_plain(p) and p.weight.is_contiguous() and (p.bias is None or p.bias.is_contiguous())
+                        for p in projs)
+                and (rope is None or (type(rope) is RoPE and max(cache.host_lengths()) < rope.max_positions
+                                      and rope.cos.device.type == "cpu"))
+                and native.available())
+
+    def _fused_step(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One decoding step in one native call (see :meth:`_fused_step_fits`)."""
+        b, _, e = x.shape
+        rope = self.rope
+        tables = None if rope is None else (rope.cos, rope.sin, rope.rotary_dim, rope.interleaved)
+        y = native.decode_step(
+            x.reshape(b, e).contiguous(),
+            [(p.weight, p.bias) for p in (self.q_proj, self.k_proj, self.v_proj, self.o_proj)],
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rope=tables,
+            cache_k=cache.k, cache_v=cache.v, lengths=cache.lengths, slot_pos=cache.slot_pos, scale=self.scale,
+        )  # (B, E); the cache's buffers, lengths and slot positions are advanced in place
+        cache._host_lengths = [length + 1 for length in cache._host_lengths]
+        return y.view(b, 1, e)
 
     def _project(self, x: torch.Tensor, context: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "status", "attention_f32", "decode_f32", "linear_few_rows", "FEW_ROWS", "build"]
+__all__ = ["available", "status", "attention_f32", "decode_f32", "linear_few_rows", "decode_step", "FEW_ROWS", "build"]
 
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _status = "not built yet"
@@ -101,7 +101,10 @@ def _library() -> ctypes.CDLL | None:
     ptrs = ctypes.POINTER(ctypes.c_void_p)
     lib.mh_linear_few_rows_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ptrs,
                                            ctypes.POINTER(ctypes.c_int64), ptrs, ptrs, ctypes.c_int]
-    for fn in (lib.mh_attention_f32, lib.mh_decode_f32, lib.mh_linear_few_rows_f32):
+    i64, vp = ctypes.c_int64, ctypes.c_void_p
+    lib.mh_decode_step_f32.argtypes = [vp, i64, i64, ptrs, ptrs, i64, i64, i64, vp, vp, i64, ctypes.c_int, vp, vp,
+                                       ctypes.POINTER(i64), vp, vp, i64, ctypes.c_float, vp, ctypes.c_int]
+    for fn in (lib.mh_attention_f32, lib.mh_decode_f32, lib.mh_linear_few_rows_f32, lib.mh_decode_step_f32):
         fn.restype = ctypes.c_int
     _status = f"ready: {target}"
     return lib
@@ -237,3 +240,55 @@ def linear_few_rows(
     if code != 0:
         raise RuntimeError(f"the native linear kernel refused the problem (code {code})")
     return outs
+
+
+def decode_step(
+    x: torch.Tensor,
+    layers: list[tuple[torch.Tensor, torch.Tensor | None]],
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rope: tuple[torch.Tensor, torch.Tensor, int, bool] | None,
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    lengths: torch.Tensor,
+    slot_pos: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """A whole decoding step of a layer in one call (one token per row, B ≤ :data:`FEW_ROWS`).
+
+    Projects x to q, k, v, rotates q and k at each row's position ``lengths[b]``, writes
+    k and v into the cache at that slot, attends over the row's ``lengths[b] + 1`` keys,
+    projects with W_o, and advances ``lengths`` and ``slot_pos`` in place. The caller
+    (:class:`multihead.MultiHeadAttention`) has validated everything: this checks nothing.
+
+    Args:
+        x: (B, E) float32, contiguous.
+        layers: (weight, bias or None) of q, k, v, o; contiguous float32.
+        rope: (cos (P, R/2), sin (P, R/2), R, interleaved) float32 tables covering every
+            row's position, or None.
+        cache_k, cache_v: (B, Hkv, C, D) float32 with contiguous rows. lengths: (B,)
+            int64; slot_pos: (B, C) int64, contiguous.
+
+    Returns:
+        y: (B, E).
+    """
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(f"the native kernel is not available: {_status}")
+    b, e = x.shape
+    y = torch.empty((b, e), dtype=torch.float32)
+    cos, sin, rotary_dim, interleaved = rope if rope is not None else (None, None, 0, False)
+    code = lib.mh_decode_step_f32(
+        x.data_ptr(), b, e, (ctypes.c_void_p * 4)(*(w.data_ptr() for w, _ in layers)),
+        (ctypes.c_void_p * 4)(*(None if bias is None else bias.data_ptr() for _, bias in layers)),
+        num_heads, num_kv_heads, head_dim, None if cos is None else cos.data_ptr(),
+        None if sin is None else sin.data_ptr(), rotary_dim, int(interleaved), cache_k.data_ptr(), cache_v.data_ptr(),
+        (ctypes.c_int64 * 3)(*cache_k.stride()[:3]), lengths.data_ptr(), slot_pos.data_ptr(), slot_pos.shape[1],
+        float(scale), y.data_ptr(), torch.get_num_threads())
+    if code == -1:
+        raise MemoryError("the native decoding step could not allocate its buffers")
+    if code != 0:
+        raise RuntimeError(f"the native decoding step refused the problem (code {code})")
+    return y

@@ -561,25 +561,143 @@ void gemv_any(int64_t M, const float* x, int64_t K, const float* w, int64_t rows
     }
 }
 
+// This thread's share (thread id of nt) of out_i (M, N_i; row stride ldo_i) = x · W_iᵀ + b_i:
+// the rows of all weights together, split evenly in multiples of 4.
+void gemv_share(int64_t id, int64_t nt, int64_t M, const float* x, int64_t K, int64_t count,
+                const float* const* W, const int64_t* N, const float* const* bias, float* const* out,
+                const int64_t* ldo) {
+    int64_t total = 0;
+    for (int64_t i = 0; i < count; ++i) total += N[i];
+    const int64_t begin = (total * id / nt) / 4 * 4, end = id + 1 == nt ? total : (total * (id + 1) / nt) / 4 * 4;
+    int64_t base = 0;
+    for (int64_t i = 0; i < count; ++i) {
+        const int64_t lo = std::max(begin, base) - base, hi = std::min(end, base + N[i]) - base;
+        if (hi > lo) gemv_any(M, x, K, W[i] + lo * K, hi - lo, bias[i] ? bias[i] + lo : nullptr, out[i] + lo, ldo[i]);
+        base += N[i];
+    }
+}
+
 }  // namespace
 
 extern "C" int mh_linear_few_rows_f32(const float* x, int64_t M, int64_t K, int64_t count, const float* const* W,
                                       const int64_t* N, const float* const* bias, float* const* out, int threads) {
     if (M < 1 || M > 4 || K < 1 || count < 1) return -2;
-    int64_t total = 0;
-    for (int64_t i = 0; i < count; ++i) total += N[i];
+#pragma omp parallel num_threads(threads)
+    gemv_share(omp_get_thread_num(), omp_get_num_threads(), M, x, K, count, W, N, bias, out, N);
+    return 0;
+}
+
+// ---------------------------------------------------------------------------------------
+// One whole decoding step of a layer, one token per row (B <= 4), in one parallel region:
+//
+//   qkv = x · [W_q; W_k; W_v]ᵀ + b          (B, (H + 2·Hkv)·D)   weights split over threads
+//   RoPE on q and k at each row's position; k, v written to cache slot lengths[b]
+//   heads = attention(q, cache[:lengths[b] + 1])   (decode_item, keys split if few heads)
+//   y = heads · W_oᵀ + b_o                    (B, E)
+//   lengths[b] += 1; slot_pos[b, old length] = old length
+//
+// The caller has checked every shape and that each row has room (lengths[b] < capacity).
+
+extern "C" int mh_decode_step_f32(
+    const float* x, int64_t B, int64_t E, const float* const* W, const float* const* bias, int64_t H,
+    int64_t Hkv, int64_t D, const float* rope_cos, const float* rope_sin, int64_t rotary_dim, int interleaved,
+    float* cache_k, float* cache_v, const int64_t* cache_strides, int64_t* lengths, int64_t* slot_pos,
+    int64_t capacity, float scale, float* y, int threads) {
+    if (B < 1 || B > 4 || Hkv < 1 || H % Hkv != 0 || D < 1 || rotary_dim % 2 != 0 || rotary_dim > D) return -2;
+    const int64_t G = H / Hkv, width = (H + 2 * Hkv) * D, half = rotary_dim / 2;
+    float* qkv = alloc(B * width);
+    float* heads = alloc(B * H * D);
+    int64_t longest = 0;
+    for (int64_t b = 0; b < B; ++b) longest = std::max(longest, lengths[b] + 1);
+    const int64_t heads_b = B * Hkv;
+    const int64_t splits = std::clamp<int64_t>(
+        std::min<int64_t>((2 * threads + heads_b - 1) / heads_b, longest / 512), 1, 64);
+    const int64_t per = (longest + splits - 1) / splits, items = heads_b * splits, rows = G;
+    float* part = splits > 1 ? alloc(items * rows * (D + 2)) : nullptr;
+    if (!qkv || !heads || (splits > 1 && !part)) {
+        std::free(qkv); std::free(heads); std::free(part);
+        return -1;
+    }
+    // One attention problem per row: its own key count.
+    Problem Ps[4];
+    for (int64_t b = 0; b < B; ++b) {
+        Problem& P = Ps[b];
+        P = Problem{};
+        P.q = qkv; P.k = cache_k; P.v = cache_v; P.out = heads; P.mask = nullptr;
+        P.B = B; P.H = H; P.Hkv = Hkv; P.Sq = 1; P.Sk = lengths[b] + 1; P.D = D; P.Dv = D;
+        P.qs[0] = width; P.qs[1] = D; P.qs[2] = width;
+        for (int i = 0; i < 3; ++i) P.ks[i] = P.vs[i] = cache_strides[i];
+        P.os[0] = H * D; P.os[1] = D; P.os[2] = H * D;
+        P.scale = scale * 1.4426950408889634f;
+        P.causal = true;
+        P.window = 0;
+    }
+    int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
-        // This thread's rows of the concatenated weights, in multiples of 4.
-        const int64_t begin = (total * id / nt) / 4 * 4, end = id + 1 == nt ? total : (total * (id + 1) / nt) / 4 * 4;
-        int64_t base = 0;
-        for (int64_t i = 0; i < count; ++i) {
-            const int64_t lo = std::max(begin, base) - base, hi = std::min(end, base + N[i]) - base;
-            if (hi > lo)
-                gemv_any(M, x, K, W[i] + lo * K, hi - lo, bias[i] ? bias[i] + lo : nullptr, out[i] + lo, N[i]);
-            base += N[i];
+        const int64_t id = omp_get_thread_num(), nt = omp_get_num_threads();
+        // Every buffer first: nothing is written to the cache unless the whole step can run.
+        Buffers buf{alloc(rows * D), alloc(1), alloc(rows * KC), alloc(rows), alloc(rows), alloc(rows * D)};
+        if (!buf.ok()) {
+#pragma omp atomic write
+            failed = 1;
         }
+#pragma omp barrier
+        if (!failed) {
+            {
+                const float* Wqkv[3] = {W[0], W[1], W[2]};
+                const float* bqkv[3] = {bias[0], bias[1], bias[2]};
+                const int64_t N[3] = {H * D, Hkv * D, Hkv * D}, ld[3] = {width, width, width};
+                float* out[3] = {qkv, qkv + H * D, qkv + (H + Hkv) * D};
+                gemv_share(id, nt, B, x, E, 3, Wqkv, N, bqkv, out, ld);
+            }
+#pragma omp barrier
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < B * (H + Hkv); ++t) {  // rotate q and k heads, store k and v
+                const int64_t b = t / (H + Hkv), head = t % (H + Hkv), pos = lengths[b];
+                float* vec = qkv + b * width + head * D;
+                if (rope_cos) {
+                    const float* c = rope_cos + pos * half;
+                    const float* s = rope_sin + pos * half;
+                    for (int64_t i = 0; i < half; ++i) {
+                        const int64_t i1 = interleaved ? 2 * i : i, i2 = interleaved ? 2 * i + 1 : i + half;
+                        const float x1 = vec[i1], x2 = vec[i2];
+                        vec[i1] = x1 * c[i] - x2 * s[i];
+                        vec[i2] = x2 * c[i] + x1 * s[i];
+                    }
+                }
+                if (head >= H) {
+                    const int64_t kvh = head - H;
+                    const int64_t at = b * cache_strides[0] + kvh * cache_strides[1] + pos * cache_strides[2];
+                    std::memcpy(cache_k + at, vec, sizeof(float) * D);
+                    std::memcpy(cache_v + at, qkv + b * width + (H + Hkv + kvh) * D, sizeof(float) * D);
+                }
+            }
+#pragma omp for schedule(static)
+            for (int64_t it = 0; it < items; ++it) {
+                const int64_t sp = it % splits, head = it / splits, b = head / Hkv;
+                decode_item(Ps[b], buf, b, head % Hkv, sp * per, std::min(Ps[b].Sk, (sp + 1) * per),
+                            part ? part + it * rows * (D + 2) : nullptr);
+            }
+            if (part) {
+#pragma omp for schedule(static)
+                for (int64_t head = 0; head < heads_b; ++head)
+                    merge_splits(Ps[head / Hkv], part + head * splits * rows * (D + 2), splits, head / Hkv,
+                                 head % Hkv);
+            }
+            const float* Wo[1] = {W[3]};
+            const float* bo[1] = {bias[3]};
+            const int64_t N[1] = {E}, ld[1] = {E};
+            float* out[1] = {y};
+            gemv_share(id, nt, B, heads, H * D, 1, Wo, N, bo, out, ld);
+        }
+        buf.release();
+    }
+    std::free(qkv); std::free(heads); std::free(part);
+    if (failed) return -1;
+    for (int64_t b = 0; b < B; ++b) {
+        slot_pos[b * capacity + lengths[b]] = lengths[b];
+        lengths[b] += 1;
     }
     return 0;
 }
