@@ -67,6 +67,46 @@ inline float hsum(v16 x) {
 #endif
 }
 
+// 16 vectors -> one whose lane p is the sum of x[p]'s lanes: four levels of shuffles and
+// adds (15 adds) and one permutation, instead of 16 horizontal sums.
+inline v16 reduce16(const v16* x) {
+#ifdef __AVX512F__
+    __m512 b[8], c[4], d[2];
+    for (int m = 0; m < 8; ++m) {  // 256-bit halves folded: lanes (x.L0+x.L2, x.L1+x.L3, y.L0+y.L2, y.L1+y.L3)
+        __m512 x0 = (__m512)x[2 * m], x1 = (__m512)x[2 * m + 1];
+        b[m] = _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x44), _mm512_shuffle_f32x4(x0, x1, 0xEE));
+    }
+    for (int m = 0; m < 4; ++m)  // 128-bit lane i: 4 partial sums of x[4m + i]
+        c[m] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * m], b[2 * m + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * m], b[2 * m + 1], 0xDD));
+    for (int m = 0; m < 2; ++m) {  // lane i: 2 partial sums of x[8m + i], then of x[8m + 4 + i]
+        __m512d lo = _mm512_unpacklo_pd((__m512d)c[2 * m], (__m512d)c[2 * m + 1]);
+        __m512d hi = _mm512_unpackhi_pd((__m512d)c[2 * m], (__m512d)c[2 * m + 1]);
+        d[m] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+    }
+    const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+    // Lane q holds the sum of x[q / 4 + 4·(q % 4)]: put x[p]'s sum in lane p.
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return (v16)_mm512_permutexvar_ps(order, r);
+#else
+    v16 r;
+    for (int p = 0; p < 16; ++p) r[p] = hsum(x[p]);
+    return r;
+#endif
+}
+
+// The 16 dot products of q (D) with keys k[0..15] (row stride ldk), D a multiple of 16.
+inline v16 dot16(const float* __restrict q, const float* __restrict k, int64_t ldk, int64_t d) {
+    v16 acc[16];
+#pragma GCC unroll 16
+    for (int s = 0; s < 16; ++s) acc[s] = (v16){};
+    // Key by key, each row read front to back: the order the hardware prefetcher follows.
+#pragma GCC unroll 16
+    for (int s = 0; s < 16; ++s)
+        for (int64_t t = 0; t < d; t += 16) acc[s] += load(q + t) * load(k + s * ldk + t);
+    return reduce16(acc);
+}
+
 // Σ a[t]·b[t], vectorised along t.
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t d) {
     v16 acc = (v16){};
@@ -355,7 +395,12 @@ void decode_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t
     const float* vb = P.v + b * P.vs[0] + kvh * P.vs[1];
     for (int64_t c0 = lo; c0 < hi; c0 += KC) {
         const int64_t n = std::min(KC, hi - c0), width = (n + 15) / 16 * 16;
-        for (int64_t j = 0; j < n; ++j) {
+        int64_t j = 0;
+        if (D % 16 == 0)  // 16 keys at a time, their 16 sums reduced together
+            for (; j + 16 <= n; j += 16)
+                for (int64_t r = 0; r < rows; ++r)
+                    store(buf.s + r * KC + j, dot16(buf.qbuf + r * D, kb + (c0 + j) * P.ks[2], P.ks[2], D));
+        for (; j < n; ++j) {
             const float* kr = kb + (c0 + j) * P.ks[2];
             for (int64_t r = 0; r < rows; ++r) buf.s[r * KC + j] = dot(buf.qbuf + r * D, kr, D);
         }
