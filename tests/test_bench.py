@@ -53,6 +53,10 @@ def test_timed_results_carry_medians_and_rates(suite: dict[str, Any]) -> None:
         assert len(row["times_s"]) >= 2
         assert math.isfinite(row["times_limit"]) and row["times_limit"] > 0
         assert ("gflops" in row) != ("gbps" in row)
+        if "gbps" in row:  # bandwidth-bound: rated against a copy and a plain read timed in its own loop
+            assert row["copy_gbps"] > 0 and row["read_s"] > 0
+            assert row["times_read"] == pytest.approx(row["median_s"] / row["read_s"])
+    assert not {"(copy)", "(read)"} & {row["impl"] for row in suite["results"]}  # probes are not peers
 
 
 def test_peers_from_transformers_are_included_when_installed(suite: dict[str, Any]) -> None:
