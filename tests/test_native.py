@@ -101,7 +101,7 @@ def test_native_meets_the_accuracy_criterion_across_tile_edges(p: dict, kernel) 
 
 
 @pytest.mark.parametrize("b, hkv, g", [(1, 1, 8), (1, 2, 4), (2, 1, 1), (3, 4, 2)])
-@pytest.mark.parametrize("sq, sk", [(1, 1100), (3, 1500), (1, 2048), (2, 600)])
+@pytest.mark.parametrize("sq, sk", [(1, 1100), (3, 1500), (1, 2048), (2, 600), (1, 2600)])
 @pytest.mark.parametrize("causal, window", [(True, None), (False, None), (True, 700)])
 def test_decode_splits_long_caches_across_threads(b: int, hkv: int, g: int, sq: int, sk: int, causal: bool,
                                                   window: int | None) -> None:

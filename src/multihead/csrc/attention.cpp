@@ -44,6 +44,7 @@ constexpr int64_t NR = 32;   // keys per panel: two vectors
 constexpr int MR = 12;       // query rows of a q·kᵀ tile (24 accumulators)
 constexpr int MR_PV = 6;     // query rows of a p·v tile (6 × 4 = 24 accumulators)
 constexpr int64_t KC = 512;  // keys per chunk (a packed chunk of D = 64 is 128 KiB, L2)
+constexpr int64_t KD = 2048;  // keys per chunk of the decoding loop (one long K stream, then V)
 constexpr float NEG_INF = -__builtin_inff();
 
 inline v16 load(const float* p) { return *(const v16u*)p; }
@@ -393,24 +394,24 @@ void decode_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t
     hi = std::min(hi, k1);
     const float* kb = P.k + b * P.ks[0] + kvh * P.ks[1];
     const float* vb = P.v + b * P.vs[0] + kvh * P.vs[1];
-    for (int64_t c0 = lo; c0 < hi; c0 += KC) {
-        const int64_t n = std::min(KC, hi - c0), width = (n + 15) / 16 * 16;
+    for (int64_t c0 = lo; c0 < hi; c0 += KD) {
+        const int64_t n = std::min(KD, hi - c0), width = (n + 15) / 16 * 16;
         int64_t j = 0;
         if (D % 16 == 0)  // 16 keys at a time, their 16 sums reduced together
             for (; j + 16 <= n; j += 16)
                 for (int64_t r = 0; r < rows; ++r)
-                    store(buf.s + r * KC + j, dot16(buf.qbuf + r * D, kb + (c0 + j) * P.ks[2], P.ks[2], D));
+                    store(buf.s + r * KD + j, dot16(buf.qbuf + r * D, kb + (c0 + j) * P.ks[2], P.ks[2], D));
         for (; j < n; ++j) {
             const float* kr = kb + (c0 + j) * P.ks[2];
-            for (int64_t r = 0; r < rows; ++r) buf.s[r * KC + j] = dot(buf.qbuf + r * D, kr, D);
+            for (int64_t r = 0; r < rows; ++r) buf.s[r * KD + j] = dot(buf.qbuf + r * D, kr, D);
         }
         for (int64_t r = 0; r < rows; ++r) {
             const int64_t g = r / Sq, i = r % Sq;
             const uint8_t* mrow = P.mask ? P.mask + b * P.ms[0] + (kvh * G + g) * P.ms[1] + i * P.ms[2] : nullptr;
-            row_update(P, buf.s + r * KC, width, n, c0, i + off, mrow, buf.m[r], buf.l[r], buf.o + r * Dv);
+            row_update(P, buf.s + r * KD, width, n, c0, i + off, mrow, buf.m[r], buf.l[r], buf.o + r * Dv);
         }
         for (int64_t r0 = 0; r0 < rows; r0 += MR)
-            pv(buf.s + r0 * KC, KC, std::min<int64_t>(MR, rows - r0), n, vb + c0 * P.vs[2], P.vs[2],
+            pv(buf.s + r0 * KD, KD, std::min<int64_t>(MR, rows - r0), n, vb + c0 * P.vs[2], P.vs[2],
                buf.o + r0 * Dv, Dv, Dv);
     }
     if (part) {  // (rows, Dv + 2): o unnormalised, then m and l, merged by the caller
@@ -529,7 +530,7 @@ extern "C" int mh_decode_f32(const float* q, const float* k, const float* v, flo
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        Buffers buf{alloc(rows * P.D), alloc(1), alloc(rows * KC), alloc(rows), alloc(rows), alloc(rows * P.Dv)};
+        Buffers buf{alloc(rows * P.D), alloc(1), alloc(rows * KD), alloc(rows), alloc(rows), alloc(rows * P.Dv)};
         if (!buf.ok()) {
 #pragma omp atomic write
             failed = 1;
@@ -682,7 +683,7 @@ extern "C" int mh_decode_step_f32(
     {
         const int64_t id = omp_get_thread_num(), nt = omp_get_num_threads();
         // Every buffer first: nothing is written to the cache unless the whole step can run.
-        Buffers buf{alloc(rows * D), alloc(1), alloc(rows * KC), alloc(rows), alloc(rows), alloc(rows * D)};
+        Buffers buf{alloc(rows * D), alloc(1), alloc(rows * KD), alloc(rows), alloc(rows), alloc(rows * D)};
         if (!buf.ok()) {
 #pragma omp atomic write
             failed = 1;
