@@ -105,7 +105,7 @@ def test_native_meets_the_accuracy_criterion_across_tile_edges(p: dict, kernel) 
 @pytest.mark.parametrize("causal, window", [(True, None), (False, None), (True, 700)])
 def test_decode_splits_long_caches_across_threads(b: int, hkv: int, g: int, sq: int, sk: int, causal: bool,
                                                   window: int | None) -> None:
-    """With fewer K/V heads than threads the keys are split and merged by log-sum-exp
+    """Chunks of 2048 keys; with fewer K/V heads than threads the keys are split and merged by log-sum-exp
     (flash-decoding); splits that see no key (windows) must weigh nothing."""
     gen = torch.Generator().manual_seed(sk + sq)
     q = torch.randn(b, hkv * g, sq, 64, generator=gen, dtype=torch.float64)
