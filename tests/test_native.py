@@ -361,3 +361,34 @@ def test_fused_step_writes_nothing_when_the_call_is_refused(monkeypatch: pytest.
             layer(torch.randn(1, 1, 64), cache=cache)
     assert steps == [] and cache.host_lengths() == [5]
     assert all(torch.equal(a, b) for a, b in zip(before, (cache.k, cache.v, cache.lengths, cache.slot_pos)))
+
+
+def _f(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.zeros(*shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: native.attention_f32(_f(1, 2, 3, 4, dtype=torch.float64), _f(1, 2, 3, 4), _f(1, 2, 3, 4), scale=1.0),
+     TypeError, "q must be a float32 CPU tensor"),
+    (lambda: native.decode_f32(_f(1, 2, 3), _f(1, 2, 3, 4), _f(1, 2, 3, 4), scale=1.0), ValueError, "q must have 4"),
+    (lambda: native.attention_f32(_f(1, 3, 3, 4), _f(1, 2, 3, 4), _f(1, 2, 3, 4), scale=1.0), ValueError,
+     "positive multiple"),
+    (lambda: native.attention_f32(_f(1, 2, 3, 4), _f(1, 2, 5, 4), _f(1, 2, 3, 4), scale=1.0), ValueError,
+     "k and v must be"),
+    (lambda: native.attention_f32(_f(1, 2, 3, 4), _f(1, 2, 3, 5), _f(1, 2, 3, 4), scale=1.0), ValueError,
+     "head dim 4"),
+    (lambda: native.attention_f32(_f(1, 2, 3, 4), _f(1, 2, 3, 4), _f(1, 2, 3, 4), scale=1.0, mask=_f(3, 3)),
+     TypeError, "mask must be a bool"),
+    (lambda: native.attention_f32(_f(1, 2, 3, 4), _f(1, 2, 3, 4), _f(1, 2, 3, 4), scale=1.0,
+                                  mask=torch.ones(2, 3, dtype=torch.bool)), ValueError, "mask must broadcast"),
+    (lambda: native.attention_f32(_f(1, 2, 3, 4), _f(1, 2, 3, 4), _f(1, 2, 3, 4), scale=1.0, window=0),
+     ValueError, "window must be in"),
+    (lambda: native.linear_few_rows(_f(5, 4), [(_f(3, 4), None)]), ValueError, "1 to 4 rows"),
+    (lambda: native.linear_few_rows(_f(1, 4), [(_f(4, 3).t(), None)]), TypeError, "not contiguous"),
+    (lambda: native.linear_few_rows(_f(1, 4), [(_f(3, 5), None)]), ValueError, r"weight must be \(N, 4\)"),
+    (lambda: native.linear_few_rows(_f(1, 4), [(_f(3, 4), _f(4))]), ValueError, r"bias must be \(3,\)"),
+])
+def test_the_public_kernel_functions_check_what_they_are_given(call, error, match) -> None:
+    """They read raw memory: a wrong tensor must be refused, never read out of bounds."""
+    with pytest.raises(error, match=match):
+        call()

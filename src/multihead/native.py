@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from ._checks import check_int, check_tensor
+
 __all__ = ["available", "status", "attention_f32", "decode_f32", "linear_few_rows", "decode_step", "FEW_ROWS", "build"]
 
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
@@ -155,6 +157,7 @@ def attention_f32(
         (B, H, Sq, Dv), a view of a (B, Sq, H, Dv) buffer; zeros for rows with no key.
 
     Raises:
+        TypeError, ValueError: tensors of the wrong dtype, device or shapes.
         RuntimeError: the kernel is not available (see :func:`status`).
     """
     return _run("mh_attention_f32", q, k, v, scale, causal, window, mask, _QUERY_TILE)
@@ -179,8 +182,36 @@ def decode_f32(
     return _run("mh_decode_f32", q, k, v, scale, causal, window, mask)
 
 
+def _check_qkv(q: object, k: object, v: object, mask: object, window: object) -> None:
+    """The kernel reads raw memory: shapes, dtypes and devices are checked first."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, ndim=4)
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            raise TypeError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+    b, h, sq, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b or k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v must be (B={b}, Hkv, Sk, D) and (B, Hkv, Sk, Dv) alike, "
+                         f"got {list(k.shape)} and {list(v.shape)}")
+    if k.shape[-1] != d:
+        raise ValueError(f"k must have head dim {d} like q, got shape {list(k.shape)}")
+    if k.shape[1] == 0 or h % k.shape[1] or 0 in (d, v.shape[-1]):
+        raise ValueError(f"q's heads ({h}) must be a positive multiple of k's ({k.shape[1]}), head dims > 0")
+    if mask is not None:
+        check_tensor("mask", mask, ndim=(2, 3, 4))
+        if mask.dtype != torch.bool:
+            raise TypeError(f"mask must be a bool tensor (True = may attend), got dtype {mask.dtype}")
+        try:
+            torch.broadcast_shapes(mask.shape, (b, h, sq, k.shape[2]))
+        except RuntimeError:
+            raise ValueError(f"mask must broadcast to [B, H, Sq, Sk] = {[b, h, sq, k.shape[2]]}, "
+                             f"got {list(mask.shape)}") from None
+    if window is not None:
+        check_int("window", window)
+
+
 def _run(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
          window: int | None, mask: torch.Tensor | None, *extra: int) -> torch.Tensor:
+    _check_qkv(q, k, v, mask, window)
     lib = _library()
     if lib is None:
         raise RuntimeError(f"the native kernel is not available: {_status}")
@@ -224,8 +255,22 @@ def linear_few_rows(
         One (M, N_i) tensor per layer.
 
     Raises:
+        TypeError, ValueError: tensors of the wrong dtype, device, layout or shapes.
         RuntimeError: the kernel is not available (see :func:`status`).
     """
+    check_tensor("x", x, ndim=2)
+    if not 1 <= x.shape[0] <= FEW_ROWS:
+        raise ValueError(f"x must have 1 to {FEW_ROWS} rows, got shape {list(x.shape)}")
+    for name, t in [("x", x)] + [(f"layers[{i}][{j}]", t) for i, layer in enumerate(layers)
+                                 for j, t in enumerate(layer) if t is not None]:
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            raise TypeError(f"{name} must be a contiguous float32 CPU tensor, got {t.dtype} on {t.device}"
+                            f"{'' if t.is_contiguous() else ', not contiguous'}")
+    for i, (w, bias) in enumerate(layers):
+        if w.dim() != 2 or w.shape[1] != x.shape[1] or w.shape[0] == 0:
+            raise ValueError(f"layers[{i}] weight must be (N, {x.shape[1]}), got {list(w.shape)}")
+        if bias is not None and tuple(bias.shape) != (w.shape[0],):
+            raise ValueError(f"layers[{i}] bias must be ({w.shape[0]},), got {list(bias.shape)}")
     lib = _library()
     if lib is None:
         raise RuntimeError(f"the native kernel is not available: {_status}")
