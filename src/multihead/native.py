@@ -1,9 +1,11 @@
-"""The native CPU kernel (``csrc/attention.cpp``): built on first use, loaded with ctypes.
+"""The native CPU kernels (``csrc/``): built on first use, loaded with ctypes.
 
 Notation: B batch, H query heads, Hkv key/value heads, Sq queries, Sk keys, D head dim,
 Dv value head dim.
 
-The kernel is one C++ file with no dependency but OpenMP. The first call that needs it
+The kernels are C++ with no dependency but OpenMP: ``attention.cpp`` (the FlashAttention
+loop), ``decode.cpp`` (decoding: attention, few-row linear layers, a whole layer step),
+``common.h`` (what they share). The first call that needs it
 compiles it for this machine (``-O3 -march=native``, about one second) into a cache
 folder, ``$MULTIHEAD_CACHE_DIR`` or ``~/.cache/multihead``, under a name that hashes the
 source, the compiler and the CPU's flags, so a shared home folder or an upgraded
@@ -35,6 +37,7 @@ from ._checks import check_int, check_tensor
 __all__ = ["available", "status", "attention_f32", "decode_f32", "linear_few_rows", "decode_step", "FEW_ROWS", "build"]
 
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+_SOURCES = ("common.h", "attention.cpp", "decode.cpp")
 _status = "not built yet"
 
 
@@ -66,23 +69,25 @@ def _library() -> ctypes.CDLL | None:
     if not compiler:
         _status = "no C++ compiler found (set CXX or install g++)"
         return None
-    source = resources.files("multihead").joinpath("csrc", "attention.cpp").read_bytes()
+    csrc = resources.files("multihead").joinpath("csrc")
+    sources = {name: csrc.joinpath(name).read_bytes() for name in _SOURCES}
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as err:
         _status = f"compiler {compiler!r} does not run: {err}"
         return None
-    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(_FLAGS).encode(),
+    key = hashlib.sha256(b"\0".join([*sources.values(), version.encode(), " ".join(_FLAGS).encode(),
                                      _cpu_flags().encode()])).hexdigest()[:20]
     target = _cache_dir() / f"attention-{key}.so"
     if not target.exists():
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                src = Path(tmp) / "attention.cpp"
-                src.write_bytes(source)
+                for name, text in sources.items():
+                    (Path(tmp) / name).write_bytes(text)
                 out = Path(tmp) / target.name
-                done = subprocess.run([compiler, *_FLAGS, "-o", str(out), str(src)], capture_output=True,
+                units = [str(Path(tmp) / name) for name in _SOURCES if name.endswith(".cpp")]
+                done = subprocess.run([compiler, *_FLAGS, "-o", str(out), *units], capture_output=True,
                                       text=True, timeout=300)
                 if done.returncode != 0:
                     _status = f"compiling the native kernel failed: {done.stderr.strip()[-2000:]}"
