@@ -1,4 +1,4 @@
-"""The fast kernels (:mod:`multihead.kernels`) agree with the float64 reference.
+"""The torch-only kernels (:mod:`multihead.blocked`) agree with the float64 reference.
 
 Block boundaries are where blocked kernels go wrong, so block sizes are shrunk (patched)
 to a few rows and keys and the shapes are drawn around them: Sq and Sk of 1, primes,
@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import multihead as mh
-from multihead import kernels
+from multihead import blocked, kernels
 from multihead.backends import get_backend
 
 SCALE = float(os.environ.get("MULTIHEAD_PROPERTY_EXAMPLES", "1"))
@@ -37,8 +37,8 @@ SIZES = [1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17, 31, 33]
 @contextlib.contextmanager
 def blocks(rows: int, key_chunk: int, key_align: int = 1) -> Iterator[None]:
     """Shrink the kernel's blocks so that small shapes cross many block boundaries."""
-    with mock.patch.object(kernels, "_MIN_ROWS", rows), mock.patch.object(kernels, "_MAX_ROWS", rows), \
-            mock.patch.object(kernels, "_KEY_CHUNK", key_chunk), mock.patch.object(kernels, "_KEY_ALIGN", key_align):
+    with mock.patch.object(blocked, "_MIN_ROWS", rows), mock.patch.object(blocked, "_MAX_ROWS", rows), \
+            mock.patch.object(blocked, "_KEY_CHUNK", key_chunk), mock.patch.object(blocked, "_KEY_ALIGN", key_align):
         yield
 
 
@@ -135,8 +135,8 @@ def test_half_precision_inputs_are_computed_in_float32(dtype: torch.dtype) -> No
 
 def test_mm_nt_is_x_times_w_transposed() -> None:
     x, w = torch.randn(33, 16), torch.randn(65, 16)
-    torch.testing.assert_close(kernels.mm_nt(x, w), x @ w.T, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(kernels.mm_nt(x.double(), w.double()), x.double() @ w.double().T)
+    torch.testing.assert_close(blocked.mm_nt(x, w), x @ w.T, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(blocked.mm_nt(x.double(), w.double()), x.double() @ w.double().T)
 
 
 @pytest.mark.parametrize("backend", ["blocked", "auto"])

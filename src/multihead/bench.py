@@ -110,7 +110,7 @@ def time_interleaved(
 
 def machine_limits(*, quick: bool = False) -> dict[str, Any]:
     """Compute and bandwidth limits of this machine, measured now (see module docstring)."""
-    from .kernels import mm_nt, onednn_available
+    from .blocked import mm_nt, onednn_available
 
     n = 512 if quick else 4096
     a, b = torch.randn(n, n), torch.randn(n, n)

@@ -133,4 +133,4 @@ def default_backend(backend: str | None, return_weights: bool) -> str:
     return backend
 
 
-from . import kernels  # noqa: E402,F401  (registers the "blocked" and "auto" backends)
+from . import kernels  # noqa: E402,F401  (registers the "native", "blocked" and "auto" backends)
