@@ -118,6 +118,9 @@ def test_auto_routes_each_shape_to_its_measured_path(monkeypatch) -> None:
     for t in (tiny, mid, long):
         mh.attention(t, t, t, causal=True)
     mh.attention(q1, kv, kv, causal=True)
+    paths = [mh.kernels.auto_path(t, t, t) for t in (tiny, mid, long)] + [mh.kernels.auto_path(q1, kv, kv)]
+    assert [p.split(" (")[0] for p in paths] == seen  # auto_path names what runs
+    assert all(p in mh.kernels.AUTO_PATHS for p in paths)
     if mh.native.available():
         assert seen == ["sdpa", "native", "native", "native decode"]
     else:
@@ -135,3 +138,17 @@ def test_auto_without_the_native_kernel_uses_its_torch_paths(monkeypatch) -> Non
     q1, kv = torch.randn(1, 8, 1, 64), torch.randn(1, 2, 300, 64)
     mh.attention(q1, kv, kv, causal=True)
     assert seen == (["blocked"] if mh.kernels.onednn_available() else []) + ["decode"]
+    assert mh.kernels.auto_path(q1, kv, kv) == "decode"
+    assert mh.kernels.auto_path(long, long, long) == ("blocked" if mh.kernels.onednn_available() else "sdpa")
+
+
+def test_auto_path_reports_weights_and_gradient_paths() -> None:
+    """No hidden switch: asking for weights or gradients is reported as such."""
+    q = torch.randn(1, 4, 64, 64)
+    assert mh.kernels.auto_path(q, q, q, return_weights=True) == "explicit"
+    assert mh.kernels.auto_path(q, q, q, dropout_p=0.1) == "sdpa (gradients)"
+    assert mh.kernels.auto_path(q.clone().requires_grad_(), q, q) == "sdpa (gradients)"
+    with torch.no_grad():
+        assert mh.kernels.auto_path(q.clone().requires_grad_(), q, q) != "sdpa (gradients)"
+    assert set(mh.kernels.AUTO_PATHS) == {"explicit", "sdpa (gradients)", "native decode", "native", "decode",
+                                          "blocked", "sdpa"}

@@ -28,7 +28,8 @@ from . import native
 from .backends import get_backend, register_backend
 from .blocked import _onednn_linear, _upcast, blocked_attention, decode_attention, onednn_available
 
-__all__ = ["linear", "linears", "blocked_attention", "decode_attention", "onednn_available"]
+__all__ = ["linear", "linears", "auto_path", "AUTO_PATHS", "blocked_attention", "decode_attention",
+           "onednn_available"]
 
 #: At most this many query rows per K/V head (Sq·G) go to the batched decode path,
 #: and only with GQA sharing (G > 1) and enough keys: measured on this project's
@@ -195,27 +196,64 @@ def _native_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, min_scores: 
             and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] >= min_scores and native.available())
 
 
+#: The paths "auto" can take, and why it takes each (:func:`auto_path`).
+AUTO_PATHS = {
+    "explicit": "attention weights were asked for: only 'explicit' returns them",
+    "sdpa (gradients)": "gradients or dropout are needed (or the tensors are not on the CPU): SDPA is differentiable",
+    "native decode": "few query rows per K/V head (decoding): the native loop that streams K and V once",
+    "native": "the native FlashAttention loop (compiled here; float32, half precision upcast)",
+    "decode": "few query rows per K/V head, no native kernel: batched matmuls per K/V head",
+    "blocked": "float32, Sq and Sk >= 512, D >= 64, no native kernel: the torch-only blocked kernel",
+    "sdpa": "a problem too small for the other paths' fixed costs (or an unsupported shape): SDPA",
+}
+
+
+def auto_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0,
+              return_weights: bool = False) -> str:
+    """The path the ``"auto"`` backend takes for these tensors: a key of :data:`AUTO_PATHS`.
+
+    No hidden slow path: call this (``mh.kernels.AUTO_PATHS[path]`` says why) to see
+    what a call of :func:`multihead.attention` with the same tensors will run. May build
+    the native kernel (first call only).
+
+    Args:
+        q: (B, H, Sq, D); k: (B, Hkv, Sk, D); v: (B, Hkv, Sk, Dv); as given to
+            :func:`multihead.attention` (whose checks this does not repeat).
+        dropout_p, return_weights: as given to :func:`multihead.attention`.
+    """
+    if return_weights:
+        return "explicit"
+    if dropout_p > 0 or _needs_grad(q, k, v) or q.device.type != "cpu":
+        return "sdpa (gradients)"
+    sq, sk, d, g = q.shape[2], k.shape[2], q.shape[3], q.shape[1] // k.shape[1]
+    if _few_rows(q, k) and _native_fits(q, k, v, _NATIVE_MIN_DECODE_SCORES):
+        return "native decode"
+    if _few_rows(q, k) and g > 1 and sk >= _DECODE_MIN_KEYS:
+        return "decode"
+    if _native_fits(q, k, v, _NATIVE_MIN_SCORES):
+        return "native"
+    if (q.dtype == torch.float32 and onednn_available() and min(sq, sk) >= _BLOCKED_MIN_SEQ
+            and d >= _BLOCKED_MIN_HEAD_DIM):
+        return "blocked"
+    return "sdpa"
+
+
 @register_backend("auto", weights=True)
 def auto_backend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     mask: torch.Tensor | None, causal: bool, window: int | None, scale: float,
     dropout_p: float, return_weights: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Pick the fastest correct path for this call (see the module docstring)."""
-    kwargs = dict(mask=mask, causal=causal, window=window, scale=scale, dropout_p=dropout_p,
-                  return_weights=return_weights)
-    if return_weights:
-        return get_backend("explicit")(q, k, v, **kwargs)
-    if dropout_p > 0 or _needs_grad(q, k, v) or q.device.type != "cpu":
-        return get_backend("sdpa")(q, k, v, **kwargs)
-    sq, sk, d, g = q.shape[2], k.shape[2], q.shape[3], q.shape[1] // k.shape[1]
-    if _few_rows(q, k) and _native_fits(q, k, v, _NATIVE_MIN_DECODE_SCORES):
-        return _native_call(q, k, v, scale=scale, causal=causal, window=window, mask=mask, decode=True), None
-    if _few_rows(q, k) and g > 1 and sk >= _DECODE_MIN_KEYS:
-        return decode_attention(q, k, v, scale=scale, causal=causal, window=window, mask=mask), None
-    if _native_fits(q, k, v, _NATIVE_MIN_SCORES):
-        return _native_call(q, k, v, scale=scale, causal=causal, window=window, mask=mask), None
-    if (q.dtype == torch.float32 and onednn_available() and min(sq, sk) >= _BLOCKED_MIN_SEQ
-            and d >= _BLOCKED_MIN_HEAD_DIM):
-        return blocked_attention(q, k, v, scale=scale, causal=causal, window=window, mask=mask), None
-    return get_backend("sdpa")(q, k, v, **kwargs)
+    """Run the path :func:`auto_path` picks for this call (see the module docstring)."""
+    path = auto_path(q, k, v, dropout_p=dropout_p, return_weights=return_weights)
+    structure = dict(scale=scale, causal=causal, window=window, mask=mask)
+    if path == "native decode":
+        return _native_call(q, k, v, decode=True, **structure), None
+    if path == "native":
+        return _native_call(q, k, v, decode=False, **structure), None
+    if path == "decode":
+        return decode_attention(q, k, v, **structure), None
+    if path == "blocked":
+        return blocked_attention(q, k, v, **structure), None
+    name = "explicit" if path == "explicit" else "sdpa"
+    return get_backend(name)(q, k, v, dropout_p=dropout_p, return_weights=return_weights, **structure)
