@@ -392,3 +392,24 @@ def test_the_public_kernel_functions_check_what_they_are_given(call, error, matc
     """They read raw memory: a wrong tensor must be refused, never read out of bounds."""
     with pytest.raises(error, match=match):
         call()
+
+
+@pytest.mark.parametrize("problem", ["others may write", "cannot be created"])
+def test_builds_only_into_a_private_folder(tmp_path, problem: str) -> None:
+    """A shared library is loaded from the build folder: one that others may write to
+    (or that cannot be made) is passed over for a private one in the temporary folder."""
+    if problem == "others may write":
+        cache = tmp_path / "shared"
+        cache.mkdir()
+        cache.chmod(0o777)
+    else:
+        (tmp_path / "file").write_text("")
+        cache = tmp_path / "file" / "cache"
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    code = "from multihead import native; assert native.build(), native.status(); print(native.status())"
+    done = _python(code, MULTIHEAD_CACHE_DIR=str(cache), TMPDIR=str(tmpdir))
+    assert done.returncode == 0, done.stderr
+    private = tmpdir / f"multihead-{os.getuid()}"
+    assert str(private) in done.stdout and (private.stat().st_mode & 0o777) == 0o700
+    assert not cache.exists() or list(cache.iterdir()) == []

@@ -5,11 +5,13 @@ Dv value head dim.
 
 The kernels are C++ with no dependency but OpenMP: ``attention.cpp`` (the FlashAttention
 loop), ``decode.cpp`` (decoding: attention, few-row linear layers, a whole layer step),
-``common.h`` (what they share). The first call that needs it
-compiles it for this machine (``-O3 -march=native``, about one second) into a cache
-folder, ``$MULTIHEAD_CACHE_DIR`` or ``~/.cache/multihead``, under a name that hashes the
-source, the compiler and the CPU's flags, so a shared home folder or an upgraded
-compiler never loads a stale or foreign build. Nothing happens at import time.
+``common.h`` (what they share). The first call that needs them compiles them for this
+machine (``-O3 -march=native``, one or two seconds) into a cache folder,
+``$MULTIHEAD_CACHE_DIR`` or ``~/.cache/multihead`` (or, if that cannot be written, a
+private folder under the system's temporary folder), under a name that hashes the
+sources, the compiler and the CPU's flags, so a shared home folder or an upgraded
+compiler never loads a stale or foreign build. A folder that is not the user's own, or
+that others may write to, is never used. Nothing happens at import time.
 
 Without a C++ compiler (``$CXX``, ``g++`` or ``c++``), or with ``MULTIHEAD_NATIVE=0``,
 :func:`available` is False and the ``"auto"`` backend uses its torch paths; the reason
@@ -34,7 +36,8 @@ import torch
 
 from ._checks import check_int, check_tensor
 
-__all__ = ["available", "status", "attention_f32", "decode_f32", "linear_few_rows", "decode_step", "FEW_ROWS", "build"]
+__all__ = ["available", "status", "build", "attention_f32", "decode_f32", "linear_few_rows", "decode_step",
+           "FEW_ROWS"]
 
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _SOURCES = ("common.h", "attention.cpp", "decode.cpp")
@@ -51,11 +54,25 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
-def _cache_dir() -> Path:
+def _cache_dirs() -> list[Path]:
+    """Where a build may go, in order of preference."""
     root = os.environ.get("MULTIHEAD_CACHE_DIR")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "multihead"
+    first = Path(root) if root else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "multihead"
+    return [first, Path(tempfile.gettempdir()) / f"multihead-{os.getuid()}"]
+
+
+def _private_dir(path: Path) -> bool:
+    """Create ``path`` if needed; True if it is ours and no one else may write to it.
+
+    A shared library is loaded from here: a folder others can write to could hand us
+    theirs under the expected name.
+    """
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.stat()
+    except OSError:
+        return False
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022 and os.access(path, os.W_OK)
 
 
 @functools.cache
@@ -78,11 +95,14 @@ def _library() -> ctypes.CDLL | None:
         return None
     key = hashlib.sha256(b"\0".join([*sources.values(), version.encode(), " ".join(_FLAGS).encode(),
                                      _cpu_flags().encode()])).hexdigest()[:20]
-    target = _cache_dir() / f"attention-{key}.so"
+    folder = next((d for d in _cache_dirs() if _private_dir(d)), None)
+    if folder is None:
+        _status = f"no private folder to build into (tried {', '.join(map(str, _cache_dirs()))})"
+        return None
+    target = folder / f"attention-{key}.so"
     if not target.exists():
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            with tempfile.TemporaryDirectory(dir=folder) as tmp:
                 for name, text in sources.items():
                     (Path(tmp) / name).write_bytes(text)
                 out = Path(tmp) / target.name
