@@ -248,6 +248,14 @@ class KVCache:
             return keys, values, None, True
         return keys, values, self._mask(positions, self.slot_pos[:, :used], causal=causal, window=window), False
 
+    def _note_native_step(self) -> None:
+        """Record on the host that a native decoding step appended one token to every row.
+
+        :func:`multihead.native.decode_step` writes K/V, ``lengths`` and ``slot_pos`` in
+        place (a linear cache only); this keeps the host mirror of the lengths in step.
+        """
+        self._host_lengths = [length + 1 for length in self._host_lengths]
+
     def _append_ring_chunk(self, k: torch.Tensor, v: torch.Tensor, real: list[int], *,
                            causal: bool, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
         """A chunk of several tokens into a ring: attend over (ring + chunk), then keep the tail.

@@ -340,7 +340,7 @@ class MultiHeadAttention(nn.Module):
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rope=tables,
             cache_k=cache.k, cache_v=cache.v, lengths=cache.lengths, slot_pos=cache.slot_pos, scale=self.scale,
         )  # (B, E); the cache's buffers, lengths and slot positions are advanced in place
-        cache._host_lengths = [length + 1 for length in cache._host_lengths]
+        cache._note_native_step()  # the host mirror of the lengths
         return y.view(b, 1, e)
 
     def _project(self, x: torch.Tensor, context: torch.Tensor | None
