@@ -1,0 +1,155 @@
+// Memory check of the native kernels, compiled by tests/test_native.py with
+// AddressSanitizer and UndefinedBehaviorSanitizer around them: random problems whose
+// tensors are allocated at their exact size (any read or write outside them aborts), the
+// attention results compared with a float64 loop. Prints "ok <count>" and exits 0.
+//
+// Layouts as the Python side passes them: q (B, H, Sq, D), k (B, Hkv, Sk, D),
+// v (B, Hkv, Sk, Dv), out (B, H, Sq, Dv), with strides (b, h, s) in elements, last dim 1.
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+extern "C" {
+int mh_attention_f32(const float*, const float*, const float*, float*, const uint8_t*, const int64_t*, const int64_t*,
+                     float, int, int64_t, int64_t, int);
+int mh_decode_f32(const float*, const float*, const float*, float*, const uint8_t*, const int64_t*, const int64_t*,
+                  float, int, int64_t, int);
+int mh_linear_few_rows_f32(const float*, int64_t, int64_t, int64_t, const float* const*, const int64_t*,
+                           const float* const*, float* const*, int);
+int mh_decode_step_f32(const float*, int64_t, int64_t, const float* const*, const float* const*, int64_t, int64_t,
+                       int64_t, const float*, const float*, int64_t, int, float*, float*, const int64_t*, int64_t*,
+                       int64_t*, int64_t, float, float*, int);
+}
+
+static uint64_t state = 12345;
+static uint64_t next() { state = state * 6364136223846793005ULL + 1442695040888963407ULL; return state >> 33; }
+static int64_t pick(int64_t lo, int64_t hi) { return lo + int64_t(next() % uint64_t(hi - lo + 1)); }
+static float unit() { return float(next() % 20001) / 10000.f - 1.f; }
+static std::vector<float> randoms(int64_t n) { std::vector<float> v(n); for (auto& x : v) x = unit(); return v; }
+
+static int fail(const char* what, double got, double want) {
+    std::printf("FAIL %s: got %g want %g\n", what, got, want);
+    return 1;
+}
+
+// One attention problem through mh_attention_f32 or mh_decode_f32, checked against float64.
+static int attention_case(bool decode) {
+    const int64_t B = pick(1, 2), Hkv = pick(1, 3), G = pick(1, 4), H = Hkv * G;
+    const int64_t Sq = decode ? pick(1, 3) : pick(1, 70), Sk = pick(decode ? 1 : 1, decode ? 2200 : 90);
+    const int64_t D = pick(1, 40), Dv = pick(1, 40);
+    const bool causal = next() % 2, strided = next() % 2, masked = next() % 3 == 0;
+    const int64_t window = next() % 3 == 0 ? pick(1, 20) : 0;
+    // Strided: the (B, S, H, D) buffers the module makes, seen as (B, H, S, D).
+    const int64_t qs[3] = {H * Sq * D, strided ? D : Sq * D, strided ? H * D : D};
+    const int64_t ks[3] = {Hkv * Sk * D, strided ? D : Sk * D, strided ? Hkv * D : D};
+    const int64_t vs[3] = {Hkv * Sk * Dv, strided ? Dv : Sk * Dv, strided ? Hkv * Dv : Dv};
+    const int64_t os[3] = {H * Sq * Dv, Dv, H * Dv};
+    std::vector<float> q = randoms(B * H * Sq * D), k = randoms(B * Hkv * Sk * D), v = randoms(B * Hkv * Sk * Dv);
+    std::vector<float> out(B * H * Sq * Dv, NAN);
+    std::vector<uint8_t> mask(masked ? Sq * Sk : 0);  // (Sq, Sk) broadcast over B and H
+    for (auto& m : mask) m = next() % 4 != 0;
+    int64_t dims[7] = {B, H, Hkv, Sq, Sk, D, Dv};
+    int64_t strides[16] = {qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], os[0], os[1], os[2],
+                           0, 0, masked ? Sk : 0, masked ? 1 : 0};
+    const float scale = 1.f / std::sqrt(float(D));
+    const int code = decode ? mh_decode_f32(q.data(), k.data(), v.data(), out.data(), masked ? mask.data() : nullptr,
+                                            dims, strides, scale, causal, window, 2)
+                            : mh_attention_f32(q.data(), k.data(), v.data(), out.data(),
+                                               masked ? mask.data() : nullptr, dims, strides, scale, causal, window,
+                                               pick(1, 48), 2);
+    if (code != 0) return fail("return code", code, 0);
+    const int64_t off = Sk - Sq;
+    std::vector<double> s(Sk);
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < H; ++h)
+            for (int64_t i = 0; i < Sq; ++i) {
+                const int64_t g = h / G, pos = i + off;
+                double top = -INFINITY;
+                for (int64_t j = 0; j < Sk; ++j) {
+                    bool ok = (!causal || j <= pos) && (!masked || mask[i * Sk + j]);
+                    if (window) ok = ok && j > pos - window && (causal || j < pos + window);
+                    double dot = 0;
+                    for (int64_t t = 0; t < D; ++t)
+                        dot += double(q[b * qs[0] + h * qs[1] + i * qs[2] + t]) * k[b * ks[0] + g * ks[1] + j * ks[2] + t];
+                    s[j] = ok ? dot * scale : -INFINITY;
+                    if (s[j] > top) top = s[j];
+                }
+                double total = 0;
+                for (int64_t j = 0; j < Sk; ++j) total += s[j] == -INFINITY ? 0 : std::exp(s[j] - top);
+                for (int64_t t = 0; t < Dv; ++t) {
+                    double want = 0;
+                    for (int64_t j = 0; j < Sk; ++j)
+                        if (s[j] != -INFINITY) want += std::exp(s[j] - top) / total * v[b * vs[0] + g * vs[1] + j * vs[2] + t];
+                    const double got = out[b * os[0] + h * os[1] + i * os[2] + t];
+                    if (!(std::fabs(got - want) <= 1e-4)) return fail(decode ? "decode" : "attention", got, want);
+                }
+            }
+    return 0;
+}
+
+static int linear_case() {
+    const int64_t M = pick(1, 4), K = pick(1, 70), count = pick(1, 3);
+    std::vector<float> x = randoms(M * K);
+    std::vector<std::vector<float>> w, bias, out;
+    std::vector<int64_t> N;
+    for (int64_t i = 0; i < count; ++i) {
+        N.push_back(pick(1, 37));
+        w.push_back(randoms(N[i] * K));
+        bias.push_back(next() % 2 ? randoms(N[i]) : std::vector<float>());
+        out.push_back(std::vector<float>(M * N[i], NAN));
+    }
+    std::vector<const float*> wp, bp;
+    std::vector<float*> op;
+    for (int64_t i = 0; i < count; ++i) {
+        wp.push_back(w[i].data());
+        bp.push_back(bias[i].empty() ? nullptr : bias[i].data());
+        op.push_back(out[i].data());
+    }
+    if (mh_linear_few_rows_f32(x.data(), M, K, count, wp.data(), N.data(), bp.data(), op.data(), 2) != 0)
+        return fail("linear return code", 1, 0);
+    for (int64_t i = 0; i < count; ++i)
+        for (int64_t m = 0; m < M; ++m)
+            for (int64_t n = 0; n < N[i]; ++n) {
+                double want = bias[i].empty() ? 0 : bias[i][n];
+                for (int64_t t = 0; t < K; ++t) want += double(x[m * K + t]) * w[i][n * K + t];
+                if (!(std::fabs(out[i][m * N[i] + n] - want) <= 1e-4)) return fail("linear", out[i][m * N[i] + n], want);
+            }
+    return 0;
+}
+
+// The fused step: exact-size buffers, every row's slot written, outputs finite (its
+// values are compared with the step-by-step path in tests/test_native.py).
+static int step_case() {
+    const int64_t B = pick(1, 4), Hkv = pick(1, 3), H = Hkv * pick(1, 3), D = 2 * pick(1, 20), E = pick(1, 50);
+    const int64_t C = pick(2, 700), R = 2 * pick(0, D / 2), P = C + 1;
+    std::vector<float> x = randoms(B * E), wq = randoms(H * D * E), wk = randoms(Hkv * D * E), wv = randoms(Hkv * D * E);
+    std::vector<float> wo = randoms(E * H * D), bq = randoms(H * D), bo = randoms(E);
+    std::vector<float> cos = randoms(P * (R / 2)), sin = randoms(P * (R / 2));
+    std::vector<float> ck = randoms(B * Hkv * C * D), cv = randoms(B * Hkv * C * D), y(B * E, NAN);
+    std::vector<int64_t> lengths(B), slot(B * C, -1);
+    for (auto& n : lengths) n = pick(0, C - 1);
+    const float* W[4] = {wq.data(), wk.data(), wv.data(), wo.data()};
+    const float* bias[4] = {bq.data(), nullptr, nullptr, bo.data()};
+    int64_t cs[3] = {Hkv * C * D, C * D, D};
+    std::vector<int64_t> before = lengths;
+    if (mh_decode_step_f32(x.data(), B, E, W, bias, H, Hkv, D, R ? cos.data() : nullptr, R ? sin.data() : nullptr, R,
+                           int(next() % 2), ck.data(), cv.data(), cs, lengths.data(), slot.data(), C, 0.3f, y.data(),
+                           2) != 0)
+        return fail("step return code", 1, 0);
+    for (int64_t b = 0; b < B; ++b)
+        if (lengths[b] != before[b] + 1 || slot[b * C + before[b]] != before[b]) return fail("step lengths", lengths[b], 0);
+    for (float t : y)
+        if (!std::isfinite(t)) return fail("step output", t, 0);
+    return 0;
+}
+
+int main(int argc, char** argv) {
+    const int cases = argc > 1 ? std::atoi(argv[1]) : 200;
+    for (int c = 0; c < cases; ++c)
+        if (attention_case(false) || attention_case(true) || linear_case() || step_case()) return 1;
+    std::printf("ok %d\n", cases);
+    return 0;
+}
