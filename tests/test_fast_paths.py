@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -121,14 +122,23 @@ def test_auto_routes_each_shape_to_its_measured_path(monkeypatch) -> None:
     paths = [mh.kernels.auto_path(t, t, t) for t in (tiny, mid, long)] + [mh.kernels.auto_path(q1, kv, kv)]
     assert [p.split(" (")[0] for p in paths] == seen  # auto_path names what runs
     assert all(p in mh.kernels.AUTO_PATHS for p in paths)
-    if mh.native.available():
+    if mh.native.vector_bits() >= 512:
         assert seen == ["sdpa", "native", "native", "native decode"]
     else:
         assert seen == ["sdpa", "sdpa", "blocked" if mh.kernels.onednn_available() else "sdpa", "decode"]
 
 
-def test_auto_without_the_native_kernel_uses_its_torch_paths(monkeypatch) -> None:
-    monkeypatch.setattr(mh.native, "available", lambda: False)
+@pytest.mark.parametrize("bits", [0, 256], ids=["no kernel", "no AVX-512"])
+def test_auto_without_the_native_kernel_uses_its_torch_paths(monkeypatch, bits: int) -> None:
+    """Without the kernel, or on a CPU without AVX-512 (its tiles were measured there
+    only), "auto" and the module's projections keep to torch's paths."""
+    monkeypatch.setattr(mh.native, "vector_bits", lambda: bits)
+    monkeypatch.setattr(mh.native, "linear_few_rows", lambda *a: pytest.fail("native linear used"))
+    monkeypatch.setattr(mh.native, "decode_step", lambda *a, **k: pytest.fail("native step used"))
+    layer = mh.MultiHeadAttention(64, 4, causal=True).eval()
+    cache = layer.new_cache(1, 8)
+    with torch.no_grad():
+        layer(torch.randn(1, 1, 64), cache=cache)
     seen: list[str] = []
     for name, label in (("blocked_attention", "blocked"), ("decode_attention", "decode")):
         real = getattr(mh.kernels, name)

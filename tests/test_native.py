@@ -43,6 +43,8 @@ def test_the_kernel_builds_on_this_machine() -> None:
     else:
         assert native.available(), native.status()
         assert native.status().startswith("ready")
+        avx512 = "avx512f" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
+        assert native.vector_bits() == 512 if avx512 else native.vector_bits() in (128, 256)
 
 
 @st.composite

@@ -9,7 +9,7 @@ torch-only kernel of :mod:`multihead.blocked`; both hand gradients and dropout t
 
 ``"auto"`` (the default) picks per call: weights → ``"explicit"``; gradients or dropout
 → ``"sdpa"`` (differentiable); then, when the compiled kernel of :mod:`multihead.native`
-builds here (``"native"``: float32, half precision upcast), its decoding loop for few
+builds here for AVX-512 (``"native"``: float32, half precision upcast), its decoding loop for few
 query rows per K/V head (Sq·G ≤ 32) from 2^11 scores (B·H·Sq·Sk), its FlashAttention
 loop from 2^14 scores. Without it: GQA decoding over ≥ 256 keys →
 :func:`~multihead.blocked.decode_attention`, two batched matmuls; float32 with oneDNN,
@@ -121,7 +121,7 @@ def linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | Non
         return [_OneDNNLinear.apply(x, w, b) for w, b in layers]
     x2 = x.reshape(-1, x.shape[-1])  # (N, in)
     if (0 < x2.shape[0] <= native.FEW_ROWS and all(t.is_contiguous() for t in tensors[1:])
-            and native.available()):
+            and native.vector_bits() >= 512):
         outs = native.linear_few_rows(x2.contiguous(), layers)
     else:
         op = _onednn_linear()
@@ -193,7 +193,7 @@ def _native_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
 def _native_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, min_scores: int) -> bool:
     """Whether "auto" should use the native kernel for these tensors (built on first ask)."""
     return (q.dtype in _NATIVE_DTYPES and v.shape[-1] % 16 == 0
-            and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] >= min_scores and native.available())
+            and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] >= min_scores and native.vector_bits() >= 512)
 
 
 #: The paths "auto" can take, and why it takes each (:func:`auto_path`).

@@ -327,7 +327,7 @@ class MultiHeadAttention(nn.Module):
                         for p in projs)
                 and (rope is None or (type(rope) is RoPE and max(cache.host_lengths()) < rope.max_positions
                                       and rope.cos.device.type == "cpu"))
-                and native.available())
+                and native.vector_bits() >= 512)
 
     def _fused_step(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """One decoding step in one native call (see :meth:`_fused_step_fits`)."""

@@ -36,7 +36,7 @@ import torch
 
 from ._checks import check_int, check_tensor
 
-__all__ = ["available", "status", "build", "attention_f32", "decode_f32", "linear_few_rows", "decode_step",
+__all__ = ["available", "status", "build", "vector_bits", "attention_f32", "decode_f32", "linear_few_rows", "decode_step",
            "FEW_ROWS"]
 
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
@@ -131,7 +131,9 @@ def _library() -> ctypes.CDLL | None:
     i64, vp = ctypes.c_int64, ctypes.c_void_p
     lib.mh_decode_step_f32.argtypes = [vp, i64, i64, ptrs, ptrs, i64, i64, i64, vp, vp, i64, ctypes.c_int, vp, vp,
                                        ctypes.POINTER(i64), vp, vp, i64, ctypes.c_float, vp, ctypes.c_int]
-    for fn in (lib.mh_attention_f32, lib.mh_decode_f32, lib.mh_linear_few_rows_f32, lib.mh_decode_step_f32):
+    lib.mh_vector_bits.argtypes = []
+    for fn in (lib.mh_attention_f32, lib.mh_decode_f32, lib.mh_linear_few_rows_f32, lib.mh_decode_step_f32,
+               lib.mh_vector_bits):
         fn.restype = ctypes.c_int
     _status = f"ready: {target}"
     return lib
@@ -145,6 +147,17 @@ def build() -> bool:
 def available() -> bool:
     """Whether the native kernel can run here (builds it on first call)."""
     return _library() is not None
+
+
+def vector_bits() -> int:
+    """The SIMD width the kernels were compiled for here: 512 (AVX-512), 256 or 128; 0 if
+    they are not available.
+
+    Their register tiles were designed for and measured with AVX-512; narrower vectors
+    are correct but not measured, so ``"auto"`` only picks the kernels at 512.
+    """
+    lib = _library()
+    return 0 if lib is None else int(lib.mh_vector_bits())
 
 
 def status() -> str:

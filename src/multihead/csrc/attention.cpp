@@ -169,3 +169,15 @@ extern "C" int mh_attention_f32(const float* q, const float* k, const float* v, 
     return failed ? -1 : 0;
 }
 
+
+// The vector width the kernels were compiled for (-march=native): 512 with AVX-512,
+// where their register tiles were designed and measured.
+extern "C" int mh_vector_bits() {
+#if defined(__AVX512F__)
+    return 512;
+#elif defined(__AVX2__)
+    return 256;
+#else
+    return 128;
+#endif
+}
