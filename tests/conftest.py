@@ -145,3 +145,24 @@ def copy_weights(dst: mh.MultiHeadAttention, src: mh.MultiHeadAttention) -> None
             a.weight.copy_(b.weight)
             if a.bias is not None:
                 a.bias.copy_(b.bias)
+
+
+#: Kinds of mask the kernel tests draw ("none" twice: unmasked calls are the common case).
+MASK_KINDS = ["none", "none", "random", "keys", "heads", "2d"]
+
+
+def core_mask(kind: str, b: int, h: int, sq: int, sk: int, gen: torch.Generator) -> torch.Tensor | None:
+    """A bool mask for the attention core (True = may attend), broadcastable to (B, H, Sq, Sk).
+
+    "random" empties some rows entirely; "keys" is key padding (B, 1, 1, Sk); "heads"
+    masks whole (head, query) rows (1, H, Sq, 1); "2d" is one (Sq, Sk) mask for all.
+    Every kind draws from ``gen`` (so the stream does not depend on the kind).
+    """
+    masks = {
+        "none": None,
+        "random": torch.rand(b, h, sq, sk, generator=gen) < 0.5,
+        "keys": torch.rand(b, 1, 1, sk, generator=gen) < 0.5,
+        "heads": torch.rand(1, h, sq, 1, generator=gen) < 0.7,
+        "2d": torch.rand(sq, sk, generator=gen) < 0.6,
+    }
+    return masks[kind]

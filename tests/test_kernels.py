@@ -20,7 +20,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from conftest import ATOL64, reference_core
+from conftest import ATOL64, MASK_KINDS, core_mask, reference_core
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -54,7 +54,7 @@ def problems(draw: st.DrawFn) -> dict:
     dv = draw(st.sampled_from([d, 3]))
     causal = draw(st.booleans())
     window = draw(st.sampled_from([None, None, 1, 2, 5]))
-    mask_kind = draw(st.sampled_from(["none", "none", "random", "keys", "heads", "2d"]))
+    mask_kind = draw(st.sampled_from(MASK_KINDS))
     seed = draw(st.integers(0, 2**16))
     gen = torch.Generator().manual_seed(seed)
     h = hkv * g
@@ -65,13 +65,7 @@ def problems(draw: st.DrawFn) -> dict:
     # q as the module makes it: a (B, S, H, D) buffer seen as (B, H, S, D).
     q = randn(b, sq, h, d).transpose(1, 2) if draw(st.booleans()) else randn(b, h, sq, d)
     k, v = randn(b, hkv, sk, d), randn(b, hkv, sk, dv)
-    mask = {
-        "none": None,
-        "random": torch.rand(b, h, sq, sk, generator=gen) < 0.5,  # some rows fully masked
-        "keys": torch.rand(b, 1, 1, sk, generator=gen) < 0.5,
-        "heads": torch.rand(1, h, sq, 1, generator=gen) < 0.7,
-        "2d": torch.rand(sq, sk, generator=gen) < 0.6,
-    }[mask_kind]
+    mask = core_mask(mask_kind, b, h, sq, sk, gen)
     return {"q": q, "k": k, "v": v, "causal": causal, "window": window, "mask": mask,
             "scale": draw(st.sampled_from([None, 0.3]))}
 

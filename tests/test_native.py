@@ -23,7 +23,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from conftest import reference_core
+from conftest import MASK_KINDS, core_mask, reference_core, reference_layer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -66,13 +66,7 @@ def problems(draw: st.DrawFn) -> dict:
     q = randn(b, sq, h, d).transpose(1, 2) if strided else randn(b, h, sq, d)
     k = randn(b, sk, hkv, d).transpose(1, 2) if strided else randn(b, hkv, sk, d)
     v = randn(b, sk, hkv, dv).transpose(1, 2) if strided else randn(b, hkv, sk, dv)
-    mask = {
-        "none": None,
-        "random": torch.rand(b, h, sq, sk, generator=gen) < 0.5,  # some rows fully masked
-        "keys": torch.rand(b, 1, 1, sk, generator=gen) < 0.5,
-        "heads": torch.rand(1, h, sq, 1, generator=gen) < 0.7,
-        "2d": torch.rand(sq, sk, generator=gen) < 0.6,
-    }[draw(st.sampled_from(["none", "none", "random", "keys", "heads", "2d"]))]
+    mask = core_mask(draw(st.sampled_from(MASK_KINDS)), b, h, sq, sk, gen)
     return {"q": q, "k": k, "v": v, "causal": draw(st.booleans()), "mask": mask,
             "window": draw(st.sampled_from([None, None, 1, 2, 13, 40])),
             "scale": draw(st.sampled_from([None, 0.3])), "tile": draw(st.sampled_from([1, 5, 12, 48]))}
@@ -295,7 +289,6 @@ def test_fused_step_equals_the_float64_reference_with_rows_of_different_lengths(
         rope: str, heads: int, kv_heads: int, bias: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Right-padded prompts of 3 rows (lengths 600, 37, 1), then 4 fused steps: every
     output row equals the float64 reference layer run on the row's real tokens."""
-    from conftest import reference_layer
 
     steps = _spy_steps(monkeypatch)
     torch.manual_seed(heads * 10 + kv_heads)
