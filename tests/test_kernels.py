@@ -26,7 +26,6 @@ from hypothesis import strategies as st
 
 import multihead as mh
 from multihead import blocked, kernels
-from multihead.backends import get_backend
 
 SCALE = float(os.environ.get("MULTIHEAD_PROPERTY_EXAMPLES", "1"))
 PROFILE = settings(max_examples=max(1, int(120 * SCALE)), deadline=None, derandomize=True,
