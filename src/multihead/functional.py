@@ -71,8 +71,8 @@ def attention(
         return_weights: also return the per-head attention weights, never averaged.
         return_lse: also return the per-row log-sum-exp of the scaled, masked scores,
             ``lse[b, h, i] = log Σ_j exp(scale · q_i·k_j)`` over the keys row i may see
-            (float32; ``-inf`` for a row with no key), as FlashAttention does: partial
-            results over disjoint key sets merge exactly by it.
+            (float32, or float64 for float64 inputs; ``-inf`` for a row with no key), as
+            FlashAttention does: partial results over disjoint key sets merge exactly by it.
         backend: a name from :func:`multihead.backends.available_backends`; default
             ``"auto"`` (:mod:`multihead.backends.auto`: its rules pick the fast CPU
             kernel for inference, SDPA when gradients or dropout are needed), or

@@ -13,15 +13,15 @@
 #include <vector>
 
 extern "C" {
-int mh_attention_f32(const float*, const float*, const float*, float*, const uint8_t*, const int64_t*, const int64_t*,
-                     float, int, int64_t, int64_t, int);
-int mh_decode_f32(const float*, const float*, const float*, float*, const uint8_t*, const int64_t*, const int64_t*,
-                  float, int, int64_t, int);
+int mh_attention_f32(const float*, const float*, const float*, float*, float*, const uint8_t*, const int64_t*,
+                     const int64_t*, float, int, int64_t, int64_t, int);
+int mh_decode_f32(const float*, const float*, const float*, float*, float*, const uint8_t*, const int64_t*,
+                  const int64_t*, float, int, int64_t, int);
 int mh_linear_few_rows_f32(const float*, int64_t, int64_t, int64_t, const float* const*, const int64_t*,
                            const float* const*, float* const*, int);
 int mh_decode_step_f32(const float*, int64_t, int64_t, const float* const*, const float* const*, int64_t, int64_t,
-                       int64_t, const float*, const float*, int64_t, int, float*, float*, const int64_t*, int64_t*,
-                       int64_t*, int64_t, float, float*, int);
+                       int64_t, const float*, const float*, int64_t, int, float*, float*, const int64_t*,
+                       const int64_t*, float, float*, int);
 }
 
 static uint64_t state = 12345;
@@ -49,15 +49,18 @@ static int attention_case(bool decode) {
     const int64_t os[3] = {H * Sq * Dv, Dv, H * Dv};
     std::vector<float> q = randoms(B * H * Sq * D), k = randoms(B * Hkv * Sk * D), v = randoms(B * Hkv * Sk * Dv);
     std::vector<float> out(B * H * Sq * Dv, NAN);
+    const bool with_lse = next() % 2;
+    std::vector<float> lse(with_lse ? B * H * Sq : 0, NAN);  // exact size: (B, H, Sq)
     std::vector<uint8_t> mask(masked ? Sq * Sk : 0);  // (Sq, Sk) broadcast over B and H
     for (auto& m : mask) m = next() % 4 != 0;
     int64_t dims[7] = {B, H, Hkv, Sq, Sk, D, Dv};
-    int64_t strides[16] = {qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], os[0], os[1], os[2],
-                           0, 0, masked ? Sk : 0, masked ? 1 : 0};
+    int64_t strides[19] = {qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], os[0], os[1], os[2],
+                           0, 0, masked ? Sk : 0, masked ? 1 : 0, H * Sq, Sq, 1};
+    float* lp = with_lse ? lse.data() : nullptr;
     const float scale = 1.f / std::sqrt(float(D));
-    const int code = decode ? mh_decode_f32(q.data(), k.data(), v.data(), out.data(), masked ? mask.data() : nullptr,
-                                            dims, strides, scale, causal, window, 2)
-                            : mh_attention_f32(q.data(), k.data(), v.data(), out.data(),
+    const int code = decode ? mh_decode_f32(q.data(), k.data(), v.data(), out.data(), lp,
+                                            masked ? mask.data() : nullptr, dims, strides, scale, causal, window, 2)
+                            : mh_attention_f32(q.data(), k.data(), v.data(), out.data(), lp,
                                                masked ? mask.data() : nullptr, dims, strides, scale, causal, window,
                                                pick(1, 48), 2);
     if (code != 0) return fail("return code", code, 0);
@@ -85,6 +88,12 @@ static int attention_case(bool decode) {
                         if (s[j] != -INFINITY) want += std::exp(s[j] - top) / total * v[b * vs[0] + g * vs[1] + j * vs[2] + t];
                     const double got = out[b * os[0] + h * os[1] + i * os[2] + t];
                     if (!(std::fabs(got - want) <= 1e-4)) return fail(decode ? "decode" : "attention", got, want);
+                }
+                if (with_lse) {  // log-sum-exp of the row, -inf with no key
+                    const double want = total > 0 ? top + std::log(total) : -INFINITY;
+                    const double got = lse[(b * H + h) * Sq + i];
+                    if (!(got == want || std::fabs(got - want) <= 1e-4 * (1 + std::fabs(want))))
+                        return fail(decode ? "decode lse" : "attention lse", got, want);
                 }
             }
     return 0;
@@ -129,18 +138,17 @@ static int step_case() {
     std::vector<float> wo = randoms(E * H * D), bq = randoms(H * D), bo = randoms(E);
     std::vector<float> cos = randoms(P * (R / 2)), sin = randoms(P * (R / 2));
     std::vector<float> ck = randoms(B * Hkv * C * D), cv = randoms(B * Hkv * C * D), y(B * E, NAN);
-    std::vector<int64_t> lengths(B), slot(B * C, -1);
+    std::vector<int64_t> lengths(B);
     for (auto& n : lengths) n = pick(0, C - 1);
     const float* W[4] = {wq.data(), wk.data(), wv.data(), wo.data()};
     const float* bias[4] = {bq.data(), nullptr, nullptr, bo.data()};
     int64_t cs[3] = {Hkv * C * D, C * D, D};
     std::vector<int64_t> before = lengths;
     if (mh_decode_step_f32(x.data(), B, E, W, bias, H, Hkv, D, R ? cos.data() : nullptr, R ? sin.data() : nullptr, R,
-                           int(next() % 2), ck.data(), cv.data(), cs, lengths.data(), slot.data(), C, 0.3f, y.data(),
-                           2) != 0)
+                           int(next() % 2), ck.data(), cv.data(), cs, lengths.data(), 0.3f, y.data(), 2) != 0)
         return fail("step return code", 1, 0);
-    for (int64_t b = 0; b < B; ++b)
-        if (lengths[b] != before[b] + 1 || slot[b * C + before[b]] != before[b]) return fail("step lengths", lengths[b], 0);
+    for (int64_t b = 0; b < B; ++b)  // the counters belong to KVCache.commit: the step leaves them
+        if (lengths[b] != before[b]) return fail("step lengths", lengths[b], before[b]);
     for (float t : y)
         if (!std::isfinite(t)) return fail("step output", t, 0);
     return 0;

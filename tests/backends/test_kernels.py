@@ -165,9 +165,16 @@ def test_auto_returns_weights_through_explicit() -> None:
     torch.testing.assert_close(w.sum(-1), torch.ones(1, 2, 5))
 
 
-@pytest.mark.parametrize("backend", ["blocked", "auto"])
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 3)])
-def test_gradients_flow_through_the_differentiable_fallback(backend: str, causal: bool, window: int | None) -> None:
+def test_blocked_refuses_gradients_by_name(causal: bool, window: int | None) -> None:
+    q = torch.randn(1, 4, 6, 4, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(ValueError, match=r"backend 'blocked' cannot do gradients"):
+        mh.attention(q, q, q, causal=causal, window=window, backend="blocked")
+
+
+@pytest.mark.parametrize("backend", ["auto", "explicit", "sdpa"])
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 3)])
+def test_gradients_flow_through_the_differentiable_backends(backend: str, causal: bool, window: int | None) -> None:
     q = torch.randn(1, 4, 6, 4, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, 2, 6, 4, dtype=torch.float64, requires_grad=True)
     v = torch.randn(1, 2, 6, 4, dtype=torch.float64, requires_grad=True)

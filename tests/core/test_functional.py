@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import multihead as mh
+from multihead.backends import registry
 from conftest import ATOL64, np64, reference_core
 
 F64 = torch.float64
@@ -127,9 +128,9 @@ def test_registered_backend_is_dispatched_by_name(monkeypatch: pytest.MonkeyPatc
 
     def spy(q, k, v, **kwargs):
         calls.append(kwargs)
-        return torch.zeros_like(q), None
+        return torch.zeros_like(q), None, None
 
-    monkeypatch.setitem(mh.backends._BACKENDS, "spy", spy)
+    monkeypatch.setitem(registry._SPECS, "spy", registry.BackendSpec("spy", spy))
     q, k, v = qkv()
     out = mh.attention(q, k, v, causal=True, backend="spy")
     assert out.abs().max() == 0 and len(calls) == 1

@@ -70,7 +70,7 @@ def test_two_halves_of_the_keys_merge_by_their_lse_to_attention_over_all_keys(ba
     top = torch.maximum(l1, l2)
     w1, w2 = torch.exp(l1 - top), torch.exp(l2 - top)
     merged = (o1 * w1[..., None] + o2 * w2[..., None]) / (w1 + w2)[..., None]
-    tol = 2e-6  # lse is float32 (as FlashAttention's): the merge weights carry its rounding
+    tol = 1e-12 if q.dtype == torch.float64 else 2e-6  # float64 inputs: a float64 lse
     torch.testing.assert_close(merged, full.to(merged.dtype), atol=tol, rtol=tol)
 
 
@@ -86,3 +86,10 @@ def test_lse_with_gradients_is_differentiable_through_auto() -> None:
     out, lse = mh.attention(q, q, q, causal=True, return_lse=True)
     (out.sum() + lse.sum()).backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_lse_is_float64_for_float64_inputs_and_float32_otherwise() -> None:
+    for dtype, want in ((torch.float64, torch.float64), (torch.float32, torch.float32), (torch.bfloat16, torch.float32)):
+        q = torch.randn(1, 2, 4, 8).to(dtype)
+        for backend in ("explicit", "blocked", "auto"):
+            assert mh.attention(q, q, q, return_lse=True, backend=backend)[1].dtype == want, (dtype, backend)

@@ -29,6 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import multihead as mh
+from multihead.backends.registry import get_spec, missing_capability
 
 SCALE = float(os.environ.get("MULTIHEAD_PROPERTY_EXAMPLES", "1"))
 
@@ -213,6 +214,13 @@ def assert_within_criterion(got: torch.Tensor, truth: np.ndarray, naive: torch.T
     assert err <= 2 * naive_err + floor, f"{what}: error {err:.3e} > 2 × naive {naive_err:.3e} + {floor:.1e}"
 
 
+def capable(backend: str, dtype: torch.dtype, grad: bool) -> bool:
+    """Whether the registry lets ``backend`` run a call of this dtype (with gradients)."""
+    q = torch.zeros(1, 1, 1, 1, dtype=dtype, requires_grad=grad)
+    with torch.set_grad_enabled(grad):
+        return missing_capability(get_spec(backend), q, q, q) is None
+
+
 def check_every_backend(case: Case) -> None:
     """Run the case through every registered backend (weights too where offered)."""
     layer64 = case.build()
@@ -228,6 +236,10 @@ def check_every_backend(case: Case) -> None:
     with torch.no_grad():
         for backend in mh.backends.available_backends():
             layer.backend = backend
+            if not capable(backend, case.dtype, grad=False):
+                with pytest.raises(ValueError, match=f"backend '{backend}' cannot do"):
+                    layer(xd, cd, mask=mask, key_mask=key_mask)
+                continue
             if backend == "explicit":
                 got, weights = layer(xd, cd, mask=mask, key_mask=key_mask, return_weights=True)
                 # The same criterion as the outputs: half-precision logits inherit the
@@ -321,6 +333,10 @@ def test_float32_gradients_agree_with_float64_gradients(case: Case) -> None:
     naive = [xs.grad] + ([cs.grad] if cs is not None else []) + [p.grad for p in naive_layer32.parameters()]
     scale = max(t.abs().max().item() for t in truth if t.numel())
     for backend in mh.backends.available_backends():
+        if not capable(backend, torch.float32, grad=True):
+            with pytest.raises(ValueError, match=f"backend '{backend}' cannot do gradients"):
+                grads(case.build(), torch.float32, backend)
+            continue
         got = grads(case.build(), torch.float32, backend)
         for i, (g, t, n) in enumerate(zip(got, truth, naive)):
             # Floor: 16·√(B·Sq) ulps of the largest gradient. Where a gradient is 0 in theory

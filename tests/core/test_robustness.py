@@ -29,7 +29,8 @@ def test_inputs_scaled_by_1e4_give_finite_correct_outputs(backend: str, causal: 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_scaled_layer_stays_finite(backend: str) -> None:
     layer = mh.MultiHeadAttention(32, 4, causal=True, rope=mh.RoPE(8), backend=backend)
-    y = layer(torch.randn(1, 20, 32) * 1e4)
+    with torch.no_grad():  # "blocked" and "native" are inference backends
+        y = layer(torch.randn(1, 20, 32) * 1e4)
     assert torch.isfinite(y).all()
 
 

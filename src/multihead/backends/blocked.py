@@ -47,7 +47,7 @@ from collections.abc import Callable
 import torch
 
 from ..masks import Structure, full_mask
-from .eager import accumulation_dtype, safe_softmax
+from .eager import accumulation_dtype, lse_dtype, safe_softmax
 from .gemm import MatMul, gemm_for
 from .registry import register_backend
 
@@ -139,7 +139,7 @@ def blocked_attention(
     result = result if result.dtype == dtype else result.to(dtype)
     if lse is None:
         return result
-    return result, lse[:, :sq].permute(0, 2, 1).float()  # (B, H, Sq)
+    return result, lse[:, :sq].permute(0, 2, 1).to(lse_dtype(dtype))  # (B, H, Sq)
 
 
 class _Plan:
@@ -347,7 +347,7 @@ def decode_attention(
     out = out if out.dtype == dtype else out.to(dtype)
     if lse is None:
         return out
-    return out, lse.view(b, hkv, sq, g).permute(0, 1, 3, 2).reshape(b, h, sq).float()  # (B, H, Sq)
+    return out, lse.view(b, hkv, sq, g).permute(0, 1, 3, 2).reshape(b, h, sq).to(lse_dtype(dtype))  # (B, H, Sq)
 
 
 def _decode_mask(mask: torch.Tensor | None, b: int, h: int, hkv: int, g: int, sq: int, sk: int,

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from ..masks import full_mask
 from .registry import register_backend
 
-__all__ = ["explicit_attention", "safe_softmax", "accumulation_dtype"]
+__all__ = ["explicit_attention", "safe_softmax", "accumulation_dtype", "lse_dtype"]
 
 _NEG_INF = float("-inf")
 
@@ -37,9 +37,14 @@ def safe_softmax(scores: torch.Tensor) -> torch.Tensor:
     return e / torch.where(total == 0, torch.ones_like(total), total)
 
 
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The log-sum-exp's dtype: float64 for float64 inputs, else float32 (FlashAttention's)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def masked_logsumexp(scores: torch.Tensor) -> torch.Tensor:
     """logsumexp over the last dim in float32 at least; ``-inf`` for all-masked rows."""
-    return torch.logsumexp(scores.to(accumulation_dtype(scores.dtype)), dim=-1)
+    return torch.logsumexp(scores.to(accumulation_dtype(scores.dtype)), dim=-1).to(lse_dtype(scores.dtype))
 
 
 @register_backend("explicit", weights=True, lse=True, grad=True, dropout=True)
@@ -63,7 +68,7 @@ def explicit_attention(
     acc = accumulation_dtype(q.dtype)
     if sk == 0 or sq == 0:  # nothing to attend to: zeros, as for a fully masked row
         out = q.new_zeros(b, h, sq, dv)
-        lse = torch.full((b, h, sq), _NEG_INF, dtype=torch.float32, device=q.device) if return_lse else None
+        lse = torch.full((b, h, sq), _NEG_INF, dtype=lse_dtype(q.dtype), device=q.device) if return_lse else None
         return out, (q.new_zeros(b, h, sq, sk) if return_weights else None), lse
     qg = q.to(acc).reshape(b, hkv, g * sq, q.shape[-1])  # (B, Hkv, G·Sq, D): query heads of one group stacked
     scores = torch.matmul(qg, k.to(acc).transpose(-1, -2)) * scale  # (B, Hkv, G·Sq, Sk)
@@ -75,5 +80,5 @@ def explicit_attention(
     probs = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
     out = torch.matmul(probs.view(b, hkv, g * sq, sk), v.to(acc))  # (B, Hkv, G·Sq, Dv)
     out = out.view(b, h, sq, dv).to(q.dtype)  # (B, H, Sq, Dv)
-    lse = masked_logsumexp(scores).float() if return_lse else None  # (B, H, Sq)
+    lse = masked_logsumexp(scores) if return_lse else None  # (B, H, Sq)
     return out, (weights.to(q.dtype) if return_weights else None), lse
