@@ -42,11 +42,12 @@ __all__ = [
     "interop",
     "hf",
     "models",
+    "heads",
 ]
 
-# Hugging Face glue, imported on first use (they import transformers only inside functions,
+# Hugging Face glue and the heads toolkit, imported on first use (they import transformers only inside functions,
 # but keeping them lazy keeps ``import multihead`` to the core).
-_LAZY = ("hf", "models")
+_LAZY = ("hf", "models", "heads")
 
 
 def __getattr__(name: str) -> Any:
