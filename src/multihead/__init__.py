@@ -47,12 +47,13 @@ __all__ = [
     "interop",
     "hf",
     "models",
+    "heads",
 ]
 
-# Hugging Face glue and the tools, imported on first use (they import transformers only
-# inside functions, but keeping them lazy keeps ``import multihead`` to the core).
+# Hugging Face glue, the tools and the heads toolkit, imported on first use (they import
+# transformers only inside functions, but keeping them lazy keeps ``import multihead`` to the core).
 _LAZY = {"hf": ".hf", "models": ".tools.models", "kernels": ".kernels", "bench": ".tools.bench",
-         "cli": ".tools.cli"}
+         "cli": ".tools.cli", "heads": ".heads"}
 
 
 def __getattr__(name: str) -> Any:

@@ -295,6 +295,10 @@ class MultiHeadAttention(nn.Module):
             for name, t in (("x", x), ("context", context)):
                 if isinstance(t, torch.Tensor):
                     _check_finite(name, t)
+        tap = self.__dict__.get("_heads_tap")  # set only while multihead.heads.capture records this layer
+        if tap is not None:
+            return tap(self, x, context, mask=mask, key_mask=key_mask, positions=positions, cache=cache,
+                       return_weights=return_weights)
         return self._forward(x, context, mask=mask, key_mask=key_mask, positions=positions,
                              cache=cache, return_weights=return_weights, observe=None)
 

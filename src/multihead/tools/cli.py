@@ -5,6 +5,7 @@
     multihead cost CONFIG|DIR           parameters, FLOPs and KV-cache bytes of a config
     multihead run [TEXT ...]            the bundled MiniLM (or --model DIR), patched and checked
     multihead bench [--quick]           multihead against torch and Hugging Face on this machine
+    multihead heads [TEXT ...]          what each head of the bundled MiniLM does (table, page, picture)
 """
 
 from __future__ import annotations
@@ -155,6 +156,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("heads", help="what each head does: metrics and labels, a page, a picture, importance")
+    p.add_argument("text", nargs="*", help="texts (default: a few example sentences)")
+    p.add_argument("--model", default=None, metavar="DIR", help="checkpoint folder (default: the bundled MiniLM)")
+    p.add_argument("--html", default=None, metavar="PATH", help="write the interactive page here")
+    p.add_argument("--png", default=None, metavar="PATH", help="write the layers × heads picture here")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--importance", action="store_true", help="rank heads by ablation and report pruning")
+    p.set_defaults(func=lambda args: __import__("multihead.heads.command", fromlist=["main"]).main(args))
     return parser
 
 

@@ -1,0 +1,292 @@
+"""Record what each head of each attention layer computed during a forward pass.
+
+Notation: B batch, S tokens (queries), Sk keys, H query heads, Hkv key/value heads,
+D head_dim, E embed_dim, L captured layers.
+
+    with mh.heads.capture(model) as cap:
+        model(**batch)
+    cap.layers                 # layer names in the model's order (index = position)
+    cap.weights[name]          # (B, H, S, Sk) per head, never averaged
+    cap.heads[name]            # (B, H, S, D) each head's output, before o_proj
+
+A captured layer runs its step-by-step path with weights requested (the ``"explicit"``
+backend, unless the layer names another backend that returns weights); every other layer,
+and every layer once the context has ended, keeps its fast path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..backends import get_spec
+from ..functional import default_backend
+from ..module import MultiHeadAttention
+
+__all__ = ["capture", "Capture", "LayerInfo", "find_layers", "DEFAULT_LIMIT_BYTES", "WHAT"]
+
+#: What a capture can record (``what=``).
+WHAT = ("weights", "heads", "q", "k", "v")
+#: The default ceiling on the bytes a capture may hold (``limit_bytes=`` raises it).
+DEFAULT_LIMIT_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """Facts about one captured layer that the metrics and pictures need."""
+
+    name: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    causal: bool
+    window: int | None
+    heads: tuple[int, ...]  # the query heads stored (row h of a stored tensor is head heads[h])
+
+
+def find_layers(model: nn.Module) -> list[tuple[str, MultiHeadAttention]]:
+    """The :class:`MultiHeadAttention` layers of ``model`` in module order, named as the model
+    names them: a layer inside a :class:`multihead.hf.PatchedAttention` takes the wrapper's
+    name (``encoder.layer.0.attention``), so names match the unpatched model's.
+
+    Raises:
+        TypeError: ``model`` is not an nn.Module.
+        ValueError: ``model`` holds Hugging Face attention modules that are not patched
+            (they would be missing from the list), or no attention layer at all.
+    """
+    from .. import hf, interop
+    from ..interop.hf_patch import _candidates
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    unpatched = [(n, type(m).__name__) for n, m in _candidates(model)
+                 if interop.hf_family(m) is not None]
+    if unpatched:
+        listed = ", ".join(f"{n or '<model>'} ({t})" for n, t in unpatched[:3])
+        raise ValueError(f"model has {len(unpatched)} Hugging Face attention module(s) that are not patched, "
+                         f"e.g. {listed}: call multihead.hf.patch(model) first so that multihead computes "
+                         "(and can record) their heads")
+    wrapper_of: dict[int, str] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, hf.PatchedAttention):
+            wrapper_of[id(module.mh)] = name
+    found = [(wrapper_of.get(id(m), n), m) for n, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
+    if not found:
+        raise ValueError(f"model {type(model).__name__} contains no multihead.MultiHeadAttention layer "
+                         "(nor a patched Hugging Face attention module)")
+    return found
+
+
+def resolve_layers(found: Sequence[tuple[str, MultiHeadAttention]], layers: Iterable[int | str] | None,
+                   argname: str = "layers") -> list[int]:
+    """Indices into ``found`` for ``layers`` (indices in model order or names), in model order.
+
+    Raises:
+        TypeError: an entry that is neither int nor str.
+        ValueError: an index out of range or an unknown name (the valid ones are listed).
+    """
+    if layers is None:
+        return list(range(len(found)))
+    if isinstance(layers, (str, int)):
+        layers = [layers]
+    names = [n for n, _ in found]
+    picked: set[int] = set()
+    for entry in layers:
+        picked.add(layer_index(names, entry, argname))
+    return sorted(picked)
+
+
+def layer_index(names: Sequence[str], entry: object, argname: str) -> int:
+    """One layer given by its index in model order or by its name, as an index."""
+    if isinstance(entry, bool) or not isinstance(entry, (int, str)):
+        raise TypeError(f"{argname} entries must be layer indices (int) or names (str), got "
+                        f"{type(entry).__name__} {entry!r}")
+    if isinstance(entry, int):
+        if not 0 <= entry < len(names):
+            raise ValueError(f"{argname}: layer index must be in [0, {len(names) - 1}], got {entry}")
+        return entry
+    if entry not in names:
+        shown = ", ".join(repr(n) for n in names[:4]) + (", ..." if len(names) > 4 else "")
+        raise ValueError(f"{argname}: no attention layer named {entry!r}; the model's layers are {shown}")
+    return names.index(entry)
+
+
+def check_head_list(heads: object, num_heads: int, argname: str) -> tuple[int, ...]:
+    """Validated, sorted, distinct head indices in [0, num_heads)."""
+    if isinstance(heads, (str, bytes)) or not isinstance(heads, Iterable):
+        raise TypeError(f"{argname} must be a list of head indices, got {type(heads).__name__}")
+    out = []
+    for h in heads:
+        if isinstance(h, bool) or not isinstance(h, int):
+            raise TypeError(f"{argname} must hold ints, got {type(h).__name__} {h!r}")
+        if not 0 <= h < num_heads:
+            raise ValueError(f"{argname}: head index must be in [0, {num_heads - 1}], got {h}")
+        out.append(h)
+    if len(set(out)) != len(out):
+        raise ValueError(f"{argname} has repeated heads: {out}")
+    return tuple(sorted(out))
+
+
+class Capture:
+    """What :func:`capture` recorded; filled while the context is open.
+
+    Attributes:
+        layers: captured layer names in model order (index = position in this list).
+        info: name -> :class:`LayerInfo`.
+        modules: name -> the :class:`MultiHeadAttention` itself (for o_proj, pruning...).
+        weights: name -> (B, H', S, Sk) attention weights (H' = stored query heads).
+        heads: name -> (B, H', S, D) head outputs before o_proj.
+        q: name -> (B, H', S, D) queries after RoPE.
+        k, v: name -> (B, Hkv, Sk, D) keys after RoPE and values (all K/V heads).
+        nbytes: bytes held so far.
+    """
+
+    def __init__(self, what: tuple[str, ...], dtype: torch.dtype | None, limit_bytes: int) -> None:
+        self.what = what
+        self.dtype = dtype
+        self.limit_bytes = limit_bytes
+        self.layers: list[str] = []
+        self.info: dict[str, LayerInfo] = {}
+        self.modules: dict[str, MultiHeadAttention] = {}
+        self.weights: dict[str, torch.Tensor] = {}
+        self.heads: dict[str, torch.Tensor] = {}
+        self.q: dict[str, torch.Tensor] = {}
+        self.k: dict[str, torch.Tensor] = {}
+        self.v: dict[str, torch.Tensor] = {}
+        self.nbytes = 0
+
+    def __repr__(self) -> str:
+        return f"Capture(layers={len(self.layers)}, what={self.what}, nbytes={self.nbytes})"
+
+    def _estimate(self, b: int, s: int, sk: int, itemsize: int) -> int:
+        """Bytes all captured layers will hold for one call with (B, S, Sk)."""
+        total = 0
+        for name in self.layers:
+            i = self.info[name]
+            h, hkv, d = len(i.heads), i.num_kv_heads, i.head_dim
+            per = {"weights": h * s * sk, "heads": h * s * d, "q": h * s * d, "k": hkv * sk * d, "v": hkv * sk * d}
+            total += b * sum(per[w] for w in self.what) * itemsize
+        return total
+
+    def _tap(self, name: str):
+        """The function :meth:`MultiHeadAttention.forward` calls instead of its body."""
+        info = self.info[name]
+
+        def tap(layer: MultiHeadAttention, x: torch.Tensor, context: torch.Tensor | None, *,
+                mask: Any, key_mask: Any, positions: Any, cache: Any, return_weights: bool) -> Any:
+            if name in self.weights or name in self.heads or name in self.q or name in self.k or name in self.v:
+                raise ValueError(f"layer {name!r} was called twice inside one capture: record one forward "
+                                 "pass per `with multihead.heads.capture(...)` block")
+            itemsize = (self.dtype or x.dtype).itemsize
+            if name == self.layers[0] or self.nbytes == 0:
+                sk = x.shape[1] if context is None else context.shape[1]
+                if cache is not None:
+                    sk = max(cache.host_lengths()) + x.shape[1]
+                need = self._estimate(x.shape[0], x.shape[1], sk, itemsize)
+                if need > self.limit_bytes:
+                    raise ValueError(f"capture would hold {need:,} bytes for this call (B={x.shape[0]}, "
+                                     f"S={x.shape[1]}, Sk={sk}, {len(self.layers)} layers, what={self.what}), over "
+                                     f"limit_bytes={self.limit_bytes:,}: capture fewer layers/heads, a smaller "
+                                     "dtype, or raise limit_bytes")
+            seen: dict[str, torch.Tensor] = {}
+            y, weights = layer._forward(x, context, mask=mask, key_mask=key_mask, positions=positions,
+                                        return_weights=True, cache=cache,
+                                        observe=lambda n, t: seen.__setitem__(n, t))
+            q = seen.get("Q_rot", seen.get("Q_k"))
+            k = seen.get("K_cache", seen.get("K_rot", seen.get("K_k")))
+            v = seen.get("V_cache", seen.get("V_k"))
+            sel = None if len(info.heads) == info.num_heads else torch.tensor(info.heads, device=x.device)
+            for what, store, t, per_query in (("weights", self.weights, weights, True),
+                                              ("heads", self.heads, seen["head_k"], True),
+                                              ("q", self.q, q, True), ("k", self.k, k, False),
+                                              ("v", self.v, v, False)):
+                if what in self.what:
+                    t = t.detach()
+                    if per_query and sel is not None:
+                        t = t.index_select(1, sel)
+                    store[name] = t.to(self.dtype or t.dtype, copy=True)  # never aliases the model's tensors
+                    self.nbytes += store[name].numel() * store[name].element_size()
+            return (y, weights) if return_weights else y
+
+        return tap
+
+
+class capture:  # noqa: N801  (a context manager used like a function)
+    """Record per-head weights, head outputs and (on request) q/k/v of attention layers.
+
+    Args:
+        model: a :class:`multihead.MultiHeadAttention`, any module containing them, or a
+            Hugging Face model patched by :func:`multihead.hf.patch`.
+        what: any of ``"weights"`` (B, H, Sq, Sk), ``"heads"`` (B, H, S, D, before
+            o_proj), ``"q"`` (B, H, S, D, after RoPE), ``"k"``, ``"v"`` (B, Hkv, Sk, D,
+            k after RoPE).
+        layers: layer indices (model order, as in ``cap.layers`` when all are captured) or
+            names; None = all.
+        heads: query heads to keep for weights/heads/q (k and v keep every K/V head);
+            None = all.
+        dtype: store in this dtype (e.g. ``torch.float16`` halves the memory); None = as
+            computed.
+        limit_bytes: refuse, before the first captured layer computes anything, a call
+            whose records would pass this many bytes (the message gives the bytes).
+
+    Yields:
+        a :class:`Capture`, filled by the forward pass run inside the block.
+
+    Raises:
+        TypeError, ValueError (before anything runs): an unpatched HF model, an unknown
+            layer name or index, heads out of range, an unknown ``what``, a layer whose
+            named backend cannot return weights; a call over ``limit_bytes`` or a second
+            call of one layer inside the block (raised from the forward pass).
+    """
+
+    def __init__(self, model: nn.Module, what: Sequence[str] = ("weights", "heads"), layers: Iterable[int | str] | None = None,
+                 *, heads: Iterable[int] | None = None, dtype: torch.dtype | None = None,
+                 limit_bytes: int = DEFAULT_LIMIT_BYTES) -> None:
+        what = (what,) if isinstance(what, str) else tuple(what)
+        bad = [w for w in what if w not in WHAT]
+        if bad or not what:
+            raise ValueError(f"what must be a non-empty subset of {WHAT}, got {what}")
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
+        if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int) or limit_bytes < 1:
+            raise ValueError(f"limit_bytes must be a positive int, got {limit_bytes!r}")
+        found = find_layers(model)
+        picked = [found[i] for i in resolve_layers(found, layers)]
+        self._cap = Capture(what, dtype, limit_bytes)
+        for name, layer in picked:
+            if not get_spec(default_backend(layer.backend, True)).weights:
+                raise ValueError(f"layer {name!r} uses backend {layer.backend!r}, which returns no weights: "
+                                 "set layer.backend = None while capturing")
+            kept = tuple(range(layer.num_heads)) if heads is None else check_head_list(heads, layer.num_heads, "heads")
+            if not kept:
+                raise ValueError("heads must name at least one head, got []")
+            self._cap.layers.append(name)
+            self._cap.modules[name] = layer
+            self._cap.info[name] = LayerInfo(name, layer.num_heads, layer.num_kv_heads, layer.head_dim,
+                                             layer.causal, layer.window, kept)
+        self._picked = picked
+
+    def __enter__(self) -> Capture:
+        self._installed: list[tuple[MultiHeadAttention, Any]] = []
+        for name, layer in self._picked:
+            if layer.__dict__.get("_heads_tap") is not None:
+                self._exit()
+                raise ValueError(f"layer {name!r} is already being captured (nested capture of one layer)")
+            tap = self._cap._tap(name)
+            layer.__dict__["_heads_tap"] = tap
+            self._installed.append((layer, tap))
+        return self._cap
+
+    def __exit__(self, *exc: object) -> None:
+        self._exit()
+
+    def _exit(self) -> None:
+        # Back to the fast path: the forward body no longer sees a tap.
+        for layer, tap in self._installed:
+            if layer.__dict__.get("_heads_tap") is tap:
+                del layer.__dict__["_heads_tap"]
+        self._installed = []
