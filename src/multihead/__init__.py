@@ -42,11 +42,12 @@ __all__ = [
     "interop",
     "hf",
     "models",
+    "parallel",
 ]
 
-# Hugging Face glue, imported on first use (they import transformers only inside functions,
+# Hugging Face glue and torch.distributed, imported on first use (they import transformers only inside functions,
 # but keeping them lazy keeps ``import multihead`` to the core).
-_LAZY = ("hf", "models")
+_LAZY = ("hf", "models", "parallel")
 
 
 def __getattr__(name: str) -> Any:

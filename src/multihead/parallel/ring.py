@@ -305,7 +305,9 @@ class _RingAttention(torch.autograd.Function):
             if wait is not None:
                 current = wait()
         result = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, result, lse, *([] if km is None else [km]))
+        # delta = rowsum(dO ∘ O) in the backward uses the unrounded O (bf16 rounding there would
+        # cost accuracy in dQ/dK); for float32/64 this is the same tensor as the result.
+        ctx.save_for_backward(q, k, v, out, lse, *([] if km is None else [km]))
         ctx.spec, ctx.has_km = spec, km is not None
         return result
 
