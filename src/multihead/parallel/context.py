@@ -45,7 +45,7 @@ class ShardedKVCache:
     """This rank's slice of a sequence's K/V cache (from :meth:`ContextParallelAttention.new_cache`).
 
     Attributes:
-        k, v: (B, Hkv, C, D) buffers, C = ceil(max_len / P) + 2 slots.
+        k, v: (B, Hkv, C, D) buffers, C = ceil(max_len / P) slots.
         positions: (C,) int64 global position of each slot (-1 = empty).
         valid: (B, C) bool, False for padding tokens of the prompt.
         counts: tokens held by every rank (known on every rank without communication).
@@ -57,13 +57,16 @@ class ShardedKVCache:
         check_int("batch_size", batch_size)
         check_int("max_len", max_len, maximum=1 << 31)
         self.max_len, self.world_size, self.rank = max_len, world_size, rank
-        capacity = -(-max_len // world_size) + 2
+        # ceil(max_len / P) is enough: prefill shards hold at most ceil(S/P) tokens in every layout, and
+        # each decoded token goes to the rank holding the fewest.
+        capacity = -(-max_len // world_size)
         self.k = torch.zeros(batch_size, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.positions = torch.full((capacity,), -1, dtype=torch.int64, device=device)
         self.valid = torch.zeros(batch_size, capacity, dtype=torch.bool, device=device)
         self.counts = [0] * world_size
         self.length = 0
+        self.held = 0  # slots of this rank in use
 
     @property
     def capacity(self) -> int:
@@ -80,14 +83,16 @@ class ShardedKVCache:
         self.valid.zero_()
         self.counts = [0] * self.world_size
         self.length = 0
+        self.held = 0
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> None:
         """Append (B, Hkv, n, D) K/V at global ``positions`` (n,) to this rank's slice."""
-        start, n = self.counts[self.rank], k.shape[2]
+        start, n = self.held, k.shape[2]
         self.k[:, :, start:start + n] = k.detach()
         self.v[:, :, start:start + n] = v.detach()
         self.positions[start:start + n] = positions
         self.valid[:, start:start + n] = valid
+        self.held += n
 
     def _owner(self) -> int:
         """The rank that caches the next decoded tokens: the one holding the fewest."""
@@ -163,7 +168,7 @@ class ContextParallelAttention(nn.Module):
             _check_prefill(cache, x, seq_len)
             cache._write(k, v, positions, torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
                          if key_mask is None else key_mask)
-            cache.counts, cache.length = list(sizes), seq_len
+            cache.counts, cache.length = list(sizes), seq_len  # (the prefill wrote held = S_r)
         heads = self._attend(q, k, v, key_mask, sizes)  # (B, H, S_r, D)
         return layer.o_proj(merge_heads(heads))  # (B, S_r, E)
 
@@ -193,8 +198,7 @@ class ContextParallelAttention(nn.Module):
         if (b, e) != (cache.k.shape[0], layer.embed_dim):
             raise ValueError(f"x must have shape [B, Sn, E] = [{cache.k.shape[0]}, Sn, {layer.embed_dim}], "
                              f"got {list(x.shape)}")
-        owner = cache._owner()
-        if cache.length + sn > cache.max_len or cache.counts[owner] + sn > cache.capacity:
+        if cache.length + sn > cache.max_len:
             raise ValueError(f"cache overflow: {cache.length} tokens cached, {sn} more exceed max_len={cache.max_len}")
         positions = cache.length + torch.arange(sn, device=x.device)  # (Sn,)
         q, k, v = (split_heads(proj(x), h) for proj, h in ((layer.q_proj, layer.num_heads),
@@ -202,11 +206,18 @@ class ContextParallelAttention(nn.Module):
                                                             (layer.v_proj, layer.num_kv_heads)))
         if layer.rope is not None:
             q, k = layer.rope.rotate((q, k), positions)
-        if owner == cache.rank:
-            cache._write(k, v, positions, torch.ones(b, sn, dtype=torch.bool, device=x.device))
-        cache.counts[owner] += sn
+        mine = []
+        for i in range(sn):  # token by token to the rank holding the fewest (known on every rank)
+            owner = cache._owner()
+            cache.counts[owner] += 1
+            if owner == cache.rank:
+                mine.append(i)
+        if mine:
+            idx = torch.tensor(mine, device=x.device)
+            cache._write(k[:, :, idx], v[:, :, idx], positions[idx], torch.ones(b, len(mine), dtype=torch.bool,
+                                                                                 device=x.device))
         cache.length += sn
-        used = cache.counts[cache.rank]
+        used = cache.held
         kp = cache.positions[:used][None, :]  # (1, C_used)
         qp = positions[:, None]  # (Sn, 1)
         allowed = kp <= qp
@@ -259,7 +270,7 @@ def _check_same(table: list[list[int]]) -> str | None:
 def _check_prefill(cache: object, x: torch.Tensor, seq_len: int) -> None:
     if not isinstance(cache, ShardedKVCache):
         raise TypeError(f"cache must come from ContextParallelAttention.new_cache, got {type(cache).__name__}")
-    if cache.k.shape[0] != x.shape[0] or seq_len > cache.max_len or x.shape[1] > cache.capacity:
+    if cache.k.shape[0] != x.shape[0] or seq_len > cache.max_len or x.shape[1] > cache.capacity or cache.length:
         raise ValueError(f"cache holds batch {cache.k.shape[0]} and max_len {cache.max_len}; the prompt has "
                          f"batch {x.shape[0]} and {seq_len} tokens")
 
