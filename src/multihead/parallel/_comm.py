@@ -20,10 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["Group", "resolve_group", "world_and_rank", "agree", "ring_shift"]
-
-#: What the public functions accept as ``group``.
-Group = object  # ProcessGroup | DeviceMesh | None; kept loose so torch types are not imported at module load
+__all__ = ["ParallelError", "resolve_group", "world_and_rank", "agree", "ring_shift"]
 
 
 class ParallelError(ValueError):

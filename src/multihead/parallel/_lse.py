@@ -20,7 +20,6 @@ import inspect
 import torch
 
 from .. import functional as _functional
-from ..masks import _offsets
 
 __all__ = ["block_attention", "merge_into", "work_dtype"]
 
@@ -59,21 +58,22 @@ def _attention_lse_temporary(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """TEMPORARY, until ``mh.attention(..., return_lse=True)`` lands on main: the output
     from ``mh.attention`` and the log-sum-exp of the masked scaled scores computed
-    separately, in float32 or wider, a chunk of queries at a time (memory O(chunk · Sk))."""
+    separately, in float32 or wider, a chunk of queries at a time (scratch about the size of q)."""
     out = _functional.attention(q, k, v, causal=causal, window=window, mask=mask, scale=scale)
     b, h, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     g = h // hkv
     work = work_dtype(q.dtype)
     lse = torch.empty(b, h, sq, dtype=work, device=q.device)
-    chunk = max(1, (1 << 22) // max(1, h * sk))
+    chunk = max(1, min(sq, (sq * d) // max(1, 4 * sk)))  # scores of a chunk ≈ 1/4 of q's bytes: O(S/P)
     keys = k.to(work)
     for lo in range(0, sq, chunk):
         hi = min(sq, lo + chunk)
         qc = q[:, :, lo:hi].to(work).reshape(b, hkv, g, hi - lo, d)  # (B, Hkv, G, c, D)
         s = torch.einsum("bkgqd,bksd->bkgqs", qc, keys).reshape(b, h, hi - lo, sk) * scale  # (B, H, c, Sk)
         allowed = torch.ones(hi - lo, sk, dtype=torch.bool, device=q.device)
-        off = _offsets(sq, sk, q.device)[lo:hi]  # key j - query position
+        rows = torch.arange(lo, hi, device=q.device)[:, None] + (sk - sq)  # bottom-right query positions
+        off = torch.arange(sk, device=q.device)[None, :] - rows  # (c, Sk): key j - query position
         if causal:
             allowed = allowed & (off <= 0)
         if window is not None:
@@ -97,5 +97,5 @@ def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, 
     dead = torch.isneginf(new)  # no visible key on either side: both weights 0, not NaN
     w_acc = torch.where(dead, 0.0, torch.exp(acc_lse - new))
     w_new = torch.where(dead, 0.0, torch.exp(lse - new))
-    acc_out.mul_(w_acc.unsqueeze(-1)).add_(out.to(acc_out.dtype) * w_new.unsqueeze(-1))
+    acc_out.mul_(w_acc.unsqueeze(-1)).addcmul_(out.to(acc_out.dtype), w_new.unsqueeze(-1))
     acc_lse.copy_(new)

@@ -369,7 +369,7 @@ def _block_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.
     g = h // hkv
     work = dq.dtype
     kw, vw = k.to(work), v.to(work)
-    chunk = max(1, _BACKWARD_CHUNK // max(1, h * sk))
+    chunk = max(1, min(sq, _BACKWARD_CHUNK // max(1, h * sk), max(1, (sq * d) // max(1, sk)) * 4))
     for lo in range(0, sq, chunk):
         hi = min(sq, lo + chunk)
         n = hi - lo
