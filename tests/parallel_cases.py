@@ -424,11 +424,40 @@ def world1_cases(rank: int, p: int) -> dict[str, Any]:
     return res
 
 
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    raise OSError(field)
+
+
+def memory_cases(rank: int, p: int) -> dict[str, Any]:
+    """Peak RSS increase of one ring forward (float32, causal zigzag, S = 8192) on this rank.
+
+    The harness fixes glibc's mmap threshold, so large tensors are mapped and unmapped and
+    the high-water mark counts live tensors. The parent compares the worlds: O(S/P).
+    """
+    s, h, d = 8192, 4, 64
+    n = mp_.shard_sizes(s, p, "zigzag")[rank]
+    warm = [torch.randn(1, h, 4 * p, d) for _ in range(3)]
+    mp_.ring_attention(*warm, causal=True)
+    dist.barrier()
+    base = _rss("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the high-water mark
+    with torch.no_grad():
+        q, k, v = (torch.randn(1, h, n, d) for _ in range(3))
+        out = mp_.ring_attention(q, k, v, causal=True)
+    peak = _rss("VmHWM:") - base
+    return {"memory/ring": {"peak": peak, "kv_full": 2 * h * s * d * 4, "finite": bool(torch.isfinite(out).all())}}
+
+
 def all_cases(rank: int, p: int) -> dict[str, Any]:
     """Every table, timed per table (seconds per table in ``"timing"``)."""
     out: dict[str, Any] = {"timing": {}}
     for fn in (world1_cases, refusal_cases, head_cases, tp_plan_cases, cp_cases, functional_cases, plan_cases,
-               count_cases, cache_cases, precision_cases):
+               count_cases, cache_cases, precision_cases, memory_cases):
         t0 = time.perf_counter()
         out.update(fn(rank, p))
         out["timing"][fn.__name__] = time.perf_counter() - t0

@@ -62,8 +62,18 @@ def run_world(world_size: int, target: str, *, timeout_s: float = 170.0) -> list
     port = free_port()
     procs = [ctx.Process(target=_child, args=(r, world_size, port, target, results), daemon=True)
              for r in range(world_size)]
-    for p in procs:
-        p.start()
+    # A fixed mmap threshold: large tensors are mapped and unmapped, so a rank's RSS
+    # high-water mark counts its live tensors (glibc's dynamic threshold would keep freed ones).
+    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 17)
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if saved is None:
+            del os.environ["MALLOC_MMAP_THRESHOLD_"]
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
     got: dict[int, Any] = {}
     errors = []
     deadline = time.monotonic() + timeout_s

@@ -213,3 +213,14 @@ def test_layouts_cover_every_position_once() -> None:
             for layout in mp_.LAYOUTS:
                 got = sorted(int(t) for r in range(p) for t in mp_.shard_positions(s, p, r, layout))
                 assert got == list(range(s)), (layout, s, p)
+
+
+def test_ring_memory_per_rank_falls_as_one_over_p() -> None:
+    """Peak memory of a ring forward per rank is O(S/P). In units u of a local shard of q at
+    P = 2: q, k, v, the float32 accumulator and one foreign K/V shard make ~7.5u at P = 2; at
+    P >= 3 a second foreign shard is in flight (overlap) and the shards halve: ~4.75u, a ratio
+    of ~0.63 (measured). All-gathering K and V instead (torch's CPU fallback) holds 3u + 2P
+    shards: 7u then 5.5u, a ratio of ~0.79, so this would fail."""
+    peak = {p: max(r["memory/ring"]["peak"] for r in world(p)) for p in (2, 4)}
+    assert all(r["memory/ring"]["finite"] for p in (2, 4) for r in world(p))
+    assert peak[4] <= 0.7 * peak[2], f"per-rank peak {peak} does not fall as 1/P"
