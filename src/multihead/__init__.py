@@ -10,14 +10,17 @@ Masks everywhere: bool, **True = may attend** (see :mod:`multihead.masks`).
 
 from typing import Any
 
-from . import backends, interop, masks, native, reference
+from . import backends, masks, reference
+from .backends import native
 from .cache import KVCache
 from .config import AttentionConfig
-from .cost import Cost, cost
 from .functional import attention
+from .masks import Structure
 from .module import MultiHeadAttention, merge_heads, split_heads
 from .rope import RoPE, half_to_interleaved, interleaved_to_half
-from .trace import Trace, trace
+from . import decode, interop  # noqa: E402  (they build on the module)
+from .tools.cost import Cost, cost
+from .tools.trace import Trace, trace
 
 __version__ = "0.1.0"
 
@@ -33,7 +36,9 @@ __all__ = [
     "interleaved_to_half",
     "half_to_interleaved",
     "masks",
+    "Structure",
     "backends",
+    "decode",
     "native",
     "reference",
     "AttentionConfig",
@@ -45,14 +50,15 @@ __all__ = [
     "parallel",
 ]
 
-# Hugging Face glue and torch.distributed, imported on first use (they import transformers only inside functions,
-# but keeping them lazy keeps ``import multihead`` to the core).
-_LAZY = ("hf", "models", "parallel")
+# Hugging Face glue, the tools and torch.distributed (parallel), imported on first use (they import transformers only
+# inside functions, but keeping them lazy keeps ``import multihead`` to the core).
+_LAZY = {"hf": ".hf", "models": ".tools.models", "kernels": ".kernels", "bench": ".tools.bench",
+         "cli": ".tools.cli", "parallel": ".parallel"}
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 
-        return importlib.import_module(f".{name}", __name__)
+        return importlib.import_module(_LAZY[name], __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

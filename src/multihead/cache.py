@@ -32,13 +32,16 @@ with gradients enabled on tensors that require them is refused.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from ._checks import check_int
+from .masks import Structure
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "Append"]
 
 _MAX_CACHE_BYTES = 1 << 40  # 1 TiB: anything larger is a mistake, refused before allocating
 
@@ -75,7 +78,7 @@ class KVCache:
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
         if ring and window is None:
-            raise ValueError("ring=True needs a layer with a sliding window (window=None)")
+            raise ValueError("ring=True needs a layer with a sliding window, got window=None")
         capacity = min(window, max_len) if ring and window is not None else max_len
         itemsize = torch.empty((), dtype=dtype).element_size()
         nbytes = 2 * batch_size * num_kv_heads * capacity * head_dim * itemsize
@@ -172,7 +175,7 @@ class KVCache:
         self.lengths.copy_(lengths)
         self._host_lengths = new
 
-    # -- used by MultiHeadAttention --------------------------------------------------
+    # -- appending: append (K/V written, what it overwrote saved), then commit or rollback --
     def check_append(self, batch: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                      device: torch.device, new_tokens: int) -> None:
         """Raise before anything is written if ``new_tokens`` can't be appended."""
@@ -197,105 +200,150 @@ class KVCache:
         """(B, Sn) absolute positions of the next ``new_tokens`` tokens of each row."""
         return self.lengths[:, None] + torch.arange(new_tokens, device=self.device)
 
-    def append(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        real: Sequence[int] | None,
-        *,
-        causal: bool,
-        window: int | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
-        """Write the new K/V in place and return what the new queries attend to.
+    def append(self, k: torch.Tensor, v: torch.Tensor, real: Sequence[int] | None, *,
+               structure: Structure) -> Append:
+        """Stage new K/V and return what the new queries attend to; counters unchanged.
+
+        K/V are written into their slots (what those slots held is saved, so
+        :meth:`rollback` restores the cache bitwise); a chunk that would wrap a ring is
+        written only at :meth:`commit`. Nothing a reader sees changes until
+        :meth:`commit`, the only writer of ``lengths``, ``slot_pos`` and their host mirror.
 
         Args:
             k, v: (B, Hkv, Sn, D) new keys (after RoPE) and values.
             real: per row, how many of the Sn tokens are real (right padding); None = all.
-            causal, window: the layer's masking.
+            structure: the layer's causal/window rule.
 
         Returns:
-            ``(keys, values, mask, bottom_right)``: keys/values (B, Hkv, Sk, D) views of
-            the cache; mask bool (B, 1, Sn, Sk) or None; ``bottom_right`` True when the
-            caller should pass ``causal``/``window`` to the attention core instead of a
-            mask (every row has the same length, slots in order).
+            an :class:`Append`: ``keys``/``values`` (B, Hkv, Sk, D), ``mask`` (B, 1, Sn, Sk)
+            or None (None: pass the layer's causal/window to the attention core, every row
+            having the same length and slots in order).
         """
         b, _, sn, _ = k.shape
         old = self._host_lengths
-        real_counts = [sn] * b if real is None else list(real)
-        uniform = real is None and len(set(old)) == 1
-        if self.ring and sn > 1 and max(old) + sn > self.capacity:  # the chunk would wrap the ring
-            return self._append_ring_chunk(k, v, real_counts, causal=causal, window=window)
-
+        counts = [sn] * b if real is None else list(real)
         positions = self.positions(sn)  # (B, Sn)
+        valid = None if real is None else (torch.arange(sn, device=self.device)[None, :]
+                                           < torch.tensor(counts, device=self.device)[:, None])  # (B, Sn)
+        new_pos = positions if valid is None else torch.where(valid, positions, -1)  # padding never becomes a key
+        if self.ring and sn > 1 and max(old) + sn > self.capacity:  # the chunk would wrap the ring
+            return self._stage_ring_chunk(k, v, counts, positions, new_pos, structure)
         slots = positions % self.capacity if self.ring else positions  # (B, Sn)
         index = slots[:, None, :, None].expand(b, self.num_kv_heads, sn, self.head_dim)
+        saved = (self.k.gather(2, index), self.v.gather(2, index))
         self.k.scatter_(2, index, k.detach())
         self.v.scatter_(2, index, v.detach())
-        if real is None:
-            self.slot_pos.scatter_(1, slots, positions)
-            self.lengths.add_(sn)
-        else:
-            real_t = torch.tensor(real_counts, dtype=torch.int64, device=self.device)
-            # Padding tokens (beyond each row's real count) are written but never become keys.
-            valid = torch.arange(sn, device=self.device)[None, :] < real_t[:, None]  # (B, Sn)
-            self.slot_pos.scatter_(1, slots, torch.where(valid, positions, -1))
-            self.lengths.add_(real_t)
-        self._host_lengths = [length + r for length, r in zip(old, real_counts)]
-
         used = min(self.capacity, max(length + sn for length in old))
         keys, values = self.k[:, :, :used], self.v[:, :, :used]  # (B, Hkv, Sk, D)
-        if uniform and (not self.ring or old[0] + sn <= self.capacity or (sn == 1 and window is not None and window >= self.capacity)):
-            return keys, values, None, True
-        return keys, values, self._mask(positions, self.slot_pos[:, :used], causal=causal, window=window), False
+        step = Append(keys, values, None, counts, slots, new_pos, index, saved)
+        if not self._plain_tail(old, sn, real is None, structure):
+            key_pos = self.slot_pos[:, :used].scatter(1, slots.clamp(max=used - 1), new_pos)  # (B, Sk), staged
+            step.mask = self._mask(positions, key_pos, structure)
+        return step
 
-    def _note_native_step(self) -> None:
-        """Record on the host that a native decoding step appended one token to every row.
+    def _plain_tail(self, old: list[int], sn: int, all_real: bool, structure: Structure) -> bool:
+        """The new queries see the cache in order, bottom-right aligned: no mask needed.
 
-        :func:`multihead.native.decode_step` writes K/V, ``lengths`` and ``slot_pos`` in
-        place (a linear cache only); this keeps the host mirror of the lengths in step.
+        Every row has the same length and no padding, and the slots are in position order:
+        a linear cache, a ring that has not wrapped, or one token into a ring whose window
+        spans it.
         """
-        self._host_lengths = [length + 1 for length in self._host_lengths]
+        if not all_real or len(set(old)) != 1:
+            return False
+        window = structure.window
+        return (not self.ring or old[0] + sn <= self.capacity
+                or (sn == 1 and window is not None and window >= self.capacity))
 
-    def _append_ring_chunk(self, k: torch.Tensor, v: torch.Tensor, real: list[int], *,
-                           causal: bool, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-        """A chunk of several tokens into a ring: attend over (ring + chunk), then keep the tail.
+    def _stage_ring_chunk(self, k: torch.Tensor, v: torch.Tensor, counts: list[int], positions: torch.Tensor,
+                          new_pos: torch.Tensor, structure: Structure) -> Append:
+        """A chunk that wraps the ring: its queries see (ring, chunk) in a temporary pair.
 
-        Writing first could overwrite keys that the chunk's early queries still need,
-        so the chunk's queries see a temporary (ring, chunk) pair; then each row's last
-        ``capacity`` real tokens are written.
+        Writing first could overwrite keys that the chunk's early queries still need;
+        :meth:`commit` then keeps each row's last ``capacity`` real tokens.
         """
-        b, hkv, sn, d = k.shape
-        positions = self.positions(sn)  # (B, Sn)
         keys = torch.cat((self.k, k.detach()), dim=2)  # (B, Hkv, C + Sn, D), temporary
         values = torch.cat((self.v, v.detach()), dim=2)
-        real_t = torch.tensor(real, dtype=torch.int64, device=self.device)
-        # Padding tokens of this chunk (beyond each row's real count) are never keys.
-        chunk_valid = torch.arange(sn, device=self.device)[None, :] < real_t[:, None]  # (B, Sn)
-        key_pos = torch.cat((self.slot_pos, torch.where(chunk_valid, positions, -1)), dim=1)  # (B, C + Sn)
-        mask = self._mask(positions, key_pos, causal=causal, window=window)
-        # Keep each row's last C *real* tokens: chunk index real_b - C + i for slot i's token.
+        key_pos = torch.cat((self.slot_pos, new_pos), dim=1)  # (B, C + Sn)
+        mask = self._mask(positions, key_pos, structure)
+        return Append(keys, values, mask, counts, None, new_pos, None, None, chunk=(k.detach(), v.detach()))
+
+    def commit(self, step: Append | Sequence[int]) -> None:
+        """Advance the counters: the only writer of ``lengths``, ``slot_pos`` and their mirror.
+
+        Args:
+            step: what :meth:`append` returned (after the attention that used it
+                succeeded), or the number of tokens each row gained from a writer that
+                wrote K/V in order itself (the native decoding step).
+        """
+        if isinstance(step, Append):
+            if step.chunk is not None:
+                self._write_ring_chunk(*step.chunk, step.counts)
+            else:
+                self.slot_pos.scatter_(1, step.slots, step.key_pos)
+            counts = step.counts
+        else:
+            counts = [operator.index(c) for c in step]
+            if len(counts) != self.batch_size:
+                raise ValueError(f"step must give {self.batch_size} counts (one per row), got {len(counts)}")
+            if self.ring or any(c != 1 for c in counts):
+                raise ValueError("commit(counts) takes one in-order token per row of a linear cache; "
+                                 "other appends go through append()")
+            positions = self.positions(1)  # (B, 1)
+            self.slot_pos.scatter_(1, positions, positions)
+        self.lengths.add_(torch.tensor(counts, dtype=torch.int64, device=self.device))
+        self._host_lengths = [length + c for length, c in zip(self._host_lengths, counts)]
+
+    def rollback(self, step: Append) -> None:
+        """Undo :meth:`append`'s writes (the attention that used it failed): the cache is
+        then bitwise what it was before."""
+        if step.saved is not None:
+            self.k.scatter_(2, step.index, step.saved[0])
+            self.v.scatter_(2, step.index, step.saved[1])
+
+    def _write_ring_chunk(self, k: torch.Tensor, v: torch.Tensor, real: list[int]) -> None:
+        """Keep each row's last C *real* tokens of a chunk (chunk index real_b - C + i for slot i)."""
+        b, hkv, sn, d = k.shape
         c = self.capacity
+        positions = self.positions(sn)  # (B, Sn)
+        real_t = torch.tensor(real, dtype=torch.int64, device=self.device)
         idx = real_t[:, None] - c + torch.arange(c, device=self.device)  # (B, C)
         keep = idx >= 0  # rows with fewer than C real tokens keep their older ring entries
         pos = positions[:, :1] + idx  # (B, C) absolute positions
         slots = pos % c  # distinct within a row: C consecutive positions
         expand = lambda t: t[:, None, :, None].expand(b, hkv, c, d)  # noqa: E731
-        for buf, new in ((self.k, k.detach()), (self.v, v.detach())):
+        for buf, new in ((self.k, k), (self.v, v)):
             fresh = new.gather(2, expand(idx.clamp(min=0)))  # (B, Hkv, C, D)
             buf.scatter_(2, expand(slots), torch.where(keep[:, None, :, None], fresh, buf.gather(2, expand(slots))))
         self.slot_pos.scatter_(1, slots, torch.where(keep, pos, self.slot_pos.gather(1, slots)))
-        self.lengths.add_(real_t)
-        self._host_lengths = [length + r for length, r in zip(self._host_lengths, real)]
-        return keys, values, mask, False
 
     @staticmethod
-    def _mask(q_pos: torch.Tensor, key_pos: torch.Tensor, *, causal: bool, window: int | None) -> torch.Tensor:
-        """(B, 1, Sn, Sk) bool: slot j holds a token the query may see."""
+    def _mask(q_pos: torch.Tensor, key_pos: torch.Tensor, structure: Structure) -> torch.Tensor:
+        """(B, 1, Sn, Sk) bool: slot j holds a token (position ≥ 0) the query may see."""
         qp = q_pos[:, :, None]  # (B, Sn, 1)
         kp = key_pos[:, None, :]  # (B, 1, Sk)
-        mask = kp >= 0
-        if causal:
-            mask = mask & (kp <= qp)
-        if window is not None:
-            mask = mask & (kp > qp - window) & (kp < qp + window)
-        return mask[:, None]  # (B, 1, Sn, Sk)
+        return ((kp >= 0) & structure.allows(qp, kp))[:, None]  # (B, 1, Sn, Sk)
+
+
+@dataclass
+class Append:
+    """What :meth:`KVCache.append` staged: the attention's inputs and how to commit or undo.
+
+    Attributes:
+        keys, values: (B, Hkv, Sk, D) what the new queries attend to.
+        mask: (B, 1, Sn, Sk) bool, or None (use the layer's causal/window).
+        counts: real new tokens per row.
+        slots: (B, Sn) the slots written, or None (a ring chunk, written at commit).
+        key_pos: (B, Sn) the new tokens' positions, -1 for padding.
+        index: the scatter index of the write; saved: (K, V) the slots held before.
+        chunk: (K, V) of a ring chunk, written at commit.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    mask: torch.Tensor | None
+    counts: list[int]
+    slots: torch.Tensor | None
+    key_pos: torch.Tensor
+    index: torch.Tensor | None
+    saved: tuple[torch.Tensor, torch.Tensor] | None
+    chunk: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -22,11 +22,12 @@ import math
 
 import torch
 
-from . import backends as _backends
 from ._checks import check_finite as _check_finite
 from ._checks import check_bool_mask, check_float, check_float_tensor, check_int, check_like, check_tensor
 
-__all__ = ["attention", "DEFAULT_BACKEND"]
+from .backends import resolve_backend
+
+__all__ = ["attention", "DEFAULT_BACKEND", "default_backend"]
 
 #: Backend used when ``backend=None`` and no weights are asked for.
 DEFAULT_BACKEND = "auto"
@@ -45,9 +46,10 @@ def attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
+    return_lse: bool = False,
     backend: str | None = None,
     check_finite: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Multi-head scaled dot-product attention.
 
     Args:
@@ -67,24 +69,51 @@ def attention(
         scale: multiplies the logits; default ``1/√D``.
         dropout_p: dropout on the attention probabilities (pass 0 in eval).
         return_weights: also return the per-head attention weights, never averaged.
+        return_lse: also return the per-row log-sum-exp of the scaled, masked scores,
+            ``lse[b, h, i] = log Σ_j exp(scale · q_i·k_j)`` over the keys row i may see
+            (float32; ``-inf`` for a row with no key), as FlashAttention does: partial
+            results over disjoint key sets merge exactly by it.
         backend: a name from :func:`multihead.backends.available_backends`; default
-            ``"auto"`` (see :mod:`multihead.kernels`: the fast CPU kernel for inference,
-            SDPA when gradients or dropout are needed), or ``"explicit"`` when
-            ``return_weights`` is set. All give the same numbers within rounding.
+            ``"auto"`` (:mod:`multihead.backends.auto`: its rules pick the fast CPU
+            kernel for inference, SDPA when gradients or dropout are needed), or
+            ``"explicit"`` when ``return_weights`` is set. All give the same numbers
+            within rounding. A named backend that cannot do what the call asks
+            (gradients, weights, lse, a dtype, a device) raises ``ValueError`` naming
+            it; it never runs another backend instead.
         check_finite: raise if q, k or v hold NaN or Inf, naming the tensor and the
             first bad index (costs one pass over the inputs; off by default).
 
     Returns:
-        out (B, H, Sq, Dv), or ``(out, weights)`` with weights (B, H, Sq, Sk) when
-        ``return_weights``. A query that may attend to no key outputs zeros (and zero
-        weights, zero gradients), never NaN.
+        out (B, H, Sq, Dv); with ``return_weights`` and/or ``return_lse`` a tuple
+        ``(out, weights (B, H, Sq, Sk), lse (B, H, Sq))`` holding the ones asked for, in
+        that order. A query that may attend to no key outputs zeros (and zero weights,
+        zero gradients, lse ``-inf``), never NaN.
 
     Raises:
         TypeError: non-tensors, non-float q/k/v, mismatched dtypes, non-bool mask.
         ValueError: wrong ranks or sizes, H not divisible by Hkv, mismatched devices,
             bad mask shape, window < 1, dropout_p outside [0, 1), unknown backend,
-            non-finite inputs with ``check_finite``.
+            a backend without a capability the call needs, non-finite inputs with
+            ``check_finite``.
     """
+    mask, scale, dropout_p = _validate(q, k, v, mask, window, scale, dropout_p)
+    fn = resolve_backend(default_backend(backend, return_weights), q, k, v, dropout_p=dropout_p,
+                         return_weights=return_weights, return_lse=return_lse)
+    if check_finite:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            _check_finite(name, t)
+    out, weights, lse = fn(
+        q, k, v,
+        mask=mask, causal=bool(causal), window=window, scale=scale,
+        dropout_p=dropout_p, return_weights=return_weights, return_lse=return_lse,
+    )
+    extra = [t for t, asked in ((weights, return_weights), (lse, return_lse)) if asked]
+    return (out, *extra) if extra else out
+
+
+def _validate(q: object, k: object, v: object, mask: object, window: object, scale: object, dropout_p: object
+              ) -> tuple[torch.Tensor | None, float, float]:
+    """Every check of :func:`attention`, once: returns the mask as a 4-D view, scale, dropout_p."""
     check_tensor("q", q, ndim=4)
     check_tensor("k", k, ndim=4)
     check_tensor("v", v, ndim=4)
@@ -107,6 +136,7 @@ def attention(
         mask = check_bool_mask("mask", mask, (b, h, sq, sk), "[B, H, Sq, Sk]")
         if mask.device != q.device:
             raise ValueError(f"mask must be on device {q.device} like q, got {mask.device}")
+        mask = mask[(None,) * (4 - mask.dim())]  # (B|1, H|1, Sq|1, Sk|1): one rank for every backend
     if window is not None:
         check_int("window", window)
     if scale is None:
@@ -114,16 +144,7 @@ def attention(
     else:
         scale = check_float("scale", scale, low=0.0, high=math.inf, low_inclusive=False, high_inclusive=False)
     dropout_p = check_float("dropout_p", dropout_p, low=0.0, high=1.0, high_inclusive=False)
-    fn = _backends.resolve_backend(default_backend(backend, return_weights), return_weights)
-    if check_finite:
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            _check_finite(name, t)
-    out, weights = fn(
-        q, k, v,
-        mask=mask, causal=bool(causal), window=window, scale=scale,
-        dropout_p=dropout_p, return_weights=return_weights,
-    )
-    return (out, weights) if return_weights else out
+    return mask, scale, dropout_p
 
 
 def default_backend(backend: str | None, return_weights: bool) -> str:
@@ -131,6 +152,3 @@ def default_backend(backend: str | None, return_weights: bool) -> str:
     if backend is None:
         return WEIGHTS_BACKEND if return_weights else DEFAULT_BACKEND
     return backend
-
-
-from . import kernels  # noqa: E402,F401  (registers the "native", "blocked" and "auto" backends)

@@ -22,25 +22,87 @@ A query row with no allowed key outputs zeros (never NaN) on every path of multi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ._checks import check_int, check_tensor
 
 __all__ = [
+    "Structure",
     "causal_mask",
     "sliding_window_mask",
     "key_padding_mask",
     "from_torch_mha",
+    "full_mask",
     "from_additive",
     "to_additive",
 ]
 
 
-def _offsets(sq: int, sk: int, device: torch.device | str | None) -> torch.Tensor:
-    """(Sq, Sk) matrix of ``j - (i + Sk - Sq)``: how far key j lies after query i's own position."""
-    rows = torch.arange(sq, device=device).unsqueeze(1) + (sk - sq)  # (Sq, 1)
-    cols = torch.arange(sk, device=device).unsqueeze(0)  # (1, Sk)
-    return cols - rows  # (Sq, Sk)
+@dataclass(frozen=True)
+class Structure:
+    """The one structural rule: which key positions a query position may see.
+
+    With ``rel = key_position - query_position``, a key is visible when
+
+    * ``causal``: ``rel <= 0`` (no future key);
+    * ``window`` (w): ``rel > -w`` (the ``w - 1`` keys before it, and itself), and,
+      without ``causal``, also ``rel < w`` (symmetric);
+
+    and always when neither is set. Every path derives its masking from this class: the
+    dense mask (:meth:`dense`, :meth:`allows` on explicit positions, as a KV cache
+    has them), the per-row span (:meth:`span`) and a block's key range
+    (:meth:`key_range`); the C++ kernels mirror :meth:`span` in ``common.h``'s
+    ``span()``, the only other copy. Positions are absolute; a problem with Sq queries
+    and Sk keys aligns them **bottom-right** (query i sits at ``i + Sk - Sq``).
+    """
+
+    causal: bool = False
+    window: int | None = None
+
+    @property
+    def trivial(self) -> bool:
+        """True when every key is visible (no causal, no window)."""
+        return not self.causal and self.window is None
+
+    def allows(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """Bool, broadcast of ``q_pos`` and ``k_pos``: key at k_pos visible from q_pos.
+
+        Args:
+            q_pos: query positions, e.g. (Sq, 1) or (B, Sn, 1).
+            k_pos: key positions, e.g. (1, Sk) or (B, 1, Sk).
+        """
+        rel = k_pos - q_pos
+        ok = rel <= 0 if self.causal else torch.ones_like(rel, dtype=torch.bool)
+        if self.window is not None:
+            ok = ok & (rel > -self.window)
+            if not self.causal:
+                ok = ok & (rel < self.window)
+        return ok
+
+    def span(self, q_pos: int, sk: int) -> tuple[int, int]:
+        """Keys ``[lo, hi)`` of ``0 .. sk-1`` visible from query position ``q_pos`` (may be empty)."""
+        lo, hi = 0, sk
+        if self.causal:
+            hi = min(hi, q_pos + 1)
+        if self.window is not None:
+            lo = max(lo, q_pos - self.window + 1)
+            if not self.causal:
+                hi = min(hi, q_pos + self.window)
+        return lo, max(lo, hi)
+
+    def key_range(self, p0: int, p1: int, sk: int) -> tuple[int, int]:
+        """The hull ``[lo, hi)`` of the spans of query positions ``p0 .. p1-1`` (empty: lo == hi)."""
+        lo, _ = self.span(p0, sk)
+        _, hi = self.span(p1 - 1, sk)
+        return (lo, hi) if hi > lo else (lo, lo)
+
+    def dense(self, sq: int, sk: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """(Sq, Sk) bool, bottom-right aligned: query i at position ``i + sk - sq``."""
+        rows = torch.arange(sq, device=device).unsqueeze(1) + (sk - sq)  # (Sq, 1)
+        cols = torch.arange(sk, device=device).unsqueeze(0)  # (1, Sk)
+        return self.allows(rows, cols)  # (Sq, Sk)
 
 
 def causal_mask(sq: int, sk: int | None = None, *, device: torch.device | str | None = None) -> torch.Tensor:
@@ -57,7 +119,7 @@ def causal_mask(sq: int, sk: int | None = None, *, device: torch.device | str | 
     sk = sq if sk is None else sk
     check_int("sq", sq)
     check_int("sk", sk)
-    return _offsets(sq, sk, device) <= 0
+    return Structure(causal=True).dense(sq, sk, device)
 
 
 def sliding_window_mask(
@@ -74,8 +136,7 @@ def sliding_window_mask(
     check_int("sq", sq)
     check_int("sk", sk)
     check_int("window", window)
-    off = _offsets(sq, sk, device)
-    return (off <= 0) & (off > -window)
+    return Structure(causal=True, window=window).dense(sq, sk, device)
 
 
 def key_padding_mask(key_mask: torch.Tensor) -> torch.Tensor:
@@ -134,3 +195,27 @@ def to_additive(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch
         raise TypeError(f"mask must be a bool tensor, got dtype {mask.dtype}")
     out = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
     return out.masked_fill(~mask, float("-inf"))
+
+
+def full_mask(
+    mask: torch.Tensor | None,
+    causal: bool,
+    window: int | None,
+    sq: int,
+    sk: int,
+    device: torch.device | str | None,
+) -> torch.Tensor | None:
+    """The caller's mask and-ed with the :class:`Structure` (bottom-right aligned).
+
+    Args:
+        mask: bool broadcastable to (B, H, Sq, Sk), True = may attend, or None.
+        causal, window: the structure.
+
+    Returns:
+        bool mask broadcastable to (B, H, Sq, Sk), or None when nothing is masked.
+    """
+    structure = Structure(causal, window)
+    if structure.trivial:
+        return mask
+    dense = structure.dense(sq, sk, device)  # (Sq, Sk)
+    return dense if mask is None else mask & dense

@@ -23,14 +23,21 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from typing import TYPE_CHECKING, Any
+
+from . import decode
+from . import linear as _linear
 from ._checks import check_finite as _check_finite
 from ._checks import check_bool_mask, check_float, check_int, check_tensor
-from .cache import KVCache
-from . import kernels, native
 from .backends import get_backend, resolve_backend
-from .functional import attention, default_backend
-from .masks import key_padding_mask
+from .cache import KVCache
+from .decode import plain_linear as _plain
+from .functional import default_backend
+from .masks import Structure, key_padding_mask
 from .rope import RoPE, check_positions
+
+if TYPE_CHECKING:
+    from .config import AttentionConfig
 
 __all__ = ["MultiHeadAttention", "split_heads", "merge_heads"]
 
@@ -142,6 +149,52 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(vdim, num_kv_heads * head_dim, bias=bias, **factory)
         self.o_proj = nn.Linear(num_heads * head_dim, embed_dim, bias=o_bias, **factory)
         self.rope = rope
+
+    @classmethod
+    def from_config(
+        cls,
+        config: AttentionConfig,
+        *,
+        layer: int = 0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        **overrides: Any,
+    ) -> "MultiHeadAttention":
+        """Build an (untrained) layer of the shape ``config`` describes.
+
+        Args:
+            config: an :class:`~multihead.AttentionConfig` (e.g. from
+                ``AttentionConfig.from_hf("config.json")``).
+            layer: which layer (0-based) for per-layer head counts (``layer_num_heads``).
+            device: e.g. ``"meta"`` to build without allocating (shapes only).
+            dtype: of the parameters.
+            **overrides: ``causal``, ``scale``, ``window``, ``backend``, ``rope``, ``dropout``.
+
+        Returns:
+            a layer with freshly initialised weights (and RoPE on ``device``).
+
+        Raises:
+            TypeError: ``config`` is not an AttentionConfig.
+            ValueError: ``layer`` out of range, or a bad override.
+        """
+        from .config import AttentionConfig
+        from .interop.hf_weights import ROPE_TABLE_POSITIONS, _settings
+
+        if not isinstance(config, AttentionConfig):
+            raise TypeError(f"config must be a multihead.AttentionConfig, got {type(config).__name__}")
+        h, hkv = config.heads_in_layer(layer)
+        rope = None
+        if config.rope_base is not None:
+            positions = min(config.max_positions or ROPE_TABLE_POSITIONS, ROPE_TABLE_POSITIONS)
+            rope = RoPE(config.head_dim, config.rope_base, interleaved=config.rope_interleaved,
+                        rotary_dim=config.rotary_dim, max_positions=positions)
+        settings = _settings({"causal": config.causal, "scale": config.scale, "window": config.window,
+                              "rope": rope}, overrides)
+        built = cls(config.embed_dim, h, num_kv_heads=hkv, head_dim=config.head_dim, bias=config.bias,
+                    o_bias=config.effective_o_bias, device=device, dtype=dtype, **settings)
+        if built.rope is not None and device is not None:
+            built.rope.to(device)
+        return built
 
     @classmethod
     def from_torch(cls, module: nn.Module, **overrides: object) -> "MultiHeadAttention":
@@ -258,17 +311,15 @@ class MultiHeadAttention(nn.Module):
         observe: Observer | None,
         cache: KVCache | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        # The backend must be able to do what is asked before anything runs or is written.
-        resolve_backend(default_backend(self.backend, return_weights), return_weights)
-        real = self._check_cache(x, context, mask, key_mask, cache) if cache is not None else None
-        attn_mask = self._check_inputs(x, context, mask, None if cache is not None else key_mask, positions)
-        if cache is not None and observe is None and self._fused_step_fits(x, context, cache, real, positions,
-                                                                          return_weights):
-            return self._fused_step(x, cache)
+        real, attn_mask = self._validate(x, context, mask, key_mask, positions, cache)
+        if cache is not None and decode.why_not_fused(self, x, cache, key_mask=key_mask, positions=positions,
+                                                      context=context, return_weights=return_weights,
+                                                      observe=observe) is None:
+            return decode.fused_step(self, x, cache)
         own_positions = cache is not None and positions is None
         if own_positions:
             positions = cache.positions(x.shape[1])  # (B, S): each row continues from its length
-        seen = observe or (lambda name, t: None)
+        seen = observe or _no_tap
         seen("X", x)
 
         q, k, v = self._project(x, context)  # (B, S, H·D), (B, Sk, Hkv·D) ×2
@@ -282,24 +333,11 @@ class MultiHeadAttention(nn.Module):
 
         if self.rope is not None:
             # With a cache the positions' range is known on the host: no device read.
-            bound = max(cache.host_lengths()) + x.shape[1] if cache is not None and own_positions else None
+            bound = max(cache.host_lengths()) + x.shape[1] if own_positions else None
             q, k = self.rope.rotate((q, k), positions, bound=bound)
             seen("Q_rot", q), seen("K_rot", k)
 
-        causal, window = self.causal, self.window
-        if cache is not None:
-            k, v, attn_mask, in_order = cache.append(k, v, real, causal=causal, window=window)
-            seen("K_cache", k), seen("V_cache", v)
-            if not in_order:  # the mask carries causality and the window
-                causal, window = False, None
-
-        result = attention(
-            q, k, v,
-            causal=causal, mask=attn_mask, window=window, scale=self.scale,
-            dropout_p=self.dropout if self.training else 0.0,
-            return_weights=return_weights, backend=self.backend,
-        )
-        heads, weights = result if return_weights else (result, None)  # (B, H, S, D)
+        heads, weights = self._attend(q, k, v, attn_mask, real, cache, return_weights, seen)  # (B, H, S, D)
         seen("head_k", heads)
 
         concat = merge_heads(heads)  # (B, S, H·D)
@@ -321,51 +359,54 @@ class MultiHeadAttention(nn.Module):
                              f"{d}); for num_kv_heads < ranks use multihead.parallel.shard_heads")
         return h, hkv
 
-    def _fused_step_fits(self, x: torch.Tensor, context: torch.Tensor | None, cache: KVCache,
-                         real: list[int] | None, positions: torch.Tensor | None, return_weights: bool) -> bool:
-        """Whether this (validated) cached call is one plain decoding step that
-        :func:`multihead.native.decode_step` runs whole: one token per row, at most
-        ``FEW_ROWS`` rows, float32 on the CPU, no padding/positions/context/weights/window/
-        ring/dropout, plain projections, a plain RoPE whose table covers the positions,
-        the default or native backend, and the kernel built. Anything else takes the
-        step-by-step path (same results within rounding)."""
-        b, s, _ = x.shape
-        projs = (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
-        rope = self.rope
-        return (s == 1 and b <= native.FEW_ROWS and real is None and positions is None and context is None
-                and not return_weights and self.window is None and not cache.ring
-                and not (self.training and self.dropout > 0) and self.backend in (None, "auto", "native")
-                and x.dtype == torch.float32 and x.device.type == "cpu"
-                and cache.k.stride() == cache.v.stride() and cache.k.stride(-1) == 1
-                and all(_plain(p) and p.weight.is_contiguous() and (p.bias is None or p.bias.is_contiguous())
-                        for p in projs)
-                and (rope is None or (type(rope) is RoPE and max(cache.host_lengths()) < rope.max_positions
-                                      and rope.cos.device.type == "cpu"))
-                and native.vector_bits() >= 512)
-
-    def _fused_step(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """One decoding step in one native call (see :meth:`_fused_step_fits`)."""
-        b, _, e = x.shape
-        rope = self.rope
-        tables = None if rope is None else (rope.cos, rope.sin, rope.rotary_dim, rope.interleaved)
-        y = native.decode_step(
-            x.reshape(b, e).contiguous(),
-            [(p.weight, p.bias) for p in (self.q_proj, self.k_proj, self.v_proj, self.o_proj)],
-            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rope=tables,
-            cache_k=cache.k, cache_v=cache.v, lengths=cache.lengths, slot_pos=cache.slot_pos, scale=self.scale,
-        )  # (B, E); the cache's buffers, lengths and slot positions are advanced in place
-        cache._note_native_step()  # the host mirror of the lengths
-        return y.view(b, 1, e)
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+                real: list[int] | None, cache: KVCache | None, return_weights: bool, seen: Observer,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention of the heads, through the cache if given: the cache is written only if
+        the whole call succeeds (a failure rolls its staged write back)."""
+        dropout_p = self.dropout if self.training else 0.0
+        fn = resolve_backend(default_backend(self.backend, return_weights), q, k, v, dropout_p=dropout_p,
+                             return_weights=return_weights)  # before anything is written
+        structure = Structure(self.causal, self.window)
+        step = None
+        if cache is not None:
+            step = cache.append(k, v, real, structure=structure)
+            k, v, attn_mask = step.keys, step.values, step.mask
+            seen("K_cache", k), seen("V_cache", v)
+            if attn_mask is not None:  # the mask carries causality and the window
+                structure = Structure()
+        try:
+            out, weights, _ = fn(q, k, v, mask=attn_mask, causal=structure.causal, window=structure.window,
+                                 scale=self.scale, dropout_p=dropout_p, return_weights=return_weights,
+                                 return_lse=False)
+        except BaseException:
+            if step is not None:
+                cache.rollback(step)
+            raise
+        if step is not None:
+            cache.commit(step)
+        return out, weights
 
     def _project(self, x: torch.Tensor, context: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (B, S, H·D) from x; k and v (B, Sk, Hkv·D) from the context (default x)."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
         if context is None and all(map(_plain, projs)):  # one call: decoding streams all three at once
-            q, k, v = kernels.linears(x, [(p.weight, p.bias) for p in projs])
+            q, k, v = _linear.linears(x, [(p.weight, p.bias) for p in projs])
             return q, k, v
         src = x if context is None else context
         return _apply_linear(self.q_proj, x), _apply_linear(self.k_proj, src), _apply_linear(self.v_proj, src)
+
+    def _validate(self, x: torch.Tensor, context: torch.Tensor | None, mask: torch.Tensor | None,
+                  key_mask: torch.Tensor | None, positions: torch.Tensor | None, cache: KVCache | None,
+                  ) -> tuple[list[int] | None, torch.Tensor | None]:
+        """Every check of a call, once, before any work: (real tokens per row with a cache,
+        the combined 4-D bool mask or None)."""
+        real = self._check_cache(x, context, mask, key_mask, cache) if cache is not None else None
+        attn_mask = self._check_inputs(x, context, mask, None if cache is not None else key_mask, positions)
+        if attn_mask is not None:
+            attn_mask = attn_mask[(None,) * (4 - attn_mask.dim())]  # (B|1, H|1, S|1, Sk|1)
+        return real, attn_mask
 
     def _check_cache(
         self,
@@ -450,19 +491,13 @@ class MultiHeadAttention(nn.Module):
         return combined
 
 
-def _plain(linear: nn.Module) -> bool:
-    """An ``nn.Linear`` with no hooks: its forward may be run by a faster GEMM.
-
-    Anything else (a subclass, a LoRA or quantized replacement, a module with hooks)
-    is called as a module, so its own behaviour is kept.
-    """
-    return (type(linear) is nn.Linear and not linear._forward_hooks and not linear._forward_pre_hooks
-            and not nn.modules.module._global_forward_hooks and not nn.modules.module._global_forward_pre_hooks)
+def _no_tap(name: str, t: torch.Tensor) -> None:
+    """The observer when nobody watches."""
 
 
 def _apply_linear(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``linear(x)``, through oneDNN's GEMM (:func:`multihead.kernels.linear`) when plain."""
-    return kernels.linear(x, linear.weight, linear.bias) if _plain(linear) else linear(x)
+    """``linear(x)``, through oneDNN's GEMM (:func:`multihead.linear.linear`) when plain."""
+    return _linear.linear(x, linear.weight, linear.bias) if _plain(linear) else linear(x)
 
 
 def _check_key_mask(key_mask: object, b: int, sk: int, device: torch.device) -> None:

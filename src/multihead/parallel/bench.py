@@ -148,7 +148,7 @@ def _spawn(p: int, job: tuple, timeout_s: float = 900.0) -> list[dict[str, Any]]
 def run(*, seqs: tuple[int, ...] = (16384, 32768), worlds: tuple[int, ...] = (1, 2, 4), heads: int = 8,
         head_dim: int = 64, head_worlds: tuple[int, ...] = (1, 2), progress: Any = None) -> dict[str, Any]:
     """Run the parallel cases; returns ``{"machine", "ring": [...], "heads": [...]}`` (rows per rank)."""
-    from ..bench import machine_info
+    from ..tools.bench import machine_info
 
     say = progress or (lambda line: None)
     ring_rows, head_rows = [], []

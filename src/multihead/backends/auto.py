@@ -1,0 +1,180 @@
+"""Backend ``"auto"``: an ordered table of rules, first match wins.
+
+Notation: B batch, H query heads, Hkv key/value heads, G = H // Hkv query heads per
+K/V head, Sq queries, Sk keys, D head dim (Dv for values).
+
+``"auto"`` is the only router in multihead: each rule of :data:`AUTO_RULES` names a
+path, says why it is taken, and holds the test on the call's shapes and flags (never
+on tensor data). :func:`auto_path` returns the path a call will take and
+:data:`AUTO_PATHS` says why; the backend runs exactly that path. The thresholds are
+the reasons' numbers, re-measured by the benchmark suite (``multihead bench``, cases
+"core", "causal" and "decode").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from . import native
+from .blocked import blocked_attention, decode_attention
+from .eager import explicit_attention
+from .gemm import onednn_available
+from .registry import needs_grad, register_backend
+from .sdpa import sdpa_attention
+
+__all__ = ["Call", "Rule", "AUTO_RULES", "AUTO_PATHS", "auto_path", "auto_backend"]
+
+#: Decoding: at most this many query rows per K/V head (Sq·G) take a decoding path.
+DECODE_ROWS = native.DECODE_ROWS
+#: The torch-only decoding path needs GQA sharing (G > 1) and this many keys: below,
+#: or for MHA, SDPA's fixed costs are lower.
+DECODE_MIN_KEYS = 256
+#: "blocked" from this many queries and keys and this head dim: below, its GEMMs are
+#: too small for oneDNN's fixed costs (at S=128 it takes 2-3× SDPA's time).
+BLOCKED_MIN_SEQ = 512
+BLOCKED_MIN_HEAD_DIM = 64
+#: The native loops from this many scores (B·H·Sq·Sk): below, their fixed cost (ctypes,
+#: an OpenMP region, buffers) exceeds SDPA's.
+NATIVE_MIN_SCORES = 1 << 14
+NATIVE_MIN_DECODE_SCORES = 1 << 11
+
+
+@dataclass(frozen=True)
+class Call:
+    """What "auto" decides on: the tensors' shapes, dtype and device, and the flags."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    dropout_p: float = 0.0
+    return_weights: bool = False
+    return_lse: bool = False
+
+    @property
+    def differentiable(self) -> bool:
+        """Gradients or dropout are needed, or the tensors are not on the CPU."""
+        return self.dropout_p > 0 or needs_grad(self.q, self.k, self.v) or self.q.device.type != "cpu"
+
+    @property
+    def few_rows(self) -> bool:
+        return native.rows_per_kv_head(self.q, self.k) <= DECODE_ROWS
+
+    @property
+    def scores(self) -> int:
+        q = self.q
+        return q.shape[0] * q.shape[1] * q.shape[2] * self.k.shape[2]
+
+    def native_fits(self, min_scores: int) -> bool:
+        """The native kernel takes these tensors and is compiled here for AVX-512."""
+        return (self.q.dtype in native.DTYPES and self.v.shape[-1] % 16 == 0 and self.scores >= min_scores
+                and native.vector_bits() >= 512)
+
+
+Runner = Callable[..., tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One row of the table: ``path`` is taken when ``applies(call)``, for ``reason``."""
+
+    path: str
+    reason: str
+    applies: Callable[[Call], bool]
+    run: Runner
+
+
+def _native(decode: bool) -> Runner:
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool, **structure: object
+            ) -> tuple[torch.Tensor, None, torch.Tensor | None]:
+        out, lse = native.run(q, k, v, decode=decode, return_lse=return_lse, **structure)  # type: ignore[arg-type]
+        return out, None, lse
+    return run
+
+
+def _torch_kernel(fn: Callable[..., object]) -> Runner:
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool, **structure: object
+            ) -> tuple[torch.Tensor, None, torch.Tensor | None]:
+        result = fn(q, k, v, return_lse=return_lse, **structure)
+        out, lse = result if return_lse else (result, None)  # type: ignore[misc]
+        return out, None, lse  # type: ignore[return-value]
+    return run
+
+
+def _backend(fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]) -> Runner:
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool, dropout_p: float = 0.0,
+            return_weights: bool = False, **structure: object) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                         torch.Tensor | None]:
+        return fn(q, k, v, dropout_p=dropout_p, return_weights=return_weights, return_lse=return_lse, **structure)
+    return run
+
+
+def _blocked_fits(c: Call) -> bool:
+    return (c.q.dtype == torch.float32 and onednn_available() and min(c.q.shape[2], c.k.shape[2]) >= BLOCKED_MIN_SEQ
+            and c.q.shape[3] >= BLOCKED_MIN_HEAD_DIM)
+
+
+#: The rules, in order; the first whose test holds is the path.
+AUTO_RULES: tuple[Rule, ...] = (
+    Rule("explicit", "attention weights were asked for: only 'explicit' returns them",
+         lambda c: c.return_weights, _backend(explicit_attention)),
+    Rule("sdpa (gradients)", "gradients or dropout are needed (or the tensors are not on the CPU): "
+         "SDPA is differentiable", lambda c: c.differentiable and not c.return_lse, _backend(sdpa_attention)),
+    Rule("explicit (gradients, lse)", "gradients or dropout and the log-sum-exp: 'explicit' is differentiable "
+         "and returns it", lambda c: c.differentiable, _backend(explicit_attention)),
+    Rule("native decode", f"few query rows per K/V head (Sq·G ≤ {DECODE_ROWS}), from "
+         f"{NATIVE_MIN_DECODE_SCORES} scores: the native loop that streams K and V once",
+         lambda c: c.few_rows and c.native_fits(NATIVE_MIN_DECODE_SCORES), _native(decode=True)),
+    Rule("decode", f"few query rows per K/V head, GQA, ≥ {DECODE_MIN_KEYS} keys, no native kernel: "
+         "batched matmuls per K/V head", lambda c: c.few_rows and c.q.shape[1] > c.k.shape[1]
+         and c.k.shape[2] >= DECODE_MIN_KEYS, _torch_kernel(decode_attention)),
+    Rule("native", f"from {NATIVE_MIN_SCORES} scores: the native FlashAttention loop (compiled here for "
+         "AVX-512; float32, half precision computed in float32)",
+         lambda c: c.native_fits(NATIVE_MIN_SCORES), _native(decode=False)),
+    Rule("blocked", f"float32, Sq and Sk ≥ {BLOCKED_MIN_SEQ}, D ≥ {BLOCKED_MIN_HEAD_DIM}, no native kernel: "
+         "the torch-only blocked kernel", _blocked_fits, _torch_kernel(blocked_attention)),
+    Rule("sdpa", "a problem too small for the other paths' fixed costs (or an unsupported shape): SDPA",
+         lambda c: not c.return_lse, _backend(sdpa_attention)),
+    Rule("explicit (lse)", "the log-sum-exp of a problem too small for the kernels: 'explicit'",
+         lambda c: True, _backend(explicit_attention)),
+)
+
+#: The paths "auto" can take, and why it takes each.
+AUTO_PATHS: dict[str, str] = {rule.path: rule.reason for rule in AUTO_RULES}
+
+
+def _rule(call: Call) -> Rule:
+    return next(rule for rule in AUTO_RULES if rule.applies(call))
+
+
+def auto_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0,
+              return_weights: bool = False, return_lse: bool = False) -> str:
+    """The path the ``"auto"`` backend takes for these tensors: a key of :data:`AUTO_PATHS`.
+
+    No hidden slow path: call this (``AUTO_PATHS[path]`` says why) to see what a call of
+    :func:`multihead.attention` with the same tensors and flags will run. May build the
+    native kernel (first call only).
+
+    Args:
+        q: (B, H, Sq, D); k: (B, Hkv, Sk, D); v: (B, Hkv, Sk, Dv); as given to
+            :func:`multihead.attention` (whose checks this does not repeat).
+        dropout_p, return_weights, return_lse: as given to :func:`multihead.attention`.
+    """
+    return _rule(Call(q, k, v, dropout_p, return_weights, return_lse)).path
+
+
+@register_backend("auto", weights=True, lse=True, grad=True, dropout=True)
+def auto_backend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+    mask: torch.Tensor | None, causal: bool, window: int | None, scale: float,
+    dropout_p: float, return_weights: bool, return_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Run the path :func:`auto_path` picks for this call (the first rule that applies)."""
+    rule = _rule(Call(q, k, v, dropout_p, return_weights, return_lse))
+    structure = dict(scale=scale, causal=causal, window=window, mask=mask)
+    if rule.path.startswith(("explicit", "sdpa")):
+        return rule.run(q, k, v, return_lse=return_lse, dropout_p=dropout_p, return_weights=return_weights,
+                        **structure)
+    return rule.run(q, k, v, return_lse=return_lse, **structure)

@@ -1,0 +1,336 @@
+"""The native CPU kernels (``csrc/``): built on first use, loaded with ctypes.
+
+Notation: B batch, H query heads, Hkv key/value heads, Sq queries, Sk keys, D head dim,
+Dv value head dim.
+
+The kernels are C++ with no dependency but OpenMP: ``attention.cpp`` (the FlashAttention
+loop), ``decode.cpp`` (decoding: attention, few-row linear layers, a whole layer step),
+``common.h`` (what they share, with the structural rule's C++ copy ``span()``). They are
+compiled on first use by :mod:`._build` and called through the signature table of
+:mod:`._ffi`. Nothing happens at import time.
+
+Without a C++ compiler (``$CXX``, ``g++`` or ``c++``), or with ``MULTIHEAD_NATIVE=0``,
+:func:`available` is False and the ``"auto"`` backend uses its torch paths; the reason
+is in :func:`status`. The library is written with ``-fopenmp`` and loaded after torch,
+so its threads come from torch's own OpenMP runtime (no second thread pool).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..._checks import check_int, check_tensor
+from ..registry import register_backend
+from . import _build, _ffi
+from ._ffi import int64_ptr, int64s, pointers, ptr
+
+__all__ = ["available", "status", "build", "vector_bits", "attention_f32", "decode_f32", "linear_few_rows",
+           "decode_step", "MAX_STEP_ROWS", "FEW_ROWS", "native_backend"]
+
+#: Most rows of x that :func:`linear_few_rows` and :func:`decode_step` take (the C++
+#: ``MAX_STEP_ROWS``, checked against the built library).
+MAX_STEP_ROWS = 4
+FEW_ROWS = MAX_STEP_ROWS  # the former name
+#: Input dtypes of the native backend (half precision is computed in float32).
+DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+
+
+@functools.cache
+def _loaded() -> tuple[object | None, str]:
+    lib, why = _build.load()
+    if lib is None:
+        return None, why
+    _ffi.declare(lib)
+    if lib.mh_max_step_rows() != MAX_STEP_ROWS:
+        return None, f"the built kernel takes {lib.mh_max_step_rows()} step rows, this module {MAX_STEP_ROWS}"
+    return lib, why
+
+
+def _library():  # type: ignore[no-untyped-def]
+    return _loaded()[0]
+
+
+def build() -> bool:
+    """Build and load the kernel now (instead of on first use); True when available."""
+    return _library() is not None
+
+
+def available() -> bool:
+    """Whether the native kernel can run here (builds it on first call)."""
+    return _library() is not None
+
+
+def vector_bits() -> int:
+    """The SIMD width the kernels were compiled for here: 512 (AVX-512), 256 or 128; 0 if
+    they are not available.
+
+    Their register tiles were designed for and measured with AVX-512; narrower vectors
+    are correct but not measured, so ``"auto"`` only picks the kernels at 512.
+    """
+    lib = _library()
+    return 0 if lib is None else int(lib.mh_vector_bits())
+
+
+def status() -> str:
+    """Why the kernel is or is not available ("not built yet" before first use)."""
+    return _loaded()[1] if _loaded.cache_info().currsize else "not built yet"
+
+
+def _require():  # type: ignore[no-untyped-def]
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(f"the native kernel is not available: {status()}")
+    return lib
+
+
+def _not_ready() -> str | None:
+    return None if available() else f"running here: the native kernel is not available ({status()})"
+
+
+#: Query positions per work item: items are (batch, K/V head, query tile).
+_QUERY_TILE = 48
+
+
+def attention_f32(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool = False,
+    window: int | None = None,
+    mask: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention with the native kernel, forward only (no autograd).
+
+    Work items are (batch, K/V head, tile of query positions); each packs its keys in
+    panels and runs the FlashAttention loop over chunks of keys.
+
+    Args:
+        q: (B, H, Sq, D); k: (B, Hkv, Sk, D); v: (B, Hkv, Sk, Dv); float32 CPU tensors,
+            H a multiple of Hkv. Any strides (rows are made contiguous if their last
+            dim is not).
+        scale, causal, window: as in :func:`multihead.attention` (bottom-right aligned).
+        mask: bool, broadcastable to (B, H, Sq, Sk), True = may attend; or None.
+        return_lse: also return the per-row log-sum-exp (B, H, Sq) float32 of the
+            scaled, masked scores (``-inf`` for rows with no key).
+
+    Returns:
+        (B, H, Sq, Dv), a view of a (B, Sq, H, Dv) buffer; zeros for rows with no key;
+        and lse with ``return_lse``.
+
+    Raises:
+        TypeError, ValueError: tensors of the wrong dtype, device or shapes.
+        RuntimeError: the kernel is not available (see :func:`status`).
+    """
+    return _run("mh_attention_f32", q, k, v, scale, causal, window, mask, return_lse, _QUERY_TILE)
+
+
+def decode_f32(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool = False,
+    window: int | None = None,
+    mask: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`attention_f32`, for few query rows per K/V head (G·Sq, e.g. decoding).
+
+    K and V are streamed once, in place (no packing); work items are (batch, K/V head,
+    key split), the keys being split (and the parts merged by their log-sum-exp, as in
+    flash-decoding) only when there are fewer K/V heads than threads.
+    """
+    return _run("mh_decode_f32", q, k, v, scale, causal, window, mask, return_lse)
+
+
+def _check_qkv(q: object, k: object, v: object, mask: object, window: object) -> None:
+    """The kernel reads raw memory: shapes, dtypes and devices are checked first."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, ndim=4)
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            raise TypeError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+    b, h, sq, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b or k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v must be (B={b}, Hkv, Sk, D) and (B, Hkv, Sk, Dv) alike, "
+                         f"got {list(k.shape)} and {list(v.shape)}")
+    if k.shape[-1] != d:
+        raise ValueError(f"k must have head dim {d} like q, got shape {list(k.shape)}")
+    if k.shape[1] == 0 or h % k.shape[1] or 0 in (d, v.shape[-1]):
+        raise ValueError(f"q's heads ({h}) must be a positive multiple of k's ({k.shape[1]}), head dims > 0")
+    if mask is not None:
+        check_tensor("mask", mask, ndim=(0, 1, 2, 3, 4))
+        if mask.dtype != torch.bool:
+            raise TypeError(f"mask must be a bool tensor (True = may attend), got dtype {mask.dtype}")
+        try:
+            torch.broadcast_shapes(mask.shape, (b, h, sq, k.shape[2]))
+        except RuntimeError:
+            raise ValueError(f"mask must broadcast to [B, H, Sq, Sk] = {[b, h, sq, k.shape[2]]}, "
+                             f"got {list(mask.shape)}") from None
+    if window is not None:
+        check_int("window", window)
+
+
+def _run(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+         window: int | None, mask: torch.Tensor | None, return_lse: bool, *extra: int,
+         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    _check_qkv(q, k, v, mask, window)
+    lib = _require()
+    b, h, sq, d = q.shape
+    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    out = torch.empty((b, sq, h, dv), dtype=torch.float32).permute(0, 2, 1, 3)  # (B, H, Sq, Dv)
+    lse = torch.empty((b, h, sq), dtype=torch.float32) if return_lse else None  # (B, H, Sq)
+    if mask is not None:
+        mask = mask[(None,) * (4 - mask.dim())].expand(b, h, sq, sk)  # strides 0 where broadcast
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+               *(mask.stride() if mask is not None else (0, 0, 0, 0)), *(lse.stride() if lse is not None else (0, 0, 0)))
+    code = getattr(lib, name)(
+        ptr(q), ptr(k), ptr(v), ptr(out), ptr(lse), ptr(mask),
+        int64s((b, h, hkv, sq, sk, d, dv)), int64s(strides), float(scale), int(causal), int(window or 0),
+        *extra, torch.get_num_threads())
+    if code == -1:
+        raise MemoryError("the native attention kernel could not allocate its buffers")
+    if code != 0:
+        raise RuntimeError(f"the native attention kernel refused the problem (code {code})")
+    return (out, lse) if return_lse else out
+
+
+def linear_few_rows(
+    x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | None]]
+) -> list[torch.Tensor]:
+    """``x · wᵀ + b`` for each ``(w, b)`` of ``layers`` in one call, for few rows of x.
+
+    For decoding: the weights are streamed once, all of them split across threads in
+    one parallel region (the q, k and v projections of a token cost one call). Forward
+    only.
+
+    Args:
+        x: (M, K) float32, contiguous, 1 ≤ M ≤ :data:`MAX_STEP_ROWS`.
+        layers: (w (N_i, K), b (N_i,) or None), float32 and contiguous.
+
+    Returns:
+        One (M, N_i) tensor per layer.
+
+    Raises:
+        TypeError, ValueError: tensors of the wrong dtype, device, layout or shapes.
+        RuntimeError: the kernel is not available (see :func:`status`).
+    """
+    check_tensor("x", x, ndim=2)
+    if not 1 <= x.shape[0] <= MAX_STEP_ROWS:
+        raise ValueError(f"x must have 1 to {MAX_STEP_ROWS} rows, got shape {list(x.shape)}")
+    for name, t in [("x", x)] + [(f"layers[{i}][{j}]", t) for i, layer in enumerate(layers)
+                                 for j, t in enumerate(layer) if t is not None]:
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            raise TypeError(f"{name} must be a contiguous float32 CPU tensor, got {t.dtype} on {t.device}"
+                            f"{'' if t.is_contiguous() else ', not contiguous'}")
+    for i, (w, bias) in enumerate(layers):
+        if w.dim() != 2 or w.shape[1] != x.shape[1] or w.shape[0] == 0:
+            raise ValueError(f"layers[{i}] weight must be (N, {x.shape[1]}), got {list(w.shape)}")
+        if bias is not None and tuple(bias.shape) != (w.shape[0],):
+            raise ValueError(f"layers[{i}] bias must be ({w.shape[0]},), got {list(bias.shape)}")
+    lib = _require()
+    m, k = x.shape
+    outs = [torch.empty((m, w.shape[0]), dtype=torch.float32) for w, _ in layers]
+    code = lib.mh_linear_few_rows_f32(
+        ptr(x), m, k, len(layers), pointers([w for w, _ in layers]), int64s([w.shape[0] for w, _ in layers]),
+        pointers([b for _, b in layers]), pointers(outs), torch.get_num_threads())
+    if code != 0:
+        raise RuntimeError(f"the native linear kernel refused the problem (code {code})")
+    return outs
+
+
+def decode_step(
+    x: torch.Tensor,
+    layers: list[tuple[torch.Tensor, torch.Tensor | None]],
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rope: tuple[torch.Tensor, torch.Tensor, int, bool] | None,
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """A whole decoding step of a layer in one call (one token per row, B ≤ :data:`MAX_STEP_ROWS`).
+
+    Projects x to q, k, v, rotates q and k at each row's position ``lengths[b]``, writes
+    k and v into the cache at that slot, attends over the row's ``lengths[b] + 1`` keys
+    and projects with W_o. It does **not** advance the cache's counters: the caller
+    (:func:`multihead.decode.fused_step`) commits them through ``KVCache.commit``, their
+    one writer. The caller has validated everything (:func:`multihead.decode.why_not_fused`).
+
+    Args:
+        x: (B, E) float32, contiguous.
+        layers: (weight, bias or None) of q, k, v, o; contiguous float32.
+        rope: (cos (P, R/2), sin (P, R/2), R, interleaved) float32 tables covering every
+            row's position, or None.
+        cache_k, cache_v: (B, Hkv, C, D) float32 with contiguous rows. lengths: (B,)
+            int64, contiguous (read only).
+
+    Returns:
+        y: (B, E).
+    """
+    lib = _require()
+    b, e = x.shape
+    y = torch.empty((b, e), dtype=torch.float32)
+    cos, sin, rotary_dim, interleaved = rope if rope is not None else (None, None, 0, False)
+    code = lib.mh_decode_step_f32(
+        ptr(x), b, e, pointers([w for w, _ in layers]), pointers([bias for _, bias in layers]),
+        num_heads, num_kv_heads, head_dim, ptr(cos), ptr(sin), rotary_dim, int(interleaved),
+        ptr(cache_k), ptr(cache_v), int64s(cache_k.stride()[:3]), int64_ptr(lengths),
+        float(scale), ptr(y), torch.get_num_threads())
+    if code == -1:
+        raise MemoryError("the native decoding step could not allocate its buffers")
+    if code != 0:
+        raise RuntimeError(f"the native decoding step refused the problem (code {code})")
+    return y
+
+
+def _upcast(t: torch.Tensor) -> torch.Tensor:
+    # Half-precision inputs are computed in float32.
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def rows_per_kv_head(q: torch.Tensor, k: torch.Tensor) -> int:
+    """Sq·G: the query rows that share one K/V head (few: the decoding loop)."""
+    return q.shape[2] * (q.shape[1] // k.shape[1])
+
+
+#: At most this many query rows per K/V head (Sq·G) take the decoding loop.
+DECODE_ROWS = 32
+
+
+def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool, window: int | None,
+        mask: torch.Tensor | None, return_lse: bool = False, decode: bool | None = None,
+        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The native loop for these tensors (decoding loop for few rows per K/V head, else
+    the FlashAttention loop), half precision computed in float32: ``(out, lse or None)``."""
+    dtype = q.dtype
+    decode = rows_per_kv_head(q, k) <= DECODE_ROWS if decode is None else decode
+    fn = decode_f32 if decode else attention_f32
+    result = fn(_upcast(q), _upcast(k), _upcast(v), scale=scale, causal=causal, window=window, mask=mask,
+                return_lse=return_lse)
+    out, lse = result if return_lse else (result, None)
+    return (out if dtype == torch.float32 else out.to(dtype)), lse
+
+
+@register_backend("native", lse=True, dtypes=DTYPES, devices=frozenset({"cpu"}), ready=_not_ready)
+def native_backend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+    mask: torch.Tensor | None, causal: bool, window: int | None, scale: float,
+    dropout_p: float, return_weights: bool, return_lse: bool,
+) -> tuple[torch.Tensor, None, torch.Tensor | None]:
+    """The compiled kernels: float32 (half precision computed in float32), CPU, inference.
+
+    Anything else (gradients, dropout, float64, another device, no compiler here) is
+    refused by the registry before the call, naming what is missing.
+    """
+    out, lse = run(q, k, v, scale=scale, causal=causal, window=window, mask=mask, return_lse=return_lse)
+    return out, None, lse

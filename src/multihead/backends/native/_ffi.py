@@ -1,0 +1,66 @@
+"""The C functions of the native kernels: one signature table, next to typed callers.
+
+Every argument list is declared here once, by name, in the order of the C prototype in
+``csrc/`` (one argument out of order would be a silent memory bug, so each group is
+commented). Callers pass Python values; this module turns them into ctypes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["declare", "ptr", "int64s", "int64_ptr", "pointers"]
+
+_vp, _i64, _int, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_ptrs, _i64p = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64)
+
+# q, k, v, out, lse (or null), mask (or null); dims (7); strides (19); scale, causal, window
+_ATTENTION = [_vp, _vp, _vp, _vp, _vp, _vp, _i64p, _i64p, _f32, _int, _i64]
+
+SIGNATURES: dict[str, list[type]] = {
+    "mh_attention_f32": _ATTENTION + [_i64, _int],  # + query tile, threads
+    "mh_decode_f32": _ATTENTION + [_int],  # + threads
+    # x, M, K, count; weights, their rows N_i, biases, outputs; threads
+    "mh_linear_few_rows_f32": [_vp, _i64, _i64, _i64, _ptrs, _i64p, _ptrs, _ptrs, _int],
+    "mh_decode_step_f32": [
+        _vp, _i64, _i64,  # x (B, E), B, E
+        _ptrs, _ptrs,  # weights and biases of q, k, v, o
+        _i64, _i64, _i64,  # H, Hkv, D
+        _vp, _vp, _i64, _int,  # RoPE cos, sin (or null), rotary dim, interleaved
+        _vp, _vp, _i64p, _i64p,  # cache k, v, their strides (3), lengths (B) — read only
+        _f32, _vp, _int,  # scale, y (B, E), threads
+    ],
+    "mh_vector_bits": [],
+    "mh_max_step_rows": [],
+}
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Set every function's argument and return types from :data:`SIGNATURES`."""
+    for name, argtypes in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int
+    return lib
+
+
+def ptr(t: torch.Tensor | None) -> int | None:
+    """A tensor's data pointer, or None (a C null) for no tensor."""
+    return None if t is None else t.data_ptr()
+
+
+def int64s(values: Sequence[int]) -> ctypes.Array[ctypes.c_int64]:
+    return (ctypes.c_int64 * len(values))(*values)
+
+
+def int64_ptr(t: torch.Tensor) -> object:
+    """An int64 tensor's data as the C ``int64_t*`` it is passed as."""
+    return ctypes.cast(t.data_ptr(), _i64p)
+
+
+def pointers(tensors: Sequence[torch.Tensor | None]) -> ctypes.Array[ctypes.c_void_p]:
+    return (ctypes.c_void_p * len(tensors))(*(ptr(t) for t in tensors))
+

@@ -1,0 +1,185 @@
+// multihead's native CPU attention kernel: float32, forward only, FlashAttention-style.
+//
+// Notation: B batch, H query heads, Hkv key/value heads, G = H / Hkv query heads per
+// K/V head, Sq queries, Sk keys, D head dim, Dv value head dim. Query i sits at key
+// position i + (Sk - Sq) (bottom-right alignment, as everywhere in multihead).
+//
+// Why it exists: torch's CPU SDPA does its GEMMs through MKL, which runs AVX2 code on
+// AMD CPUs, and with a causal mask computes whole 512-key blocks it then masks. Here
+// the two products run in AVX-512 register tiles (GCC vector extensions, compiled with
+// -march=native on the user's machine), key tiles of 32 above the diagonal are
+// skipped, and the softmax is fused in between, so no S×S matrix ever exists.
+//
+// Work item = (b, K/V head, tile of QT query positions), shared out dynamically across
+// OpenMP threads (torch's own libgomp: it is loaded before this library). An item
+//
+//   packs its G heads' queries, pre-multiplied by scale·log2(e)       (G, QT, D)
+//   for each chunk of KC keys its rows may see:
+//       packs K of the chunk as panels of 32 keys, (D, 32) each         (kt)
+//       for each head, for each MR query rows:
+//           s = q · kᵀ  over the panels some row may see (MR × 32 tiles)
+//           -inf where causal / window / the caller's mask / padding forbid
+//           online softmax (base 2): m' = max(m, max s); o *= 2^(m - m'); l *= 2^(m - m')
+//           p = 2^(s - m'); l += Σp; o += p · v      (MR_PV × Dv tiles, V read in place)
+//   writes o / l (zeros where l == 0: a query with no allowed key).
+//
+// Returns 0, or a negative code: -1 out of memory, -2 unsupported shape.
+
+#include "common.h"
+
+namespace {
+
+using namespace mh;
+
+// c (MR × 32, row stride ldc) = a (MR × d, rows contiguous) · panel (d × 32).
+inline void qk_tile(const float* __restrict a, int64_t d, const float* __restrict panel,
+                    float* __restrict c, int64_t ldc) {
+    v16 c0[MR], c1[MR];
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; ++i) c0[i] = c1[i] = (v16){};
+    for (int64_t t = 0; t < d; ++t) {
+        v16 b0 = load(panel + t * NR), b1 = load(panel + t * NR + 16);
+#pragma GCC unroll 12
+        for (int i = 0; i < MR; ++i) {
+            v16 ai = splat(a[i * d + t]);
+            c0[i] += ai * b0;
+            c1[i] += ai * b1;
+        }
+    }
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; ++i) {
+        store(c + i * ldc, c0[i]);
+        store(c + i * ldc + 16, c1[i]);
+    }
+}
+
+void run_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t p0, int64_t p1, int64_t qt_pad) {
+    const int64_t G = P.H / P.Hkv, D = P.D, Dv = P.Dv, rows = p1 - p0;
+    const int64_t off = P.Sk - P.Sq;
+    // Scaled queries of the G heads: (G, qt_pad, D), padding rows zero.
+    for (int64_t g = 0; g < G; ++g) {
+        const float* src = P.q + b * P.qs[0] + (kvh * G + g) * P.qs[1];
+        float* dst = buf.qbuf + g * qt_pad * D;
+        for (int64_t r = 0; r < qt_pad; ++r) {
+            if (r < rows) {
+                const float* qr = src + (p0 + r) * P.qs[2];
+                for (int64_t t = 0; t < D; ++t) dst[r * D + t] = qr[t] * P.scale;
+            } else {
+                std::memset(dst + r * D, 0, sizeof(float) * D);
+            }
+        }
+    }
+    for (int64_t r = 0; r < G * rows; ++r) { buf.m[r] = NEG_INF; buf.l[r] = 0.f; }
+    std::memset(buf.o, 0, sizeof(float) * G * rows * Dv);
+
+    int64_t lo, hi;
+    key_range(P, p0, p1, lo, hi);
+    lo = lo / NR * NR;  // panel aligned
+    const float* kb = P.k + b * P.ks[0] + kvh * P.ks[1];
+    const float* vb = P.v + b * P.vs[0] + kvh * P.vs[1];
+    for (int64_t c0 = lo; c0 < hi; c0 += KC) {
+        const int64_t c1 = std::min(c0 + KC, hi);
+        const int64_t npan = (c1 - c0 + NR - 1) / NR;
+        // Pack K[c0, c1) as panels (D, 32): kt[pan][t][j] = K[c0 + 32·pan + j][t]; zero past Sk.
+        for (int64_t pan = 0; pan < npan; ++pan) {
+            float* dst = buf.kt + pan * D * NR;
+            for (int64_t j = 0; j < NR; ++j) {
+                int64_t key = c0 + pan * NR + j;
+                if (key < P.Sk) {
+                    const float* kr = kb + key * P.ks[2];
+                    for (int64_t t = 0; t < D; ++t) dst[t * NR + j] = kr[t];
+                } else {
+                    for (int64_t t = 0; t < D; ++t) dst[t * NR + j] = 0.f;
+                }
+            }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+            const int64_t h = kvh * G + g;
+            for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+                const int64_t nr = std::min<int64_t>(MR, rows - r0);
+                int64_t blo, bhi;  // keys these rows may see
+                key_range(P, p0 + r0, p0 + r0 + nr, blo, bhi);
+                blo = std::max(blo, c0);
+                bhi = std::min(bhi, c1);
+                if (bhi <= blo) continue;
+                const int64_t pa = (blo - c0) / NR, pb = (bhi - c0 + NR - 1) / NR;
+                const int64_t j0 = c0 + pa * NR, width = (pb - pa) * NR;  // score columns [j0, j0 + width)
+                float* s = buf.s;  // (MR, KC)
+                for (int64_t pan = pa; pan < pb; ++pan)
+                    qk_tile(buf.qbuf + (g * qt_pad + r0) * D, D, buf.kt + pan * D * NR, s + (pan - pa) * NR, KC);
+                const int64_t valid = std::min(j0 + width, P.Sk) - j0;  // columns that are real keys
+                for (int64_t i = 0; i < nr; ++i) {
+                    const uint8_t* mrow = P.mask ? P.mask + b * P.ms[0] + h * P.ms[1] + (p0 + r0 + i) * P.ms[2] : nullptr;
+                    const int64_t row = g * rows + r0 + i;
+                    row_update(P, s + i * KC, width, valid, j0, p0 + r0 + i + off, mrow, buf.m[row], buf.l[row],
+                               buf.o + row * Dv);
+                }
+                pv(s, KC, nr, valid, vb + j0 * P.vs[2], P.vs[2], buf.o + (g * rows + r0) * Dv, Dv, Dv);
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+        float* ob = P.out + b * P.os[0] + (kvh * G + g) * P.os[1];
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t row = g * rows + r;
+            const float inv = buf.l[row] > 0.f ? 1.f / buf.l[row] : 0.f;
+            store_lse(P, b, kvh * G + g, p0 + r, buf.m[row], buf.l[row]);
+            const float* src = buf.o + row * Dv;
+            float* dst = ob + (p0 + r) * P.os[2];
+            for (int64_t t = 0; t < Dv; ++t) dst[t] = src[t] * inv;
+        }
+    }
+}
+
+}  // namespace
+
+// q (B, H, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv) -> out (B, H, Sq, Dv); strides:
+// q, k, v, out (b, h, s), mask (b, h, i, j), then lse (b, h, s), in elements; last dims contiguous;
+// lse (B, H, Sq) may be null.
+extern "C" int mh_attention_f32(const float* q, const float* k, const float* v, float* out, float* lse,
+                                const uint8_t* mask, const int64_t* dims, const int64_t* strides, float scale,
+                                int causal, int64_t window, int64_t query_tile, int threads) {
+    const Problem P = make_problem(q, k, v, out, lse, mask, dims, strides, scale, causal, window);
+    if (!valid(P) || query_tile <= 0) return -2;
+    const int64_t G = P.H / P.Hkv;
+    const int64_t qt = std::min(query_tile, std::max<int64_t>(P.Sq, 1));
+    const int64_t tiles = (P.Sq + qt - 1) / qt;
+    const int64_t items = P.B * P.Hkv * tiles;
+    const int64_t qt_pad = (qt + MR - 1) / MR * MR;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        Buffers buf{alloc(G * qt_pad * P.D), alloc(KC * P.D), alloc(MR * KC), alloc(G * qt), alloc(G * qt),
+                    alloc(G * qt * P.Dv)};
+        if (!buf.ok()) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+            // Later query tiles see more keys under a causal mask: hand them out first.
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t it = 0; it < items; ++it) {
+                const int64_t tile = tiles - 1 - it % tiles, rest = it / tiles;
+                const int64_t kvh = rest % P.Hkv, b = rest / P.Hkv;
+                const int64_t p0 = tile * qt, p1 = std::min(p0 + qt, P.Sq);
+                run_item(P, buf, b, kvh, p0, p1, qt_pad);
+            }
+        }
+        buf.release();
+    }
+    return failed ? -1 : 0;
+}
+
+
+// The vector width the kernels were compiled for (-march=native): 512 with AVX-512,
+// where their register tiles were designed and measured.
+extern "C" int mh_vector_bits() {
+#if defined(__AVX512F__)
+    return 512;
+#elif defined(__AVX2__)
+    return 256;
+#else
+    return 128;
+#endif
+}

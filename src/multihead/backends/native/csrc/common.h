@@ -1,0 +1,298 @@
+// Shared by the native kernels (attention.cpp, decode.cpp): vector helpers, the base-2
+// exponential, the p·v tiles, the problem description and the per-row online softmax.
+//
+// Notation: B batch, H query heads, Hkv key/value heads, G = H / Hkv query heads per
+// K/V head, Sq queries, Sk keys, D head dim, Dv value head dim. Query i sits at key
+// position i + (Sk - Sq) (bottom-right alignment, as everywhere in multihead).
+//
+// The vectors are GCC vector extensions of 16 floats: compiled with -march=native on an
+// AVX-512 machine they are zmm registers; elsewhere the compiler splits them.
+
+#pragma once
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <algorithm>
+#include <cmath>
+#include <omp.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace mh {
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));  // unaligned access
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+constexpr int64_t NR = 32;   // keys per panel: two vectors
+constexpr int MR = 12;       // query rows of a q·kᵀ tile (24 accumulators)
+constexpr int MR_PV = 6;     // query rows of a p·v tile (6 × 4 = 24 accumulators)
+constexpr int64_t KC = 512;  // keys per chunk (a packed chunk of D = 64 is 128 KiB, L2)
+constexpr int64_t KD = 2048;  // keys per chunk of the decoding loop (one long K stream, then V)
+constexpr float NEG_INF = -__builtin_inff();
+constexpr int64_t MAX_STEP_ROWS = 4;  // most rows of x for the few-row GEMV and the decoding step
+
+inline v16 load(const float* p) { return *(const v16u*)p; }
+inline void store(float* p, v16 x) { *(v16u*)p = x; }
+inline v16 splat(float x) { return (v16){} + x; }
+inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
+
+inline float hmax(v16 x) {
+    float m = x[0];
+    for (int i = 1; i < 16; ++i) m = std::max(m, x[i]);
+    return m;
+}
+
+inline float hsum(v16 x) {
+#ifdef __AVX512F__
+    return _mm512_reduce_add_ps((__m512)x);
+#else
+    float s = 0.f;
+    for (int i = 0; i < 16; ++i) s += x[i];
+    return s;
+#endif
+}
+
+// 16 vectors -> one whose lane p is the sum of x[p]'s lanes: four levels of shuffles and
+// adds (15 adds) and one permutation, instead of 16 horizontal sums.
+inline v16 reduce16(const v16* x) {
+#ifdef __AVX512F__
+    __m512 b[8], c[4], d[2];
+    for (int m = 0; m < 8; ++m) {  // 256-bit halves folded: lanes (x.L0+x.L2, x.L1+x.L3, y.L0+y.L2, y.L1+y.L3)
+        __m512 x0 = (__m512)x[2 * m], x1 = (__m512)x[2 * m + 1];
+        b[m] = _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x44), _mm512_shuffle_f32x4(x0, x1, 0xEE));
+    }
+    for (int m = 0; m < 4; ++m)  // 128-bit lane i: 4 partial sums of x[4m + i]
+        c[m] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * m], b[2 * m + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * m], b[2 * m + 1], 0xDD));
+    for (int m = 0; m < 2; ++m) {  // lane i: 2 partial sums of x[8m + i], then of x[8m + 4 + i]
+        __m512d lo = _mm512_unpacklo_pd((__m512d)c[2 * m], (__m512d)c[2 * m + 1]);
+        __m512d hi = _mm512_unpackhi_pd((__m512d)c[2 * m], (__m512d)c[2 * m + 1]);
+        d[m] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+    }
+    const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+    // Lane q holds the sum of x[q / 4 + 4·(q % 4)]: put x[p]'s sum in lane p.
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return (v16)_mm512_permutexvar_ps(order, r);
+#else
+    v16 r;
+    for (int p = 0; p < 16; ++p) r[p] = hsum(x[p]);
+    return r;
+#endif
+}
+
+// The 16 dot products of q (D) with keys k[0..15] (row stride ldk), D a multiple of 16.
+inline v16 dot16(const float* __restrict q, const float* __restrict k, int64_t ldk, int64_t d) {
+    v16 acc[16];
+#pragma GCC unroll 16
+    for (int s = 0; s < 16; ++s) acc[s] = (v16){};
+    // Key by key, each row read front to back: the order the hardware prefetcher follows.
+#pragma GCC unroll 16
+    for (int s = 0; s < 16; ++s)
+        for (int64_t t = 0; t < d; t += 16) acc[s] += load(q + t) * load(k + s * ldk + t);
+    return reduce16(acc);
+}
+
+// Σ a[t]·b[t], vectorised along t.
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t d) {
+    v16 acc = (v16){};
+    int64_t t = 0;
+    for (; t + 16 <= d; t += 16) acc += load(a + t) * load(b + t);
+    float s = hsum(acc);
+    for (; t < d; ++t) s += a[t] * b[t];
+    return s;
+}
+
+// 2^x for x <= 0 (scores minus their row maximum); exactly 0 for x <= -127, so -inf
+// (masked) gives 0. 2^x = 2^n · 2^f, n = round(x), f in [-1/2, 1/2], 2^f by its Taylor
+// series to degree 7 (relative error < 1e-8, below float32 rounding). NaN stays NaN.
+inline v16 exp2v(v16 x) {
+    x = x < -127.f ? splat(-127.f) : x;
+    const float round = 12582912.f;  // 1.5 · 2^23: adding it rounds to an integer
+    v16 n = (x + round) - round;
+    v16 f = x - n;
+    v16 p = splat(1.525273e-5f);
+    p = p * f + 1.540353e-4f;
+    p = p * f + 1.333355e-3f;
+    p = p * f + 9.618129e-3f;
+    p = p * f + 5.550411e-2f;
+    p = p * f + 2.402265e-1f;
+    p = p * f + 6.931472e-1f;
+    p = p * f + 1.f;
+    i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;  // 2^n; n = -127 gives +0
+    return p * (v16)bits;
+}
+
+// o (rows × 16·NV, row stride ldo) += p (rows × n, row stride ldp) · v (n × 16·NV, row stride ldv).
+template <int ROWS, int NV>
+inline void pv_tile(const float* __restrict p, int64_t ldp, int64_t n, const float* __restrict v,
+                    int64_t ldv, float* __restrict o, int64_t ldo) {
+    v16 acc[ROWS][NV];
+#pragma GCC unroll 6
+    for (int i = 0; i < ROWS; ++i)
+#pragma GCC unroll 4
+        for (int t = 0; t < NV; ++t) acc[i][t] = load(o + i * ldo + 16 * t);
+    for (int64_t j = 0; j < n; ++j) {
+        v16 vj[NV];
+#pragma GCC unroll 4
+        for (int t = 0; t < NV; ++t) vj[t] = load(v + j * ldv + 16 * t);
+#pragma GCC unroll 6
+        for (int i = 0; i < ROWS; ++i) {
+            v16 pij = splat(p[i * ldp + j]);
+#pragma GCC unroll 4
+            for (int t = 0; t < NV; ++t) acc[i][t] += pij * vj[t];
+        }
+    }
+#pragma GCC unroll 6
+    for (int i = 0; i < ROWS; ++i)
+#pragma GCC unroll 4
+        for (int t = 0; t < NV; ++t) store(o + i * ldo + 16 * t, acc[i][t]);
+}
+
+template <int ROWS>
+inline void pv_rows(const float* p, int64_t ldp, int64_t n, const float* v, int64_t ldv, float* o, int64_t ldo,
+             int64_t dv) {
+    int64_t c = 0;
+    for (; c + 64 <= dv; c += 64) pv_tile<ROWS, 4>(p, ldp, n, v + c, ldv, o + c, ldo);
+    switch ((dv - c) / 16) {
+        case 3: pv_tile<ROWS, 3>(p, ldp, n, v + c, ldv, o + c, ldo); break;
+        case 2: pv_tile<ROWS, 2>(p, ldp, n, v + c, ldv, o + c, ldo); break;
+        case 1: pv_tile<ROWS, 1>(p, ldp, n, v + c, ldv, o + c, ldo); break;
+        default: break;
+    }
+    c += (dv - c) / 16 * 16;
+    for (int i = 0; i < ROWS; ++i)  // the last dv % 16 columns, plainly
+        for (int64_t j = 0; j < n; ++j)
+            for (int64_t t = c; t < dv; ++t) o[i * ldo + t] += p[i * ldp + j] * v[j * ldv + t];
+}
+
+// o (rows × dv) += p (rows × n) · v (n × dv), rows <= MR.
+inline void pv(const float* p, int64_t ldp, int64_t rows, int64_t n, const float* v, int64_t ldv, float* o,
+        int64_t ldo, int64_t dv) {
+    for (int64_t r = 0; r < rows; r += MR_PV) {
+        int64_t left = rows - r;
+        const float* pr = p + r * ldp;
+        float* orow = o + r * ldo;
+        switch (left >= MR_PV ? MR_PV : left) {
+            case 6: pv_rows<6>(pr, ldp, n, v, ldv, orow, ldo, dv); break;
+            case 5: pv_rows<5>(pr, ldp, n, v, ldv, orow, ldo, dv); break;
+            case 4: pv_rows<4>(pr, ldp, n, v, ldv, orow, ldo, dv); break;
+            case 3: pv_rows<3>(pr, ldp, n, v, ldv, orow, ldo, dv); break;
+            case 2: pv_rows<2>(pr, ldp, n, v, ldv, orow, ldo, dv); break;
+            default: pv_rows<1>(pr, ldp, n, v, ldv, orow, ldo, dv); break;
+        }
+    }
+}
+
+struct Problem {
+    const float *q, *k, *v;
+    float* out;
+    float* lse;  // nullptr or (B, H, Sq) natural log-sum-exp of the scaled, masked scores
+    const uint8_t* mask;  // nullptr or bool bytes, True = may attend
+    int64_t B, H, Hkv, Sq, Sk, D, Dv;
+    int64_t qs[3], ks[3], vs[3], os[3], ms[4], ls[3];  // strides (b, h, s) in elements; mask (b, h, i, j)
+    float scale;  // scale · log2(e)
+    bool causal;
+    int64_t window;  // 0: none
+};
+
+struct Buffers {
+    float *qbuf, *kt, *s, *m, *l, *o;
+    bool ok() const { return qbuf && kt && s && m && l && o; }
+    void release() {
+        for (float* p : {qbuf, kt, s, m, l, o}) std::free(p);
+    }
+};
+
+inline float* alloc(int64_t n) {
+    size_t bytes = (size_t(std::max<int64_t>(n, 16)) * sizeof(float) + 63) / 64 * 64;
+    return static_cast<float*>(std::aligned_alloc(64, bytes));
+}
+
+// The structural rule, the C++ copy of multihead.masks.Structure.span (its property test
+// holds both to the dense mask): keys [lo, hi) of [0, Sk) visible from key position pos.
+inline void span(const Problem& P, int64_t pos, int64_t& lo, int64_t& hi) {
+    lo = 0;
+    hi = P.Sk;
+    if (P.causal) hi = std::min(hi, pos + 1);
+    if (P.window > 0) {
+        lo = std::max<int64_t>(lo, pos - P.window + 1);
+        if (!P.causal) hi = std::min(hi, pos + P.window);
+    }
+    hi = std::max(hi, lo);
+}
+// Keys [lo, hi) that query rows [p0, p1) may see: the hull of their spans (Structure.key_range).
+inline void key_range(const Problem& P, int64_t p0, int64_t p1, int64_t& lo, int64_t& hi) {
+    const int64_t off = P.Sk - P.Sq;  // query i sits at key position i + off
+    int64_t unused;
+    span(P, p0 + off, lo, unused);
+    span(P, p1 - 1 + off, unused, hi);
+    hi = std::max(hi, lo);
+}
+// One query row of a chunk: mask its scores si[0, width) (keys j0 + j; width a
+// multiple of 16; columns from `valid` on are not keys), then the online softmax
+// (base 2): m' = max(m, max si), o *= 2^(m - m'), l = l·2^(m - m') + Σ 2^(si - m'),
+// leaving the probabilities 2^(si - m') in si for p · v.
+inline void row_update(const Problem& P, float* __restrict si, int64_t width, int64_t valid, int64_t j0,
+                       int64_t pos, const uint8_t* mrow, float& m, float& l, float* __restrict orow) {
+    // This query's span (key position pos), as column indices into si.
+    int64_t a, e;
+    span(P, pos, a, e);
+    a = std::clamp<int64_t>(a - j0, 0, width);
+    e = std::clamp<int64_t>(std::min(e - j0, valid), a, width);
+    for (int64_t j = 0; j < a; ++j) si[j] = NEG_INF;
+    for (int64_t j = e; j < width; ++j) si[j] = NEG_INF;
+    if (mrow)
+        for (int64_t j = a; j < e; ++j)
+            if (!mrow[(j0 + j) * P.ms[3]]) si[j] = NEG_INF;
+    v16 mx = splat(NEG_INF);
+    for (int64_t j = 0; j < width; j += 16) mx = vmax(mx, load(si + j));
+    const float m_new = std::max(m, hmax(mx));
+    // No allowed key yet: keep probabilities 0 (2^-inf) without NaN.
+    const float m_use = m_new == NEG_INF ? 0.f : m_new;
+    const float alpha = exp2v(splat(m - m_use))[0];
+    v16 sum = (v16){};
+    const v16 mv = splat(m_use);
+    for (int64_t j = 0; j < width; j += 16) {
+        v16 pj = exp2v(load(si + j) - mv);
+        store(si + j, pj);
+        sum += pj;
+    }
+    m = m_new;
+    l = l * alpha + hsum(sum);
+    if (alpha != 1.f)
+        for (int64_t t = 0; t < P.Dv; ++t) orow[t] *= alpha;
+}
+
+// strides: q, k, v, out (b, h, s), mask (b, h, i, j), lse (b, h, s): 19 int64.
+inline Problem make_problem(const float* q, const float* k, const float* v, float* out, float* lse,
+                            const uint8_t* mask, const int64_t* dims, const int64_t* strides, float scale,
+                            int causal, int64_t window) {
+    Problem P{};
+    P.q = q; P.k = k; P.v = v; P.out = out; P.lse = lse; P.mask = mask;
+    P.B = dims[0]; P.H = dims[1]; P.Hkv = dims[2]; P.Sq = dims[3]; P.Sk = dims[4]; P.D = dims[5]; P.Dv = dims[6];
+    for (int i = 0; i < 3; ++i) {
+        P.qs[i] = strides[i]; P.ks[i] = strides[3 + i]; P.vs[i] = strides[6 + i]; P.os[i] = strides[9 + i];
+    }
+    for (int i = 0; i < 4; ++i) P.ms[i] = strides[12 + i];
+    for (int i = 0; i < 3; ++i) P.ls[i] = strides[16 + i];
+    P.scale = scale * 1.4426950408889634f;  // scores in base 2: 2^(s·log2 e) = e^s
+    P.causal = causal != 0;
+    P.window = window;
+    return P;
+}
+
+// The natural log-sum-exp of a row from its base-2 running max m and sum l; -inf for none.
+inline float row_lse(float m, float l) {
+    return l > 0.f ? (m + std::log2(l)) * 0.6931471805599453f : NEG_INF;
+}
+inline void store_lse(const Problem& P, int64_t b, int64_t h, int64_t i, float m, float l) {
+    if (P.lse) P.lse[b * P.ls[0] + h * P.ls[1] + i * P.ls[2]] = row_lse(m, l);
+}
+inline bool valid(const Problem& P) {
+    return P.B >= 0 && P.Sq >= 0 && P.Sk >= 0 && P.Hkv > 0 && P.H > 0 && P.H % P.Hkv == 0 && P.D > 0 && P.Dv > 0;
+}
+
+}  // namespace mh

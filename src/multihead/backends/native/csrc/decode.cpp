@@ -1,0 +1,329 @@
+// multihead's native CPU kernels for decoding: float32, forward only.
+//
+// * mh_decode_f32: attention for few query rows per K/V head (decode_item).
+// * mh_linear_few_rows_f32: x · Wᵀ + b for a few rows of x and several weights at once.
+// * mh_decode_step_f32: a whole decoding step of a layer in one parallel region.
+//
+// All three are bandwidth-bound: they stream K/V and the weights once, in place.
+// Returns 0, or a negative code: -1 out of memory, -2 unsupported shape.
+
+#include "common.h"
+
+namespace {
+
+using namespace mh;
+
+// Decoding: few query rows per K/V head (G heads × Sq queries), so K and V are streamed
+// once, in place, with no packing: scores are dot products along D. An item is
+// (b, K/V head, key split); with fewer heads than threads the keys are split and the
+// partial (m, l, o) merged at the end (flash-decoding).
+void decode_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t k0, int64_t k1, float* part) {
+    const int64_t G = P.H / P.Hkv, D = P.D, Dv = P.Dv, Sq = P.Sq, rows = G * Sq;
+    const int64_t off = P.Sk - P.Sq;
+    for (int64_t g = 0; g < G; ++g) {  // row g·Sq + i: head kvh·G + g, query i
+        const float* src = P.q + b * P.qs[0] + (kvh * G + g) * P.qs[1];
+        for (int64_t i = 0; i < Sq; ++i)
+            for (int64_t t = 0; t < D; ++t) buf.qbuf[(g * Sq + i) * D + t] = src[i * P.qs[2] + t] * P.scale;
+    }
+    for (int64_t r = 0; r < rows; ++r) { buf.m[r] = NEG_INF; buf.l[r] = 0.f; }
+    std::memset(buf.o, 0, sizeof(float) * rows * Dv);
+    int64_t lo, hi;
+    key_range(P, 0, Sq, lo, hi);
+    lo = std::max(lo, k0);
+    hi = std::min(hi, k1);
+    const float* kb = P.k + b * P.ks[0] + kvh * P.ks[1];
+    const float* vb = P.v + b * P.vs[0] + kvh * P.vs[1];
+    for (int64_t c0 = lo; c0 < hi; c0 += KD) {
+        const int64_t n = std::min(KD, hi - c0), width = (n + 15) / 16 * 16;
+        int64_t j = 0;
+        if (D % 16 == 0)  // 16 keys at a time, their 16 sums reduced together
+            for (; j + 16 <= n; j += 16)
+                for (int64_t r = 0; r < rows; ++r)
+                    store(buf.s + r * KD + j, dot16(buf.qbuf + r * D, kb + (c0 + j) * P.ks[2], P.ks[2], D));
+        for (; j < n; ++j) {
+            const float* kr = kb + (c0 + j) * P.ks[2];
+            for (int64_t r = 0; r < rows; ++r) buf.s[r * KD + j] = dot(buf.qbuf + r * D, kr, D);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t g = r / Sq, i = r % Sq;
+            const uint8_t* mrow = P.mask ? P.mask + b * P.ms[0] + (kvh * G + g) * P.ms[1] + i * P.ms[2] : nullptr;
+            row_update(P, buf.s + r * KD, width, n, c0, i + off, mrow, buf.m[r], buf.l[r], buf.o + r * Dv);
+        }
+        for (int64_t r0 = 0; r0 < rows; r0 += MR)
+            pv(buf.s + r0 * KD, KD, std::min<int64_t>(MR, rows - r0), n, vb + c0 * P.vs[2], P.vs[2],
+               buf.o + r0 * Dv, Dv, Dv);
+    }
+    if (part) {  // (rows, Dv + 2): o unnormalised, then m and l, merged by the caller
+        for (int64_t r = 0; r < rows; ++r) {
+            std::memcpy(part + r * (Dv + 2), buf.o + r * Dv, sizeof(float) * Dv);
+            part[r * (Dv + 2) + Dv] = buf.m[r];
+            part[r * (Dv + 2) + Dv + 1] = buf.l[r];
+        }
+        return;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t g = r / Sq, i = r % Sq;
+        const float inv = buf.l[r] > 0.f ? 1.f / buf.l[r] : 0.f;
+        store_lse(P, b, kvh * G + g, i, buf.m[r], buf.l[r]);
+        float* dst = P.out + b * P.os[0] + (kvh * G + g) * P.os[1] + i * P.os[2];
+        for (int64_t t = 0; t < Dv; ++t) dst[t] = buf.o[r * Dv + t] * inv;
+    }
+}
+
+// Merge the key splits of (b, kvh): weights 2^(m_s - max m) as in the online softmax.
+void merge_splits(const Problem& P, const float* part, int64_t splits, int64_t b, int64_t kvh) {
+    const int64_t G = P.H / P.Hkv, Dv = P.Dv, Sq = P.Sq, rows = G * Sq, stride = rows * (Dv + 2);
+    for (int64_t r = 0; r < rows; ++r) {
+        float top = NEG_INF;
+        for (int64_t sp = 0; sp < splits; ++sp) top = std::max(top, part[sp * stride + r * (Dv + 2) + Dv]);
+        const float use = top == NEG_INF ? 0.f : top;
+        float total = 0.f;
+        const int64_t g = r / Sq, i = r % Sq;
+        float* dst = P.out + b * P.os[0] + (kvh * G + g) * P.os[1] + i * P.os[2];
+        for (int64_t t = 0; t < Dv; ++t) dst[t] = 0.f;
+        for (int64_t sp = 0; sp < splits; ++sp) {
+            const float* src = part + sp * stride + r * (Dv + 2);
+            const float w = exp2v(splat(src[Dv] - use))[0];
+            total += src[Dv + 1] * w;
+            for (int64_t t = 0; t < Dv; ++t) dst[t] += src[t] * w;
+        }
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        for (int64_t t = 0; t < Dv; ++t) dst[t] *= inv;
+        store_lse(P, b, kvh * G + g, i, use, total);
+    }
+}
+
+}  // namespace
+
+// As mh_attention_f32, for few query rows per K/V head (G·Sq): see decode_item.
+extern "C" int mh_decode_f32(const float* q, const float* k, const float* v, float* out, float* lse,
+                             const uint8_t* mask, const int64_t* dims, const int64_t* strides, float scale,
+                             int causal, int64_t window, int threads) {
+    const Problem P = make_problem(q, k, v, out, lse, mask, dims, strides, scale, causal, window);
+    if (!valid(P)) return -2;
+    const int64_t G = P.H / P.Hkv, rows = G * P.Sq, heads = P.B * P.Hkv;
+    // Enough items for every thread, each split keeping at least 512 keys.
+    const int64_t splits = std::clamp<int64_t>(std::min<int64_t>((2 * threads + heads - 1) / std::max<int64_t>(heads, 1),
+                                                                 P.Sk / 512), 1, 64);
+    const int64_t per = (P.Sk + splits - 1) / splits, items = heads * splits;
+    float* part = nullptr;
+    if (splits > 1 && !(part = alloc(items * rows * (P.Dv + 2)))) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        Buffers buf{alloc(rows * P.D), alloc(1), alloc(rows * KD), alloc(rows), alloc(rows), alloc(rows * P.Dv)};
+        if (!buf.ok()) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (int64_t it = 0; it < items; ++it) {
+                const int64_t sp = it % splits, head = it / splits;
+                decode_item(P, buf, head / P.Hkv, head % P.Hkv, sp * per, std::min(P.Sk, (sp + 1) * per),
+                            part ? part + it * rows * (P.Dv + 2) : nullptr);
+            }
+            if (part) {
+#pragma omp for schedule(static)
+                for (int64_t head = 0; head < heads; ++head)
+                    merge_splits(P, part + head * splits * rows * (P.Dv + 2), splits, head / P.Hkv, head % P.Hkv);
+            }
+        }
+        buf.release();
+    }
+    std::free(part);
+    return failed ? -1 : 0;
+}
+
+// ---------------------------------------------------------------------------------------
+// Few-row linear layers (decoding): out_i (M, N_i) = x (M, K) · W_iᵀ (+ b_i) for `count`
+// weights at once (q, k and v projections share x), M <= 4. The weights' rows, all
+// weights together, are split evenly across threads; each weight row is read once and
+// multiplied with the M rows of x held in L1. Bandwidth-bound: this streams the weights.
+
+namespace {
+
+template <int M>
+void gemv_rows(const float* __restrict x, int64_t K, const float* __restrict w, int64_t rows, const float* bias,
+               float* __restrict out, int64_t ldo) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) {
+        const float* w0 = w + r * K;
+        v16 acc[4][M];
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i)
+#pragma GCC unroll 4
+            for (int m = 0; m < M; ++m) acc[i][m] = (v16){};
+        int64_t t = 0;
+        for (; t + 16 <= K; t += 16) {
+            v16 wv[4];
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; ++i) wv[i] = load(w0 + i * K + t);
+#pragma GCC unroll 4
+            for (int m = 0; m < M; ++m) {
+                v16 xm = load(x + m * K + t);
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; ++i) acc[i][m] += wv[i] * xm;
+            }
+        }
+        for (int i = 0; i < 4; ++i)
+            for (int m = 0; m < M; ++m) {
+                float s = hsum(acc[i][m]);
+                for (int64_t u = t; u < K; ++u) s += w0[i * K + u] * x[m * K + u];
+                out[m * ldo + r + i] = s + (bias ? bias[r + i] : 0.f);
+            }
+    }
+    for (; r < rows; ++r)
+        for (int m = 0; m < M; ++m) out[m * ldo + r] = dot(w + r * K, x + m * K, K) + (bias ? bias[r] : 0.f);
+}
+
+void gemv_any(int64_t M, const float* x, int64_t K, const float* w, int64_t rows, const float* bias, float* out,
+              int64_t ldo) {
+    switch (M) {
+        case 1: gemv_rows<1>(x, K, w, rows, bias, out, ldo); break;
+        case 2: gemv_rows<2>(x, K, w, rows, bias, out, ldo); break;
+        case 3: gemv_rows<3>(x, K, w, rows, bias, out, ldo); break;
+        default: gemv_rows<4>(x, K, w, rows, bias, out, ldo); break;
+    }
+}
+
+// This thread's share (thread id of nt) of out_i (M, N_i; row stride ldo_i) = x · W_iᵀ + b_i:
+// the rows of all weights together, split evenly in multiples of 4.
+void gemv_share(int64_t id, int64_t nt, int64_t M, const float* x, int64_t K, int64_t count,
+                const float* const* W, const int64_t* N, const float* const* bias, float* const* out,
+                const int64_t* ldo) {
+    int64_t total = 0;
+    for (int64_t i = 0; i < count; ++i) total += N[i];
+    const int64_t begin = (total * id / nt) / 4 * 4, end = id + 1 == nt ? total : (total * (id + 1) / nt) / 4 * 4;
+    int64_t base = 0;
+    for (int64_t i = 0; i < count; ++i) {
+        const int64_t lo = std::max(begin, base) - base, hi = std::min(end, base + N[i]) - base;
+        if (hi > lo) gemv_any(M, x, K, W[i] + lo * K, hi - lo, bias[i] ? bias[i] + lo : nullptr, out[i] + lo, ldo[i]);
+        base += N[i];
+    }
+}
+
+}  // namespace
+
+extern "C" int mh_max_step_rows() { return MAX_STEP_ROWS; }
+
+extern "C" int mh_linear_few_rows_f32(const float* x, int64_t M, int64_t K, int64_t count, const float* const* W,
+                                      const int64_t* N, const float* const* bias, float* const* out, int threads) {
+    if (M < 1 || M > MAX_STEP_ROWS || K < 1 || count < 1) return -2;
+#pragma omp parallel num_threads(threads)
+    gemv_share(omp_get_thread_num(), omp_get_num_threads(), M, x, K, count, W, N, bias, out, N);
+    return 0;
+}
+
+// ---------------------------------------------------------------------------------------
+// One whole decoding step of a layer, one token per row (B <= MAX_STEP_ROWS), in one parallel region:
+//
+//   qkv = x · [W_q; W_k; W_v]ᵀ + b          (B, (H + 2·Hkv)·D)   weights split over threads
+//   RoPE on q and k at each row's position; k, v written to cache slot lengths[b]
+//   heads = attention(q, cache[:lengths[b] + 1])   (decode_item, keys split if few heads)
+//   y = heads · W_oᵀ + b_o                    (B, E)
+//   (the cache's counters are then advanced by KVCache.commit, their one writer)
+//
+// The caller has checked every shape and that each row has room (lengths[b] < capacity).
+
+extern "C" int mh_decode_step_f32(
+    const float* x, int64_t B, int64_t E, const float* const* W, const float* const* bias, int64_t H,
+    int64_t Hkv, int64_t D, const float* rope_cos, const float* rope_sin, int64_t rotary_dim, int interleaved,
+    float* cache_k, float* cache_v, const int64_t* cache_strides, const int64_t* lengths, float scale, float* y,
+    int threads) {
+    if (B < 1 || B > MAX_STEP_ROWS || Hkv < 1 || H % Hkv != 0 || D < 1 || rotary_dim % 2 != 0 || rotary_dim > D) return -2;
+    const int64_t G = H / Hkv, width = (H + 2 * Hkv) * D, half = rotary_dim / 2;
+    float* qkv = alloc(B * width);
+    float* heads = alloc(B * H * D);
+    int64_t longest = 0;
+    for (int64_t b = 0; b < B; ++b) longest = std::max(longest, lengths[b] + 1);
+    const int64_t heads_b = B * Hkv;
+    const int64_t splits = std::clamp<int64_t>(
+        std::min<int64_t>((2 * threads + heads_b - 1) / heads_b, longest / 512), 1, 64);
+    const int64_t per = (longest + splits - 1) / splits, items = heads_b * splits, rows = G;
+    float* part = splits > 1 ? alloc(items * rows * (D + 2)) : nullptr;
+    if (!qkv || !heads || (splits > 1 && !part)) {
+        std::free(qkv); std::free(heads); std::free(part);
+        return -1;
+    }
+    // One attention problem per row: its own key count.
+    Problem Ps[MAX_STEP_ROWS];
+    for (int64_t b = 0; b < B; ++b) {
+        Problem& P = Ps[b];
+        P = Problem{};
+        P.q = qkv; P.k = cache_k; P.v = cache_v; P.out = heads; P.mask = nullptr;
+        P.B = B; P.H = H; P.Hkv = Hkv; P.Sq = 1; P.Sk = lengths[b] + 1; P.D = D; P.Dv = D;
+        P.qs[0] = width; P.qs[1] = D; P.qs[2] = width;
+        for (int i = 0; i < 3; ++i) P.ks[i] = P.vs[i] = cache_strides[i];
+        P.os[0] = H * D; P.os[1] = D; P.os[2] = H * D;
+        P.scale = scale * 1.4426950408889634f;
+        P.causal = true;
+        P.window = 0;
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t id = omp_get_thread_num(), nt = omp_get_num_threads();
+        // Every buffer first: nothing is written to the cache unless the whole step can run.
+        Buffers buf{alloc(rows * D), alloc(1), alloc(rows * KD), alloc(rows), alloc(rows), alloc(rows * D)};
+        if (!buf.ok()) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+            {
+                const float* Wqkv[3] = {W[0], W[1], W[2]};
+                const float* bqkv[3] = {bias[0], bias[1], bias[2]};
+                const int64_t N[3] = {H * D, Hkv * D, Hkv * D}, ld[3] = {width, width, width};
+                float* out[3] = {qkv, qkv + H * D, qkv + (H + Hkv) * D};
+                gemv_share(id, nt, B, x, E, 3, Wqkv, N, bqkv, out, ld);
+            }
+#pragma omp barrier
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < B * (H + Hkv); ++t) {  // rotate q and k heads, store k and v
+                const int64_t b = t / (H + Hkv), head = t % (H + Hkv), pos = lengths[b];
+                float* vec = qkv + b * width + head * D;
+                if (rope_cos) {
+                    const float* c = rope_cos + pos * half;
+                    const float* s = rope_sin + pos * half;
+                    for (int64_t i = 0; i < half; ++i) {
+                        const int64_t i1 = interleaved ? 2 * i : i, i2 = interleaved ? 2 * i + 1 : i + half;
+                        const float x1 = vec[i1], x2 = vec[i2];
+                        vec[i1] = x1 * c[i] - x2 * s[i];
+                        vec[i2] = x2 * c[i] + x1 * s[i];
+                    }
+                }
+                if (head >= H) {
+                    const int64_t kvh = head - H;
+                    const int64_t at = b * cache_strides[0] + kvh * cache_strides[1] + pos * cache_strides[2];
+                    std::memcpy(cache_k + at, vec, sizeof(float) * D);
+                    std::memcpy(cache_v + at, qkv + b * width + (H + Hkv + kvh) * D, sizeof(float) * D);
+                }
+            }
+#pragma omp for schedule(static)
+            for (int64_t it = 0; it < items; ++it) {
+                const int64_t sp = it % splits, head = it / splits, b = head / Hkv;
+                decode_item(Ps[b], buf, b, head % Hkv, sp * per, std::min(Ps[b].Sk, (sp + 1) * per),
+                            part ? part + it * rows * (D + 2) : nullptr);
+            }
+            if (part) {
+#pragma omp for schedule(static)
+                for (int64_t head = 0; head < heads_b; ++head)
+                    merge_splits(Ps[head / Hkv], part + head * splits * rows * (D + 2), splits, head / Hkv,
+                                 head % Hkv);
+            }
+            const float* Wo[1] = {W[3]};
+            const float* bo[1] = {bias[3]};
+            const int64_t N[1] = {E}, ld[1] = {E};
+            float* out[1] = {y};
+            gemv_share(id, nt, B, heads, H * D, 1, Wo, N, bo, out, ld);
+        }
+        buf.release();
+    }
+    std::free(qkv); std::free(heads); std::free(part);
+    // The cache's counters (lengths, slot positions) are advanced by its one writer,
+    // KVCache.commit, after this returns.
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,165 @@
+"""The backend registry: every backend with what it can do, and one check before a call.
+
+Notation: B batch, H query heads, Hkv key/value heads, Sq queries, Sk keys, D head dim
+(Dv for values).
+
+A backend is a callable with one signature::
+
+    backend(q, k, v, *, mask, causal, window, scale, dropout_p, return_weights, return_lse)
+        -> (out (B, H, Sq, Dv), weights (B, H, Sq, Sk) or None, lse (B, H, Sq) or None)
+
+receiving arguments already validated by :func:`multihead.attention` (``mask`` is None
+or a 4-D bool view broadcastable to (B, H, Sq, Sk)). Each is registered with a
+:class:`BackendSpec` stating its capabilities; :func:`resolve_backend` compares a call
+with them **before any work** and raises a ``ValueError`` naming the missing one: a
+backend the user names never hands the call to another (the only router is ``"auto"``,
+:mod:`multihead.backends.auto`, whose rules say which backend runs and why).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+__all__ = ["Backend", "BackendSpec", "register_backend", "get_backend", "get_spec", "resolve_backend",
+           "available_backends", "missing_capability"]
+
+
+class Backend(Protocol):
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        mask: torch.Tensor | None,
+        causal: bool,
+        window: int | None,
+        scale: float,
+        dropout_p: float,
+        return_weights: bool,
+        return_lse: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]: ...
+
+
+def _always() -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """What a backend can do; a call asking for anything else is refused by name.
+
+    Attributes:
+        name: the name users pass as ``backend=``.
+        fn: the backend.
+        weights: returns the attention weights when asked.
+        lse: returns the per-row log-sum-exp when asked.
+        grad: differentiable (autograd through q, k, v).
+        dropout: applies dropout on the probabilities.
+        dtypes: input dtypes it takes; None = any floating dtype.
+        devices: device types it runs on (``"cpu"``, ``"cuda"``...); None = any.
+        ready: returns None when it can run in this process, else why not (e.g. a
+            kernel that could not be built); asked before any work.
+    """
+
+    name: str
+    fn: Backend
+    weights: bool = False
+    lse: bool = False
+    grad: bool = False
+    dropout: bool = False
+    dtypes: frozenset[torch.dtype] | None = None
+    devices: frozenset[str] | None = None
+    ready: Callable[[], str | None] = field(default=_always, compare=False)
+
+
+_SPECS: dict[str, BackendSpec] = {}
+
+
+def register_backend(name: str, fn: Backend | None = None, *, weights: bool = False, lse: bool = False,
+                     grad: bool = False, dropout: bool = False, dtypes: frozenset[torch.dtype] | None = None,
+                     devices: frozenset[str] | None = None, ready: Callable[[], str | None] = _always,
+                     ) -> Callable[[Backend], Backend] | Backend:
+    """Register ``fn`` under ``name`` with its capabilities (usable as a decorator).
+
+    Re-registering a name replaces it. The keywords are the fields of :class:`BackendSpec`.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty str, got {name!r}")
+
+    def deco(f: Backend) -> Backend:
+        _SPECS[name] = BackendSpec(name, f, weights=weights, lse=lse, grad=grad, dropout=dropout,
+                                   dtypes=dtypes, devices=devices, ready=ready)
+        return f
+
+    return deco if fn is None else deco(fn)
+
+
+def available_backends() -> tuple[str, ...]:
+    """Names of the registered backends."""
+    return tuple(_SPECS)
+
+
+def get_spec(name: str) -> BackendSpec:
+    """The :class:`BackendSpec` registered as ``name``.
+
+    Raises:
+        ValueError: unknown name; the message lists the valid ones.
+    """
+    try:
+        return _SPECS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"backend must be one of {sorted(_SPECS)}, got {name!r}") from None
+
+
+def get_backend(name: str) -> Backend:
+    """The backend function registered as ``name`` (see :func:`get_spec`)."""
+    return get_spec(name).fn
+
+
+def needs_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd will record an operation on these tensors."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def missing_capability(spec: BackendSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                       dropout_p: float = 0.0, return_weights: bool = False, return_lse: bool = False,
+                       ) -> str | None:
+    """The first thing this call asks of ``spec`` that it cannot do, in words; None if none."""
+    if return_weights and not spec.weights:
+        return "returning attention weights (return_weights=True)"
+    if return_lse and not spec.lse:
+        return "returning the log-sum-exp (return_lse=True)"
+    if dropout_p > 0 and not spec.dropout:
+        return f"dropout (dropout_p={dropout_p})"
+    if not spec.grad and needs_grad(q, k, v):
+        return "gradients (q, k or v requires grad; call it under torch.no_grad() or pick a differentiable backend)"
+    if spec.dtypes is not None and q.dtype not in spec.dtypes:
+        names = ", ".join(sorted(str(d).replace("torch.", "") for d in spec.dtypes))
+        return f"dtype {str(q.dtype).replace('torch.', '')} (it takes {names})"
+    if spec.devices is not None and q.device.type not in spec.devices:
+        return f"device {q.device} (it runs on {', '.join(sorted(spec.devices))})"
+    return spec.ready()
+
+
+def resolve_backend(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0,
+                    return_weights: bool = False, return_lse: bool = False) -> Backend:
+    """The backend ``name``, checked to do everything the call asks — before any work.
+
+    Raises:
+        ValueError: unknown name, or a capability the backend lacks (named, with the
+            backends that have it); never a silent substitute.
+    """
+    spec = get_spec(name)
+    missing = missing_capability(spec, q, k, v, dropout_p=dropout_p, return_weights=return_weights,
+                                 return_lse=return_lse)
+    if missing is not None:
+        able = [s.name for s in _SPECS.values()
+                if missing_capability(s, q, k, v, dropout_p=dropout_p, return_weights=return_weights,
+                                      return_lse=return_lse) is None]
+        raise ValueError(f"backend {name!r} cannot do {missing}; backends that can: {able}")
+    return spec.fn

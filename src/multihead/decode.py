@@ -1,0 +1,118 @@
+"""The fused decoding step: a whole cached layer call in one native call, and why not.
+
+Notation: B batch, E embed_dim, H query heads, Hkv key/value heads, D head_dim, C cache
+capacity.
+
+``layer(x, cache=cache)`` with one new token per row is, in the seed's terms, the whole
+pipeline (project, split, RoPE, cache write, attention, concat, W_o) for B ≤ 4 vectors.
+:func:`fused_step` runs it in one call of the native kernel; :func:`why_not_fused` says
+whether it applies to a call and, if not, the first reason — the counterpart of
+:func:`multihead.backends.auto.auto_path` for the layer. The layer asks it in one line,
+so a call that takes the fused step and one that does not give the same numbers within
+rounding (tested), and a user can always ask which one runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from .backends import native
+from .cache import KVCache
+from .rope import RoPE
+
+if TYPE_CHECKING:
+    from .module import MultiHeadAttention
+
+__all__ = ["why_not_fused", "fused_step", "FUSED_CONDITIONS"]
+
+
+def plain_linear(linear: nn.Module) -> bool:
+    """An ``nn.Linear`` with no hooks: its forward may be run by a faster GEMM.
+
+    Anything else (a subclass, a LoRA or quantized replacement, a module with hooks)
+    is called as a module, so its own behaviour is kept.
+    """
+    return (type(linear) is nn.Linear and not linear._forward_hooks and not linear._forward_pre_hooks
+            and not nn.modules.module._global_forward_hooks and not nn.modules.module._global_forward_pre_hooks)
+
+
+def _projections(layer: MultiHeadAttention) -> tuple[nn.Module, ...]:
+    return (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj)
+
+
+def _plain_rope(layer: MultiHeadAttention, cache: KVCache) -> bool:
+    rope = layer.rope
+    return rope is None or (type(rope) is RoPE and max(cache.host_lengths()) < rope.max_positions
+                            and rope.cos.device.type == "cpu")
+
+
+Check = Callable[["MultiHeadAttention", torch.Tensor, KVCache, dict], bool]
+
+#: (reason it does not apply, test that must hold), in the order they are asked.
+FUSED_CONDITIONS: tuple[tuple[str, Check], ...] = (
+    ("not one new token per row", lambda l, x, c, kw: x.dim() == 3 and x.shape[1] == 1),
+    (f"more than {native.MAX_STEP_ROWS} rows", lambda l, x, c, kw: x.shape[0] <= native.MAX_STEP_ROWS),
+    ("key_mask given (padding)", lambda l, x, c, kw: kw.get("key_mask") is None),
+    ("positions given", lambda l, x, c, kw: kw.get("positions") is None),
+    ("context given (cross-attention)", lambda l, x, c, kw: kw.get("context") is None),
+    ("weights asked for", lambda l, x, c, kw: not kw.get("return_weights", False)),
+    ("an observer is attached (trace or capture)", lambda l, x, c, kw: kw.get("observe") is None),
+    ("the layer has a sliding window", lambda l, x, c, kw: l.window is None),
+    ("a ring cache", lambda l, x, c, kw: not c.ring),
+    ("dropout in training mode", lambda l, x, c, kw: not (l.training and l.dropout > 0)),
+    ("a backend other than auto or native", lambda l, x, c, kw: l.backend in (None, "auto", "native")),
+    ("not float32", lambda l, x, c, kw: x.dtype == torch.float32),
+    ("not on the CPU", lambda l, x, c, kw: x.device.type == "cpu"),
+    ("the cache's K and V buffers have different or non-unit-stride rows",
+     lambda l, x, c, kw: c.k.stride() == c.v.stride() and c.k.stride(-1) == 1),
+    ("a projection is not a plain contiguous nn.Linear (subclass, hooks, or strided weights)",
+     lambda l, x, c, kw: all(plain_linear(p) and p.weight.is_contiguous()
+                             and (p.bias is None or p.bias.is_contiguous()) for p in _projections(l))),
+    ("the RoPE is not a plain multihead.RoPE whose CPU table covers the positions",
+     lambda l, x, c, kw: _plain_rope(l, c)),
+    ("the native kernel is not compiled here for AVX-512", lambda l, x, c, kw: native.vector_bits() >= 512),
+)
+
+
+def why_not_fused(layer: MultiHeadAttention, x: torch.Tensor, cache: KVCache, **call: object) -> str | None:
+    """None when ``layer(x, cache=cache, **call)`` runs as one native call; else the first reason not.
+
+    Args:
+        layer: the :class:`~multihead.MultiHeadAttention`.
+        x: (B, S, E) the call's input; cache: its :class:`~multihead.KVCache`.
+        **call: the call's other arguments (``key_mask``, ``positions``, ``context``,
+            ``return_weights``, ``observe``), as given to the layer.
+
+    The call is assumed valid (the layer validates it first). Asking may build the
+    native kernel (first time only).
+    """
+    for reason, holds in FUSED_CONDITIONS:
+        if not holds(layer, x, cache, call):
+            return reason
+    return None
+
+
+def fused_step(layer: MultiHeadAttention, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """One decoding step in one native call, then the cache's counters committed.
+
+    Args:
+        x: (B, 1, E), a call for which :func:`why_not_fused` returned None.
+
+    Returns:
+        y: (B, 1, E), as ``layer(x, cache=cache)`` (within rounding).
+    """
+    b, _, e = x.shape
+    rope = layer.rope
+    tables = None if rope is None else (rope.cos, rope.sin, rope.rotary_dim, rope.interleaved)
+    y = native.decode_step(
+        x.reshape(b, e).contiguous(),
+        [(p.weight, p.bias) for p in _projections(layer)],
+        num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim, rope=tables,
+        cache_k=cache.k, cache_v=cache.v, lengths=cache.lengths, scale=layer.scale,
+    )  # (B, E); K/V written at each row's next slot
+    cache.commit([1] * b)
+    return y.view(b, 1, e)

@@ -1,0 +1,218 @@
+"""Reading Hugging Face ``config.json`` files: the one reader of HF config facts.
+
+Notation: E embed_dim, H query heads, Hkv key/value heads, D head_dim, L layers.
+
+:meth:`multihead.AttentionConfig.from_hf` parses through here; the rules (which keys
+count, and when) are per model type.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..config import (_KEYS_ALL_BIAS, _KEYS_HEAD_DIM, _KEYS_HEADS, _KEYS_KV_HEADS, _KEYS_LAYERS, _KEYS_POSITIONS,
+                      _KEYS_QKV_BIAS, _KEYS_WIDTH, DECODERS, ENCODERS, INTERLEAVED_ROPE, MAX_CONFIG_BYTES,
+                      AttentionConfig, _check_bool, _check_positive_float)
+
+__all__ = ["parse", "read_json"]
+
+
+def read_json(path: Path) -> Mapping[str, Any]:
+    if not path.is_file():
+        raise ValueError(f"{path}: no such config file")
+    size = path.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise ValueError(f"{path}: a config.json must be <= {MAX_CONFIG_BYTES} bytes, got {size}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"), parse_constant=_refuse_constant)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from e
+    except (UnicodeDecodeError, ValueError, OSError) as e:
+        raise ValueError(f"{path}: cannot be read as a JSON config ({e})") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: top level must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a number a config may hold")
+
+
+def parse(cfg: Mapping[str, Any], src: str) -> AttentionConfig:
+    """Map one HF config dict to an AttentionConfig; every error names ``src`` and the key."""
+    text = cfg.get("text_config")
+    if _pick(cfg, _KEYS_WIDTH, src) is None and isinstance(text, Mapping):
+        return parse(text, f"{src} text_config")
+    model_type = cfg.get("model_type")
+    if model_type is not None and not isinstance(model_type, str):
+        raise TypeError(f"{src}: model_type must be a str, got {type(model_type).__name__} {model_type!r}")
+
+    width_key, width = _required(cfg, _KEYS_WIDTH, src)
+    width = _as_int(width, width_key, src)
+    heads_key, heads = _required(cfg, _KEYS_HEADS, src)
+    layer_heads = None
+    if isinstance(heads, list):  # per-layer head counts
+        layer_heads = tuple(_as_int(h, f"{heads_key}[{i}]", src) for i, h in enumerate(heads))
+        if not layer_heads:
+            raise ValueError(f"{src}: {heads_key} must not be an empty list")
+        heads = max(layer_heads)
+    else:
+        heads = _as_int(heads, heads_key, src)
+    layers_key, layers = _required(cfg, _KEYS_LAYERS, src)
+    layers = _as_int(layers, layers_key, src)
+    if layer_heads is not None and len(layer_heads) != layers:
+        raise ValueError(f"{src}: {heads_key} has {len(layer_heads)} entries, expected one per layer ({layers})")
+
+    head_dim = _optional_int(cfg, _KEYS_HEAD_DIM, src)
+    if head_dim is None:
+        if layer_heads is not None and len(set(layer_heads)) > 1:
+            raise ValueError(f"{src}: {heads_key} varies by layer, so head_dim must be given explicitly")
+        if width % heads:
+            raise ValueError(f"{src}: {width_key}={width} must be divisible by {heads_key}={heads} "
+                             "when head_dim is not given")
+        head_dim = width // heads
+
+    kv_key, kv_heads = _pick(cfg, _KEYS_KV_HEADS, src) or (None, None)
+    if kv_heads is None:
+        kv_heads = 1 if _optional_bool(cfg, "multi_query", src) else heads
+    elif heads % _as_int(kv_heads, kv_key, src) or any(h % kv_heads for h in layer_heads or ()):
+        raise ValueError(f"{src}: {heads_key}={list(layer_heads) if layer_heads else heads} must be "
+                         f"divisible by {kv_key}={kv_heads}")
+
+    causal = _causal(cfg, model_type, src)
+    bias, o_bias = _bias(cfg, model_type, src)
+    rope_base, rotary_dim = _rope(cfg, model_type, head_dim, src)
+    try:
+        return AttentionConfig(
+            embed_dim=width, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+            num_layers=layers, causal=causal, bias=bias, o_bias=o_bias, rope_base=rope_base,
+            rope_interleaved=rope_base is not None and model_type in INTERLEAVED_ROPE,
+            rotary_dim=rotary_dim, max_positions=_optional_int(cfg, _KEYS_POSITIONS, src),
+            window=_window(cfg, model_type, src), scale=_scale(cfg, src), model_type=model_type,
+            layer_num_heads=layer_heads,
+        )
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{src}: {e}") from e
+
+
+def _pick(cfg: Mapping[str, Any], keys: Sequence[str], src: str) -> tuple[str, Any] | None:
+    """(key, value) of the first alias present (null counts as absent); aliases must agree."""
+    found = [(k, cfg[k]) for k in keys if cfg.get(k) is not None]
+    for k, v in found[1:]:
+        if v != found[0][1]:
+            raise ValueError(f"{src}: {found[0][0]}={found[0][1]!r} and {k}={v!r} contradict each other")
+    return found[0] if found else None
+
+
+def _required(cfg: Mapping[str, Any], keys: Sequence[str], src: str) -> tuple[str, Any]:
+    found = _pick(cfg, keys, src)
+    if found is None:
+        raise ValueError(f"{src}: missing field, expected one of {', '.join(keys)}")
+    return found
+
+
+def _optional_int(cfg: Mapping[str, Any], keys: Sequence[str], src: str) -> int | None:
+    found = _pick(cfg, keys, src)
+    return None if found is None else _as_int(found[1], found[0], src)
+
+
+def _as_int(value: object, key: str, src: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{src}: {key} must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{src}: {key} must be >= 1, got {value}")
+    return value
+
+
+def _optional_bool(cfg: Mapping[str, Any], key: str, src: str) -> bool | None:
+    value = cfg.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{src}: {key} must be true or false, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _optional_number(cfg: Mapping[str, Any], key: str, src: str) -> float | None:
+    value = cfg.get(key)
+    if value is None:
+        return None
+    try:
+        return _check_positive_float(key, value)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{src}: {e}") from e
+
+
+def _causal(cfg: Mapping[str, Any], model_type: str | None, src: str) -> bool:
+    if model_type in ENCODERS:
+        return False
+    if model_type in DECODERS:
+        return True
+    is_decoder = _optional_bool(cfg, "is_decoder", src)
+    if is_decoder is not None:
+        return is_decoder
+    if _optional_bool(cfg, "is_encoder_decoder", src):
+        return False  # the encoder's self-attention
+    known = ", ".join(sorted(ENCODERS | set(DECODERS)))
+    raise ValueError(f"{src}: model_type={model_type!r} is not known and the file has no is_decoder or "
+                     f"is_encoder_decoder hint; known model types: {known}")
+
+
+def _bias(cfg: Mapping[str, Any], model_type: str | None, src: str) -> tuple[bool, bool | None]:
+    qkv, out, _ = DECODERS.get(model_type, (True, True, False))  # encoders and unknown: nn.Linear default
+    for key in _KEYS_ALL_BIAS:
+        value = _optional_bool(cfg, key, src)
+        if value is not None:
+            qkv = out = value
+    for key in _KEYS_QKV_BIAS:
+        value = _optional_bool(cfg, key, src)
+        if value is not None:
+            qkv = value
+    return qkv, (None if out == qkv else out)
+
+
+def _rope(cfg: Mapping[str, Any], model_type: str | None, head_dim: int, src: str) -> tuple[float | None, int | None]:
+    params = cfg.get("rope_parameters")
+    if params is not None and not isinstance(params, Mapping):
+        raise TypeError(f"{src}: rope_parameters must be an object, got {type(params).__name__}")
+    params = params or {}
+    if "rope_theta" not in params and isinstance(params.get("full_attention"), Mapping):
+        params = params["full_attention"]  # per-layer-type RoPE (Gemma 3): the full-attention layers
+    base = _optional_number(params, "rope_theta", f"{src} rope_parameters")
+    for key in ("rope_theta", "rotary_emb_base"):
+        other = _optional_number(cfg, key, src)
+        if base is not None and other is not None and other != base:
+            raise ValueError(f"{src}: rope_parameters.rope_theta={base} and {key}={other} contradict each other")
+        base = other if base is None else base
+    has_rope = DECODERS.get(model_type, (None, None, base is not None))[2]
+    if not has_rope or _optional_bool(cfg, "alibi", src):
+        return None, None
+    base = 10000.0 if base is None else base
+    explicit = _optional_int(cfg, ("rotary_dim",), src)
+    factor = None
+    for where, key in ((params, "partial_rotary_factor"), (cfg, "partial_rotary_factor"), (cfg, "rotary_pct")):
+        factor = factor if factor is not None else _optional_number(where, key, src)
+    if factor is not None and factor > 1:
+        raise ValueError(f"{src}: partial rotary factor must be in (0, 1], got {factor}")
+    rotary = explicit if explicit is not None else (None if factor in (None, 1.0) else int(head_dim * factor))
+    return base, rotary
+
+
+def _window(cfg: Mapping[str, Any], model_type: str | None, src: str) -> int | None:
+    window = _optional_int(cfg, ("sliding_window",), src)
+    if window is None or _optional_bool(cfg, "use_sliding_window", src) is False:
+        return None
+    layer_types = cfg.get("layer_types")
+    pattern = cfg.get("sliding_window_pattern")
+    mixed = (model_type == "gemma2" or (isinstance(pattern, int) and pattern > 1)
+             or (isinstance(layer_types, list) and len(set(map(str, layer_types))) > 1))
+    return None if mixed else window
+
+
+def _scale(cfg: Mapping[str, Any], src: str) -> float | None:
+    if _optional_bool(cfg, "scale_attn_weights", src) is False:
+        return 1.0  # GPT-2 option: raw dot products
+    scalar = _optional_number(cfg, "query_pre_attn_scalar", src)  # Gemma 2/3
+    return None if scalar is None else 1.0 / math.sqrt(scalar)

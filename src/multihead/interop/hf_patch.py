@@ -1,0 +1,270 @@
+"""Run Hugging Face models on multihead: patch their attention modules, or register a kernel.
+
+Notation: B batch, S tokens (queries), Sk keys, E embed_dim, H query heads, Hkv key/value
+heads, D head_dim.
+
+Two ways in, for two needs:
+
+* :func:`patch` swaps every supported attention *module* of a model (BertAttention,
+  GPT2Attention, LlamaAttention / MistralAttention / Qwen2Attention, see
+  :func:`multihead.interop.hf_family`) for a wrapper around a converted
+  :class:`~multihead.MultiHeadAttention`: our projections, split, RoPE, attention, concat
+  and o_proj run; the wrapper keeps the HF module's forward signature and return value
+  ``(attn_output (B, S, E), None)``, so the model runs unchanged. :func:`unpatch` puts the
+  original module objects back.
+* :func:`register` adds multihead's attention *kernel* to transformers'
+  ``AttentionInterface`` under ``"multihead"``; then ``attn_implementation="multihead"``
+  works for any model that dispatches through that registry (HF keeps its own
+  projections and RoPE, we do the softmax(QKᵀ)V).
+
+HF hands attention a 4-D mask (B or 1, 1, S, Sk): bool (True = attend, the ``"sdpa"``
+format, which :func:`register` asks for) or additive float (``"eager"``: 0 or
+``finfo.min``); or None when the mask is purely causal or absent, with causality in
+``module.is_causal``. :func:`multihead.masks.from_additive` turns float masks into ours.
+
+Limits: while patched, ``output_attentions`` yields no weights from patched modules and
+their state_dict keys differ (unpatch before saving); weights trained while patched stay
+in the wrappers (copy them back with :func:`multihead.interop.to_hf`). During generation
+HF's own cache object is kept: the wrapper then runs the layer's modules step by step
+around ``cache.update`` (see :meth:`PatchedAttention.attend`). Cross-attention modules and
+RoPE scaling other than the default are refused.
+
+This module imports transformers lazily: ``import multihead`` never imports it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import interop
+from ..functional import attention
+from ..module import MultiHeadAttention, merge_heads, split_heads
+from .hf_kernel import NAME, attention_forward, bool_mask, register
+
+__all__ = ["patch", "unpatch", "is_patched", "register", "attention_forward", "PatchedAttention", "NAME"]
+
+
+# ---- module patching ------------------------------------------------------------------------
+class PatchedAttention(nn.Module):
+    """A :class:`MultiHeadAttention` wearing an HF attention module's forward signature.
+
+    ``self.mh`` is the converted layer; the original HF module is kept outside the module
+    tree (not in ``parameters()``) for :func:`unpatch`. Subclasses adapt one family's call
+    convention; all return ``(attn_output (B, S, E), None)``.
+    """
+
+    def __init__(self, original: nn.Module, mh: MultiHeadAttention) -> None:
+        super().__init__()
+        self.mh = mh
+        self.__dict__["original"] = original  # not a submodule: its weights stay out of ours
+        self.layer_idx = getattr(original, "layer_idx", getattr(getattr(original, "self", None), "layer_idx", None))
+        self.is_causal = mh.causal
+        self.train(original.training)
+
+    def attend(
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        positions: torch.Tensor | None,
+        cache: Any | None,
+        kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        """Our layer on ``x`` (B, S, E) -> (B, S, E).
+
+        With an HF cache (generation), our KVCache cannot stand in for HF's (HF's grows and
+        is shared by the model), so the layer's own modules run step by step around
+        ``cache.update``: q/k/v_proj, split, RoPE, HF cache, :func:`multihead.attention`,
+        concat, o_proj.
+        """
+        mask = bool_mask(attention_mask, x.shape[1] if cache is None else None)
+        if cache is None:
+            return self.mh(x, mask=mask, positions=positions if self.mh.rope is not None else None)
+        return self._attend_with_cache(x, mask, positions, cache, kwargs)
+
+    def _attend_with_cache(
+        self, x: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None, cache: Any,
+        kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        # The HF cache stores (B, Hkv, Sk, D) keys after RoPE, as our KVCache does.
+        layer = self.mh
+        q = split_heads(layer.q_proj(x), layer.num_heads)  # (B, H, S, D)
+        k = split_heads(layer.k_proj(x), layer.num_kv_heads)  # (B, Hkv, S, D)
+        v = split_heads(layer.v_proj(x), layer.num_kv_heads)  # (B, Hkv, S, D)
+        if layer.rope is not None:
+            q, k = layer.rope(q, positions), layer.rope(k, positions)
+        k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)  # (B, Hkv, Sk, D)
+        sq, sk = q.shape[2], k.shape[2]
+        if mask is not None:
+            mask = mask[..., :sk]
+        elif layer.causal and 1 < sq < sk:
+            # HF drops the mask with Sk > S only when prefilling an empty static cache: the
+            # keys past S are unwritten slots, which HF's own kernels slice off too.
+            k, v = k[:, :, :sq], v[:, :, :sq]
+        heads = attention(q, k, v, causal=layer.causal, mask=mask, window=layer.window, scale=layer.scale,
+                          dropout_p=layer.dropout if self.training else 0.0, backend=layer.backend)
+        return layer.o_proj(merge_heads(heads))  # (B, S, E)
+
+
+def _hf_cache(cache: Any | None, kwargs: dict[str, Any]) -> Any | None:
+    """The HF cache, under its v5 name ``cache`` or the older ``past_key_values``/``past_key_value``."""
+    for old in ("past_key_values", "past_key_value"):
+        cache = cache if cache is not None else kwargs.pop(old, None)
+    return cache
+
+
+def _positions(x: torch.Tensor, position_ids: torch.Tensor | None, cache: Any | None, layer_idx: int | None):
+    if position_ids is not None:
+        return position_ids
+    past = cache.get_seq_length(layer_idx) if cache is not None else 0
+    return torch.arange(past, past + x.shape[1], device=x.device)  # (S,)
+
+
+class _LlamaWrapper(PatchedAttention):
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: Any = None,
+                attention_mask: torch.Tensor | None = None, cache: Any | None = None,
+                **kwargs: Any) -> tuple[torch.Tensor, None]:
+        cache = _hf_cache(cache, kwargs)
+        positions = _positions(hidden_states, kwargs.get("position_ids"), cache, self.layer_idx)
+        return self.attend(hidden_states, attention_mask, positions, cache, kwargs), None
+
+
+class _GPT2Wrapper(PatchedAttention):
+    def __init__(self, original: nn.Module, mh: MultiHeadAttention) -> None:
+        super().__init__(original, mh)
+        self.resid_dropout = float(original.resid_dropout.p)
+
+    def forward(self, hidden_states: torch.Tensor, cache: Any | None = None,
+                attention_mask: torch.Tensor | None = None, encoder_hidden_states: torch.Tensor | None = None,
+                encoder_attention_mask: torch.Tensor | None = None, output_attentions: bool | None = False,
+                **kwargs: Any) -> tuple[torch.Tensor, None]:
+        if encoder_hidden_states is not None:
+            raise ValueError("encoder_hidden_states given to a patched GPT-2 self-attention: cross-attention "
+                             "is not supported")
+        cache = _hf_cache(cache, kwargs)
+        y = self.attend(hidden_states, attention_mask, None, cache, kwargs)
+        return F.dropout(y, self.resid_dropout, self.training), None
+
+
+class _BertWrapper(PatchedAttention):
+    """BertAttention = self-attention + ``output`` (dense = W_o, dropout, LayerNorm(y + x))."""
+
+    def __init__(self, original: nn.Module, mh: MultiHeadAttention) -> None:
+        super().__init__(original, mh)
+        self.LayerNorm = original.output.LayerNorm  # shared, not copied: not part of attention
+        self.hidden_dropout = float(original.output.dropout.p)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                encoder_hidden_states: torch.Tensor | None = None,
+                encoder_attention_mask: torch.Tensor | None = None, cache: Any | None = None,
+                **kwargs: Any) -> tuple[torch.Tensor, None]:
+        if encoder_hidden_states is not None:
+            raise ValueError("encoder_hidden_states given to a patched BERT self-attention: cross-attention "
+                             "is not supported")
+        cache = _hf_cache(cache, kwargs)
+        if cache is not None and hasattr(cache, "self_attention_cache"):
+            cache = cache.self_attention_cache
+        y = self.attend(hidden_states, attention_mask, None, cache, kwargs)
+        y = F.dropout(y, self.hidden_dropout, self.training)
+        return self.LayerNorm(y + hidden_states), None
+
+
+_WRAPPERS = {"bert": _BertWrapper, "gpt2": _GPT2Wrapper, "llama": _LlamaWrapper}
+
+
+def _candidates(model: nn.Module, *, include_patched: bool = False) -> list[tuple[str, nn.Module]]:
+    """Top-most attention modules (supported or not; wrappers too if asked), in model order."""
+    found: list[tuple[str, nn.Module]] = []
+    taken: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(f"{prefix}.") for prefix in taken):
+            continue  # inside an attention module already taken (BertAttention.self, a wrapper's mh)
+        if isinstance(module, PatchedAttention):
+            taken.append(name)
+            if include_patched:
+                found.append((name, module))
+        elif isinstance(module, MultiHeadAttention):
+            taken.append(name)  # ours already
+        elif interop.hf_family(module) is not None or (name and type(module).__name__.endswith("Attention")):
+            taken.append(name)
+            found.append((name, module))
+    return found
+
+
+def patch(model: nn.Module, *, strict: bool = True, backend: str | None = None) -> nn.Module:
+    """Replace every supported attention module of ``model`` by multihead's, in place.
+
+    Args:
+        model: a transformers model (e.g. BertModel, GPT2Model, LlamaForCausalLM).
+        strict: raise on an attention module that cannot be converted; False leaves
+            such modules as they are.
+        backend: multihead backend for the converted layers (default: the library's).
+
+    Returns:
+        ``model`` (patched in place; weights are copied, mode and dtype kept).
+
+    Raises:
+        TypeError: ``model`` is not an nn.Module.
+        ValueError: no supported attention module found, or (``strict``) one that is not
+            supported, naming it and why; the model is left unchanged then.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    overrides = {} if backend is None else {"backend": backend}
+    plan: list[tuple[str, PatchedAttention]] = []
+    candidates = _candidates(model)
+    if any(name == "" for name, _ in candidates):
+        raise ValueError(f"model is itself an attention module ({type(model).__name__}): patch the model that "
+                         "contains it, or convert it with multihead.MultiHeadAttention.from_hf")
+    for name, module in candidates:
+        family = interop.hf_family(module)
+        try:
+            if family not in _WRAPPERS:
+                raise ValueError(f"{type(module).__name__} is not a supported attention layout")
+            wrapper = _WRAPPERS[family](module, interop.from_hf(module, **overrides))
+        except ValueError as e:
+            if strict:
+                raise ValueError(f"cannot patch {name} ({type(module).__name__}): {e}; "
+                                 "pass strict=False to leave it unpatched") from e
+            continue
+        plan.append((name, wrapper))
+    if not plan:
+        raise ValueError(f"model {type(model).__name__} has no supported attention module to patch")
+    for name, wrapper in plan:  # only now, so that a failure above leaves the model untouched
+        _set_submodule(model, name, wrapper)
+    return model
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Put the original HF modules back (the same objects :func:`patch` removed).
+
+    The originals follow the mode (train/eval), dtype and device the model was given
+    while patched. Weights changed while patched are *not* copied back; use
+    :func:`multihead.interop.to_hf` on ``wrapper.mh`` and ``wrapper.original`` for that.
+
+    Returns:
+        ``model``.
+    """
+    for name, module in list(model.named_modules()):
+        if isinstance(module, PatchedAttention):
+            original = module.original
+            # The original sat outside the module tree while patched: bring it to the
+            # mode, dtype and device the model was moved to meanwhile.
+            weight = module.mh.q_proj.weight
+            original.to(device=weight.device, dtype=weight.dtype).train(module.training)
+            _set_submodule(model, name, original)
+    return model
+
+
+def is_patched(model: nn.Module) -> bool:
+    """Whether any module of ``model`` is a :class:`PatchedAttention`."""
+    return any(isinstance(m, PatchedAttention) for m in model.modules())
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)

@@ -1,0 +1,302 @@
+"""Hugging Face attention modules to and from :class:`~multihead.MultiHeadAttention`: weights.
+
+Notation: B batch, S tokens, E embed_dim, H query heads, Hkv key/value heads, D head_dim.
+
+* BERT family (BertAttention): ``self.query/key/value``; W_o is ``output.dense``, followed
+  by dropout, the residual and a LayerNorm.
+* GPT-2 family (GPT2Attention): fused ``c_attn`` and ``c_proj`` Conv1D, stored ``[in, out]``,
+  the transpose of nn.Linear.
+* Llama family (Llama, Mistral, Qwen2, ...): ``q_proj/k_proj/v_proj/o_proj`` nn.Linear,
+  our names and layout; RoPE rotate-half.
+
+transformers is never imported here at module level.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..module import MultiHeadAttention
+from .checkpoint import load_state
+from ..rope import RoPE, half_to_interleaved, interleaved_to_half
+
+__all__ = ["from_hf", "to_hf", "hf_family", "state_from_hf", "state_to_hf", "OVERRIDABLE", "ROPE_TABLE_POSITIONS"]
+
+#: RoPE tables are precomputed up to this many positions; later ones are computed on the fly.
+ROPE_TABLE_POSITIONS = 8192
+#: Keyword overrides a converter accepts: settings, never sizes (the weights fix those).
+OVERRIDABLE = frozenset({"causal", "dropout", "scale", "window", "backend", "rope"})
+
+
+@dataclass(frozen=True)
+class _Link:
+    """Our tensor ``ours`` is rows ``rows`` of HF tensor ``theirs`` (transposed first if ``transpose``)."""
+
+    ours: str
+    theirs: str
+    rows: slice | None = None
+    transpose: bool = False
+
+
+def hf_family(module: nn.Module) -> str | None:
+    """Which supported Hugging Face layout ``module`` has, recognised by its attributes.
+
+    Returns:
+        ``"bert"`` (BertAttention: ``.self`` + ``.output.dense``), ``"bert-self"``
+        (BertSelfAttention: query/key/value, no W_o), ``"gpt2"`` (``c_attn`` + ``c_proj``),
+        ``"llama"`` (q_proj/k_proj/v_proj/o_proj nn.Linear: Llama, Mistral, Qwen2, ...),
+        or None for anything else.
+    """
+    inner = getattr(module, "self", None)
+    dense = getattr(getattr(module, "output", None), "dense", None)
+    if isinstance(inner, nn.Module) and _has_linears(inner, "query", "key", "value") and isinstance(dense, nn.Linear):
+        return "bert"
+    if _has_linears(module, "query", "key", "value") and hasattr(module, "num_attention_heads"):
+        return "bert-self"
+    if hasattr(module, "c_attn") and hasattr(module, "c_proj") and hasattr(module, "head_dim"):
+        return "gpt2"
+    if _has_linears(module, "q_proj", "k_proj", "v_proj", "o_proj") and hasattr(module, "head_dim"):
+        return "llama"
+    return None
+
+
+def _has_linears(module: nn.Module, *names: str) -> bool:
+    return all(isinstance(getattr(module, n, None), nn.Linear) for n in names)
+
+
+def _links(module: nn.Module, family: str) -> list[_Link]:
+    if family in ("bert", "bert-self"):
+        pre = "self." if family == "bert" else ""
+        links = [_Link(f"{o}.{p}", f"{pre}{t}.{p}") for o, t in
+                 (("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value")) for p in ("weight", "bias")]
+        if family == "bert":
+            links += [_Link("o_proj.weight", "output.dense.weight"), _Link("o_proj.bias", "output.dense.bias")]
+    elif family == "gpt2":
+        e = module.c_proj.weight.shape[1]  # Conv1D weight is [in, out]
+        links = [_Link(f"{o}.weight", "c_attn.weight", slice(i * e, (i + 1) * e), transpose=True)
+                 for i, o in enumerate(("q_proj", "k_proj", "v_proj"))]
+        links += [_Link(f"{o}.bias", "c_attn.bias", slice(i * e, (i + 1) * e))
+                  for i, o in enumerate(("q_proj", "k_proj", "v_proj"))]
+        links += [_Link("o_proj.weight", "c_proj.weight", transpose=True), _Link("o_proj.bias", "c_proj.bias")]
+    else:
+        links = [_Link(f"{n}.{p}", f"{n}.{p}") for n in ("q_proj", "k_proj", "v_proj", "o_proj")
+                 for p in ("weight", "bias")]
+    params = dict(module.named_parameters())
+    return [link for link in links if params.get(link.theirs) is not None]
+
+
+def _family_or_raise(module: nn.Module) -> str:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    family = hf_family(module)
+    if family is None:
+        raise ValueError(f"module {type(module).__name__} is not a supported Hugging Face attention layout "
+                         "(BertAttention/BertSelfAttention, GPT2Attention, or q_proj/k_proj/v_proj/o_proj "
+                         "like LlamaAttention, MistralAttention, Qwen2Attention)")
+    return family
+
+
+def state_from_hf(module: nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor]:
+    """The HF module's parameters (or their ``.grad``) named and laid out as our layer's.
+
+    Args:
+        module: a supported HF attention module (see :func:`hf_family`).
+        grads: take each parameter's ``.grad`` instead of its value (to compare training).
+
+    Returns:
+        ``{"q_proj.weight": (H·D, E), ...}``, detached views where possible; BertSelfAttention
+        gives no ``o_proj`` entries (it has no W_o).
+
+    Raises:
+        ValueError: unsupported module, or ``grads`` with a parameter that has no grad.
+    """
+    family = _family_or_raise(module)
+    params = dict(module.named_parameters())
+    out = {}
+    for link in _links(module, family):
+        t = params[link.theirs].grad if grads else params[link.theirs].detach()
+        if t is None:
+            raise ValueError(f"parameter {link.theirs} of {type(module).__name__} has no grad")
+        t = t.T if link.transpose else t
+        out[link.ours] = t if link.rows is None else t[link.rows]
+    return out
+
+
+def state_to_hf(state: Mapping[str, torch.Tensor], module: nn.Module) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`state_from_hf`: our layer's tensors in the HF module's names and layout.
+
+    Args:
+        state: ``{"q_proj.weight": ..., ...}`` (e.g. a layer's ``state_dict()`` or its grads).
+        module: the HF module that fixes names, fusing and transposes.
+
+    Returns:
+        ``{hf_name: tensor}`` shaped like the module's parameters (new tensors).
+
+    Raises:
+        ValueError: a tensor ``state`` lacks or a shape that does not fit, naming the key.
+    """
+    family = _family_or_raise(module)
+    params = dict(module.named_parameters())
+    out: dict[str, torch.Tensor] = {}
+    for link in _links(module, family):
+        if link.ours not in state:
+            raise ValueError(f"state has no tensor {link.ours!r} (needed for {link.theirs})")
+        target = out.setdefault(link.theirs, torch.empty_like(params[link.theirs].detach()))
+        view = target.T if link.transpose else target
+        view = view if link.rows is None else view[link.rows]
+        if tuple(view.shape) != tuple(state[link.ours].shape):
+            raise ValueError(f"state[{link.ours!r}] must have shape {list(view.shape)} for {link.theirs}, "
+                             f"got {list(state[link.ours].shape)}")
+        view.copy_(state[link.ours])
+    return out
+
+
+def to_hf(layer: MultiHeadAttention, module: nn.Module) -> nn.Module:
+    """Copy ``layer``'s weights back into the HF ``module`` in place (inverse of :func:`from_hf`).
+
+    Returns:
+        ``module``.
+
+    Raises:
+        TypeError: ``layer`` is not a MultiHeadAttention.
+        ValueError: unsupported module or sizes that do not fit, naming the tensor.
+    """
+    if not isinstance(layer, MultiHeadAttention):
+        raise TypeError(f"layer must be a multihead.MultiHeadAttention, got {type(layer).__name__}")
+    new = state_to_hf(layer.state_dict(), module)
+    params = dict(module.named_parameters())
+    with torch.no_grad():
+        for name, t in new.items():
+            params[name].copy_(t)
+    return module
+
+
+def from_hf(module: nn.Module, config: Any | None = None, **overrides: Any) -> MultiHeadAttention:
+    """Convert a Hugging Face attention module, copying its weights.
+
+    Supported layouts (see :func:`hf_family`): BertAttention (W_o = ``output.dense``; the
+    dropout + residual + LayerNorm after it is *not* part of the result), BertSelfAttention
+    (no W_o: ``o_proj`` is the identity, without bias), GPT2Attention (fused Conv1D,
+    transposed), and the q_proj/k_proj/v_proj/o_proj family (Llama, Mistral with its
+    sliding window, Qwen2 with q/k/v bias and no o bias). Heads, KV heads (GQA), bias,
+    causal, the logit scale (``module.scaling``: GPT-2's ``scale_attn_weights=False`` and
+    ``scale_attn_by_inverse_layer_idx`` included) and RoPE (base, from the config) carry over.
+
+    Args:
+        module: the HF attention module (eval mode recommended; dropout carries over).
+        config: the model config; default ``module.config``. Read for RoPE and windows.
+        **overrides: ``causal``, ``scale``, ``window``, ``backend``, ``rope``, ``dropout``.
+
+    Returns:
+        a :class:`MultiHeadAttention` on the module's device and dtype, same train/eval mode.
+
+    Raises:
+        TypeError: ``module`` is not an nn.Module.
+        ValueError: an unsupported layout or feature (cross-attention, relative position
+            embeddings, q/k norms, logit soft-capping, RoPE scaling other than the default
+            or partial rotary in the Llama family), naming it.
+    """
+    family = _family_or_raise(module)
+    config = config if config is not None else getattr(module, "config", None)
+    state = state_from_hf(module)  # our names and layout
+    w = state["q_proj.weight"]  # (H·D, E)
+    read = {"bert": _bert_settings, "bert-self": _bert_settings, "gpt2": _gpt2_settings, "llama": _llama_settings}
+    settings, sizes = read[family](module, config, state)
+    head_dim = sizes.pop("head_dim")
+    layer = MultiHeadAttention(
+        w.shape[1], w.shape[0] // head_dim, num_kv_heads=state["k_proj.weight"].shape[0] // head_dim,
+        head_dim=head_dim, bias="q_proj.bias" in state, o_bias=sizes.pop("o_bias", "o_proj.bias" in state),
+        **_settings(settings, overrides), device=w.device, dtype=w.dtype,
+    )
+    load_state(layer, state)
+    return layer.train(module.training)
+
+
+# Each reader returns (settings, sizes) and may complete ``state`` (BertSelfAttention's W_o).
+def _bert_settings(module: nn.Module, config: Any, state: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    inner = getattr(module, "self", module)  # BertAttention.self, or a BertSelfAttention itself
+    if getattr(module, "is_cross_attention", False) or "CrossAttention" in type(inner).__name__:
+        raise ValueError(f"module {type(module).__name__} is a cross-attention: not supported")
+    kind = getattr(inner, "position_embedding_type", None) or getattr(config, "position_embedding_type", None)
+    if kind not in (None, "absolute"):
+        raise ValueError(f"position_embedding_type={kind!r} (relative position scores) is not supported; "
+                         "only 'absolute'")
+    w = state["q_proj.weight"]
+    head_dim = w.shape[0] // inner.num_attention_heads
+    sizes: dict[str, Any] = {"head_dim": head_dim}
+    if "o_proj.weight" not in state:  # BertSelfAttention: no W_o, so o_proj is the identity
+        state["o_proj.weight"] = torch.eye(w.shape[0], dtype=w.dtype, device=w.device)
+        sizes["o_bias"] = False
+    settings = {"causal": bool(getattr(inner, "is_causal", False)),
+                "scale": float(getattr(inner, "scaling", head_dim ** -0.5)), "dropout": float(inner.dropout.p)}
+    return settings, sizes
+
+
+def _gpt2_settings(module: nn.Module, config: Any, state: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    if getattr(module, "is_cross_attention", False) or hasattr(module, "q_attn"):
+        raise ValueError("module is a GPT-2 cross-attention (is_cross_attention=True): not supported")
+    if hasattr(module, "scaling"):  # transformers folds scale_attn_weights and the layer-index option in
+        scale = float(module.scaling)
+    else:
+        scale = module.head_dim ** -0.5 if getattr(module, "scale_attn_weights", True) else 1.0
+        if getattr(module, "scale_attn_by_inverse_layer_idx", False):
+            scale /= float(module.layer_idx + 1)
+    settings = {"causal": bool(getattr(module, "is_causal", True)), "scale": scale,
+                "dropout": float(module.attn_dropout.p)}
+    return settings, {"head_dim": int(module.head_dim)}
+
+
+def _llama_settings(module: nn.Module, config: Any, state: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    if getattr(module, "is_cross_attention", False):
+        raise ValueError(f"module {type(module).__name__} is a cross-attention: not supported")
+    for name in ("q_norm", "k_norm"):
+        if getattr(module, name, None) is not None:
+            raise ValueError(f"module has {name} (per-head q/k normalisation, Qwen3/OLMo 2 style): not supported")
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise ValueError("config.attn_logit_softcapping is set: logit soft-capping is not supported")
+    head_dim = int(module.head_dim)
+    settings: dict[str, Any] = {
+        "causal": bool(getattr(module, "is_causal", True)),
+        "scale": float(getattr(module, "scaling", head_dim ** -0.5)),
+        "dropout": float(getattr(module, "attention_dropout", 0.0) or 0.0),
+        "window": getattr(module, "sliding_window") if hasattr(module, "sliding_window")
+        else getattr(config, "sliding_window", None),
+        "rope": _hf_rope(config, head_dim),
+    }
+    num_heads = state["q_proj.weight"].shape[0] // head_dim
+    heads = getattr(config, "num_attention_heads", None)
+    if heads is not None and heads != num_heads:
+        raise ValueError(f"config.num_attention_heads={heads} contradicts q_proj ({num_heads} heads "
+                         f"of head_dim {head_dim})")
+    return settings, {"head_dim": head_dim}
+
+
+def _hf_rope(config: Any, head_dim: int) -> RoPE:
+    """Our RoPE for a Llama-family config: default rope type only, full rotary."""
+    if config is None:
+        raise ValueError("config is required for a Llama-family module (RoPE settings); pass config=")
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"config rope_parameters rope_type={rope_type!r} is not supported; only 'default'")
+    base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
+    if factor != 1.0:
+        raise ValueError(f"config partial_rotary_factor={factor} is not supported for this family; only 1.0")
+    positions = getattr(config, "max_position_embeddings", None) or ROPE_TABLE_POSITIONS
+    return RoPE(head_dim, float(base), max_positions=min(int(positions), ROPE_TABLE_POSITIONS))
+
+
+def _settings(defaults: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(overrides) - OVERRIDABLE)
+    if unknown:
+        raise ValueError(f"overrides may only set {sorted(OVERRIDABLE)} (sizes come from the weights), "
+                         f"got {unknown}")
+    return {**defaults, **overrides}
+
+

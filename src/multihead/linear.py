@@ -1,0 +1,92 @@
+"""The projections' GEMMs: ``F.linear`` on oneDNN, and a few-row path for decoding.
+
+Notation: N rows of x, ``in``/``out`` the layer's widths.
+
+:func:`linear` is ``F.linear`` with oneDNN's GEMM for float32 CPU tensors (forward and
+backward). On AMD CPUs torch's float32 matmul (MKL) runs AVX2 code and its single-row
+GEMV uses one core; oneDNN reaches about twice the FLOP rate and twice the bandwidth.
+Without autograd, a few rows (decoding) go to
+:func:`multihead.backends.native.linear_few_rows`, which streams the weights faster
+still. Other dtypes and devices, or oneDNN disabled, use ``F.linear``. :func:`gemm_for`
+and :func:`mm_nt` are the same GEMM for the torch-only attention kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .backends import native
+from .backends.gemm import MatMul, _onednn_linear, gemm_for, mm_nt, onednn_available
+from .backends.registry import needs_grad
+
+__all__ = ["linear", "linears", "onednn_available", "gemm_for", "mm_nt", "MatMul"]
+
+class _OneDNNLinear(torch.autograd.Function):
+    """y = x · wᵀ + b with oneDNN GEMMs in the forward and the backward pass."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, w: torch.Tensor,
+                b: torch.Tensor | None) -> torch.Tensor:
+        op = _onednn_linear()
+        x2 = x.reshape(-1, x.shape[-1])  # (N, in)
+        ctx.save_for_backward(x2, w)
+        ctx.has_bias = b is not None
+        return op(x2, w, b, "none", [], "").view(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, gy: torch.Tensor
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        op = _onednn_linear()
+        x2, w = ctx.saved_tensors
+        gy2 = gy.reshape(-1, gy.shape[-1]).contiguous()  # (N, out)
+        # oneDNN reads transposed operands slowly: pass contiguous copies (O(N·E), cheap next to the GEMMs).
+        need_x, need_w, need_b = ctx.needs_input_grad
+        gx = gw = gb = None
+        if need_x:
+            gx = op(gy2, w.t().contiguous(), None, "none", [], "").view(*gy.shape[:-1], w.shape[1])  # gy · w
+        if need_w:  # frozen weights (e.g. adapters) skip this GEMM
+            gw = op(gy2.t().contiguous(), x2.t().contiguous(), None, "none", [], "")  # gyᵀ · x  (out, in)
+        if need_b and ctx.has_bias:
+            gb = gy2.sum(0)
+        return gx, gw, gb
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` on the fastest GEMM here (see the module docstring).
+
+    Args:
+        x: (..., in). weight: (out, in). bias: (out,) or None.
+
+    Returns:
+        (..., out), differentiable in x, weight and bias.
+    """
+    return linears(x, [(weight, bias)])[0]
+
+
+def linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
+    """:func:`linear` of one input through several layers: ``[x · wᵀ + b for w, b in layers]``.
+
+    When decoding (few rows of x, no autograd, float32, the native kernel built) the
+    layers run in one call that streams all their weights across threads at once.
+
+    Args:
+        x: (..., in). layers: (weight (out_i, in), bias (out_i,) or None).
+
+    Returns:
+        One (..., out_i) tensor per layer.
+    """
+    tensors = [x] + [t for layer in layers for t in layer if t is not None]
+    if (_onednn_linear() is None or not torch.backends.mkldnn.enabled or x.device.type != "cpu"
+            or any(t.dtype != torch.float32 for t in tensors)):
+        return [F.linear(x, w, b) for w, b in layers]
+    if needs_grad(*tensors):
+        return [_OneDNNLinear.apply(x, w, b) for w, b in layers]
+    x2 = x.reshape(-1, x.shape[-1])  # (N, in)
+    if (0 < x2.shape[0] <= native.MAX_STEP_ROWS and all(t.is_contiguous() for t in tensors[1:])
+            and native.vector_bits() >= 512):
+        outs = native.linear_few_rows(x2.contiguous(), layers)
+    else:
+        op = _onednn_linear()
+        outs = [op(x2, w, b, "none", [], "") for w, b in layers]
+    return [o.view(*x.shape[:-1], o.shape[-1]) for o in outs]

@@ -1,0 +1,519 @@
+"""The benchmark suite: multihead against its peers on identical inputs, in one process.
+
+Notation: B batch (1 throughout), H query heads, Hkv key/value heads, S tokens,
+D head dim, E embed dim, L cached tokens.
+
+Machine limits are measured in the same run, so every figure can be read as a fraction
+of what this machine does at that moment:
+
+* ``sgemm_gflops``: ``torch.matmul`` of two n×n float32 matrices (the issue's "sgemm").
+* ``gemm_peak_gflops``: the best float32 GEMM in this process, the larger of the above
+  and oneDNN's (on AMD CPUs MKL runs AVX2 code; oneDNN's AVX-512 is about twice as fast).
+* ``copy_gbps``: bytes read plus bytes written per second by a large tensor copy
+  (STREAM's convention). The bandwidth-bound case (decoding) also times the copy in
+  its own interleaved loop and is rated against that: this machine's bandwidth
+  drifts between runs (45 and 80 GB/s both seen).
+
+Cases (float32, torch threads as set by the caller):
+
+=============  ==========================================  =========================
+case           what                                        work counted
+=============  ==========================================  =========================
+core/full      attention core, no mask, H=12, D=64         4·H·S²·D FLOPs
+core/causal    the same, causal                            4·H·D·S(S+1)/2 (unmasked)
+layer/prefill  a layer, E=768, H=12, S=1024, ± causal      projections + core FLOPs
+layer/decode   one token, E=2048, H=32, Hkv=8, RoPE, L     weights + K/V bytes read
+layer/train    forward + backward, E=768, H=12, S=1024     3 × forward FLOPs
+memory         the core at S=32768 in a fresh process      peak RSS increase
+=============  ==========================================  =========================
+
+Timing: one warm-up call each, then repetitions interleaved round-robin (alternating
+the order) so machine noise hits every implementation alike; medians are reported.
+Nothing here prints: :func:`format_report` returns the table as a string.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["time_interleaved", "machine_limits", "machine_info", "run_suite", "format_report",
+           "write_json", "plot", "measure_memory", "memory_probe"]
+
+Fn = Callable[[], object]
+Result = dict[str, Any]
+_COPY = "(copy)"  # the bandwidth probe timed among a case's implementations
+_READ = "(read)"  # a plain read of the case's bytes, timed among them too
+
+#: Sequence lengths of the core cases (full run, --quick run).
+CORE_SEQ = (512, 1024, 2048, 4096)
+QUICK_CORE_SEQ = (64, 128)
+
+
+# -- timing and machine limits ---------------------------------------------------------
+def time_interleaved(
+    fns: Mapping[str, Fn],
+    *,
+    reps: int = 5,
+    warmup: int = 1,
+    resets: Mapping[str, Fn] | None = None,
+    budget_s: float | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Time several callables round-robin and return per-name statistics.
+
+    Args:
+        fns: name -> callable to time.
+        reps: repetitions of each (at least; see ``budget_s``).
+        warmup: untimed calls of each first.
+        resets: name -> untimed callable run before every call of that name (e.g. to
+            roll a KV cache back).
+        budget_s: if given, raise ``reps`` (up to 50) so the whole takes about this long,
+            estimated from the warm-up.
+
+    Returns:
+        name -> {"median_s", "min_s", "times_s"}.
+    """
+    resets = resets or {}
+    noop: Fn = lambda: None  # noqa: E731
+    warm: dict[str, float] = {}
+    for name, fn in fns.items():
+        for _ in range(warmup):
+            resets.get(name, noop)()
+            t0 = time.perf_counter()
+            fn()
+            warm[name] = time.perf_counter() - t0
+    if budget_s is not None and warm:
+        reps = max(reps, min(50, int(budget_s / max(sum(warm.values()), 1e-9))))
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    order = list(fns)
+    for r in range(reps):
+        for name in order if r % 2 == 0 else order[::-1]:  # alternate: no fixed position
+            resets.get(name, noop)()
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - t0)
+    return {n: {"median_s": statistics.median(t), "min_s": min(t), "times_s": t} for n, t in times.items()}
+
+
+def machine_limits(*, quick: bool = False) -> dict[str, Any]:
+    """Compute and bandwidth limits of this machine, measured now (see module docstring)."""
+    from ..backends.gemm import mm_nt, onednn_available
+
+    n = 512 if quick else 4096
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    bt = b.t().contiguous()
+    fns: dict[str, Fn] = {"sgemm": lambda: torch.matmul(a, b)}
+    if onednn_available():
+        fns["onednn"] = lambda: mm_nt(a, bt)
+    t = time_interleaved(fns, reps=3 if quick else 7)
+    flops = 2.0 * n ** 3
+    sgemm = flops / t["sgemm"]["median_s"] / 1e9
+    onednn = flops / t["onednn"]["median_s"] / 1e9 if "onednn" in t else None
+    numel = (1 << 22) if quick else (1 << 26)  # 16 MiB / 256 MiB: the full size is far beyond L3
+    src, dst = torch.randn(numel), torch.empty(numel)
+    tc = time_interleaved({"copy": lambda: dst.copy_(src)}, reps=3 if quick else 7)["copy"]["median_s"]
+    return {
+        "sgemm_gflops": sgemm,
+        "onednn_gflops": onednn,
+        "gemm_peak_gflops": max(sgemm, onednn or 0.0),
+        "copy_gbps": 2.0 * src.nbytes / tc / 1e9,
+        "gemm_n": n,
+        "copy_bytes": src.nbytes,
+    }
+
+
+def machine_info() -> dict[str, Any]:
+    """What ran the suite: versions, cores and torch threads."""
+    try:
+        import transformers
+
+        hf = transformers.__version__
+    except ImportError:
+        hf = None
+    from ..backends.gemm import onednn_available
+
+    return {
+        "python": platform.python_version(), "torch": torch.__version__, "transformers": hf,
+        "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(), "onednn": onednn_available(),
+    }
+
+
+# -- cases -----------------------------------------------------------------------------
+def _core_case(s: int, causal: bool, h: int = 12, d: int = 64) -> tuple[dict[str, Any], dict[str, Fn]]:
+    from ..functional import attention
+
+    q, k, v = (torch.randn(1, h, s, d) for _ in range(3))
+    flops = 4.0 * h * d * (s * (s + 1) / 2 if causal else s * s)
+    fns: dict[str, Fn] = {
+        "multihead": lambda: attention(q, k, v, causal=causal),
+        "torch sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+    }
+    return {"case": f"core/{'causal' if causal else 'full'}", "seq": s, "heads": h, "head_dim": d,
+            "flops": flops, "limit": "compute"}, fns
+
+
+def _layer_flops(e: int, h: int, hkv: int, d: int, s: int, sk: int, causal: bool) -> float:
+    proj = 2.0 * s * e * (h * d + 2 * hkv * d) + 2.0 * s * h * d * e
+    pairs = s * (s + 1) / 2 if causal and s == sk else s * sk
+    return proj + 4.0 * h * d * pairs
+
+
+def _hf_config(kind: str, impl: str, e: int, h: int, hkv: int | None = None) -> Any:
+    import transformers as tf
+
+    if kind == "bert":
+        cfg = tf.BertConfig(hidden_size=e, num_attention_heads=h, attention_probs_dropout_prob=0.0,
+                            hidden_dropout_prob=0.0)
+    elif kind == "gpt2":
+        cfg = tf.GPT2Config(n_embd=e, n_head=h, attn_pdrop=0.0, resid_pdrop=0.0, n_positions=8192)
+    else:
+        cfg = tf.LlamaConfig(hidden_size=e, num_attention_heads=h, num_key_value_heads=hkv or h,
+                             head_dim=e // h, max_position_embeddings=8192, attention_bias=False)
+    cfg._attn_implementation = impl
+    return cfg
+
+
+def _hf_prefill_peers(x: torch.Tensor, causal: bool, e: int, h: int) -> dict[str, Fn]:
+    """Hugging Face attention modules on ``x``: BERT when not causal, GPT-2 and Llama when causal."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return {}
+    from transformers.models.bert.modeling_bert import BertAttention
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+
+    s = x.shape[1]
+    # Eager attention needs the causal mask spelled out (HF's own min-value additive form).
+    additive = torch.full((s, s), torch.finfo(x.dtype).min).triu(1)[None, None] if causal else None
+    fns: dict[str, Fn] = {}
+    for impl in ("sdpa", "eager"):
+        mask = None if impl == "sdpa" else additive
+        if not causal:
+            bert = BertAttention(_hf_config("bert", impl, e, h)).eval()
+            fns[f"HF BERT {impl}"] = lambda m=bert: m(x)
+            continue
+        gpt2 = GPT2Attention(_hf_config("gpt2", impl, e, h), layer_idx=0).eval()
+        fns[f"HF GPT-2 {impl}"] = lambda m=gpt2, am=mask: m(x, attention_mask=am)
+        cfg = _hf_config("llama", impl, e, h)
+        llama = LlamaAttention(cfg, layer_idx=0).eval()
+        pos = LlamaRotaryEmbedding(cfg)(x, torch.arange(s)[None])
+        fns[f"HF Llama {impl}"] = lambda m=llama, am=mask, p=pos: m(x, position_embeddings=p, attention_mask=am)
+    return fns
+
+
+def _prefill_case(causal: bool, e: int = 768, h: int = 12, s: int = 1024) -> tuple[dict[str, Any], dict[str, Fn]]:
+    from ..module import MultiHeadAttention
+
+    x = torch.randn(1, s, e)
+    ours = MultiHeadAttention(e, h, causal=causal).eval()
+    mha = torch.nn.MultiheadAttention(e, h, batch_first=True).eval()
+    tmask = torch.ones(s, s, dtype=torch.bool).triu(1) if causal else None  # torch: True = ignore
+    fns: dict[str, Fn] = {
+        "multihead": lambda: ours(x),
+        # the fast path: eval, no grad, batch_first, self-attention, need_weights=False
+        "torch MHA": lambda: mha(x, x, x, need_weights=False, attn_mask=tmask, is_causal=causal),
+    }
+    fns.update(_hf_prefill_peers(x, causal, e, h))
+    return {"case": "layer/prefill", "causal": causal, "embed_dim": e, "heads": h, "seq": s,
+            "flops": _layer_flops(e, h, h, e // h, s, s, causal), "limit": "compute"}, fns
+
+
+def _decode_case(quick: bool) -> tuple[dict[str, Any], dict[str, Fn], dict[str, Fn]]:
+    from ..module import MultiHeadAttention
+    from ..rope import RoPE
+
+    e, h, hkv, cached = (256, 8, 2, 128) if quick else (2048, 32, 8, 4096)
+    d = e // h
+    ours = MultiHeadAttention(e, h, num_kv_heads=hkv, causal=True, bias=False,
+                              rope=RoPE(d, max_positions=2 * cached)).eval()
+    cache = ours.new_cache(1, cached + 64)
+    ours(torch.randn(1, cached, e), cache=cache)  # prefill
+    x = torch.randn(1, 1, e)
+    fns: dict[str, Fn] = {"multihead": lambda: ours(x, cache=cache)}
+    resets: dict[str, Fn] = {"multihead": lambda: cache.crop(cached)}
+    try:
+        import transformers as tf
+        from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+    except ImportError:
+        tf = None
+    if tf is not None:
+        for impl in ("sdpa", "eager"):
+            cfg = _hf_config("llama", impl, e, h, hkv)
+            layer = LlamaAttention(cfg, layer_idx=0).eval()
+            pos = LlamaRotaryEmbedding(cfg)(x, torch.tensor([[cached]]))  # per model step, not per layer
+            k0, v0 = torch.randn(1, hkv, cached, d), torch.randn(1, hkv, cached, d)
+            # StaticCache sized to exactly L + 1 slots: every slot is valid, so no mask
+            # is needed, the most favourable setting for it.
+            for label, hf_cache in (("StaticCache", tf.StaticCache(config=cfg, max_cache_len=cached + 1)),
+                                    ("DynamicCache", tf.DynamicCache(config=cfg))):
+                hf_cache.update(k0, v0, 0)
+                name = f"HF Llama {impl} {label}"
+                fns[name] = lambda m=layer, c=hf_cache, p=pos: m(x, position_embeddings=p, cache=c)
+                resets[name] = lambda c=hf_cache: c.crop(-1)
+                fns[name]()  # one step so that every later call starts from L tokens after crop
+    weights = sum(p.numel() * p.element_size() for p in ours.parameters())
+    kv_bytes = 2 * hkv * (cached + 1) * d * 4
+    return ({"case": "layer/decode", "embed_dim": e, "heads": h, "kv_heads": hkv, "cached": cached,
+             "bytes": weights + kv_bytes, "weight_bytes": weights, "kv_bytes": kv_bytes, "limit": "bandwidth"},
+            fns, resets)
+
+
+def _train_case(e: int = 768, h: int = 12, s: int = 1024) -> tuple[dict[str, Any], dict[str, Fn], dict[str, Fn]]:
+    from ..module import MultiHeadAttention
+
+    x = torch.randn(1, s, e)
+    grad = torch.randn(1, s, e)
+    ours = MultiHeadAttention(e, h).train()
+    mha = torch.nn.MultiheadAttention(e, h, batch_first=True).train()
+    fns: dict[str, Fn] = {
+        "multihead": lambda: ours(x).backward(grad),
+        "torch MHA": lambda: mha(x, x, x, need_weights=False)[0].backward(grad),
+    }
+    resets: dict[str, Fn] = {"multihead": lambda: ours.zero_grad(set_to_none=True),
+                             "torch MHA": lambda: mha.zero_grad(set_to_none=True)}
+    return {"case": "layer/train", "embed_dim": e, "heads": h, "seq": s,
+            "flops": 3.0 * _layer_flops(e, h, h, e // h, s, s, False), "limit": "compute"}, fns, resets
+
+
+# -- memory, in a fresh process --------------------------------------------------------
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"{field} not in /proc/self/status")
+
+
+def memory_probe(impl: str, seq: int, heads: int, head_dim: int, causal: bool, path: str) -> None:
+    """Run one attention call and write its peak RSS increase to ``path`` (JSON).
+
+    Meant for a fresh process (see :func:`measure_memory`): Linux's high-water mark is
+    reset after the inputs exist, so the peak counts only what the call allocates.
+    """
+    from ..functional import attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, heads, seq, head_dim) for _ in range(3))
+    fn: Fn = {"multihead": lambda: attention(q, k, v, causal=causal),
+              "torch sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)}[impl]
+    gc.collect()
+    base = _rss("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    t0 = time.perf_counter()
+    out = fn()
+    elapsed = time.perf_counter() - t0
+    peak = _rss("VmHWM:")
+    io_bytes = 3 * q.nbytes + out.nbytes
+    Path(path).write_text(json.dumps({"impl": impl, "peak_increase_bytes": peak - base, "io_bytes": io_bytes,
+                                      "seconds": elapsed}))
+
+
+def measure_memory(seq: int, *, causal: bool = False, heads: int = 12, head_dim: int = 64,
+                   impls: tuple[str, ...] = ("multihead", "torch sdpa")) -> list[Result]:
+    """Peak memory increase of the attention core, each implementation in its own process."""
+    results = []
+    for impl in impls:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "probe.json")
+            code = ("import sys, multihead.tools.bench as b; "
+                    f"b.memory_probe({impl!r}, {seq}, {heads}, {head_dim}, {causal}, sys.argv[1])")
+            env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
+            subprocess.run([sys.executable, "-c", code, path], check=True, env=env)
+            probe = json.loads(Path(path).read_text())
+        results.append({"case": "memory", "seq": seq, "heads": heads, "head_dim": head_dim, "causal": causal,
+                        "impl": impl, "is_ours": impl == "multihead", **probe,
+                        "ratio_to_io": probe["peak_increase_bytes"] / probe["io_bytes"]})
+    return results
+
+
+# -- the suite -------------------------------------------------------------------------
+def run_suite(*, quick: bool = False, progress: Callable[[str], None] | None = None,
+              memory_seq: int | None = None, parallel: bool = False) -> dict[str, Any]:
+    """Run every case and return ``{"machine", "limits", "results"}`` (plain dicts).
+
+    Args:
+        quick: tiny sizes and few repetitions (seconds; for tests and smoke runs).
+        progress: called with a short line before each case (the CLI prints it).
+        memory_seq: S of the memory case; default 32768 (quick: 1024).
+        parallel: also run :func:`multihead.parallel.bench.run` (ring attention's per-rank memory,
+            time and bytes at P = 1, 2, 4; head parallelism at P = 1, 2) under ``"parallel"``.
+    """
+    say = progress or (lambda line: None)
+    torch.manual_seed(0)
+    say("machine limits")
+    limits = machine_limits(quick=quick)
+    budget = 0.2 if quick else 3.0
+    results: list[Result] = []
+
+    def record(spec: dict[str, Any], fns: dict[str, Fn], resets: dict[str, Fn] | None = None) -> None:
+        stats = time_interleaved(fns, reps=2 if quick else 5, warmup=1 if quick else 3, resets=resets, budget_s=budget)
+        for impl, st in stats.items():
+            row = {**spec, "impl": impl, "is_ours": impl == "multihead", **st}
+            _add_rates(row, limits)
+            results.append(row)
+
+    with torch.no_grad():
+        for causal in (False, True):
+            for s in QUICK_CORE_SEQ if quick else CORE_SEQ:
+                say(f"core {'causal' if causal else 'full'} S={s}")
+                record(*_core_case(s, causal))
+        for causal in (False, True):
+            say(f"layer prefill causal={causal}")
+            record(*(_prefill_case(causal, 64, 4, 128) if quick else _prefill_case(causal)))
+        say("layer decode")
+        spec, fns, resets = _decode_case(quick)
+        # This machine's memory bandwidth drifts (a VM: 45 and 80 GB/s both seen, minutes
+        # apart), so the bandwidth limit of this case is a copy timed in the same
+        # interleaved loop as the implementations, not only the one at the start.
+        # A plain streaming read of as many bytes as the step reads (a sum) is timed too:
+        # the floor that no implementation reading those bytes from memory can beat.
+        numel = (1 << 22) if quick else (1 << 26)
+        src, dst = torch.randn(numel), torch.empty(numel)
+        probe = torch.randn(spec["bytes"] // 4)
+        stats = time_interleaved({**fns, _COPY: lambda: dst.copy_(src), _READ: probe.sum},
+                                 reps=2 if quick else 5, warmup=1 if quick else 3, resets=resets, budget_s=budget)
+        spec["copy_gbps"] = 2.0 * src.nbytes / stats.pop(_COPY)["median_s"] / 1e9
+        spec["read_s"] = stats.pop(_READ)["median_s"]
+        del src, dst, probe
+        for impl, st in stats.items():
+            row = {**spec, "impl": impl, "is_ours": impl == "multihead", **st}
+            _add_rates(row, limits)
+            results.append(row)
+    say("layer train (forward + backward)")
+    record(*(_train_case(64, 4, 128) if quick else _train_case()))
+    say("memory")
+    for row in measure_memory(memory_seq or (1024 if quick else 32768)):
+        results.append(row)
+    suite = {"machine": machine_info(), "limits": limits, "quick": quick, "results": results}
+    if parallel:
+        from ..parallel.bench import run as run_parallel
+
+        suite["parallel"] = run_parallel(progress=say, **({"seqs": (1024,)} if quick else {}))
+    return suite
+
+
+def _add_rates(row: Result, limits: dict[str, Any]) -> None:
+    t = row["median_s"]
+    if "flops" in row:
+        row["gflops"] = row["flops"] / t / 1e9
+        row["frac_sgemm"] = row["gflops"] / limits["sgemm_gflops"]
+        row["frac_gemm_peak"] = row["gflops"] / limits["gemm_peak_gflops"]
+        row["times_limit"] = t / (row["flops"] / (limits["sgemm_gflops"] * 1e9))  # 1.0 = at the sgemm limit
+    if "bytes" in row:
+        copy = row.get("copy_gbps", limits["copy_gbps"])  # measured alongside the case when it was
+        row["gbps"] = row["bytes"] / t / 1e9
+        row["frac_copy"] = row["gbps"] / copy
+        row["times_limit"] = t / (row["bytes"] / (copy * 1e9))
+        if "read_s" in row:
+            row["times_read"] = t / row["read_s"]
+
+
+def _label(row: Result) -> str:
+    keys = ("seq", "causal", "embed_dim", "heads", "kv_heads", "cached")
+    return " ".join(f"{k}={row[k]}" for k in keys if k in row)
+
+
+def format_report(suite: dict[str, Any]) -> str:
+    """The suite as text: limits, then one table per case (ours vs each peer)."""
+    m, lim = suite["machine"], suite["limits"]
+    onednn = f"{lim['onednn_gflops']:.0f}" if lim.get("onednn_gflops") else "n/a"
+    lines = [
+        f"torch {m['torch']}, transformers {m['transformers']}, {m['cores']} cores, torch threads "
+        f"{m['torch_threads']}, oneDNN {m['onednn']}",
+        f"limits: sgemm (torch.matmul) {lim['sgemm_gflops']:.0f} GFLOP/s, oneDNN GEMM {onednn} GFLOP/s, "
+        f"copy {lim['copy_gbps']:.1f} GB/s (read + write)",
+    ]
+    groups: dict[tuple[str, str], list[Result]] = {}
+    for row in suite["results"]:
+        groups.setdefault((row["case"], _label(row)), []).append(row)
+    current = None
+    for (case, label), rows in groups.items():
+        ours = next((r for r in rows if r["is_ours"]), None)
+        if ours is None:
+            continue
+        if case != current:
+            current = case
+            lines += ["", f"== {case} ==", _header(case)]
+            if "bytes" in ours and "copy_gbps" in ours:
+                lines.append(f"(bandwidth limit: a copy timed in the same loop, {ours['copy_gbps']:.1f} GB/s read + write;"
+                             f" a plain read of the same {ours['bytes'] / 1e6:.0f} MB (sum) took "
+                             f"{ours['read_s'] * 1e3:.2f} ms: ours {ours['times_read']:.2f}x that)")
+        for peer in (r for r in rows if not r["is_ours"]):
+            lines.append(_row(case, label, ours, peer))
+    return "\n".join(lines)
+
+
+def _header(case: str) -> str:
+    if case == "memory":
+        return f"{'shape':<44} {'peer':<28} {'ours MB':>9} {'peer MB':>9} {'ours/io':>8} {'peer/io':>8}"
+    unit = "%copy" if case == "layer/decode" else "%sgemm"
+    return (f"{'shape':<44} {'peer':<28} {'ours ms':>9} {'peer ms':>9} {'speedup':>8} "
+            f"{'ours ' + unit:>11} {'peer ' + unit:>11} {'ours xlim':>9}")
+
+
+def _row(case: str, label: str, ours: Result, peer: Result) -> str:
+    if case == "memory":
+        return (f"{label:<44} {peer['impl']:<28} {ours['peak_increase_bytes'] / 2**20:>9.1f} "
+                f"{peer['peak_increase_bytes'] / 2**20:>9.1f} {ours['ratio_to_io']:>8.2f} {peer['ratio_to_io']:>8.2f}")
+    frac = "frac_copy" if case == "layer/decode" else "frac_sgemm"
+    return (f"{label:<44} {peer['impl']:<28} {ours['median_s'] * 1e3:>9.2f} {peer['median_s'] * 1e3:>9.2f} "
+            f"{peer['median_s'] / ours['median_s']:>7.2f}x {100 * ours[frac]:>10.0f}% {100 * peer[frac]:>10.0f}% "
+            f"{ours['times_limit']:>9.2f}")
+
+
+def write_json(suite: dict[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Write the suite's results as JSON (per-repetition times included)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(suite, indent=1))
+    return out
+
+
+def plot(suite: dict[str, Any], path: str | os.PathLike[str]) -> Path:
+    """PNG: GFLOP/s of the attention core vs S, ours and peers, with the GEMM limits."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never a window
+    import matplotlib.pyplot as plt
+
+    lim = suite["limits"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for ax, case in zip(axes, ("core/full", "core/causal")):
+        rows = [r for r in suite["results"] if r["case"] == case]
+        for impl in dict.fromkeys(r["impl"] for r in rows):
+            pts = sorted((r["seq"], r["gflops"]) for r in rows if r["impl"] == impl)
+            ax.plot(*zip(*pts), marker="o", label=impl, linewidth=2.5 if impl == "multihead" else 1.5)
+        ax.axhline(lim["sgemm_gflops"], color="k", linestyle="--", label="sgemm (torch.matmul)")
+        if lim.get("onednn_gflops"):
+            ax.axhline(lim["onednn_gflops"], color="gray", linestyle=":", label="oneDNN GEMM")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("sequence length S")
+        ax.set_title(f"{case} (H=12, D=64, float32)" + (", unmasked FLOPs" if "causal" in case else ""))
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("GFLOP/s")
+    axes[0].legend(fontsize=8)
+    m = suite["machine"]
+    fig.suptitle(f"multihead vs torch SDPA — {m['cores']} cores, {m['torch_threads']} threads, torch {m['torch']}")
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

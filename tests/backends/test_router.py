@@ -1,0 +1,149 @@
+"""The router: capabilities refused by name before any work, and "auto"'s rules asserted directly.
+
+No spies: each rule of AUTO_RULES is checked through auto_path on tensors that select
+it, and "auto" is shown to run exactly that path by comparing its output bitwise with
+the path's own kernel.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import multihead as mh
+from multihead.backends import auto, blocked, native
+from multihead.backends.registry import get_spec, missing_capability
+
+NATIVE = native.vector_bits() >= 512
+
+
+def _qkv(b: int, h: int, hkv: int, sq: int, sk: int, d: int = 64, dtype=torch.float32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, sq, d, generator=g).to(dtype)
+    k = torch.randn(b, hkv, sk, d, generator=g).to(dtype)
+    v = torch.randn(b, hkv, sk, d, generator=g).to(dtype)
+    return q, k, v
+
+
+def test_every_rule_has_a_reason_and_auto_paths_is_derived_from_the_rules() -> None:
+    assert list(auto.AUTO_PATHS) == [r.path for r in auto.AUTO_RULES]
+    assert all(r.reason for r in auto.AUTO_RULES)
+    assert auto.AUTO_RULES[-1].applies(auto.Call(*_qkv(1, 1, 1, 1, 1)))  # a last rule that always applies
+    assert mh.kernels.AUTO_PATHS is auto.AUTO_PATHS
+
+
+def test_weights_rule_comes_first() -> None:
+    q, k, v = _qkv(1, 4, 4, 64, 64)
+    assert mh.kernels.auto_path(q, k, v, return_weights=True) == "explicit"
+    assert mh.kernels.auto_path(q.requires_grad_(), k, v, return_weights=True) == "explicit"
+
+
+def test_gradients_and_dropout_take_sdpa_and_with_lse_explicit() -> None:
+    q, k, v = _qkv(1, 4, 4, 64, 64)
+    assert mh.kernels.auto_path(q, k, v, dropout_p=0.1) == "sdpa (gradients)"
+    assert mh.kernels.auto_path(q.clone().requires_grad_(), k, v) == "sdpa (gradients)"
+    assert mh.kernels.auto_path(q.clone().requires_grad_(), k, v, return_lse=True) == "explicit (gradients, lse)"
+    with torch.no_grad():
+        assert mh.kernels.auto_path(q.clone().requires_grad_(), k, v) != "sdpa (gradients)"
+
+
+@pytest.mark.skipif(not NATIVE, reason=f"the native kernel is not built for AVX-512 here ({native.status()})")
+def test_native_rules_where_the_kernel_is_built() -> None:
+    assert mh.kernels.auto_path(*_qkv(1, 4, 4, 8, 8)) == "sdpa"  # 256 scores: below both thresholds
+    assert mh.kernels.auto_path(*_qkv(1, 4, 4, 64, 64)) == "native"  # 2^14 scores
+    assert mh.kernels.auto_path(*_qkv(1, 8, 2, 1, 300)) == "native decode"  # Sq·G = 4 rows
+    assert mh.kernels.auto_path(*_qkv(1, 4, 4, 64, 64, d=40)) != "native"  # Dv not a multiple of 16
+    assert mh.kernels.auto_path(*_qkv(1, 4, 4, 64, 64, dtype=torch.bfloat16)) == "native"
+    assert mh.kernels.auto_path(*_qkv(1, 4, 4, 64, 64, dtype=torch.float64)) == "sdpa"
+
+
+@pytest.mark.parametrize("bits", [0, 256], ids=["no kernel", "no AVX-512"])
+def test_torch_rules_without_the_native_kernel(monkeypatch, bits: int) -> None:
+    monkeypatch.setattr(native, "vector_bits", lambda: bits)
+    assert mh.kernels.auto_path(*_qkv(1, 8, 2, 1, 300)) == "decode"  # GQA, long cache
+    assert mh.kernels.auto_path(*_qkv(1, 8, 8, 1, 300)) == "sdpa"  # MHA decoding: SDPA
+    assert mh.kernels.auto_path(*_qkv(1, 8, 2, 1, 100)) == "sdpa"  # short cache
+    long = _qkv(1, 2, 2, 512, 512)
+    assert mh.kernels.auto_path(*long) == ("blocked" if mh.kernels.onednn_available() else "sdpa")
+    assert mh.kernels.auto_path(*_qkv(1, 2, 2, 512, 512, d=32)) == "sdpa"  # D < 64
+
+
+def test_lse_rules_never_pick_a_path_without_lse(monkeypatch) -> None:
+    for bits in (0, 512):
+        monkeypatch.setattr(native, "vector_bits", lambda b=bits: b)
+        for shape in ((1, 4, 4, 8, 8), (1, 8, 8, 1, 300), (1, 4, 4, 64, 64)):
+            path = mh.kernels.auto_path(*_qkv(*shape), return_lse=True)
+            assert "sdpa" not in path, (bits, shape, path)
+
+
+def _run_named(path: str, q, k, v, causal: bool):
+    scale = q.shape[-1] ** -0.5
+    if path == "decode":
+        return blocked.decode_attention(q, k, v, scale=scale, causal=causal)
+    if path == "native decode":
+        return native.run(q, k, v, scale=scale, causal=causal, window=None, mask=None, decode=True)[0]
+    if path == "native":
+        return native.run(q, k, v, scale=scale, causal=causal, window=None, mask=None, decode=False)[0]
+    return mh.attention(q, k, v, causal=causal, backend=path.split(" (")[0])
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 4, 8, 8), (1, 4, 4, 64, 64), (1, 8, 2, 1, 300), (1, 2, 2, 512, 512)],
+                         ids=["tiny", "mid", "gqa-decode", "long"])
+def test_auto_runs_exactly_the_path_auto_path_names(shape) -> None:
+    q, k, v = _qkv(*shape)
+    path = mh.kernels.auto_path(q, k, v)
+    ours = mh.attention(q, k, v, causal=True)
+    assert torch.equal(ours, _run_named(path, q, k, v, True)), path
+
+
+@pytest.mark.parametrize("name", ["blocked", "native"])
+def test_a_named_inference_backend_refuses_gradients_before_any_work(name: str) -> None:
+    q, k, v = _qkv(1, 2, 2, 8, 8)
+    q.requires_grad_()
+    with pytest.raises(ValueError, match=rf"backend '{name}' cannot do gradients.*backends that can: .*'sdpa'"):
+        mh.attention(q, k, v, backend=name)
+    assert q.grad is None
+
+
+def test_a_named_backend_refuses_dropout_dtype_lse_and_weights_by_name() -> None:
+    q, k, v = _qkv(1, 2, 2, 8, 8)
+    with pytest.raises(ValueError, match=r"backend 'native' cannot do dtype float64"):
+        mh.attention(q.double(), k.double(), v.double(), backend="native")
+    with pytest.raises(ValueError, match=r"backend 'blocked' cannot do dropout"):
+        mh.attention(q, k, v, backend="blocked", dropout_p=0.1)
+    with pytest.raises(ValueError, match=r"backend 'sdpa' cannot do returning the log-sum-exp"):
+        mh.attention(q, k, v, backend="sdpa", return_lse=True)
+    with pytest.raises(ValueError, match=r"backend 'native' cannot do returning attention weights"):
+        mh.attention(q, k, v, backend="native", return_weights=True)
+
+
+def test_native_refused_where_it_cannot_build(monkeypatch) -> None:
+    monkeypatch.setattr(native, "available", lambda: False)
+    q, k, v = _qkv(1, 2, 2, 8, 8)
+    with pytest.raises(ValueError, match=r"backend 'native' cannot do running here: the native kernel is not"):
+        mh.attention(q, k, v, backend="native")
+
+
+def test_capability_table_matches_the_backends_docstring() -> None:
+    rows = {name: get_spec(name) for name in ("explicit", "sdpa", "blocked", "native", "auto")}
+    assert [n for n, s in rows.items() if s.weights] == ["explicit", "auto"]
+    assert [n for n, s in rows.items() if s.lse] == ["explicit", "blocked", "native", "auto"]
+    assert [n for n, s in rows.items() if s.grad] == ["explicit", "sdpa", "auto"]
+    q, k, v = _qkv(1, 2, 2, 4, 4)
+    assert missing_capability(rows["auto"], q.requires_grad_(), k, v, dropout_p=0.5, return_weights=True,
+                              return_lse=True) is None
+
+
+def test_the_module_refuses_a_named_backend_before_writing_the_cache() -> None:
+    layer = mh.MultiHeadAttention(32, 4, causal=True, backend="blocked")
+    cache = layer.new_cache(1, 8)
+    with pytest.raises(ValueError, match="cannot do gradients"):
+        layer(torch.randn(1, 3, 32))  # a training call: parameters require grad
+    with torch.no_grad():
+        before = (cache.k.clone(), cache.lengths.clone())
+        layer.dropout = 0.5
+        layer.train()
+        with pytest.raises(ValueError, match="cannot do dropout"):
+            layer(torch.randn(1, 3, 32), cache=cache)
+    assert torch.equal(cache.k, before[0]) and torch.equal(cache.lengths, before[1])
+    assert cache.host_lengths() == [0]

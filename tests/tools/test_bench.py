@@ -1,0 +1,104 @@
+"""The benchmark suite runs end to end in its tiny ``quick`` mode and writes JSON + PNG.
+
+No timing is asserted (speed is measured by the suite, on a quiet machine, not by unit
+tests); these tests check that every case runs, produces well-formed results, and that
+the report, the files and the command-line script work.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from multihead import bench
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def suite() -> dict[str, Any]:
+    lines: list[str] = []
+    result = bench.run_suite(quick=True, progress=lines.append, memory_seq=256)
+    result["progress"] = lines
+    return result
+
+
+def test_limits_are_positive_rates(suite: dict[str, Any]) -> None:
+    lim = suite["limits"]
+    assert lim["sgemm_gflops"] > 0 and lim["copy_gbps"] > 0
+    assert lim["gemm_peak_gflops"] >= lim["sgemm_gflops"]
+    assert suite["machine"]["torch_threads"] == torch.get_num_threads()
+
+
+def test_every_case_has_ours_and_a_peer(suite: dict[str, Any]) -> None:
+    cases = {r["case"] for r in suite["results"]}
+    assert cases == {"core/full", "core/causal", "layer/prefill", "layer/decode", "layer/train", "memory"}
+    for case in cases:
+        impls = {r["impl"] for r in suite["results"] if r["case"] == case}
+        assert "multihead" in impls and len(impls) >= 2, (case, impls)
+
+
+def test_timed_results_carry_medians_and_rates(suite: dict[str, Any]) -> None:
+    for row in suite["results"]:
+        if row["case"] == "memory":
+            assert row["peak_increase_bytes"] >= 0 and row["io_bytes"] > 0
+            continue
+        assert 0 < row["min_s"] <= row["median_s"]
+        assert len(row["times_s"]) >= 2
+        assert math.isfinite(row["times_limit"]) and row["times_limit"] > 0
+        assert ("gflops" in row) != ("gbps" in row)
+        if "gbps" in row:  # bandwidth-bound: rated against a copy and a plain read timed in its own loop
+            assert row["copy_gbps"] > 0 and row["read_s"] > 0
+            assert row["times_read"] == pytest.approx(row["median_s"] / row["read_s"])
+    assert not {"(copy)", "(read)"} & {row["impl"] for row in suite["results"]}  # probes are not peers
+
+
+def test_peers_from_transformers_are_included_when_installed(suite: dict[str, Any]) -> None:
+    pytest.importorskip("transformers")
+    impls = {r["impl"] for r in suite["results"]}
+    assert {"HF BERT sdpa", "HF GPT-2 eager", "HF Llama sdpa", "HF Llama sdpa StaticCache",
+            "HF Llama eager DynamicCache"} <= impls
+
+
+def test_report_has_a_table_per_case(suite: dict[str, Any]) -> None:
+    text = bench.format_report(suite)
+    for case in ("core/full", "core/causal", "layer/prefill", "layer/decode", "layer/train", "memory"):
+        assert f"== {case} ==" in text
+    assert "torch threads" in text and "speedup" in text
+
+
+def test_json_and_png_are_written(suite: dict[str, Any], tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    data = json.loads(bench.write_json(suite, tmp_path / "out" / "bench.json").read_text())
+    assert data["results"] and data["limits"]
+    png = bench.plot(suite, tmp_path / "out" / "bench.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_time_interleaved_runs_resets_before_every_call() -> None:
+    calls: list[str] = []
+    stats = bench.time_interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+                                   reps=3, resets={"a": lambda: calls.append("reset")})
+    assert calls.count("a") == 4 and calls.count("b") == 4  # 1 warm-up + 3
+    assert calls.count("reset") == 4
+    assert set(stats) == {"a", "b"} and len(stats["a"]["times_s"]) == 3
+
+
+def test_run_script_prints_the_report_and_writes_files(suite: dict[str, Any], tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    spec = importlib.util.spec_from_file_location("bench_run", ROOT / "benchmarks" / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(bench, "run_suite", lambda **kw: suite)  # the suite itself ran in the fixture
+    assert module.main(["bench", "--quick", "--out", str(tmp_path)]) == 0  # run.py is `multihead bench`
+    captured = capsys.readouterr()
+    assert "torch threads" in captured.err and "== core/causal ==" in captured.out
+    assert (tmp_path / "bench.json").exists() and (tmp_path / "bench.png").exists()

@@ -1,0 +1,180 @@
+"""The ``multihead run``, ``explain CONFIG`` and ``cost`` commands, end to end.
+
+The bundled-model run goes through a real subprocess (``python -m multihead``); the
+others call ``main(argv)`` in-process where a subprocess would only add start-up time.
+``--json`` output is parsed and its values checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from multihead import cli, models
+
+CONFIGS = Path(__file__).parents[1] / "data" / "configs"
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "multihead", *args], capture_output=True, text=True,
+                          env=ENV, timeout=300)
+
+
+def _main_json(capsys, *args: str) -> dict:
+    assert cli.main([*args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+# ---- run --------------------------------------------------------------------------------------
+def test_run_json_on_the_bundled_minilm() -> None:
+    done = _cli("run", "--json")
+    assert done.returncode == 0, done.stderr
+    info = json.loads(done.stdout)
+    assert (info["embed_dim"], info["num_heads"], info["head_dim"]) == (384, 12, 32)
+    assert info["batch"] == len(models.DEFAULT_TEXTS) and len(set(info["tokens"])) > 1
+    assert info["min_cosine"] >= 0.99999
+    assert info["max_abs_diff_hidden"] <= 1e-5
+    assert info["unpatch_restored"] is True
+    s = info["seq_len"]
+    shapes = {r["tensor"]: r["shape"] for r in info["table"]}
+    assert shapes["Q"] == f"[384, {s}]" and shapes["head_k"] == f"12 × [32, {s}]"
+    assert "multihead run" in done.stderr  # the progress bar, on stderr only
+
+
+def _tiny_llama_dir(tmp_path: Path) -> Path:
+    """A random 2-layer Llama with GQA (h=4, h_kv=2) and MiniLM's tokenizer."""
+    from transformers import LlamaConfig, LlamaModel
+
+    config = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                         intermediate_size=64, vocab_size=30522, max_position_embeddings=128)
+    torch.manual_seed(0)
+    state = {f"model.{k}": v.contiguous() for k, v in LlamaModel(config).state_dict().items()}
+    save_file(state, str(tmp_path / "model.safetensors"))  # keys as a LlamaForCausalLM checkpoint has them
+    config.save_pretrained(str(tmp_path))
+    for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(models.bundled_model_dir() / name, tmp_path / name)
+    return tmp_path
+
+
+def test_run_any_checkpoint_directory_with_texts(tmp_path: Path, capsys) -> None:
+    path = _tiny_llama_dir(tmp_path)
+    info = _main_json(capsys, "run", "one", "two words here", "--model", str(path), "--no-progress")
+    assert (info["embed_dim"], info["num_heads"], info["num_kv_heads"], info["head_dim"]) == (32, 4, 2, 8)
+    assert info["causal"] and info["rope"] and info["batch"] == 2
+    assert info["cosine_vs_sentence_transformers"] is None  # not a sentence-transformers model
+    assert info["max_abs_diff_hidden"] <= 1e-5
+    shapes = {r["tensor"]: r["shape"] for r in info["table"]}
+    s = info["seq_len"]
+    assert shapes["K"] == f"[16, {s}]" and shapes["K_k"] == f"2 × [8, {s}]" and shapes["RoPE(Q_k)"] == f"4 × [8, {s}]"
+
+
+def test_run_text_output_and_progress(tmp_path: Path, capsys) -> None:
+    path = _tiny_llama_dir(tmp_path)
+    assert cli.main(["run", "--model", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert "max |diff|" in out and "single-head attention" in out and "layer 1:" in out
+    assert "multihead run" in err
+
+
+def test_run_rejects_a_missing_directory(tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.main(["run", "--model", str(tmp_path / "nope")])
+    assert e.value.code == 2 and "nope" in capsys.readouterr().err
+
+
+# ---- explain CONFIG -----------------------------------------------------------------------------
+def test_explain_llama3_config_shows_gqa_shapes() -> None:
+    done = _cli("explain", str(CONFIGS / "meta-llama-3-8b.json"), "--seq", "256", "--json")
+    assert done.returncode == 0, done.stderr
+    info = json.loads(done.stdout)
+    assert (info["embed_dim"], info["num_heads"], info["num_kv_heads"], info["head_dim"]) == (4096, 32, 8, 128)
+    assert info["kind"] == "GQA" and info["seq_len"] == 256
+    shapes = {r["tensor"]: r["shape"] for r in info["table"]}
+    assert shapes["Q"] == "[4096, 256]" and shapes["K"] == "[1024, 256]" and shapes["V"] == "[1024, 256]"
+    assert shapes["Q_k"] == "32 × [128, 256]" and shapes["K_k"] == "8 × [128, 256]"
+    assert shapes["RoPE(K_k)"] == "8 × [128, 256]" and shapes["X + O"] == "[4096, 256]"
+    assert info["parameters_per_layer"] == 4096 * 4096 * 2 + 4096 * 1024 * 2
+
+
+@pytest.mark.parametrize("name, d, h, causal", [
+    ("bert-base-uncased.json", 768, 12, False), ("gpt2.json", 768, 12, True), ("vit-base-patch16-224.json", 768, 12, False),
+])
+def test_explain_reads_encoder_and_decoder_configs(capsys, name: str, d: int, h: int, causal: bool) -> None:
+    info = _main_json(capsys, "explain", str(CONFIGS / name), "--seq", "8")
+    assert (info["embed_dim"], info["num_heads"], info["config"]["causal"]) == (d, h, causal)
+    assert {r["tensor"] for r in info["table"]}.isdisjoint({"RoPE(Q_k)"})
+
+
+def test_explain_accepts_a_checkpoint_folder(tmp_path: Path, capsys) -> None:
+    shutil.copy(CONFIGS / "mistral-7b-v0.1.json", tmp_path / "config.json")
+    info = _main_json(capsys, "explain", str(tmp_path), "--seq", "16")
+    assert info["num_kv_heads"] == 8 and info["config"]["window"] == 4096
+
+
+def test_explain_text_names_the_model(capsys) -> None:
+    assert cli.main(["explain", str(CONFIGS / "qwen2-7b.json"), "--seq", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("qwen2: d=3584, h=28, h_kv=4 (GQA), d_head=128, S=4")
+
+
+def test_explain_rejects_a_malformed_config(tmp_path: Path, capsys) -> None:
+    bad = tmp_path / "config.json"
+    bad.write_text('{"hidden_size": 64, ')
+    with pytest.raises(SystemExit) as e:
+        cli.main(["explain", str(bad)])
+    assert e.value.code == 2 and "config.json" in capsys.readouterr().err
+
+
+# ---- cost ---------------------------------------------------------------------------------------
+def test_cost_json_matches_the_published_llama2_cache_size() -> None:
+    done = _cli("cost", str(CONFIGS / "llama-2-7b.json"), "--seq", "4096", "--batch", "2", "--dtype", "float16",
+                "--json")
+    assert done.returncode == 0, done.stderr
+    info = json.loads(done.stdout)
+    assert info["kv_cache_bytes_per_token"] == 32 * 2 * 4096 * 2 == 512 * 1024
+    assert info["kv_cache_bytes"] == 512 * 1024 * 4096 * 2
+    assert info["gqa_saving"] == 1.0 and info["seq_len"] == 4096 and info["batch"] == 2
+
+
+def test_cost_of_llama3_shows_the_gqa_saving(capsys) -> None:
+    info = _main_json(capsys, "cost", str(CONFIGS / "meta-llama-3-8b.json"), "--seq", "8192", "--dtype", "bfloat16")
+    assert info["kv_cache_bytes_per_token"] == 32 * 2 * 8 * 128 * 2  # 128 KiB
+    assert info["gqa_saving"] == 4.0
+    assert info["flops_attention"] > 0 and info["flops_projections"] > 0
+
+
+def test_cost_text_output(capsys) -> None:
+    assert cli.main(["cost", str(CONFIGS / "gpt2.json"), "--seq", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert "KV cache per token" in out and "GQA saving" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dtype", "float12"], "dtype"),
+    (["--batch", "0"], "--batch"),
+    (["--seq", "-3"], "--seq"),
+])
+def test_cost_rejects_bad_arguments(capsys, args: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.main(["cost", str(CONFIGS / "gpt2.json"), *args])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_minilm_example_runs() -> None:
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).parents[2] / "examples" / "run_minilm.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "+1.000" in done.stdout  # each sentence is identical to itself
