@@ -48,12 +48,13 @@ __all__ = [
     "hf",
     "models",
     "heads",
+    "parallel",
 ]
 
-# Hugging Face glue, the tools and the heads toolkit, imported on first use (they import
-# transformers only inside functions, but keeping them lazy keeps ``import multihead`` to the core).
+# Hugging Face glue, the tools, the heads toolkit and torch.distributed (parallel), imported on
+# first use (they import transformers only inside functions; lazy keeps ``import multihead`` to the core).
 _LAZY = {"hf": ".hf", "models": ".tools.models", "kernels": ".kernels", "bench": ".tools.bench",
-         "cli": ".tools.cli", "heads": ".heads"}
+         "cli": ".tools.cli", "heads": ".heads", "parallel": ".parallel"}
 
 
 def __getattr__(name: str) -> Any:

@@ -329,9 +329,10 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self._project(x, context)  # (B, S, H·D), (B, Sk, Hkv·D) ×2
         seen("Q", q), seen("K", k), seen("V", v)
 
-        q = split_heads(q, self.num_heads)  # (B, H, S, D)
-        k = split_heads(k, self.num_kv_heads)  # (B, Hkv, Sk, D)
-        v = split_heads(v, self.num_kv_heads)  # (B, Hkv, Sk, D)
+        h, hkv = self._local_heads(q.shape[-1], k.shape[-1])  # fewer under tensor parallelism
+        q = split_heads(q, h)  # (B, H, S, D)
+        k = split_heads(k, hkv)  # (B, Hkv, Sk, D)
+        v = split_heads(v, hkv)  # (B, Hkv, Sk, D)
         seen("Q_k", q), seen("K_k", k), seen("V_k", v)
 
         if self.rope is not None:
@@ -348,6 +349,19 @@ class MultiHeadAttention(nn.Module):
         y = _apply_linear(self.o_proj, concat)  # (B, S, E)
         seen("O", y)
         return (y, weights) if return_weights else y
+
+    def _local_heads(self, q_width: int, k_width: int) -> tuple[int, int]:
+        """(H, Hkv) in this call's projections: this rank's share when ``parallelize_module`` shards them
+        (``mh.parallel.tensor_parallel_plan``); anything but whole heads and whole query groups is refused."""
+        w = self.q_proj.weight
+        p = math.prod(w.device_mesh.size(i) for i, pl in enumerate(w.placements) if pl.is_shard()) \
+            if hasattr(w, "device_mesh") else 1
+        h, hkv, d = q_width // self.head_dim, k_width // self.head_dim, self.head_dim
+        if (h * p, hkv * p, h * d, hkv * d) != (self.num_heads, self.num_kv_heads, q_width, k_width):
+            raise ValueError(f"num_heads={self.num_heads} and num_kv_heads={self.num_kv_heads} must split into "
+                             f"whole heads over {p} rank(s), got q/k widths {q_width}/{k_width} per rank (head_dim "
+                             f"{d}); for num_kv_heads < ranks use multihead.parallel.shard_heads")
+        return h, hkv
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
                 real: list[int] | None, cache: KVCache | None, return_weights: bool, seen: Observer,
@@ -414,6 +428,9 @@ class MultiHeadAttention(nn.Module):
         if mask is not None:
             raise ValueError("mask is not supported with a cache (the cache builds the causal mask); "
                              "mark padding with key_mask")
+        if hasattr(self.q_proj.weight, "device_mesh"):
+            raise ValueError("cache= is not supported under parallelize_module (the cache would hold every K/V "
+                             "head); use multihead.parallel.shard_heads(layer, group).new_cache")
         check_tensor("x", x, ndim=3)
         _check_matches_weight("x", x, self.q_proj.weight, self.embed_dim, "[B, S, E]")
         if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):

@@ -344,13 +344,15 @@ def measure_memory(seq: int, *, causal: bool = False, heads: int = 12, head_dim:
 
 # -- the suite -------------------------------------------------------------------------
 def run_suite(*, quick: bool = False, progress: Callable[[str], None] | None = None,
-              memory_seq: int | None = None) -> dict[str, Any]:
+              memory_seq: int | None = None, parallel: bool = False) -> dict[str, Any]:
     """Run every case and return ``{"machine", "limits", "results"}`` (plain dicts).
 
     Args:
         quick: tiny sizes and few repetitions (seconds; for tests and smoke runs).
         progress: called with a short line before each case (the CLI prints it).
         memory_seq: S of the memory case; default 32768 (quick: 1024).
+        parallel: also run :func:`multihead.parallel.bench.run` (ring attention's per-rank memory,
+            time and bytes at P = 1, 2, 4; head parallelism at P = 1, 2) under ``"parallel"``.
     """
     say = progress or (lambda line: None)
     torch.manual_seed(0)
@@ -398,7 +400,12 @@ def run_suite(*, quick: bool = False, progress: Callable[[str], None] | None = N
     say("memory")
     for row in measure_memory(memory_seq or (1024 if quick else 32768)):
         results.append(row)
-    return {"machine": machine_info(), "limits": limits, "quick": quick, "results": results}
+    suite = {"machine": machine_info(), "limits": limits, "quick": quick, "results": results}
+    if parallel:
+        from ..parallel.bench import run as run_parallel
+
+        suite["parallel"] = run_parallel(progress=say, **({"seqs": (1024,)} if quick else {}))
+    return suite
 
 
 def _add_rates(row: Result, limits: dict[str, Any]) -> None:
