@@ -205,7 +205,8 @@ def multi_head_attention(
     h = num_heads
     h_kv = h if num_kv_heads is None else num_kv_heads
     if h <= 0 or h_kv <= 0 or h % h_kv or W_q.shape[0] % h:
-        raise ValueError(f"num_heads={h} must be a positive multiple of num_kv_heads={h_kv} and divide W_q's rows {W_q.shape[0]}")
+        raise ValueError(f"num_heads={h} must be a positive multiple of num_kv_heads={h_kv} "
+                         f"and divide W_q's rows {W_q.shape[0]}")
     d_head = W_q.shape[0] // h
     scale = 1.0 / np.sqrt(d_head) if scale is None else scale
     S, Sk = X.shape[1], C.shape[1]

@@ -42,7 +42,6 @@ matmuls over all K/V heads, the G query heads of a group stacked (no K/V repeat)
 
 from __future__ import annotations
 
-from collections.abc import Callable
 
 import torch
 

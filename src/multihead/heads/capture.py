@@ -243,7 +243,8 @@ class capture:  # noqa: N801  (a context manager used like a function)
             call of one layer inside the block (raised from the forward pass).
     """
 
-    def __init__(self, model: nn.Module, what: Sequence[str] = ("weights", "heads"), layers: Iterable[int | str] | None = None,
+    def __init__(self, model: nn.Module, what: Sequence[str] = ("weights", "heads"),
+                 layers: Iterable[int | str] | None = None,
                  *, heads: Iterable[int] | None = None, dtype: torch.dtype | None = None,
                  limit_bytes: int = DEFAULT_LIMIT_BYTES) -> None:
         what = (what,) if isinstance(what, str) else tuple(what)

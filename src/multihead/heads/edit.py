@@ -187,8 +187,8 @@ class Importance:
             raise ValueError(f"by must be 'gradient' or 'ablation', got {by!r}")
         if scores is None:
             raise ValueError(f"this Importance has no {by!r} scores (it was not computed)")
-        cells = [(l, h, float(scores[l, h])) for l in range(scores.shape[0]) for h in range(scores.shape[1])
-                 if not math.isnan(float(scores[l, h]))]
+        cells = [(i, h, float(scores[i, h])) for i in range(scores.shape[0]) for h in range(scores.shape[1])
+                 if not math.isnan(float(scores[i, h]))]
         return sorted(cells, key=lambda c: (-c[2], c[0], c[1]))
 
 
@@ -397,7 +397,7 @@ def prune(model: nn.Module, spec: Spec) -> nn.Module:
             GQA groups left unequal, projections that are not plain nn.Linear.
     """
     plans = [(name, layer, *_prune_plan(name, layer, heads)) for name, layer, heads in resolve_spec(model, spec)]
-    for name, layer, keep, keep_kv in plans:
+    for _name, layer, keep, keep_kv in plans:
         d = layer.head_dim
         rows_q = torch.cat([torch.arange(i * d, (i + 1) * d) for i in keep])
         rows_kv = torch.cat([torch.arange(i * d, (i + 1) * d) for i in keep_kv])

@@ -141,7 +141,8 @@ def _validate(q: object, k: object, v: object, key_mask: object, window: object,
         raise ValueError(f"k must have shape [B, Hkv, S_r, D] = [{b}, Hkv, {s}, {d}] (the same tokens as q), "
                          f"got {list(k.shape)}")
     if tuple(v.shape[:3]) != tuple(k.shape[:3]):
-        raise ValueError(f"v must have shape [B, Hkv, S_r, Dv] = {list(k.shape[:3])} + [Dv] like k, got {list(v.shape)}")
+        raise ValueError(f"v must have shape [B, Hkv, S_r, Dv] = {list(k.shape[:3])} + [Dv] like k, "
+                         f"got {list(v.shape)}")
     if h % k.shape[1]:
         raise ValueError(f"the number of query heads ({h}) must be a multiple of the number of K/V heads "
                          f"({k.shape[1]})")

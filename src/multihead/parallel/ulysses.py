@@ -112,7 +112,7 @@ def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_
 
 def _seq_to_heads(x: torch.Tensor, sizes: list[int], group: object) -> torch.Tensor:
     """(B, Hx, S_r, D) -> (B, Hx/P, S, D) with the tokens in rank order."""
-    p, r = len(sizes), dist.get_rank(group)
+    p = len(sizes)
     b, hx, s, d = x.shape
     h = hx // p
     send = x.reshape(b, p, h, s, d).transpose(0, 1).contiguous()  # (P, B, h, S_r, D): block j to rank j

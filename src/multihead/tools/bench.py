@@ -34,6 +34,7 @@ Nothing here prints: :func:`format_report` returns the table as a string.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -386,7 +387,7 @@ def run_suite(*, quick: bool = False, progress: Callable[[str], None] | None = N
         numel = (1 << 22) if quick else (1 << 26)
         src, dst = torch.randn(numel), torch.empty(numel)
         probe = torch.randn(spec["bytes"] // 4)
-        stats = time_interleaved({**fns, _COPY: lambda: dst.copy_(src), _READ: probe.sum},
+        stats = time_interleaved({**fns, _COPY: functools.partial(dst.copy_, src), _READ: probe.sum},
                                  reps=2 if quick else 5, warmup=1 if quick else 3, resets=resets, budget_s=budget)
         spec["copy_gbps"] = 2.0 * src.nbytes / stats.pop(_COPY)["median_s"] / 1e9
         spec["read_s"] = stats.pop(_READ)["median_s"]
@@ -451,7 +452,8 @@ def format_report(suite: dict[str, Any]) -> str:
             current = case
             lines += ["", f"== {case} ==", _header(case)]
             if "bytes" in ours and "copy_gbps" in ours:
-                lines.append(f"(bandwidth limit: a copy timed in the same loop, {ours['copy_gbps']:.1f} GB/s read + write;"
+                lines.append(f"(bandwidth limit: a copy timed in the same loop, "
+                             f"{ours['copy_gbps']:.1f} GB/s read + write;"
                              f" a plain read of the same {ours['bytes'] / 1e6:.0f} MB (sum) took "
                              f"{ours['read_s'] * 1e3:.2f} ms: ours {ours['times_read']:.2f}x that)")
         for peer in (r for r in rows if not r["is_ours"]):

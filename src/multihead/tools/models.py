@@ -33,7 +33,8 @@ from .. import hf, interop
 from ..interop.hf_patch import _candidates
 from .trace import trace
 
-__all__ = ["bundled_model_dir", "load_model", "load_tokenizer", "run_model", "mean_pool", "explain_config", "DEFAULT_TEXTS"]
+__all__ = ["bundled_model_dir", "load_model", "load_tokenizer", "run_model", "mean_pool", "explain_config",
+           "DEFAULT_TEXTS"]
 
 #: Texts of different lengths, so that the batch has padding.
 DEFAULT_TEXTS = (
