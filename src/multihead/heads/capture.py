@@ -291,3 +291,18 @@ class capture:  # noqa: N801  (a context manager used like a function)
             if layer.__dict__.get("_heads_tap") is tap:
                 del layer.__dict__["_heads_tap"]
         self._installed = []
+
+
+def weighted_layers(cap: Capture) -> list[str]:
+    """The names of ``cap``'s layers that hold weights, in model order.
+
+    Raises:
+        TypeError: ``cap`` is not a :class:`Capture`.
+        ValueError: it holds no weights.
+    """
+    if not isinstance(cap, Capture):
+        raise TypeError(f"cap must be a multihead.heads.Capture, got {type(cap).__name__}")
+    names = [n for n in cap.layers if n in cap.weights]
+    if not names:
+        raise ValueError("cap holds no weights: capture with what=('weights', ...) and run the model inside the block")
+    return names

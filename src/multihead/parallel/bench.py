@@ -25,15 +25,9 @@ from typing import Any
 
 import torch
 
+from ..tools.bench import _rss
+
 __all__ = ["run", "format_report"]
-
-
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    raise OSError(f"{field} not in /proc/self/status")
 
 
 def _ring_rank(rank: int, p: int, seq: int, heads: int, head_dim: int) -> dict[str, Any]:
@@ -107,17 +101,10 @@ def _child(rank: int, p: int, port: int, job: tuple, results: Any) -> None:
             dist.destroy_process_group()
 
 
-def _spawn(p: int, job: tuple, timeout_s: float = 900.0) -> list[dict[str, Any]]:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_child, args=(r, p, port, job, results), daemon=True) for r in range(p)]
-    # A fixed mmap threshold: every large tensor is mapped and unmapped, so the RSS high-water
-    # mark counts live tensors, not glibc's heap keeping freed blocks (its dynamic threshold).
+def start_measurable(procs: list[Any]) -> None:
+    """Start processes with a fixed mmap threshold: every large tensor is then mapped and
+    unmapped, so a process's RSS high-water mark counts its live tensors, not glibc's heap
+    keeping freed blocks (its dynamic threshold)."""
     saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 17)
     try:
@@ -128,6 +115,18 @@ def _spawn(p: int, job: tuple, timeout_s: float = 900.0) -> list[dict[str, Any]]
             del os.environ["MALLOC_MMAP_THRESHOLD_"]
         else:
             os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
+
+
+def _spawn(p: int, job: tuple, timeout_s: float = 900.0) -> list[dict[str, Any]]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_child, args=(r, p, port, job, results), daemon=True) for r in range(p)]
+    start_measurable(procs)
     got: dict[int, Any] = {}
     try:
         for _ in range(p):
