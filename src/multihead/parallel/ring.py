@@ -34,7 +34,7 @@ import torch
 
 from .._checks import check_float, check_int
 from ..functional import attention
-from ..masks import key_padding_mask
+from ..masks import Structure, key_padding_mask
 from ._comm import agree, resolve_group, ring_shift, world_and_rank
 from ._lse import block_attention, merge_into, work_dtype
 from .layout import LAYOUTS, Run, _dtype_code, _rows, check_sizes, shard_runs
@@ -168,21 +168,20 @@ def _check_table(table: list[list[int]], layout: str) -> str | None:
 
 # -- the plan: which blocks run, and how -----------------------------------------------
 def _classify(a: Run, b: Run, causal: bool, window: int | None) -> str:
-    """How queries of run ``a`` see keys of run ``b``: skip, full, diag (kernel flags) or mask."""
-    if not causal and window is None:
+    """How queries of run ``a`` see keys of run ``b``: skip, full, diag (kernel flags) or mask.
+
+    From the structural rule (:class:`multihead.masks.Structure`): spans only move right as
+    the query moves right, so run ``a``'s first and last queries bound what all of them see.
+    """
+    structure = Structure(causal, window)
+    if structure.trivial:
         return _FULL
-    qmin, qmax, kmin, kmax = a.start, a.last, b.start, b.last
-    if causal:
-        if kmin > qmax or (window is not None and kmax <= qmin - window):
-            return _SKIP
-        full = kmax <= qmin and (window is None or kmin > qmax - window)
-    else:
-        assert window is not None
-        if kmin - qmax >= window or qmin - kmax >= window:
-            return _SKIP
-        full = kmax - qmin < window and qmax - kmin < window
-    if full:
-        return _FULL
+    far = 1 << 62  # spans unclipped on the right
+    first, last = structure.span(a.start, far), structure.span(a.last, far)
+    if last[1] <= b.start or first[0] > b.last:
+        return _SKIP  # no query sees any key of the run
+    if last[0] <= b.start and first[1] > b.last:
+        return _FULL  # every query sees every key of the run
     if (a.start, a.count, a.stride) == (b.start, b.count, b.stride) and a.stride == 1:
         return _DIAG  # same positions: the kernel's bottom-right causal/window flags are exact
     return _MASK
@@ -190,16 +189,7 @@ def _classify(a: Run, b: Run, causal: bool, window: int | None) -> str:
 
 def _pattern(a: Run, b: Run, causal: bool, window: int | None, device: torch.device) -> torch.Tensor:
     """(Sq_a, Sk_b) bool: which keys of run b the queries of run a may see, by global position."""
-    qp = a.positions(device)[:, None]
-    kp = b.positions(device)[None, :]
-    allowed = torch.ones(a.count, b.count, dtype=torch.bool, device=device)
-    if causal:
-        allowed &= kp <= qp
-        if window is not None:
-            allowed &= kp > qp - window
-    elif window is not None:
-        allowed &= (kp - qp).abs() < window
-    return allowed
+    return Structure(causal, window).allows(a.positions(device)[:, None], b.positions(device)[None, :])
 
 
 def _block_mask(kind: str, a: Run, b: Run, spec: _Spec, km: torch.Tensor | None, device: torch.device,
