@@ -40,7 +40,7 @@ def plain_linear(linear: nn.Module) -> bool:
             and not nn.modules.module._global_forward_hooks and not nn.modules.module._global_forward_pre_hooks)
 
 
-def _projections(layer: MultiHeadAttention) -> tuple[nn.Module, ...]:
+def _projections(layer: MultiHeadAttention) -> tuple[nn.Linear, ...]:
     return (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj)
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 __all__ = [
     "project",
@@ -150,26 +151,26 @@ def residual(X: Array, O: Array) -> Array:
 
 
 def multi_head_attention(
-    X: Array,
-    W_q: Array,
-    W_k: Array,
-    W_v: Array,
-    W_o: Array,
+    X: npt.ArrayLike,
+    W_q: npt.ArrayLike,
+    W_k: npt.ArrayLike,
+    W_v: npt.ArrayLike,
+    W_o: npt.ArrayLike,
     num_heads: int,
     *,
     num_kv_heads: int | None = None,
-    b_q: Array | None = None,
-    b_k: Array | None = None,
-    b_v: Array | None = None,
-    b_o: Array | None = None,
+    b_q: npt.ArrayLike | None = None,
+    b_k: npt.ArrayLike | None = None,
+    b_v: npt.ArrayLike | None = None,
+    b_o: npt.ArrayLike | None = None,
     causal: bool = False,
     rope_base: float | None = None,
     rope_interleaved: bool = False,
     rotary_dim: int | None = None,
-    positions: Array | None = None,
-    context: Array | None = None,
-    mask: Array | None = None,
-    key_mask: Array | None = None,
+    positions: npt.ArrayLike | None = None,
+    context: npt.ArrayLike | None = None,
+    mask: npt.ArrayLike | None = None,
+    key_mask: npt.ArrayLike | None = None,
     window: int | None = None,
     scale: float | None = None,
     return_steps: bool = False,

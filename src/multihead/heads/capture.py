@@ -196,9 +196,10 @@ class Capture:
             y, weights = layer._forward(x, context, mask=mask, key_mask=key_mask, positions=positions,
                                         return_weights=True, cache=cache,
                                         observe=lambda n, t: seen.__setitem__(n, t))
-            q = seen.get("Q_rot", seen.get("Q_k"))
-            k = seen.get("K_cache", seen.get("K_rot", seen.get("K_k")))
-            v = seen.get("V_cache", seen.get("V_k"))
+            # The layer always reports Q_k, K_k, V_k (and head_k); the others only on their paths.
+            q = seen.get("Q_rot", seen["Q_k"])
+            k = seen.get("K_cache", seen.get("K_rot", seen["K_k"]))
+            v = seen.get("V_cache", seen["V_k"])
             sel = None if len(info.heads) == info.num_heads else torch.tensor(info.heads, device=x.device)
             for what, store, t, per_query in (("weights", self.weights, weights, True),
                                               ("heads", self.heads, seen["head_k"], True),

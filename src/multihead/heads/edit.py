@@ -30,7 +30,8 @@ from .capture import Capture, check_head_list, find_layers, layer_index
 __all__ = ["scale", "ablate", "importance", "Importance", "prune", "pruning_curve", "CurvePoint",
            "config_of", "resolve_spec"]
 
-Spec = Mapping[int | str, Iterable[int]]
+#: Layers (by index or name) to their heads; a union because Mapping is invariant in its key.
+Spec = Mapping[int, Iterable[int]] | Mapping[str, Iterable[int]] | Mapping[int | str, Iterable[int]]
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
@@ -241,7 +242,8 @@ def _gate_hook(i: int, layer: MultiHeadAttention, gates: list, granularity: str)
 
 
 def _normalise(scores: list[torch.Tensor], steps: Sequence[str], units: int, tokens: int | None) -> list[torch.Tensor]:
-    scores = [s / (tokens if "tokens" in steps else units) for s in scores]
+    # tokens: the real-token count, given exactly when "tokens" is among the steps (else None).
+    scores = [s / (units if tokens is None else tokens) for s in scores]
     if "layer" in steps:  # Michel et al.: L2 per layer
         scores = [s / s.norm().clamp_min(1e-20) for s in scores]
     if "global" in steps:  # bertology: min-max over all heads

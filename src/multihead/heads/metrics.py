@@ -309,8 +309,8 @@ def metrics(cap: Capture, tokens: object = None, key_mask: torch.Tensor | None =
         scores = _layer_scores(cap.weights[name].detach().to("cpu", torch.float64, copy=True), real,
                                info.causal, info.window, tok, special, induction, fnorm)
         for k, head in enumerate(info.heads):
-            values = {f: (None if scores[f] is None else float(scores[f][k])) for f in METRIC_FIELDS}
-            rows.append(HeadMetrics(layer=cap.layers.index(name), head=head, **values))
+            values = {f: (None if (sc := scores[f]) is None else float(sc[k])) for f in METRIC_FIELDS}
+            rows.append(HeadMetrics(layer=cap.layers.index(name), head=head, label=None, **values))
     return rows
 
 

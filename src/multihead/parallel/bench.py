@@ -20,6 +20,7 @@ import os
 import queue
 import socket
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -39,9 +40,10 @@ def _ring_rank(rank: int, p: int, seq: int, heads: int, head_dim: int) -> dict[s
     sent = [0]
     original = dist.batch_isend_irecv
 
-    def counting(ops: list) -> Any:  # bytes this rank sends
-        sent[0] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
-        return original(ops)
+    # (the parameter keeps batch_isend_irecv's name: callers may pass it by keyword)
+    def counting(p2p_op_list: list[dist.P2POp]) -> list[dist.Work]:  # bytes this rank sends
+        sent[0] += sum(op.tensor.numel() * op.tensor.element_size() for op in p2p_op_list if op.op is dist.isend)
+        return original(p2p_op_list)
 
     warm = [torch.randn(1, heads, 4 * 2 * p, head_dim) for _ in range(3)]
     ring_attention(*(t[:, :, :8] for t in warm), causal=True)  # kernels loaded before the baseline
@@ -92,7 +94,8 @@ def _child(rank: int, p: int, port: int, job: tuple, results: Any) -> None:
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=p,
                                 timeout=timedelta(seconds=600))
-        fn = {"ring": _ring_rank, "heads": _heads_rank}[job[0]]
+        runners: dict[str, Callable[..., dict[str, Any]]] = {"ring": _ring_rank, "heads": _heads_rank}
+        fn = runners[job[0]]
         results.put((rank, fn(rank, p, *job[1:]), None))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         results.put((rank, None, repr(exc)))
