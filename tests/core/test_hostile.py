@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -273,3 +274,39 @@ def test_cli_refuses_bad_arguments_with_exit_code_2(argv: list[str], match: str)
     assert done.returncode == 2, done.stderr
     assert re.search(match, done.stderr), done.stderr
     assert "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["explain", "--seq", str(10**9)], r"--seq must be at most 4096 when the seed's example runs"),
+        (["explain", "--seq", "100000"], r"--seq must be at most 4096 when the seed's example runs"),
+        (["explain", "tests/data/configs/gpt2.json", "--seq", str(2**20 + 1)], r"--seq must be at most 1048576"),
+        (["explain", "no-such-config.json", "--seq", str(10**9)], r"--seq must be at most 1048576"),
+    ],
+    ids=["seed-1e9", "seed-1e5", "config-above-2^20", "refused-before-reading-the-config"],
+)
+def test_explain_bounds_seq_up_front_with_one_line_and_exit_code_2(argv, match, capsys, monkeypatch) -> None:
+    from multihead.tools import cli, explain
+
+    def no_work(*args, **kw):
+        raise AssertionError("the bound must be checked before any work")
+
+    monkeypatch.setattr(explain, "explain_seed", no_work)
+    monkeypatch.setattr(explain, "explain_config", no_work)
+    monkeypatch.chdir(Path(__file__).parents[2])
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and re.search(match, err), err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_the_library_bounds_explain_seq_len_too() -> None:
+    from multihead.tools.explain import explain_config, explain_seed
+
+    with pytest.raises(ValueError, match=r"seq_len must be in \[1, 4096\], got 100000"):
+        explain_seed(100_000)
+    with pytest.raises(ValueError, match=r"seq_len must be in \[1, 1048576\]"):
+        explain_config("no-such-config.json", 2**20 + 1)
