@@ -30,7 +30,8 @@ from . import linear as _linear
 from ._checks import check_finite as _check_finite
 from ._checks import check_bool_mask, check_float, check_int, check_tensor
 from .backends import get_backend, resolve_backend
-from .cache import KVCache
+from .backends.registry import Backend
+from .cache import Append, KVCache
 from .decode import plain_linear as _plain
 from .functional import default_backend
 from .masks import Structure, key_padding_mask
@@ -230,7 +231,8 @@ class MultiHeadAttention(nn.Module):
                 True when the layer has a sliding window shorter than ``max_len``.
 
         Returns:
-            a cache with buffers (B, Hkv, C, D), C = max_len (or the window for a ring).
+            a cache with buffers (B, Hkv, C, D), C = max_len (or the window for a ring),
+            belonging to this layer: passing it to another layer raises ``ValueError``.
         """
         weight = self.q_proj.weight
         # The cache holds what the layer computes: another dtype or device could never be used.
@@ -240,12 +242,14 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"device must be the layer's device {weight.device}, got {device}")
         if ring is None:
             ring = self.window is not None and self.window < max_len
-        return KVCache(
+        cache = KVCache(
             batch_size, max_len, self.num_kv_heads, self.head_dim,
             dtype=weight.dtype if dtype is None else dtype,
             device=weight.device if device is None else device,
             window=self.window, ring=ring,
         )
+        cache.claim(self)  # it holds this layer's K/V: any other layer is refused
+        return cache
 
     def extra_repr(self) -> str:
         return (
@@ -350,13 +354,25 @@ class MultiHeadAttention(nn.Module):
             q, k = self.rope.rotate((q, k), positions, bound=bound)
             seen("Q_rot", q), seen("K_rot", k)
 
-        heads, weights = self._attend(q, k, v, attn_mask, real, cache, return_weights, seen)  # (B, H, S, D)
-        seen("head_k", heads)
+        fn = resolve_backend(default_backend(self.backend, return_weights), q, k, v,
+                             dropout_p=self.dropout if self.training else 0.0,
+                             return_weights=return_weights)  # before anything is written
+        structure = Structure(self.causal, self.window)
+        step = None if cache is None else cache.append(k, v, real, structure=structure)  # staged
+        try:  # the cache is committed only if the whole call succeeds; any failure rolls it back
+            heads, weights = self._attend(fn, q, k, v, attn_mask, structure, step, return_weights, seen)  # (B, H, S, D)
+            seen("head_k", heads)
 
-        concat = merge_heads(heads)  # (B, S, H·D)
-        seen("concat", concat)
-        y = _apply_linear(self.o_proj, concat)  # (B, S, E)
-        seen("O", y)
+            concat = merge_heads(heads)  # (B, S, H·D)
+            seen("concat", concat)
+            y = _apply_linear(self.o_proj, concat)  # (B, S, E)
+            seen("O", y)
+        except BaseException:
+            if cache is not None and step is not None:
+                cache.rollback(step)
+            raise
+        if cache is not None and step is not None:
+            cache.commit(step)
         if return_weights:
             assert weights is not None  # the backend was resolved to return them
             return y, weights
@@ -375,33 +391,20 @@ class MultiHeadAttention(nn.Module):
                              f"{d}); for num_kv_heads < ranks use multihead.parallel.shard_heads")
         return h, hkv
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
-                real: list[int] | None, cache: KVCache | None, return_weights: bool, seen: Observer,
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Attention of the heads, through the cache if given: the cache is written only if
-        the whole call succeeds (a failure rolls its staged write back)."""
-        dropout_p = self.dropout if self.training else 0.0
-        fn = resolve_backend(default_backend(self.backend, return_weights), q, k, v, dropout_p=dropout_p,
-                             return_weights=return_weights)  # before anything is written
-        structure = Structure(self.causal, self.window)
-        step = None
-        if cache is not None:
-            step = cache.append(k, v, real, structure=structure)
+    def _attend(self, fn: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                attn_mask: torch.Tensor | None, structure: Structure, step: Append | None,
+                return_weights: bool, seen: Observer) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention of the heads by the resolved backend ``fn``, over the cache's staged
+        keys and values when ``step`` (from :meth:`KVCache.append`) is given."""
+        if step is not None:
             k, v, attn_mask = step.keys, step.values, step.mask
             seen("K_cache", k)
             seen("V_cache", v)
             if attn_mask is not None:  # the mask carries causality and the window
                 structure = Structure()
-        try:
-            out, weights, _ = fn(q, k, v, mask=attn_mask, causal=structure.causal, window=structure.window,
-                                 scale=self.scale, dropout_p=dropout_p, return_weights=return_weights,
-                                 return_lse=False)
-        except BaseException:
-            if cache is not None and step is not None:
-                cache.rollback(step)
-            raise
-        if cache is not None and step is not None:
-            cache.commit(step)
+        out, weights, _ = fn(q, k, v, mask=attn_mask, causal=structure.causal, window=structure.window,
+                             scale=self.scale, dropout_p=self.dropout if self.training else 0.0,
+                             return_weights=return_weights, return_lse=False)
         return out, weights
 
     def _project(self, x: torch.Tensor, context: torch.Tensor | None
@@ -459,6 +462,7 @@ class MultiHeadAttention(nn.Module):
                 raise ValueError("key_mask with a cache must be right-padded (each row's real tokens first, "
                                  "then padding); left padding would leave holes in the cache")
         cache.check_append(b, self.num_kv_heads, self.head_dim, x.dtype, x.device, s)
+        cache.claim(self)  # another layer's cache is refused
         return real
 
     def _check_inputs(

@@ -13,20 +13,42 @@ import torch
 from ..module import MultiHeadAttention
 from .trace import trace
 
-__all__ = ["explain_seed", "explain_config", "SEED_EMBED_DIM", "SEED_NUM_HEADS", "SEED_SEQ_LEN"]
+__all__ = ["explain_seed", "explain_config", "max_seq_len", "SEED_EMBED_DIM", "SEED_NUM_HEADS", "SEED_SEQ_LEN",
+           "SEED_MAX_SEQ_LEN", "MAX_SEQ_LEN"]
 
 SEED_EMBED_DIM = 768
 SEED_NUM_HEADS = 12
 SEED_SEQ_LEN = 1024
+#: The most tokens the seed's example runs with. It computes for real, with the float64
+#: reference beside it, in O(S²) memory: 4096 tokens take about 3 GB and under a minute.
+SEED_MAX_SEQ_LEN = 4096
+#: The most tokens a config is explained at (meta tensors: shapes only, nothing computed).
+MAX_SEQ_LEN = 1 << 20
+
+
+def max_seq_len(config: object | None) -> int:
+    """The bound on ``seq_len``: :data:`SEED_MAX_SEQ_LEN` for the seed's example (``config``
+    None), :data:`MAX_SEQ_LEN` for a config. The one place the command's ``--seq`` is bounded."""
+    return SEED_MAX_SEQ_LEN if config is None else MAX_SEQ_LEN
 
 
 def explain_seed(seq_len: int = SEED_SEQ_LEN, seed: int = 0) -> dict[str, Any]:
     """Run the seed's example layer, trace it, and check it against the float64 reference.
 
+    Args:
+        seq_len: S, 1 to :data:`SEED_MAX_SEQ_LEN`.
+        seed: of the random weights and input.
+
     Returns:
         a dict with the trace rows, the parameter count and the reference check.
+
+    Raises:
+        TypeError, ValueError: ``seq_len`` not an int in range (before any work).
     """
     from .. import reference
+    from .._checks import check_int
+
+    check_int("seq_len", seq_len, maximum=max_seq_len(None))
     from ..rope import RoPE
 
     d, h = SEED_EMBED_DIM, SEED_NUM_HEADS
@@ -66,7 +88,7 @@ def explain_config(config: Any, seq_len: int = 1024, *, batch: int = 1) -> dict[
     Args:
         config: an :class:`~multihead.AttentionConfig` or what ``AttentionConfig.from_hf``
             reads (a config.json path, a checkpoint folder, a dict).
-        seq_len: S.
+        seq_len: S, 1 to :data:`MAX_SEQ_LEN`.
         batch: B.
 
     Returns:
@@ -80,10 +102,10 @@ def explain_config(config: Any, seq_len: int = 1024, *, batch: int = 1) -> dict[
     from .._checks import check_int
     from ..config import AttentionConfig
 
+    check_int("seq_len", seq_len, maximum=max_seq_len(config))  # before the config is read
+    check_int("batch", batch)
     if not isinstance(config, AttentionConfig):
         config = AttentionConfig.from_hf(config)
-    check_int("seq_len", seq_len)
-    check_int("batch", batch)
     # Meta tensors have shapes and no data: nothing is allocated or computed.
     dtype = torch.float32
     layer = MultiHeadAttention.from_config(config, device="meta", dtype=dtype)
