@@ -157,6 +157,11 @@ class KVCache:
                 "give each layer its own cache from layer.new_cache(...)"
             )
 
+    def __getstate__(self) -> dict:
+        # A weak reference cannot be pickled: a saved and reloaded cache belongs to the
+        # first layer that uses it.
+        return {**self.__dict__, "_owner": None}
+
     # -- state changes ---------------------------------------------------------------
     def reset(self) -> None:
         """Forget every token (buffers are not cleared: empty slots are never read)."""

@@ -99,6 +99,9 @@ ROWS: list[tuple[str, Callable[[Path], object], type[Exception], str]] = [
     # the KV cache
     ("cache_terabytes", lambda t: layer().new_cache(2**20, 2**30), ValueError, "TiB"),
     ("cache_crop_negative", lambda t: layer().new_cache(1, 4).crop(-1), ValueError, "n must be in"),
+    ("cache_crop_bool", lambda t: layer().new_cache(1, 4).crop(True), TypeError, "n must be an int, got bool"),
+    ("cache_of_another_layer", lambda t: layer(causal=True).eval().requires_grad_(False)(torch.randn(1, 1, 16), cache=layer().new_cache(1, 4)),
+     ValueError, "cache belongs to another layer"),
     # config.json files
     ("config_malformed_json", lambda t: AttentionConfig.from_hf(write(t, "bad.json", "{hidden_size: 64")), ValueError, "bad.json"),
     ("config_truncated", lambda t: AttentionConfig.from_hf(write(t, "cut.json", json.dumps(LLAMA)[:40])), ValueError, "cut.json"),
