@@ -181,15 +181,19 @@ class KVCache:
             ValueError: negative n, wrong count, or (ring cache) a roll-back further than
                 the ring still holds.
         """
-        n = _integral(n)  # any integral number (int, NumPy or 0-d tensor integers), as Python's indexing takes
-        per_row = isinstance(n, Sequence | torch.Tensor) and not isinstance(n, str | bytes)
-        targets = list(n) if per_row else [n] * self.batch_size  # a non-integral scalar: refused by check_int
+        given = _integral(n)  # any integral number (int, NumPy or 0-d tensor integers), as Python's indexing takes
+        targets: list[object]
+        if isinstance(given, Sequence | torch.Tensor) and not isinstance(given, str | bytes):
+            targets = list(given)  # one per row
+        else:
+            targets = [given] * self.batch_size  # a non-integral scalar is refused by check_int
         if len(targets) != self.batch_size:
             raise ValueError(f"n must be an int or {self.batch_size} ints (one per row), got {len(targets)}")
-        targets = [check_int("n", _integral(t), minimum=0, maximum=self.max_len) for t in targets]
-        new = [min(t, length) for t, length in zip(targets, self._host_lengths)]
+        counts = [check_int("n", _integral(t), minimum=0, maximum=self.max_len) for t in targets]
+        new = [min(t, length) for t, length in zip(counts, self._host_lengths)]
         if self.ring:
             w = self.window
+            assert w is not None  # a ring cache has a window (checked in __init__)
             for b, (t, length) in enumerate(zip(new, self._host_lengths)):
                 # Slots hold positions length-C .. length-1; the next query (at t) needs t-w+1 .. t-1.
                 if 0 < t < length and max(0, t - w + 1) < max(0, length - self.capacity):
@@ -313,6 +317,7 @@ class KVCache:
             if step.chunk is not None:
                 self._write_ring_chunk(*step.chunk, step.counts)
             else:
+                assert step.slots is not None  # an in-place append records its slots
                 self.slot_pos.scatter_(1, step.slots, step.key_pos)
         else:
             counts = [operator.index(c) for c in step]
@@ -331,6 +336,7 @@ class KVCache:
         """Undo :meth:`append`'s writes (the attention that used it failed): the cache is
         then bitwise what it was before."""
         if step.saved is not None:
+            assert step.index is not None  # recorded together with saved
             self.k.scatter_(2, step.index, step.saved[0])
             self.v.scatter_(2, step.index, step.saved[1])
 
@@ -364,11 +370,11 @@ class KVCache:
 def _integral(value: object) -> object:
     """``operator.index(value)`` for integral numbers that are not bools; anything else as given
     (for :func:`check_int` to refuse by name)."""
-    if isinstance(value, bool):
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
         return value
     try:
-        return operator.index(value)
-    except TypeError:
+        return operator.index(value)  # type: ignore[arg-type]  # has __index__
+    except TypeError:  # e.g. a tensor with more than one element
         return value
 
 
