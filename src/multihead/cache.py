@@ -157,6 +157,11 @@ class KVCache:
                 "give each layer its own cache from layer.new_cache(...)"
             )
 
+    def __getstate__(self) -> dict:
+        # A weak reference cannot be pickled: a saved and reloaded cache belongs to the
+        # first layer that uses it.
+        return {**self.__dict__, "_owner": None}
+
     # -- state changes ---------------------------------------------------------------
     def reset(self) -> None:
         """Forget every token (buffers are not cleared: empty slots are never read)."""
@@ -176,10 +181,12 @@ class KVCache:
             ValueError: negative n, wrong count, or (ring cache) a roll-back further than
                 the ring still holds.
         """
-        value = _integral(n)  # any integral number (int, NumPy or 0-d tensor integers), as Python's indexing takes
-        per_row = isinstance(value, Sequence | torch.Tensor) and not isinstance(value, str | bytes)
-        targets: list[object] = list(value) if per_row else [value] * self.batch_size  # type: ignore[call-overload]
-        # (a non-integral scalar is refused by check_int below)
+        given = _integral(n)  # any integral number (int, NumPy or 0-d tensor integers), as Python's indexing takes
+        targets: list[object]
+        if isinstance(given, Sequence | torch.Tensor) and not isinstance(given, str | bytes):
+            targets = list(given)  # one per row
+        else:
+            targets = [given] * self.batch_size  # a non-integral scalar is refused by check_int
         if len(targets) != self.batch_size:
             raise ValueError(f"n must be an int or {self.batch_size} ints (one per row), got {len(targets)}")
         counts = [check_int("n", _integral(t), minimum=0, maximum=self.max_len) for t in targets]
@@ -363,11 +370,11 @@ class KVCache:
 def _integral(value: object) -> object:
     """``operator.index(value)`` for integral numbers that are not bools; anything else as given
     (for :func:`check_int` to refuse by name)."""
-    if isinstance(value, bool):
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
         return value
     try:
-        return operator.index(value)  # type: ignore[arg-type]  # anything with __index__; refused below if not
-    except TypeError:
+        return operator.index(value)  # type: ignore[arg-type]  # has __index__
+    except TypeError:  # e.g. a tensor with more than one element
         return value
 
 

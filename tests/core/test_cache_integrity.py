@@ -175,7 +175,8 @@ for window in (None, 4):
     cache = lay.new_cache(2, 16, ring=window is not None)
     with torch.no_grad():
         for s in (5, 1, 3):
-            snap = (cache.k.clone(), cache.v.clone(), cache.lengths.clone(), cache.slot_pos.clone(), cache.host_lengths())
+            snap = (cache.k.clone(), cache.v.clone(), cache.lengths.clone(), cache.slot_pos.clone(),
+                    cache.host_lengths())
             try:
                 lay(torch.randn(2, s, 16), cache=cache)
             except ValueError as err:

@@ -39,6 +39,12 @@ def layer(**kw) -> mh.MultiHeadAttention:
     return mh.MultiHeadAttention(16, 4, **kw)
 
 
+@torch.no_grad()
+def use_cache_of(owner: mh.MultiHeadAttention, other: mh.MultiHeadAttention) -> None:
+    """Call ``other`` with a cache ``owner`` made (both alive, the same shape)."""
+    other(torch.randn(1, 1, 16), cache=owner.new_cache(1, 4))
+
+
 def write(tmp: Path, name: str, text: str) -> Path:
     p = tmp / name
     p.write_text(text)
@@ -99,6 +105,8 @@ ROWS: list[tuple[str, Callable[[Path], object], type[Exception], str]] = [
     # the KV cache
     ("cache_terabytes", lambda t: layer().new_cache(2**20, 2**30), ValueError, "TiB"),
     ("cache_crop_negative", lambda t: layer().new_cache(1, 4).crop(-1), ValueError, "n must be in"),
+    ("cache_crop_bool", lambda t: layer().new_cache(1, 4).crop(True), TypeError, "n must be an int, got bool"),
+    ("cache_of_another_layer", lambda t: use_cache_of(layer(), layer()), ValueError, "cache belongs to another layer"),
     # config.json files
     ("config_malformed_json", lambda t: AttentionConfig.from_hf(write(t, "bad.json", "{hidden_size: 64")), ValueError, "bad.json"),
     ("config_truncated", lambda t: AttentionConfig.from_hf(write(t, "cut.json", json.dumps(LLAMA)[:40])), ValueError, "cut.json"),

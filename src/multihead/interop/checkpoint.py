@@ -11,6 +11,7 @@ import stat
 from typing import Any
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
