@@ -18,6 +18,9 @@ from ..config import (_KEYS_ALL_BIAS, _KEYS_HEAD_DIM, _KEYS_HEADS, _KEYS_KV_HEAD
                       _KEYS_QKV_BIAS, _KEYS_WIDTH, DECODERS, ENCODERS, INTERLEAVED_ROPE, MAX_CONFIG_BYTES,
                       AttentionConfig, _check_bool, _check_positive_float)
 
+#: A multimodal file nests its language model's config once (twice at most in practice).
+MAX_TEXT_CONFIG_DEPTH = 4
+
 __all__ = ["parse", "read_json", "rope_parameters", "module_rope_base", "module_window"]
 
 
@@ -33,6 +36,9 @@ def read_json(path: Path) -> Mapping[str, Any]:
         raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from e
     except (UnicodeDecodeError, ValueError, OSError) as e:
         raise ValueError(f"{path}: cannot be read as a JSON config ({e})") from e
+    except RecursionError:
+        raise ValueError(f"{path}: nested too deeply to be a config.json (JSON objects or arrays nested "
+                         f"beyond Python's recursion limit)") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: top level must be a JSON object, got {type(data).__name__}")
     return data
@@ -46,6 +52,8 @@ def parse(cfg: Mapping[str, Any], src: str) -> AttentionConfig:
     """Map one HF config dict to an AttentionConfig; every error names ``src`` and the key."""
     text = cfg.get("text_config")
     if _pick(cfg, _KEYS_WIDTH, src) is None and isinstance(text, Mapping):
+        if src.count("text_config") >= MAX_TEXT_CONFIG_DEPTH:
+            raise ValueError(f"{src}: text_config nested more than {MAX_TEXT_CONFIG_DEPTH} levels deep")
         return parse(text, f"{src} text_config")
     model_type = cfg.get("model_type")
     if model_type is not None and not isinstance(model_type, str):
