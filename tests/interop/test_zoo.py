@@ -24,6 +24,7 @@ import dataclasses
 import importlib
 import pkgutil
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -212,3 +213,10 @@ def test_zoo_catches_rope_planted_in_vit(monkeypatch: pytest.MonkeyPatch) -> Non
     planted = dataclasses.replace(hf_registry.REGISTRY[key], rope="half")
     monkeypatch.setitem(hf_registry.REGISTRY, key, planted)
     assert compare("vit").startswith("wrong")
+
+
+def test_readme_table_is_the_registry() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    start, end = "<!-- registry-table -->\n", "\n<!-- /registry-table -->"
+    table = readme[readme.index(start) + len(start):readme.index(end)]
+    assert table == hf_registry.markdown_table()
