@@ -149,3 +149,26 @@ def test_families_read_wrongly_before_are_refused(model_type: str) -> None:
         pytest.fail(f"{model_type} is not a model type of this transformers")
     with pytest.raises(ValueError):
         mh.AttentionConfig.from_hf(CONFIG_MAPPING[model_type]().to_dict())
+
+
+def test_every_model_type_is_read_as_a_checked_type_or_refused(capsys: pytest.CaptureFixture) -> None:
+    """All model types' default configs: from_hf refuses, or reads a type compared above
+    (multimodal files are read from their text_config, whose type must be one of those)."""
+    read, refused, unbuildable = [], [], []
+    for model_type in sorted(CONFIG_MAPPING_NAMES):
+        try:
+            raw = CONFIG_MAPPING[model_type]().to_dict()
+        except Exception:  # noqa: BLE001 - a config class that needs arguments
+            unbuildable.append(model_type)
+            continue
+        try:
+            cfg = mh.AttentionConfig.from_hf(raw)
+        except (ValueError, TypeError):
+            refused.append(model_type)
+            continue
+        assert cfg.model_type in ACCEPTED, f"{model_type} read as unchecked model_type={cfg.model_type!r}"
+        read.append(model_type)
+    with capsys.disabled():
+        print(f"\nconfig zoo: {len(CONFIG_MAPPING_NAMES)} model types: {len(read)} read (as one of "
+              f"{len(ACCEPTED)} checked types), {len(refused)} refused, {len(unbuildable)} without a default config")
+    assert len(read) + len(refused) + len(unbuildable) == len(CONFIG_MAPPING_NAMES) > 800

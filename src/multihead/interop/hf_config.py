@@ -21,7 +21,8 @@ from ..config import (_KEYS_ALL_BIAS, _KEYS_HEAD_DIM, _KEYS_HEADS, _KEYS_KV_HEAD
 #: A multimodal file nests its language model's config once (twice at most in practice).
 MAX_TEXT_CONFIG_DEPTH = 4
 
-__all__ = ["parse", "read_json", "rope_parameters", "module_rope_base", "module_window"]
+__all__ = ["parse", "read_json", "field", "rope_parameters", "module_rope_base", "module_window",
+           "module_max_positions"]
 
 
 def read_json(path: Path) -> Mapping[str, Any]:
@@ -241,7 +242,8 @@ def _scale(cfg: Mapping[str, Any], src: str) -> float | None:
 
 
 # ---- facts a converter reads from a model's config (object or dict) ------------------------------
-def _field(cfg: Any, key: str) -> Any:
+def field(cfg: Any, key: str) -> Any:
+    """``cfg[key]`` of a config dict, or the attribute of a config object; None when absent."""
     return cfg.get(key) if isinstance(cfg, Mapping) else getattr(cfg, key, None)
 
 
@@ -249,7 +251,7 @@ def rope_parameters(cfg: Any, layer_type: str | None, src: str) -> Mapping[str, 
     """``rope_parameters`` of one layer type: transformers v5 nests them per layer type
     (``{"sliding_attention": {...}, "full_attention": {...}}``, Gemma 3, ModernBERT) or
     gives one dict for every layer. ``layer_type`` picks the nested one; {} when absent."""
-    params = _field(cfg, "rope_parameters")
+    params = field(cfg, "rope_parameters")
     if params is not None and not isinstance(params, Mapping):
         raise TypeError(f"{src}: rope_parameters must be an object, got {type(params).__name__}")
     params = params or {}
@@ -275,18 +277,24 @@ def module_rope_base(cfg: Any, layer_type: str | None, src: str) -> float:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
         raise ValueError(f"{src}: rope_parameters rope_type={rope_type!r} is not supported; only 'default'")
-    factor = params.get("partial_rotary_factor", _field(cfg, "partial_rotary_factor"))
+    factor = params.get("partial_rotary_factor", field(cfg, "partial_rotary_factor"))
     if factor not in (None, 1, 1.0):
         raise ValueError(f"{src}: partial_rotary_factor={factor} is not supported for this class; only 1.0")
-    base = params.get("rope_theta", _field(cfg, "rope_theta"))
+    base = params.get("rope_theta", field(cfg, "rope_theta"))
     return 10000.0 if base is None else _check_positive_float("rope_theta", base)
 
 
 def module_window(cfg: Any, src: str) -> int | None:
     """``config.sliding_window`` as the classes that pass it to HF's kernel read it (Mistral)."""
-    window = _field(cfg, "sliding_window")
+    window = field(cfg, "sliding_window")
     if window is None:
         return None
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"{src}: sliding_window must be a positive int or None, got {window!r}")
     return window
+
+
+def module_max_positions(cfg: Any) -> int | None:
+    """``max_position_embeddings`` (the RoPE table length worth precomputing), or None."""
+    positions = field(cfg, "max_position_embeddings")
+    return positions if isinstance(positions, int) and not isinstance(positions, bool) and positions > 0 else None

@@ -168,13 +168,15 @@ def why_not(module: nn.Module, config: Any | None = None) -> str | None:
         if unknown:
             return f"{spec.name}{'.' + path if path else ''} has attributes its description does not cover: {unknown}"
     config = config if config is not None else _config_of(module)
-    model_type = getattr(config, "model_type", None)
+    from . import hf_config  # the one reader of config facts
+
+    model_type = hf_config.field(config, "model_type") if config is not None else None
     if model_type not in spec.model_types:
         # Another config class may hold other keys (RoPE, windows) under other names.
         return (f"{spec.name} with a config of model_type={model_type!r} is not verified; "
                 f"verified: {', '.join(spec.model_types)}")
     for key, want in spec.config_must.items():
-        got = getattr(config, key, None) if config is not None else None
+        got = hf_config.field(config, key) if config is not None else None
         if got != want:
             return f"{spec.name} with config.{key}={got!r} is not supported (only {want!r})"
     return None

@@ -252,7 +252,7 @@ def _rope(module: nn.Module, config: Any, spec: hf_registry.AttentionSpec) -> Ro
         return None
     src = f"{spec.name} config"
     base = hf_config.module_rope_base(config, getattr(module, "layer_type", None), src)
-    positions = getattr(config, "max_position_embeddings", None) or ROPE_TABLE_POSITIONS
+    positions = hf_config.module_max_positions(config) or ROPE_TABLE_POSITIONS
     return RoPE(int(module.head_dim), base, interleaved=spec.rope == "interleaved",
                 max_positions=min(int(positions), ROPE_TABLE_POSITIONS))
 
