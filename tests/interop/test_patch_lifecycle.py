@@ -68,3 +68,17 @@ def test_loading_a_state_dict_into_a_patched_model_is_refused() -> None:
     mh.hf.patch(model)
     with pytest.raises(ValueError, match="unpatch"):
         model.load_state_dict(state)
+
+
+def test_lenient_patch_warns_once_listing_every_skipped_module() -> None:
+    from transformers import GPT2Config, GPT2Model
+
+    model = GPT2Model(GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=100, add_cross_attention=True)).eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mh.hf.patch(model, strict=False)
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "2 attention module(s) unpatched" in message
+    assert "h.0.crossattention" in message and "h.1.crossattention" in message
+    assert isinstance(model.h[0].attn, mh.hf.PatchedAttention)  # the self-attention is patched

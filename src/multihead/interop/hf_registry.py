@@ -49,6 +49,8 @@ from typing import Any
 
 from torch import nn
 
+from . import hf_config  # the one reader of config facts
+
 __all__ = ["AttentionSpec", "REGISTRY", "spec_of", "why_not", "qualified_name", "markdown_table"]
 
 
@@ -168,8 +170,6 @@ def why_not(module: nn.Module, config: Any | None = None) -> str | None:
         if unknown:
             return f"{spec.name}{'.' + path if path else ''} has attributes its description does not cover: {unknown}"
     config = config if config is not None else _config_of(module)
-    from . import hf_config  # the one reader of config facts
-
     model_type = hf_config.field(config, "model_type") if config is not None else None
     if model_type not in spec.model_types:
         # Another config class may hold other keys (RoPE, windows) under other names.
