@@ -10,8 +10,8 @@ by :mod:`multihead.interop.hf_config`. The weight layouts:
   by dropout, the residual and a LayerNorm.
 * GPT-2 family (GPT2Attention): fused ``c_attn`` and ``c_proj`` Conv1D, stored ``[in, out]``,
   the transpose of nn.Linear.
-* Llama family (Llama, Mistral, Qwen2, ...): ``q_proj/k_proj/v_proj/o_proj`` nn.Linear,
-  our names and layout; RoPE rotate-half.
+* q_proj classes (Llama, Mistral, Qwen2, ViT, Cohere, ...): ``q_proj/k_proj/v_proj/o_proj``
+  nn.Linear, our names and layout; RoPE as each class's registry entry says.
 
 transformers is never imported here at module level.
 """
