@@ -65,6 +65,8 @@ class PatchedAttention(nn.Module):
     convention; all return ``(attn_output (B, S, E), None)``.
     """
 
+    original: Any  # the HF module (kept in __dict__, outside the module tree)
+
     def __init__(self, original: nn.Module, mh: MultiHeadAttention) -> None:
         super().__init__()
         self.mh = mh
@@ -162,7 +164,7 @@ class _LlamaWrapper(PatchedAttention):
 
     def __init__(self, original: nn.Module, mh: MultiHeadAttention) -> None:
         super().__init__(original, mh)
-        key = hf_registry.spec_of(original).resid_dropout
+        key = hf_registry.require_spec(original).resid_dropout
         self.resid_dropout = float(getattr(original, key)) if key else 0.0
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: Any = None,
@@ -259,10 +261,7 @@ def _holds_registered(module: nn.Module) -> bool:
 
 def _wrap(module: nn.Module, overrides: dict[str, Any]) -> PatchedAttention:
     """The wrapper for one candidate; ValueError naming the class and the reason otherwise."""
-    reason = hf_registry.why_not(module)
-    if reason is not None:
-        raise ValueError(reason)
-    spec = hf_registry.spec_of(module)
+    spec = hf_registry.require_spec(module)
     if spec.call is None:
         raise ValueError(f"{spec.name} is converted with multihead.MultiHeadAttention.from_hf but not patched "
                          "alone; patch the model that holds its parent attention module")

@@ -51,7 +51,7 @@ from torch import nn
 
 from . import hf_config  # the one reader of config facts
 
-__all__ = ["AttentionSpec", "REGISTRY", "spec_of", "why_not", "qualified_name", "markdown_table"]
+__all__ = ["AttentionSpec", "REGISTRY", "spec_of", "require_spec", "why_not", "qualified_name", "markdown_table"]
 
 
 @dataclass(frozen=True)
@@ -80,8 +80,9 @@ _LLAMA_ATTRS = frozenset({"attention_dropout", "config", "head_dim", "is_causal"
                           "num_key_value_groups", "scaling"})
 
 
-def _q_proj(model_type: str, cls: str, *, also: tuple[str, ...] = (), rope: str | None = "half", window: str | None = None,
-            extra_attrs: frozenset[str] = frozenset(), call: str = "llama", **kw: Any) -> AttentionSpec:
+def _q_proj(model_type: str, cls: str, *, also: tuple[str, ...] = (), rope: str | None = "half",
+            window: str | None = None, extra_attrs: frozenset[str] = frozenset(), call: str = "llama",
+            **kw: Any) -> AttentionSpec:
     module = model_type.replace("-", "_")
     return AttentionSpec(f"transformers.models.{module}.modeling_{module}.{cls}", (model_type, *also), "q_proj", call,
                          _LINEARS, {"": _LLAMA_ATTRS | extra_attrs}, rope=rope, window=window, **kw)
@@ -143,6 +144,15 @@ def qualified_name(module: nn.Module) -> str:
 def spec_of(module: nn.Module) -> AttentionSpec | None:
     """The registry entry of ``module``'s exact class, or None (subclasses are not entries)."""
     return REGISTRY.get(qualified_name(module))
+
+
+def require_spec(module: nn.Module, config: Any | None = None) -> AttentionSpec:
+    """``module``'s description when it covers the module; ValueError with :func:`why_not`'s reason."""
+    reason = why_not(module, config)
+    spec = spec_of(module)
+    if reason is not None or spec is None:
+        raise ValueError(reason)
+    return spec
 
 
 def why_not(module: nn.Module, config: Any | None = None) -> str | None:

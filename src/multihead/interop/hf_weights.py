@@ -85,10 +85,7 @@ def _links(module: nn.Module, family: str) -> list[_Link]:
 def _family_or_raise(module: nn.Module, config: Any | None = None) -> str:
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    reason = hf_registry.why_not(module, config)
-    if reason is not None:
-        raise ValueError(reason)
-    return hf_registry.spec_of(module).layout
+    return hf_registry.require_spec(module, config).layout
 
 
 def state_from_hf(module: nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -194,7 +191,7 @@ def from_hf(module: nn.Module, config: Any | None = None, **overrides: Any) -> M
             rotary, OLMo's clip_qkv...), naming the class and the reason.
     """
     family = _family_or_raise(module, config)
-    spec = hf_registry.spec_of(module)
+    spec = hf_registry.require_spec(module, config)
     config = config if config is not None else hf_registry._config_of(module)
     state = state_from_hf(module)  # our names and layout
     w = state["q_proj.weight"]  # (H·D, E)
@@ -211,7 +208,7 @@ def from_hf(module: nn.Module, config: Any | None = None, **overrides: Any) -> M
 
 
 # Each reader returns (settings, sizes) and may complete ``state`` (BertSelfAttention's W_o).
-def _bert_settings(module: nn.Module, config: Any, state: dict[str, torch.Tensor],
+def _bert_settings(module: Any, config: Any, state: dict[str, torch.Tensor],
                    spec: hf_registry.AttentionSpec) -> tuple[dict, dict]:
     inner = getattr(module, "self", module)  # BertAttention.self, or a BertSelfAttention itself
     w = state["q_proj.weight"]
@@ -225,7 +222,7 @@ def _bert_settings(module: nn.Module, config: Any, state: dict[str, torch.Tensor
     return settings, sizes
 
 
-def _gpt2_settings(module: nn.Module, config: Any, state: dict[str, torch.Tensor],
+def _gpt2_settings(module: Any, config: Any, state: dict[str, torch.Tensor],
                    spec: hf_registry.AttentionSpec) -> tuple[dict, dict]:
     # transformers folds scale_attn_weights and scale_attn_by_inverse_layer_idx into .scaling
     settings = {"causal": bool(module.is_causal), "scale": float(module.scaling),
@@ -233,7 +230,7 @@ def _gpt2_settings(module: nn.Module, config: Any, state: dict[str, torch.Tensor
     return settings, {"head_dim": int(module.head_dim)}
 
 
-def _q_proj_settings(module: nn.Module, config: Any, state: dict[str, torch.Tensor],
+def _q_proj_settings(module: Any, config: Any, state: dict[str, torch.Tensor],
                      spec: hf_registry.AttentionSpec) -> tuple[dict, dict]:
     """q/k/v/o_proj classes: every setting from the description, the module and hf_config."""
     head_dim = int(module.head_dim)
@@ -247,7 +244,7 @@ def _q_proj_settings(module: nn.Module, config: Any, state: dict[str, torch.Tens
     return settings, {"head_dim": head_dim}
 
 
-def _rope(module: nn.Module, config: Any, spec: hf_registry.AttentionSpec) -> RoPE | None:
+def _rope(module: Any, config: Any, spec: hf_registry.AttentionSpec) -> RoPE | None:
     if spec.rope is None:
         return None
     src = f"{spec.name} config"
