@@ -9,7 +9,8 @@ Two passes, because patching decides by class (``hf_registry.REGISTRY``):
   counted and listed.
 * **every accepted type** (``ZOO``): built from a tiny config (E=64, H=4, Hkv=2 where the
   class has GQA, 2 layers, windows shrunk to 6 with 9 tokens, every 2-D weight ×4 so that
-  attention is far from uniform), run on a right-padded batch, patched, run again:
+  attention is far from uniform), run on a right-padded and a left-padded batch, patched,
+  run again:
   relative difference ≤ 1e-5 on real tokens, and the same greedy tokens for generators.
 
 ``test_zoo_catches_rope_planted_in_vit`` plants the mistake this file exists to catch
@@ -89,12 +90,14 @@ def _build(model_type: str, spec_override: Any = None) -> tuple[nn.Module, bool]
     return model, generator
 
 
-def _inputs(model_type: str) -> dict[str, torch.Tensor]:
+def _inputs(model_type: str, side: str = "right") -> dict[str, torch.Tensor]:
+    """A batch of two where the second row has 3 padding tokens on ``side``."""
     g = torch.Generator().manual_seed(1)
     if model_type == "vit":
         return {"pixel_values": torch.randn(B, 3, 32, 32, generator=g)}
     mask = torch.ones(B, S, dtype=torch.long)
-    mask[1, S - 3:] = 0  # the second row is right-padded
+    mask[1, S - 3:] = 0 if side == "right" else 1
+    mask[1, :3] = 0 if side == "left" else 1
     return {"input_ids": torch.randint(3, VOCAB, (B, S), generator=g), "attention_mask": mask}
 
 
@@ -110,17 +113,18 @@ def _out(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
 def compare(model_type: str) -> str:
     """``"exact"``, or what differs (``"wrong: ..."``) after patching ``model_type``'s tiny model."""
     model, generator = _build(model_type)
-    inputs = _inputs(model_type)
-    want = _out(model, inputs)
-    prompt = inputs.get("input_ids", torch.zeros(1, 1, dtype=torch.long))[:1]
+    batches = [_inputs(model_type, side) for side in ("right", "left")]
+    wants = [_out(model, inputs) for inputs in batches]
+    prompt = batches[0].get("input_ids", torch.zeros(1, 1, dtype=torch.long))[:1]
     greedy = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
     tokens = model.generate(prompt, **greedy) if generator else None
     mh.hf.patch(model)
-    got = _out(model, inputs)
-    real = inputs["attention_mask"].bool() if want.dim() == 3 and "attention_mask" in inputs else ...
-    rel = ((got[real] - want[real]).abs().max() / want[real].abs().max()).item()
-    if not rel <= RTOL:
-        return f"wrong: relative difference {rel:.2e} on real tokens"
+    for side, inputs, want in zip(("right", "left"), batches, wants):
+        got = _out(model, inputs)
+        real = inputs["attention_mask"].bool() if want.dim() == 3 and "attention_mask" in inputs else ...
+        rel = ((got[real] - want[real]).abs().max() / want[real].abs().max()).item()
+        if not rel <= RTOL:
+            return f"wrong: relative difference {rel:.2e} on real tokens ({side} padding)"
     if generator and not torch.equal(model.generate(prompt, **greedy), tokens):
         return "wrong: different greedy tokens"
     return "exact"
