@@ -10,8 +10,9 @@ H·D may differ from E. Query head i reads key/value head ``i // (H // Hkv)``:
 Hkv = H is MHA, Hkv = 1 is MQA, anything in between is GQA.
 
 :meth:`AttentionConfig.from_hf` reads the model families in ``ENCODERS`` and
-``DECODERS``; other model types are read only when the file says ``is_decoder`` or
-``is_encoder_decoder``. Where a model alternates sliding-window and full-attention
+``DECODERS`` and refuses every other model type by name (the legacy ``is_decoder`` /
+``is_encoder_decoder`` flags do not decide causality: transformers wrote
+``is_decoder=false`` for causal models too). Where a model alternates sliding-window and full-attention
 layers (Gemma 2/3, ``layer_types``), the config describes the full-attention layers
 (``window=None``), so costs computed from it are upper bounds.
 """
@@ -220,6 +221,9 @@ class AttentionConfig:
         ``rotary_emb_base`` (10000 for a RoPE family that is silent); partial rotary from
         ``partial_rotary_factor``/``rotary_pct``/``rotary_dim``. ``sliding_window`` counts
         unless ``use_sliding_window`` is false. Multimodal files are read from ``text_config``.
+        Falcon's KV heads follow ``FalconConfig`` (``num_kv_heads`` counts only without
+        ``multi_query``); ALiBi, Falcon's new decoder architecture and ALBERT's shared
+        layers are refused. Unknown model types are refused.
 
         Raises:
             ValueError: unreadable, truncated or non-JSON file, a missing file, a top level
