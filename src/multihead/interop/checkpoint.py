@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import stat
-from typing import Any
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any

@@ -95,7 +95,7 @@ def parse(cfg: Mapping[str, Any], src: str) -> AttentionConfig:
         raise ValueError(f"{src}: alibi=true (ALiBi position biases) is not supported")
     if kv_heads is None:
         kv_heads = 1 if _optional_bool(cfg, "multi_query", src) else heads
-    elif heads % _as_int(kv_heads, kv_key, src) or any(h % kv_heads for h in layer_heads or ()):
+    elif heads % _as_int(kv_heads, kv_key or _KEYS_KV_HEADS[0], src) or any(h % kv_heads for h in layer_heads or ()):
         raise ValueError(f"{src}: {heads_key}={list(layer_heads) if layer_heads else heads} must be "
                          f"divisible by {kv_key}={kv_heads}")
 
@@ -189,7 +189,7 @@ def _causal(cfg: Mapping[str, Any], model_type: str | None, src: str) -> bool:
 
 
 def _bias(cfg: Mapping[str, Any], model_type: str | None, src: str) -> tuple[bool, bool | None]:
-    qkv, out, _ = DECODERS.get(model_type, (True, True, False))  # encoders and unknown: nn.Linear default
+    qkv, out, _ = DECODERS.get(model_type or "", (True, True, False))  # encoders and unknown: nn.Linear default
     for key in _KEYS_ALL_BIAS:
         value = _optional_bool(cfg, key, src)
         if value is not None:
@@ -209,7 +209,7 @@ def _rope(cfg: Mapping[str, Any], model_type: str | None, head_dim: int, src: st
         if base is not None and other is not None and other != base:
             raise ValueError(f"{src}: rope_parameters.rope_theta={base} and {key}={other} contradict each other")
         base = other if base is None else base
-    has_rope = DECODERS.get(model_type, (None, None, base is not None))[2]
+    has_rope = DECODERS[model_type][2] if model_type is not None and model_type in DECODERS else base is not None
     if not has_rope or _optional_bool(cfg, "alibi", src):
         return None, None
     base = 10000.0 if base is None else base

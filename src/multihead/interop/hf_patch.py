@@ -187,7 +187,8 @@ class _ViTWrapper(PatchedAttention):
 class _GPT2Wrapper(PatchedAttention):
     def __init__(self, original: nn.Module, mh: MultiHeadAttention) -> None:
         super().__init__(original, mh)
-        self.resid_dropout = float(original.resid_dropout.p)
+        hf: Any = original  # transformers' module: its attributes are not typed here
+        self.resid_dropout = float(hf.resid_dropout.p)
 
     def forward(self, hidden_states: torch.Tensor, cache: Any | None = None,
                 attention_mask: torch.Tensor | None = None, encoder_hidden_states: torch.Tensor | None = None,
@@ -206,8 +207,9 @@ class _BertWrapper(PatchedAttention):
 
     def __init__(self, original: nn.Module, mh: MultiHeadAttention) -> None:
         super().__init__(original, mh)
-        self.LayerNorm = original.output.LayerNorm  # shared, not copied: not part of attention
-        self.hidden_dropout = float(original.output.dropout.p)
+        hf: Any = original  # transformers' module: its attributes are not typed here
+        self.LayerNorm = hf.output.LayerNorm  # shared, not copied: not part of attention
+        self.hidden_dropout = float(hf.output.dropout.p)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 encoder_hidden_states: torch.Tensor | None = None,

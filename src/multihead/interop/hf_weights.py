@@ -69,7 +69,8 @@ def _links(module: nn.Module, family: str) -> list[_Link]:
         if family == "bert":
             links += [_Link("o_proj.weight", "output.dense.weight"), _Link("o_proj.bias", "output.dense.bias")]
     elif family == "gpt2":
-        e = module.c_proj.weight.shape[1]  # Conv1D weight is [in, out]
+        c_proj: Any = module.c_proj
+        e = c_proj.weight.shape[1]  # Conv1D weight is [in, out]
         links = [_Link(f"{o}.weight", "c_attn.weight", slice(i * e, (i + 1) * e), transpose=True)
                  for i, o in enumerate(("q_proj", "k_proj", "v_proj"))]
         links += [_Link(f"{o}.bias", "c_attn.bias", slice(i * e, (i + 1) * e))
