@@ -107,12 +107,13 @@ def fused_step(layer: MultiHeadAttention, x: torch.Tensor, cache: KVCache) -> to
     """
     b, _, e = x.shape
     rope = layer.rope
-    tables = None if rope is None else (rope.cos, rope.sin, rope.rotary_dim, rope.interleaved)
-    y = native.decode_step(
-        x.reshape(b, e).contiguous(),
-        [(p.weight, p.bias) for p in _projections(layer)],
-        num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim, rope=tables,
-        cache_k=cache.k, cache_v=cache.v, lengths=cache.lengths, scale=layer.scale,
-    )  # (B, E); K/V written at each row's next slot
+    cos, sin, rotary_dim, interleaved = (None, None, 0, False) if rope is None else (
+        rope.cos, rope.sin, rope.rotary_dim, rope.interleaved)
+    projs = _projections(layer)
+    # The operator (not the ctypes call) so that torch.compile sees one opaque node that writes the cache.
+    y = torch.ops.multihead.decode_step(
+        x.reshape(b, e).contiguous(), [p.weight for p in projs], [p.bias for p in projs], cos, sin, rotary_dim,
+        interleaved, cache.k, cache.v, cache.lengths, layer.num_heads, layer.num_kv_heads, layer.head_dim,
+        float(layer.scale))  # (B, E); K/V written at each row's next slot
     cache.commit([1] * b)
     return y.view(b, 1, e)

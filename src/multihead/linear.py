@@ -76,6 +76,8 @@ def linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | Non
     Returns:
         One (..., out_i) tensor per layer.
     """
+    if torch.compiler.is_compiling():  # Inductor lowers F.linear itself (to oneDNN where it pays)
+        return [F.linear(x, w, b) for w, b in layers]
     tensors = [x] + [t for layer in layers for t in layer if t is not None]
     if (_onednn_linear() is None or not torch.backends.mkldnn.enabled or x.device.type != "cpu"
             or any(t.dtype != torch.float32 for t in tensors)):

@@ -27,7 +27,12 @@ def _onednn_linear() -> Callable[..., torch.Tensor] | None:
 
 
 def onednn_available() -> bool:
-    """Whether float32 GEMMs run on oneDNN (else on ``torch.matmul``)."""
+    """Whether float32 GEMMs run on oneDNN (else on ``torch.matmul``).
+
+    False while ``torch.compile`` traces: Inductor cannot lower the oneDNN op that
+    eager mode calls, and picks its own GEMMs for ``torch.matmul``."""
+    if torch.compiler.is_compiling():
+        return False
     return _onednn_linear() is not None and torch.backends.mkldnn.enabled
 
 
@@ -43,7 +48,7 @@ def gemm_for(x: torch.Tensor) -> MatMul:
     rows or a plain transpose of such a matrix: a row-strided ``w`` is copied slowly
     inside it, so callers pass contiguous K/V rows.
     """
-    op = _onednn_linear()
+    op = None if torch.compiler.is_compiling() else _onednn_linear()
     if op is not None and x.dtype == torch.float32 and x.device.type == "cpu" and torch.backends.mkldnn.enabled:
         empty: list[float] = []
         return lambda a, w: op(a, w, None, "none", empty, "")

@@ -24,7 +24,7 @@ from pathlib import Path
 __all__ = ["load"]
 
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
-_SOURCES = ("common.h", "attention.cpp", "decode.cpp")
+_SOURCES = ("common.h", "attention.cpp", "decode.cpp", "backward.cpp")
 
 
 def _cpu_flags() -> str:
