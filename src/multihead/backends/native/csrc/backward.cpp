@@ -71,6 +71,20 @@ inline void axpy(T a, const T* __restrict x, T* __restrict y, int64_t n) {
     for (int64_t t = 0; t < n; ++t) y[t] += a * x[t];
 }
 
+// out[j] = x · rows[j] for j < n (rows of length d, stride d): dot products.
+template <typename T>
+inline void dots(const T* __restrict x, const T* __restrict rows, int64_t n, int64_t d, T* __restrict out) {
+    for (int64_t j = 0; j < n; ++j) out[j] = dot_t(x, rows + j * d, d);
+}
+// float: 16 rows at a time, their 16 sums reduced together (common.h), when d allows.
+inline void dots(const float* __restrict x, const float* __restrict rows, int64_t n, int64_t d,
+                 float* __restrict out) {
+    int64_t j = 0;
+    if (d % 16 == 0)
+        for (; j + 16 <= n; j += 16) store(out + j, dot16(x, rows + j * d, d, d));
+    for (; j < n; ++j) out[j] = dot_t(x, rows + j * d, d);
+}
+
 // x[j] = exp(x[j] − c) for j < n (x[j] = −inf gives 0). float: the vector exp2 of
 // common.h (its relative error is below float32 rounding); double: std::exp.
 inline void exp_shift(float* x, int64_t n, float c) {
@@ -114,8 +128,9 @@ inline bool row_grads(const Grad<T>& g, int64_t b, int64_t h, int64_t i, int64_t
     const T* vb = g.v + (b * g.Hkv + kv) * g.Sk * g.Dv;
     const uint8_t* m = g.mrow(b, h, i);
     const T neg_inf = -std::numeric_limits<T>::infinity();
+    dots(qi, kb + a * g.D, e - a, g.D, p);
     for (int64_t j = a; j < e; ++j)
-        p[j - a] = (m && !m[j * g.ms[3]]) ? neg_inf : g.scale * dot_t(qi, kb + j * g.D, g.D);
+        p[j - a] = (m && !m[j * g.ms[3]]) ? neg_inf : g.scale * p[j - a];
     exp_shift(p, e - a, lse);
     T total = 0;
     for (int64_t j = 0; j < e - a; ++j) total += p[j];
@@ -123,33 +138,110 @@ inline bool row_grads(const Grad<T>& g, int64_t b, int64_t h, int64_t i, int64_t
     if (factor != T(1))
         for (int64_t j = 0; j < e - a; ++j) p[j] *= factor;
     const T delta = g.delta[r];
-    for (int64_t j = a; j < e; ++j)
-        ds[j - a] = p[j - a] == T(0) ? T(0) : p[j - a] * (dot_t(doi, vb + j * g.Dv, g.Dv) - delta);
+    dots(doi, vb + a * g.Dv, e - a, g.Dv, ds);  // dp
+    for (int64_t j = 0; j < e - a; ++j) ds[j] = p[j] == T(0) ? T(0) : p[j] * (ds[j] - delta);
     return true;
 }
 
 // Pass 2: dK, dV of keys [j0, j1) of (b, kvh).
+// acc[j] += Σ_r c[r][j] · x_r for j < n, r < R (rows x_r of length d; acc rows of stride d):
+// R rows at a time, so each accumulator row is loaded and stored once per R rows.
+template <typename T, int R>
+inline void rank_update(T* __restrict acc, const T* const* x, const T* c, int64_t ldc, int64_t n, int64_t d) {
+    for (int64_t j = 0; j < n; ++j) {
+        T cj[R];
+        bool any = false;
+        for (int r = 0; r < R; ++r) any |= (cj[r] = c[r * ldc + j]) != T(0);
+        if (!any) continue;
+        T* __restrict aj = acc + j * d;
+#pragma omp simd
+        for (int64_t t = 0; t < d; ++t) {
+            T sum = aj[t];
+            for (int r = 0; r < R; ++r) sum += cj[r] * x[r][t];
+            aj[t] = sum;
+        }
+    }
+}
+
+// y (d) += Σ_j c[j] · rows[j] (n rows of length d, stride d).
+template <typename T>
+inline void combine(T* __restrict y, const T* __restrict c, const T* __restrict rows, int64_t n, int64_t d) {
+    for (int64_t j = 0; j < n; ++j)
+        if (c[j] != T(0)) axpy(c[j], rows + j * d, y, d);
+}
+// float, d = 16·NV: y kept in NV registers across the n rows.
+template <int NV>
+inline void combine_v(float* __restrict y, const float* __restrict c, const float* __restrict rows, int64_t n) {
+    v16 acc[NV];
+#pragma GCC unroll 8
+    for (int t = 0; t < NV; ++t) acc[t] = load(y + 16 * t);
+    for (int64_t j = 0; j < n; ++j) {
+        const v16 cj = splat(c[j]);
+#pragma GCC unroll 8
+        for (int t = 0; t < NV; ++t) acc[t] += cj * load(rows + j * 16 * NV + 16 * t);
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < NV; ++t) store(y + 16 * t, acc[t]);
+}
+inline void combine(float* __restrict y, const float* __restrict c, const float* __restrict rows, int64_t n,
+                    int64_t d) {
+    switch (d % 16 ? 0 : d / 16) {
+        case 1: return combine_v<1>(y, c, rows, n);
+        case 2: return combine_v<2>(y, c, rows, n);
+        case 3: return combine_v<3>(y, c, rows, n);
+        case 4: return combine_v<4>(y, c, rows, n);
+        case 5: return combine_v<5>(y, c, rows, n);
+        case 6: return combine_v<6>(y, c, rows, n);
+        case 7: return combine_v<7>(y, c, rows, n);
+        case 8: return combine_v<8>(y, c, rows, n);
+        default:
+            for (int64_t j = 0; j < n; ++j)
+                if (c[j] != 0.f) axpy(c[j], rows + j * d, y, d);
+    }
+}
+
+constexpr int RB = 4;  // query rows per rank update of pass 2
+
+// Pass 2: dK, dV of keys [j0, j1) of (b, kvh). p and ds hold RB rows of KB columns.
 template <typename T>
 void dkdv_block(const Grad<T>& g, int64_t b, int64_t kvh, int64_t j0, int64_t j1, T* acc_k, T* acc_v, T* p, T* ds) {
     const int64_t G = g.H / g.Hkv, n = j1 - j0;
     std::fill(acc_k, acc_k + n * g.D, T(0));
     std::fill(acc_v, acc_v + n * g.Dv, T(0));
+    const T* qs[RB];
+    const T* dos[RB];
+    int rows = 0;
+    auto flush = [&]() {
+        for (int r = rows; r < RB; ++r) {  // unused rows weigh nothing
+            std::fill(p + r * KB, p + (r + 1) * KB, T(0));
+            std::fill(ds + r * KB, ds + (r + 1) * KB, T(0));
+            qs[r] = qs[0];
+            dos[r] = dos[0];
+        }
+        rank_update<T, RB>(acc_v, dos, p, KB, n, g.Dv);
+        rank_update<T, RB>(acc_k, qs, ds, KB, n, g.D);
+        rows = 0;
+    };
     for (int64_t gi = 0; gi < G; ++gi) {
         const int64_t h = kvh * G + gi;
         for (int64_t i = 0; i < g.Sq; ++i) {
             int64_t a, e;
             T unused = 0;
-            if (!visible(g, i, j0, j1, a, e) || !row_grads(g, b, h, i, a, e, p, ds, g.norm[g.row(b, h, i)], &unused))
+            T *pr = p + rows * KB, *dr = ds + rows * KB;
+            if (!visible(g, i, j0, j1, a, e) ||
+                !row_grads(g, b, h, i, a, e, pr + (a - j0), dr + (a - j0), g.norm[g.row(b, h, i)], &unused))
                 continue;
-            const T* qi = g.qrow(b, h, i);
-            const T* doi = g.dorow(b, h, i);
-            for (int64_t j = a; j < e; ++j) {
-                if (p[j - a] == T(0)) continue;
-                axpy(p[j - a], doi, acc_v + (j - j0) * g.Dv, g.Dv);
-                axpy(g.scale * ds[j - a], qi, acc_k + (j - j0) * g.D, g.D);
-            }
+            std::fill(pr, pr + (a - j0), T(0));
+            std::fill(pr + (e - j0), pr + KB, T(0));
+            std::fill(dr, dr + (a - j0), T(0));
+            std::fill(dr + (e - j0), dr + KB, T(0));
+            for (int64_t j = 0; j < n; ++j) dr[j] *= g.scale;
+            qs[rows] = g.qrow(b, h, i);
+            dos[rows] = g.dorow(b, h, i);
+            if (++rows == RB) flush();
         }
     }
+    if (rows) flush();
     std::copy(acc_k, acc_k + n * g.D, g.dk + ((b * g.Hkv + kvh) * g.Sk + j0) * g.D);
     std::copy(acc_v, acc_v + n * g.Dv, g.dv + ((b * g.Hkv + kvh) * g.Sk + j0) * g.Dv);
 }
@@ -167,9 +259,11 @@ void dq_tile(const Grad<T>& g, int64_t b, int64_t h, int64_t i0, int64_t i1, T* 
         for (int64_t i = i0; i < i1; ++i) {
             int64_t a, e;
             if (!visible(g, i, c0, c1, a, e) || !row_grads(g, b, h, i, a, e, p, ds, T(1), sums + (i - i0))) continue;
-            T* dqi = acc + (i - i0) * g.D;
-            for (int64_t j = a; j < e; ++j)
-                if (ds[j - a] != T(0)) axpy(g.scale * ds[j - a], kb + j * g.D, dqi, g.D);
+            T* __restrict dqi = acc + (i - i0) * g.D;
+            const T* __restrict kr = kb + a * g.D;
+            const int64_t n = e - a, d = g.D;
+            for (int64_t j = 0; j < n; ++j) ds[j] *= g.scale;
+            combine(dqi, ds, kr, n, d);
         }
     }
     // The stored lse is rounded (float32: up to half an ulp of |lse|, the same relative
@@ -202,7 +296,7 @@ int backward(Grad<T>& g, int threads) {
 #pragma omp parallel num_threads(threads)
     {
         T *acc_k = alloc_t<T>(KB * g.D), *acc_v = alloc_t<T>(KB * g.Dv), *acc_q = alloc_t<T>(QT * g.D);
-        T *p = alloc_t<T>(width), *ds = alloc_t<T>(width);
+        T *p = alloc_t<T>(std::max<int64_t>(width, RB * KB)), *ds = alloc_t<T>(std::max<int64_t>(width, RB * KB));
         if (!acc_k || !acc_v || !acc_q || !p || !ds) {
 #pragma omp atomic write
             failed = 1;
