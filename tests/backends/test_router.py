@@ -55,6 +55,10 @@ def test_native_rules_where_the_kernel_is_built() -> None:
     assert mh.kernels.auto_path(*_qkv(1, 4, 4, 64, 64, d=40)) != "native"  # Dv not a multiple of 16
     assert mh.kernels.auto_path(*_qkv(1, 4, 4, 64, 64, dtype=torch.bfloat16)) == "native"
     assert mh.kernels.auto_path(*_qkv(1, 4, 4, 64, 64, dtype=torch.float64)) == "sdpa"
+    big = _qkv(1, 4, 4, 1024, 1024)  # 2^22 scores
+    assert mh.kernels.auto_path(big[0].clone().requires_grad_(), *big[1:], return_lse=True) == "native (gradients, lse)"
+    assert mh.kernels.auto_path(*big, return_lse=True, dropout_p=0.1) == "explicit (gradients, lse)"
+    assert mh.kernels.auto_path(*big) == "native"
 
 
 @pytest.mark.parametrize("bits", [0, 256], ids=["no kernel", "no AVX-512"])
