@@ -21,7 +21,7 @@ from multihead.backends.auto import auto_path
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C++ compiler: " + native.status())
 
-#: compiled vs eager float32: the two differ only by rounding (Inductor's GEMMs vs oneDNN's).
+#: compiled vs eager float32: the two differ only by rounding (fused elementwise kernels, summation order).
 ATOL = 2e-5
 
 
@@ -47,6 +47,13 @@ def test_opcheck_attention_backward() -> None:
     delta = (dout * out).sum(-1)
     torch.library.opcheck(torch.ops.multihead.attention_backward.default,
                           (dout, q, k, v, lse, delta, None, 0.25, True, None))
+
+
+def test_opcheck_onednn_linear() -> None:
+    """The projections' oneDNN GEMM as an operator (what compiled layers call)."""
+    x, w, b = torch.randn(3, 5, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True), torch.randn(4)
+    torch.library.opcheck(torch.ops.multihead.linear.default, (x, w, b.requires_grad_()))
+    torch.library.opcheck(torch.ops.multihead.linear.default, (x, w, None))
 
 
 def test_opcheck_decode_step() -> None:

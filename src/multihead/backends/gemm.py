@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["MatMul", "onednn_available", "gemm_for", "mm_nt"]
+__all__ = ["MatMul", "onednn_available", "gemm_for", "mm_nt", "onednn_linear_op", "compiled_onednn"]
 
 MatMul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -58,3 +58,44 @@ def gemm_for(x: torch.Tensor) -> MatMul:
 def mm_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x · wᵀ``: x (M, K), w (N, K) -> (M, N), with :func:`gemm_for` ``x``'s GEMM."""
     return gemm_for(x)(x, w)
+
+
+@torch.compiler.assume_constant_result  # a traced graph takes it as a constant
+def compiled_onednn() -> bool:
+    """Whether traced graphs may call :func:`onednn_linear_op` (oneDNN is there and enabled)."""
+    return _onednn_linear() is not None and torch.backends.mkldnn.enabled
+
+
+@torch.library.custom_op("multihead::linear", mutates_args=())
+def onednn_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x · weightᵀ + bias`` on oneDNN's GEMM, as an operator ``torch.compile`` keeps opaque.
+
+    Inductor cannot lower torch's ``mkldnn._linear_pointwise`` and its own GEMM for
+    ``F.linear`` is MKL's (AVX2 on AMD CPUs, about half oneDNN's rate), so compiled
+    layers call this instead. x: (..., in) float32 CPU; weight (out, in); bias (out,) or None.
+    """
+    op = _onednn_linear()
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()  # (N, in)
+    return op(x2, weight.contiguous(), bias, "none", [], "").view(*x.shape[:-1], weight.shape[0])
+
+
+@onednn_linear_op.register_fake
+def _linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _linear_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _linear_backward(ctx: torch.autograd.function.FunctionCtx, gy: torch.Tensor) -> tuple:
+    x, weight = ctx.saved_tensors
+    gy2 = gy.reshape(-1, gy.shape[-1])  # (N, out)
+    gx = onednn_linear_op(gy, weight.t().contiguous(), None)  # gy · w   (..., in)
+    gw = onednn_linear_op(gy2.t().contiguous(), x.reshape(-1, x.shape[-1]).t().contiguous(), None)  # gyᵀ · x
+    return gx, gw, gy2.sum(0) if ctx.has_bias else None
+
+
+onednn_linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
