@@ -18,7 +18,6 @@ layers (Gemma 2/3, ``layer_types``), the config describes the full-attention lay
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence

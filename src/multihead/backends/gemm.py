@@ -33,7 +33,8 @@ def onednn_available() -> bool:
     eager mode calls, and picks its own GEMMs for ``torch.matmul``."""
     if torch.compiler.is_compiling():
         return False
-    return _onednn_linear() is not None and torch.backends.mkldnn.enabled
+    # torch's stub declares the module attribute as its ContextProp descriptor; it reads a bool.
+    return _onednn_linear() is not None and torch.backends.mkldnn.enabled  # type: ignore[return-value]
 
 
 def _matmul_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

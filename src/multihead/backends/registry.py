@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar, overload
 
 import torch
 
@@ -80,10 +80,23 @@ class BackendSpec:
 _SPECS: dict[str, BackendSpec] = {}
 
 
+F = TypeVar("F", bound=Backend)
+
+
+@overload
+def register_backend(name: str, fn: None = None, *, weights: bool = False, lse: bool = False,
+                     grad: bool = False, dropout: bool = False, dtypes: frozenset[torch.dtype] | None = None,
+                     devices: frozenset[str] | None = None, ready: Callable[[], str | None] = _always,
+                     ) -> Callable[[F], F]: ...
+@overload
+def register_backend(name: str, fn: F, *, weights: bool = False, lse: bool = False,
+                     grad: bool = False, dropout: bool = False, dtypes: frozenset[torch.dtype] | None = None,
+                     devices: frozenset[str] | None = None, ready: Callable[[], str | None] = _always,
+                     ) -> F: ...
 def register_backend(name: str, fn: Backend | None = None, *, weights: bool = False, lse: bool = False,
                      grad: bool = False, dropout: bool = False, dtypes: frozenset[torch.dtype] | None = None,
                      devices: frozenset[str] | None = None, ready: Callable[[], str | None] = _always,
-                     ) -> Callable[[Backend], Backend] | Backend:
+                     ) -> Callable[[F], F] | Backend:
     """Register ``fn`` under ``name`` with its capabilities (usable as a decorator).
 
     Re-registering a name replaces it. The keywords are the fields of :class:`BackendSpec`.
@@ -91,7 +104,7 @@ def register_backend(name: str, fn: Backend | None = None, *, weights: bool = Fa
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty str, got {name!r}")
 
-    def deco(f: Backend) -> Backend:
+    def deco(f: F) -> F:
         _SPECS[name] = BackendSpec(name, f, weights=weights, lse=lse, grad=grad, dropout=dropout,
                                    dtypes=dtypes, devices=devices, ready=ready)
         return f

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..module import MultiHeadAttention
 from .checkpoint import load_state
-from ..rope import RoPE, half_to_interleaved, interleaved_to_half
+from ..rope import RoPE
 
 __all__ = ["from_hf", "to_hf", "hf_family", "state_from_hf", "state_to_hf", "OVERRIDABLE", "ROPE_TABLE_POSITIONS"]
 
@@ -264,7 +264,7 @@ def _llama_settings(module: nn.Module, config: Any, state: dict[str, torch.Tenso
         "causal": bool(getattr(module, "is_causal", True)),
         "scale": float(getattr(module, "scaling", head_dim ** -0.5)),
         "dropout": float(getattr(module, "attention_dropout", 0.0) or 0.0),
-        "window": getattr(module, "sliding_window") if hasattr(module, "sliding_window")
+        "window": module.sliding_window if hasattr(module, "sliding_window")
         else getattr(config, "sliding_window", None),
         "rope": _hf_rope(config, head_dim),
     }

@@ -180,9 +180,10 @@ def _check_qkv(q: object, k: object, v: object, mask: object, window: object) ->
 
 
 def _run(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-         window: int | None, mask: torch.Tensor | None, return_lse: bool, *extra: int,
+         window: int | None, mask: torch.Tensor | None, return_lse: bool, *extra: int, checked: bool = False,
          ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    _check_qkv(q, k, v, mask, window)
+    if not checked:  # the "native" backend's callers validated everything once already
+        _check_qkv(q, k, v, mask, window)
     lib = _require()
     b, h, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -192,7 +193,8 @@ def _run(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     if mask is not None:
         mask = mask[(None,) * (4 - mask.dim())].expand(b, h, sq, sk)  # strides 0 where broadcast
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-               *(mask.stride() if mask is not None else (0, 0, 0, 0)), *(lse.stride() if lse is not None else (0, 0, 0)))
+               *(mask.stride() if mask is not None else (0, 0, 0, 0)),
+               *(lse.stride() if lse is not None else (0, 0, 0)))
     code = getattr(lib, name)(
         ptr(q), ptr(k), ptr(v), ptr(out), ptr(lse), ptr(mask),
         int64s((b, h, hkv, sq, sk, d, dv)), int64s(strides), float(scale), int(causal), int(window or 0),

@@ -68,13 +68,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: fl
         out in q's dtype (a view of a (B, Sq, H, Dv) buffer; contiguous for float64),
         zeros for rows with no key; lse float32 (float64 for float64), ``-inf`` there.
     """
-    from . import _require, attention_f32, decode_f32
+    from . import _QUERY_TILE, _require, _run
 
     if q.dtype == torch.float64:
         return _forward_f64(_require(), q, k, v, mask, scale, causal, window)
-    fn = decode_f32 if decode else attention_f32
-    out, lse = fn(q.float(), k.float(), v.float(), scale=scale, causal=causal, window=window, mask=mask,
-                  return_lse=True)
+    name, extra = ("mh_decode_f32", ()) if decode else ("mh_attention_f32", (_QUERY_TILE,))
+    # The caller (multihead.attention, the module) validated once: no second check here.
+    out, lse = _run(name, q.float(), k.float(), v.float(), scale, causal, window, mask, True, *extra, checked=True)
     return out.to(q.dtype), lse
 
 
