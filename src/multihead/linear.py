@@ -90,8 +90,8 @@ def linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | Non
         One (..., out_i) tensor per layer.
     """
     if torch.compiler.is_compiling():  # oneDNN's op does not lower: an opaque operator around it
-        if compiled_onednn() and x.device.type == "cpu" and all(
-                t.dtype == torch.float32 for layer in layers for t in layer if t is not None) and x.dtype == torch.float32:
+        params = [t for layer in layers for t in layer if t is not None]
+        if compiled_onednn() and x.device.type == "cpu" and all(t.dtype == torch.float32 for t in [x, *params]):
             return [onednn_linear_op(x, w, b) for w, b in layers]
         return [F.linear(x, w, b) for w, b in layers]
     tensors = [x] + [t for layer in layers for t in layer if t is not None]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -64,7 +65,7 @@ def mm_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @torch.compiler.assume_constant_result  # a traced graph takes it as a constant
 def compiled_onednn() -> bool:
     """Whether traced graphs may call :func:`onednn_linear_op` (oneDNN is there and enabled)."""
-    return _onednn_linear() is not None and torch.backends.mkldnn.enabled
+    return _onednn_linear() is not None and torch.backends.mkldnn.enabled  # type: ignore[return-value]
 
 
 @torch.library.custom_op("multihead::linear", mutates_args=())
@@ -76,6 +77,8 @@ def onednn_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     layers call this instead. x: (..., in) float32 CPU; weight (out, in); bias (out,) or None.
     """
     op = _onednn_linear()
+    if op is None:
+        raise RuntimeError("oneDNN's linear is not available in this torch build")
     x2 = x.reshape(-1, x.shape[-1]).contiguous()  # (N, in)
     return op(x2, weight.contiguous(), bias, "none", [], "").view(*x.shape[:-1], weight.shape[0])
 
@@ -85,13 +88,13 @@ def _linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-def _linear_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
+def _linear_setup(ctx: Any, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
     x, weight, bias = inputs
     ctx.save_for_backward(x, weight)
     ctx.has_bias = bias is not None
 
 
-def _linear_backward(ctx: torch.autograd.function.FunctionCtx, gy: torch.Tensor) -> tuple:
+def _linear_backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     x, weight = ctx.saved_tensors
     gy2 = gy.reshape(-1, gy.shape[-1])  # (N, out)
     gx = onednn_linear_op(gy, weight.t().contiguous(), None)  # gy · w   (..., in)

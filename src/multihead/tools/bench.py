@@ -517,10 +517,11 @@ def _row(case: str, label: str, ours: Result, peer: Result) -> str:
         return (f"{label:<44} {peer['impl']:<28} {ours['peak_increase_bytes'] / 2**20:>9.1f} "
                 f"{peer['peak_increase_bytes'] / 2**20:>9.1f} {ours['ratio_to_io']:>8.2f} {peer['ratio_to_io']:>8.2f}")
     frac = "frac_copy" if case == "layer/decode" else "frac_sgemm"
+    best = ("" if case == "layer/decode" else  # vs the best GEMM of the run
+            f" {100 * ours['frac_gemm_peak']:>9.0f}% {100 * peer['frac_gemm_peak']:>9.0f}%")
     return (f"{label:<44} {peer['impl']:<28} {ours['median_s'] * 1e3:>9.2f} {peer['median_s'] * 1e3:>9.2f} "
             f"{peer['median_s'] / ours['median_s']:>7.2f}x {100 * ours[frac]:>10.0f}% {100 * peer[frac]:>10.0f}% "
-            f"{ours['times_limit']:>9.2f}" + ("" if case == "layer/decode" else  # vs the best GEMM of the run
-                                              f" {100 * ours['frac_gemm_peak']:>9.0f}% {100 * peer['frac_gemm_peak']:>9.0f}%"))
+            f"{ours['times_limit']:>9.2f}" + best)
 
 
 def write_json(suite: dict[str, Any], path: str | os.PathLike[str]) -> Path:

@@ -298,11 +298,6 @@ def decode_step(
     return y
 
 
-def _upcast(t: torch.Tensor) -> torch.Tensor:
-    # Half-precision inputs are computed in float32.
-    return t if t.dtype == torch.float32 else t.float()
-
-
 def rows_per_kv_head(q: torch.Tensor, k: torch.Tensor) -> int:
     """Sq·G: the query rows that share one K/V head (few: the decoding loop)."""
     return q.shape[2] * (q.shape[1] // k.shape[1])

@@ -21,7 +21,7 @@ check the backward's code in float64. Registering is cheap and happens on import
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -139,14 +139,14 @@ def _attention_backward_fake(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse:
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
 
 
-def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
     q, k, v, mask, scale, causal, window, _ = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, mask)
     ctx.structure = (scale, causal, window)
 
 
-def _backward(ctx: torch.autograd.function.FunctionCtx, dout: Tensor | None, dlse: Tensor | None) -> tuple:
+def _backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
     q, k, v, out, lse, mask = ctx.saved_tensors
     wide = _wide(q.dtype)
     if dout is None:
@@ -172,7 +172,7 @@ def decode_step(x: Tensor, weights: list[Tensor], biases: list[Optional[Tensor]]
     """
     from . import decode_step as run
 
-    rope = None if cos is None else (cos, sin, rotary_dim, interleaved)
+    rope = None if cos is None or sin is None else (cos, sin, rotary_dim, interleaved)
     return run(x, list(zip(weights, biases)), num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                rope=rope, cache_k=cache_k, cache_v=cache_v, lengths=lengths, scale=scale)
 
