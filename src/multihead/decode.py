@@ -108,20 +108,22 @@ def fused_step(layer: MultiHeadAttention, x: torch.Tensor, cache: KVCache) -> to
     """
     b, _, e = x.shape
     rope = layer.rope
-    tables = None if rope is None else (rope.cos, rope.sin, rope.rotary_dim, rope.interleaved)
+    cos, sin, rotary_dim, interleaved = (None, None, 0, False) if rope is None else (
+        rope.cos, rope.sin, rope.rotary_dim, rope.interleaved)
+    projs = _projections(layer)
     # The slots the step writes (row i's next one), saved: a failure leaves the cache bitwise as it was.
     slots = [(cache.k[i, :, n], cache.v[i, :, n]) for i, n in enumerate(cache.host_lengths())]  # (Hkv, D) views
     saved = [(k.clone(), v.clone()) for k, v in slots]
     try:
-        y = native.decode_step(
-            x.reshape(b, e).contiguous(),
-            [(p.weight, p.bias) for p in _projections(layer)],
-            num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim, rope=tables,
-            cache_k=cache.k, cache_v=cache.v, lengths=cache.lengths, scale=layer.scale,
-        )  # (B, E); K/V written at each row's next slot
+        # The operator (not the ctypes call) so that torch.compile sees one opaque node that writes the cache.
+        y = torch.ops.multihead.decode_step(
+            x.reshape(b, e).contiguous(), [p.weight for p in projs], [p.bias for p in projs], cos, sin, rotary_dim,
+            interleaved, cache.k, cache.v, cache.lengths, layer.num_heads, layer.num_kv_heads, layer.head_dim,
+            float(layer.scale))  # (B, E); K/V written at each row's next slot
         cache.commit([1] * b)
     except BaseException:
         for (k, v), (k0, v0) in zip(slots, saved):
-            k.copy_(k0), v.copy_(v0)
+            k.copy_(k0)
+            v.copy_(v0)
         raise
     return y.view(b, 1, e)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .backends import native
-from .backends.gemm import MatMul, _onednn_linear, gemm_for, mm_nt, onednn_available
+from .backends.gemm import MatMul, _onednn_linear, compiled_onednn, gemm_for, mm_nt, onednn_available, onednn_linear_op
 from .backends.registry import needs_grad
 
 __all__ = ["linear", "linears", "onednn_available", "gemm_for", "mm_nt", "MatMul"]
@@ -89,6 +89,11 @@ def linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | Non
     Returns:
         One (..., out_i) tensor per layer.
     """
+    if torch.compiler.is_compiling():  # oneDNN's op does not lower: an opaque operator around it
+        params = [t for layer in layers for t in layer if t is not None]
+        if compiled_onednn() and x.device.type == "cpu" and all(t.dtype == torch.float32 for t in [x, *params]):
+            return [onednn_linear_op(x, w, b) for w, b in layers]
+        return [F.linear(x, w, b) for w, b in layers]
     tensors = [x] + [t for layer in layers for t in layer if t is not None]
     op = _onednn_linear()
     if (op is None or not torch.backends.mkldnn.enabled or x.device.type != "cpu"

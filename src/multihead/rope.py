@@ -109,7 +109,9 @@ class RoPE(nn.Module):
             inv_freq = 1.0 / (self.base ** (exponents / self.rotary_dim))  # (R/2,)
             angles = positions.to(torch.float64)[..., None] * inv_freq
             return angles.cos(), angles.sin()
-        if bound is None and positions.numel() and positions.device.type != "meta":  # meta: shapes only
+        # meta: shapes only; compiled: a read-back would break the graph, the formula needs none.
+        if (bound is None and positions.numel() and positions.device.type != "meta"
+                and not torch.compiler.is_compiling()):
             low, high = torch.aminmax(positions)
             bound = int(high) + 1 if int(low) >= 0 else None  # one read back, only for caller-given positions
         if bound is not None and bound <= self.max_positions:

@@ -201,16 +201,16 @@ def test_half_precision_is_computed_in_float32(dtype: torch.dtype) -> None:
     torch.testing.assert_close(out.double(), ref, atol=4 * torch.finfo(dtype).eps, rtol=0)
 
 
-def test_float64_and_gradients_are_refused_by_name_never_substituted() -> None:
+def test_float64_and_dropout_are_refused_by_name_never_substituted() -> None:
     """The backend a user names runs, or the call is refused naming what it lacks."""
     q, k, v = (torch.randn(1, 2, 30, 16, dtype=torch.float64) for _ in range(3))
     with pytest.raises(ValueError, match=r"backend 'native' cannot do dtype float64.*'blocked'"):
         mh.attention(q, k, v, causal=True, backend="native")
     qg = q.float().requires_grad_()
-    with pytest.raises(ValueError, match=r"backend 'native' cannot do gradients.*'sdpa'"):
-        mh.attention(qg, k.float(), v.float(), causal=True, backend="native")
-    with torch.no_grad():  # the same call without autograd runs the kernel
-        out = mh.attention(qg, k.float(), v.float(), causal=True, backend="native")
+    with pytest.raises(ValueError, match=r"backend 'native' cannot do dropout.*'sdpa'"):
+        mh.attention(qg, k.float(), v.float(), causal=True, dropout_p=0.1, backend="native")
+    out = mh.attention(qg, k.float(), v.float(), causal=True, backend="native")  # gradients: the native backward
+    assert out.requires_grad
     want = mh.attention(q, k, v, causal=True, backend="explicit")
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
 

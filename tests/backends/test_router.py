@@ -55,6 +55,10 @@ def test_native_rules_where_the_kernel_is_built() -> None:
     assert mh.kernels.auto_path(*_qkv(1, 4, 4, 64, 64, d=40)) != "native"  # Dv not a multiple of 16
     assert mh.kernels.auto_path(*_qkv(1, 4, 4, 64, 64, dtype=torch.bfloat16)) == "native"
     assert mh.kernels.auto_path(*_qkv(1, 4, 4, 64, 64, dtype=torch.float64)) == "sdpa"
+    big = _qkv(1, 4, 4, 1024, 1024)  # 2^22 scores
+    assert mh.kernels.auto_path(big[0].clone().requires_grad_(), *big[1:], return_lse=True) == "native (gradients, lse)"
+    assert mh.kernels.auto_path(*big, return_lse=True, dropout_p=0.1) == "explicit (gradients, lse)"
+    assert mh.kernels.auto_path(*big) == "native"
 
 
 @pytest.mark.parametrize("bits", [0, 256], ids=["no kernel", "no AVX-512"])
@@ -96,7 +100,7 @@ def test_auto_runs_exactly_the_path_auto_path_names(shape) -> None:
     assert torch.equal(ours, _run_named(path, q, k, v, True)), path
 
 
-@pytest.mark.parametrize("name", ["blocked", "native"])
+@pytest.mark.parametrize("name", ["blocked"])
 def test_a_named_inference_backend_refuses_gradients_before_any_work(name: str) -> None:
     q, k, v = _qkv(1, 2, 2, 8, 8)
     q.requires_grad_()
@@ -128,7 +132,7 @@ def test_capability_table_matches_the_backends_docstring() -> None:
     rows = {name: get_spec(name) for name in ("explicit", "sdpa", "blocked", "native", "auto")}
     assert [n for n, s in rows.items() if s.weights] == ["explicit", "auto"]
     assert [n for n, s in rows.items() if s.lse] == ["explicit", "blocked", "native", "auto"]
-    assert [n for n, s in rows.items() if s.grad] == ["explicit", "sdpa", "auto"]
+    assert [n for n, s in rows.items() if s.grad] == ["explicit", "sdpa", "native", "auto"]
     q, k, v = _qkv(1, 2, 2, 4, 4)
     assert missing_capability(rows["auto"], q.requires_grad_(), k, v, dropout_p=0.5, return_weights=True,
                               return_lse=True) is None

@@ -8,7 +8,8 @@ Notation: B batch, H query heads, Hkv key/value heads, Sq queries, Sk keys, D he
 * :mod:`.sdpa` — ``"sdpa"``: torch's fused kernel; gradients, dropout.
 * :mod:`.blocked` — ``"blocked"``: the torch-only blocked kernel (inference), and the
   torch decoding path.
-* :mod:`.native` — ``"native"``: the compiled C++ kernels (inference, CPU).
+* :mod:`.native` — ``"native"``: the compiled C++ kernels (CPU; PyTorch operators, with the
+  FlashAttention-2 backward).
 * :mod:`.auto` — ``"auto"``: the ordered rules that pick one of the above per call.
 
 =========  =======  ===  =====  =======  ==========================  =======
@@ -17,7 +18,7 @@ backend    weights  lse  grads  dropout  dtypes                      devices
 explicit   yes      yes  yes    yes      any float                   any
 sdpa       no       no   yes    yes      any float                   any
 blocked    no       yes  no     no       any float (half in f32)     any
-native     no       yes  no     no       float32, float16, bfloat16  cpu
+native     no       yes  yes    no       float32, float16, bfloat16  cpu
 auto       yes      yes  yes    yes      any float                   any
 =========  =======  ===  =====  =======  ==========================  =======
 """

@@ -22,10 +22,15 @@ case           what                                        work counted
 core/full      attention core, no mask, H=12, D=64         4·H·S²·D FLOPs
 core/causal    the same, causal                            4·H·D·S(S+1)/2 (unmasked)
 layer/prefill  a layer, E=768, H=12, S=1024, ± causal      projections + core FLOPs
+               (peers include the layer under torch.compile)
 layer/decode   one token, E=2048, H=32, Hkv=8, RoPE, L     weights + K/V bytes read
 layer/train    forward + backward, E=768, H=12, S=1024     3 × forward FLOPs
+               (peers: torch MHA, the layer on backend="native" and "sdpa")
 memory         the core at S=32768 in a fresh process      peak RSS increase
 =============  ==========================================  =========================
+
+The report names the CPU and its vector features, and rates each compute-bound row
+against ``torch.matmul`` (%sgemm) and against the best GEMM of the run (%best).
 
 Timing: one warm-up call each, then repetitions interleaved round-robin (alternating
 the order) so machine noise hits every implementation alike; medians are reported.
@@ -136,19 +141,44 @@ def machine_limits(*, quick: bool = False) -> dict[str, Any]:
     }
 
 
+#: The vector features the kernels (or their peers) can use, as /proc/cpuinfo names them.
+VECTOR_FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+                   "amx_tile", "amx_bf16")
+
+
+def cpu_model() -> tuple[str, list[str]]:
+    """The CPU's model name and which of :data:`VECTOR_FEATURES` it has (Linux; else the platform's words)."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and name in ("", platform.processor(), platform.machine()):
+                    name = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    return name, [f for f in VECTOR_FEATURES if f in flags]
+
+
 def machine_info() -> dict[str, Any]:
-    """What ran the suite: versions, cores and torch threads."""
+    """What ran the suite: versions, CPU model and vector features, cores and torch threads."""
     try:
         import transformers
 
         hf = transformers.__version__
     except ImportError:
         hf = None
+    from ..backends import native
     from ..backends.gemm import onednn_available
 
+    model, features = cpu_model()
     return {
         "python": platform.python_version(), "torch": torch.__version__, "transformers": hf,
-        "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+        "cpu": model, "vector_features": features, "native_vector_bits": native.vector_bits(),
+        "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(), "onednn": onednn_available(),
     }
 
@@ -231,6 +261,7 @@ def _prefill_case(causal: bool, e: int = 768, h: int = 12, s: int = 1024) -> tup
         "torch MHA": lambda: mha(x, x, x, need_weights=False, attn_mask=tmask, is_causal=causal),
     }
     fns.update(_hf_prefill_peers(x, causal, e, h))
+    fns["multihead torch.compile"] = functools.partial(torch.compile(ours), x)  # compiled on its warm-up call
     return {"case": "layer/prefill", "causal": causal, "embed_dim": e, "heads": h, "seq": s,
             "flops": _layer_flops(e, h, h, e // h, s, s, causal), "limit": "compute"}, fns
 
@@ -282,12 +313,18 @@ def _train_case(e: int = 768, h: int = 12, s: int = 1024) -> tuple[dict[str, Any
     x = torch.randn(1, s, e)
     grad = torch.randn(1, s, e)
     ours = MultiHeadAttention(e, h).train()
+    native = MultiHeadAttention(e, h, backend="native").train()  # the native FlashAttention-2 backward
+    sdpa = MultiHeadAttention(e, h, backend="sdpa").train()
     mha = torch.nn.MultiheadAttention(e, h, batch_first=True).train()
     fns: dict[str, Fn] = {
         "multihead": lambda: ours(x).backward(grad),
+        "multihead backend=native": lambda: native(x).backward(grad),
+        "multihead backend=sdpa": lambda: sdpa(x).backward(grad),
         "torch MHA": lambda: mha(x, x, x, need_weights=False)[0].backward(grad),
     }
     resets: dict[str, Fn] = {"multihead": lambda: ours.zero_grad(set_to_none=True),
+                             "multihead backend=native": lambda: native.zero_grad(set_to_none=True),
+                             "multihead backend=sdpa": lambda: sdpa.zero_grad(set_to_none=True),
                              "torch MHA": lambda: mha.zero_grad(set_to_none=True)}
     return {"case": "layer/train", "embed_dim": e, "heads": h, "seq": s,
             "flops": 3.0 * _layer_flops(e, h, h, e // h, s, s, False), "limit": "compute"}, fns, resets
@@ -438,6 +475,8 @@ def format_report(suite: dict[str, Any]) -> str:
     m, lim = suite["machine"], suite["limits"]
     onednn = f"{lim['onednn_gflops']:.0f}" if lim.get("onednn_gflops") else "n/a"
     lines = [
+        f"CPU: {m['cpu']}; vector features: {', '.join(m.get('vector_features') or ['none listed'])}; "
+        f"native kernels built for {m.get('native_vector_bits', 0)}-bit vectors",
         f"torch {m['torch']}, transformers {m['transformers']}, {m['cores']} cores, torch threads "
         f"{m['torch_threads']}, oneDNN {m['onednn']}",
         f"limits: sgemm (torch.matmul) {lim['sgemm_gflops']:.0f} GFLOP/s, oneDNN GEMM {onednn} GFLOP/s, "
@@ -468,8 +507,9 @@ def _header(case: str) -> str:
     if case == "memory":
         return f"{'shape':<44} {'peer':<28} {'ours MB':>9} {'peer MB':>9} {'ours/io':>8} {'peer/io':>8}"
     unit = "%copy" if case == "layer/decode" else "%sgemm"
+    best = "" if case == "layer/decode" else f" {'ours %best':>10} {'peer %best':>10}"
     return (f"{'shape':<44} {'peer':<28} {'ours ms':>9} {'peer ms':>9} {'speedup':>8} "
-            f"{'ours ' + unit:>11} {'peer ' + unit:>11} {'ours xlim':>9}")
+            f"{'ours ' + unit:>11} {'peer ' + unit:>11} {'ours xlim':>9}{best}")
 
 
 def _row(case: str, label: str, ours: Result, peer: Result) -> str:
@@ -477,9 +517,11 @@ def _row(case: str, label: str, ours: Result, peer: Result) -> str:
         return (f"{label:<44} {peer['impl']:<28} {ours['peak_increase_bytes'] / 2**20:>9.1f} "
                 f"{peer['peak_increase_bytes'] / 2**20:>9.1f} {ours['ratio_to_io']:>8.2f} {peer['ratio_to_io']:>8.2f}")
     frac = "frac_copy" if case == "layer/decode" else "frac_sgemm"
+    best = ("" if case == "layer/decode" else  # vs the best GEMM of the run
+            f" {100 * ours['frac_gemm_peak']:>9.0f}% {100 * peer['frac_gemm_peak']:>9.0f}%")
     return (f"{label:<44} {peer['impl']:<28} {ours['median_s'] * 1e3:>9.2f} {peer['median_s'] * 1e3:>9.2f} "
             f"{peer['median_s'] / ours['median_s']:>7.2f}x {100 * ours[frac]:>10.0f}% {100 * peer[frac]:>10.0f}% "
-            f"{ours['times_limit']:>9.2f}")
+            f"{ours['times_limit']:>9.2f}" + best)
 
 
 def write_json(suite: dict[str, Any], path: str | os.PathLike[str]) -> Path:

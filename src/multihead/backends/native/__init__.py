@@ -28,6 +28,7 @@ from ..._checks import check_int, check_tensor
 from ..registry import register_backend
 from . import _build, _ffi
 from ._ffi import int64_ptr, int64s, pointers, ptr
+from . import ops  # noqa: F401  (registers torch.ops.multihead.*: cheap, builds nothing)
 
 __all__ = ["available", "status", "build", "vector_bits", "attention_f32", "decode_f32", "linear_few_rows",
            "decode_step", "MAX_STEP_ROWS", "FEW_ROWS", "native_backend"]
@@ -60,11 +61,13 @@ def build() -> bool:
     return _library() is not None
 
 
+@torch.compiler.assume_constant_result  # traced graphs take it as a constant: no ctypes in them
 def available() -> bool:
     """Whether the native kernel can run here (builds it on first call)."""
     return _library() is not None
 
 
+@torch.compiler.assume_constant_result
 def vector_bits() -> int:
     """The SIMD width the kernels were compiled for here: 512 (AVX-512), 256 or 128; 0 if
     they are not available.
@@ -299,11 +302,6 @@ def decode_step(
     return y
 
 
-def _upcast(t: torch.Tensor) -> torch.Tensor:
-    # Half-precision inputs are computed in float32.
-    return t if t.dtype == torch.float32 else t.float()
-
-
 def rows_per_kv_head(q: torch.Tensor, k: torch.Tensor) -> int:
     """Sq·G: the query rows that share one K/V head (few: the decoding loop)."""
     return q.shape[2] * (q.shape[1] // k.shape[1])
@@ -319,26 +317,23 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, caus
     """The native loop for these tensors (decoding loop for few rows per K/V head, else
     the FlashAttention loop), half precision computed in float32: ``(out, lse or None)``.
 
-    For callers that validated the tensors (:func:`multihead.attention`, the module):
-    :func:`attention_f32` and :func:`decode_f32` are the checked public entry points."""
-    dtype = q.dtype
+    Runs the operator ``multihead::attention`` (:mod:`.ops`): differentiable (the native
+    backward), traceable by ``torch.compile`` and ``torch.export``."""
     decode = rows_per_kv_head(q, k) <= DECODE_ROWS if decode is None else decode
-    name, extra = ("mh_decode_f32", ()) if decode else ("mh_attention_f32", (_QUERY_TILE,))
-    result = _run(name, _upcast(q), _upcast(k), _upcast(v), scale, causal, window, mask, return_lse, *extra,
-                  checked=True)
-    out, lse = result if return_lse else (result, None)
-    return (out if dtype == torch.float32 else out.to(dtype)), lse
+    out, lse = torch.ops.multihead.attention(q, k, v, mask, float(scale), bool(causal), window, decode)
+    return out, (lse if return_lse else None)
 
 
-@register_backend("native", lse=True, dtypes=DTYPES, devices=frozenset({"cpu"}), ready=_not_ready)
+@register_backend("native", lse=True, grad=True, dtypes=DTYPES, devices=frozenset({"cpu"}), ready=_not_ready)
 def native_backend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     mask: torch.Tensor | None, causal: bool, window: int | None, scale: float,
     dropout_p: float, return_weights: bool, return_lse: bool,
 ) -> tuple[torch.Tensor, None, torch.Tensor | None]:
-    """The compiled kernels: float32 (half precision computed in float32), CPU, inference.
+    """The compiled kernels: float32 (half precision computed in float32), CPU, with the
+    native backward for gradients.
 
-    Anything else (gradients, dropout, float64, another device, no compiler here) is
+    Anything else (dropout, weights, float64, another device, no compiler here) is
     refused by the registry before the call, naming what is missing.
     """
     out, lse = run(q, k, v, scale=scale, causal=causal, window=window, mask=mask, return_lse=return_lse)

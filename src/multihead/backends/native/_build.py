@@ -40,7 +40,7 @@ from pathlib import Path
 __all__ = ["load"]
 
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
-_SOURCES = ("common.h", "attention.cpp", "decode.cpp")
+_SOURCES = ("common.h", "attention.cpp", "decode.cpp", "backward.cpp")
 _DIR_MODE = 0o700  # folders and the kernel: the user's only (umask can only remove bits; set explicitly)
 _FILE_MODE = 0o700
 _RECORD_MODE = 0o600

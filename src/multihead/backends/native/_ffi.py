@@ -14,7 +14,7 @@ import torch
 
 __all__ = ["declare", "ptr", "int64s", "int64_ptr", "pointers"]
 
-_vp, _i64, _int, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_vp, _i64, _int, _f32, _f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_double
 _ptrs, _i64p = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64)
 
 # q, k, v, out, lse (or null), mask (or null); dims (7); strides (19); scale, causal, window
@@ -33,6 +33,12 @@ SIGNATURES: dict[str, list[type]] = {
         _vp, _vp, _i64p, _i64p,  # cache k, v, their strides (3), lengths (B) — read only
         _f32, _vp, _int,  # scale, y (B, E), threads
     ],
+    # q, k, v, dout, lse, delta, mask (or null); dq, dk, dv; dims (7), mask strides (4);
+    # scale, causal, window, threads
+    "mh_attention_backward_f32": [_vp] * 10 + [_i64p, _i64p, _f64, _int, _i64, _int],
+    "mh_attention_backward_f64": [_vp] * 10 + [_i64p, _i64p, _f64, _int, _i64, _int],
+    # q, k, v, mask (or null); out, lse; dims (7), mask strides (4); scale, causal, window, threads
+    "mh_attention_forward_f64": [_vp] * 6 + [_i64p, _i64p, _f64, _int, _i64, _int],
     "mh_vector_bits": [],
     "mh_max_step_rows": [],
 }

@@ -1,0 +1,185 @@
+"""The native kernels as PyTorch operators: ``torch.ops.multihead.*`` (``torch.library``).
+
+Notation: B batch, H query heads, Hkv key/value heads, Sq queries, Sk keys, D head dim,
+Dv value head dim, E embed_dim, C cache capacity.
+
+The kernels read raw memory through ctypes, which ``torch.compile`` and ``torch.export``
+cannot trace; registered as custom operators with fake (meta) implementations giving
+exact output shapes, dtypes and strides, they are opaque nodes of a graph instead:
+
+* ``multihead::attention(q, k, v, mask, scale, causal, window, decode) -> (out, lse)``,
+  differentiable through ``multihead::attention_backward`` (FlashAttention-2's
+  backward, ``csrc/backward.cpp``: probabilities recomputed from the saved lse);
+* ``multihead::decode_step(...)`` a whole cached decoding step; it writes the new
+  token's K and V into the cache buffers (declared as mutated).
+
+float32 runs the tiled kernels (half precision is computed in float32); float64 runs a
+plain float64 loop of the same rule, there so that ``torch.autograd.gradcheck`` can
+check the backward's code in float64. Registering is cheap and happens on import of
+:mod:`multihead.backends.native`; the kernels are built on first call.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ._ffi import int64s, ptr
+
+__all__ = ["attention", "attention_backward", "decode_step"]
+
+Tensor = torch.Tensor
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the kernels compute (and return lse) in for inputs of ``dtype``."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _mask_strides(mask: Tensor | None, shape: tuple[int, int, int, int]) -> tuple[Tensor | None, tuple[int, ...]]:
+    """The mask expanded to (B, H, Sq, Sk) (strides 0 where broadcast) and its strides."""
+    if mask is None:
+        return None, (0, 0, 0, 0)
+    mask = mask[(None,) * (4 - mask.dim())].expand(shape)
+    return mask, tuple(mask.stride())
+
+
+def _check(code: int, what: str) -> None:
+    if code == -1:
+        raise MemoryError(f"the native {what} could not allocate its buffers")
+    if code != 0:
+        raise RuntimeError(f"the native {what} refused the problem (code {code})")
+
+
+@torch.library.custom_op("multihead::attention", mutates_args=())
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, causal: bool,
+              window: Optional[int], decode: bool) -> tuple[Tensor, Tensor]:
+    """Attention with the native kernels: ``(out (B, H, Sq, Dv), lse (B, H, Sq))``.
+
+    Args:
+        q: (B, H, Sq, D); k: (B, Hkv, Sk, D); v: (B, Hkv, Sk, Dv); CPU, float32, float16,
+            bfloat16 or float64, validated by the caller (:func:`multihead.attention`).
+        mask: bool, broadcastable to (B, H, Sq, Sk), True = may attend; or None.
+        scale, causal, window: as in :func:`multihead.attention` (bottom-right aligned).
+        decode: the decoding loop (few rows per K/V head) instead of the FlashAttention loop.
+
+    Returns:
+        out in q's dtype (a view of a (B, Sq, H, Dv) buffer; contiguous for float64),
+        zeros for rows with no key; lse float32 (float64 for float64), ``-inf`` there.
+    """
+    from . import _QUERY_TILE, _require, _run
+
+    if q.dtype == torch.float64:
+        return _forward_f64(_require(), q, k, v, mask, scale, causal, window)
+    name, extra = ("mh_decode_f32", ()) if decode else ("mh_attention_f32", (_QUERY_TILE,))
+    # The caller (multihead.attention, the module) validated once: no second check here.
+    out, lse = _run(name, q.float(), k.float(), v.float(), scale, causal, window, mask, True, *extra, checked=True)
+    return out.to(q.dtype), lse
+
+
+@attention.register_fake
+def _attention_fake(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, causal: bool,
+                    window: Optional[int], decode: bool) -> tuple[Tensor, Tensor]:
+    b, h, sq, _ = q.shape
+    dv = v.shape[-1]
+    if q.dtype == torch.float64:
+        out = q.new_empty((b, h, sq, dv))
+    else:
+        out = q.new_empty((b, sq, h, dv)).permute(0, 2, 1, 3)  # (B, H, Sq, Dv), as the kernel writes it
+    return out, q.new_empty((b, h, sq), dtype=_wide(q.dtype))
+
+
+def _forward_f64(lib: object, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, causal: bool,
+                 window: int | None) -> tuple[Tensor, Tensor]:
+    b, h, sq, d = q.shape
+    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    mask, mstrides = _mask_strides(mask, (b, h, sq, sk))
+    out = torch.empty((b, h, sq, dv), dtype=torch.float64)
+    lse = torch.empty((b, h, sq), dtype=torch.float64)
+    _check(lib.mh_attention_forward_f64(  # type: ignore[attr-defined]
+        ptr(q), ptr(k), ptr(v), ptr(mask), ptr(out), ptr(lse), int64s((b, h, hkv, sq, sk, d, dv)),
+        int64s(mstrides), float(scale), int(causal), int(window or 0), torch.get_num_threads()), "float64 attention")
+    return out, lse
+
+
+@torch.library.custom_op("multihead::attention_backward", mutates_args=())
+def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor,
+                       mask: Optional[Tensor], scale: float, causal: bool, window: Optional[int],
+                       ) -> tuple[Tensor, Tensor, Tensor]:
+    """FlashAttention-2's backward: ``(dq, dk, dv)`` shaped and typed like q, k, v.
+
+    Args:
+        dout: (B, H, Sq, Dv) the gradient of out. q, k, v, mask, scale, causal, window:
+            the forward's. lse: (B, H, Sq) the forward's log-sum-exp. delta: (B, H, Sq)
+            ``Σ_t dout·out − dlse`` per row (float32, float64 for float64).
+    """
+    from . import _require
+
+    lib = _require()
+    wide = _wide(q.dtype)
+    b, h, sq, d = q.shape
+    hkv, sk, dv_ = k.shape[1], k.shape[2], v.shape[-1]
+    q_, k_, v_, do_ = (t.to(wide).contiguous() for t in (q, k, v, dout))
+    lse_, delta_ = lse.to(wide).contiguous(), delta.to(wide).contiguous()
+    mask, mstrides = _mask_strides(mask, (b, h, sq, sk))
+    dq, dk, dv = torch.empty_like(q_), torch.empty_like(k_), torch.empty_like(v_)
+    fn = lib.mh_attention_backward_f64 if wide == torch.float64 else lib.mh_attention_backward_f32  # type: ignore[attr-defined]
+    _check(fn(ptr(q_), ptr(k_), ptr(v_), ptr(do_), ptr(lse_), ptr(delta_), ptr(mask), ptr(dq), ptr(dk), ptr(dv),
+              int64s((b, h, hkv, sq, sk, d, dv_)), int64s(mstrides), float(scale), int(causal), int(window or 0),
+              torch.get_num_threads()), "attention backward")
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@attention_backward.register_fake
+def _attention_backward_fake(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor,
+                             mask: Optional[Tensor], scale: float, causal: bool, window: Optional[int],
+                             ) -> tuple[Tensor, Tensor, Tensor]:
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    q, k, v, mask, scale, causal, window, _ = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, mask)
+    ctx.structure = (scale, causal, window)
+
+
+def _backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
+    q, k, v, out, lse, mask = ctx.saved_tensors
+    wide = _wide(q.dtype)
+    if dout is None:
+        dout = torch.zeros_like(out)
+    delta = (dout.to(wide) * out.to(wide)).sum(-1)  # (B, H, Sq): Σ_t dO·O
+    if dlse is not None:
+        delta = delta - dlse.to(wide)  # lse's own gradient: ds += p · dlse
+    dq, dk, dv = torch.ops.multihead.attention_backward(dout, q, k, v, lse, delta, mask, *ctx.structure)
+    return dq, dk, dv, None, None, None, None, None
+
+
+attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("multihead::decode_step", mutates_args=("cache_k", "cache_v"))
+def decode_step(x: Tensor, weights: list[Tensor], biases: list[Optional[Tensor]], cos: Optional[Tensor],
+                sin: Optional[Tensor], rotary_dim: int, interleaved: bool, cache_k: Tensor, cache_v: Tensor,
+                lengths: Tensor, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> Tensor:
+    """A whole decoding step (:func:`multihead.backends.native.decode_step`): ``y (B, E)``.
+
+    Writes each row's new K and V into ``cache_k``/``cache_v`` (B, Hkv, C, D) at slot
+    ``lengths[b]``; ``lengths`` is read, never written (the caller commits it).
+    """
+    from . import decode_step as run
+
+    rope = None if cos is None or sin is None else (cos, sin, rotary_dim, interleaved)
+    return run(x, list(zip(weights, biases)), num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+               rope=rope, cache_k=cache_k, cache_v=cache_v, lengths=lengths, scale=scale)
+
+
+@decode_step.register_fake
+def _decode_step_fake(x: Tensor, weights: list[Tensor], biases: list[Optional[Tensor]], cos: Optional[Tensor],
+                      sin: Optional[Tensor], rotary_dim: int, interleaved: bool, cache_k: Tensor, cache_v: Tensor,
+                      lengths: Tensor, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> Tensor:
+    return x.new_empty(x.shape)
+

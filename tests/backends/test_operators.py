@@ -1,0 +1,159 @@
+"""The native kernels as PyTorch operators: opcheck, torch.compile, torch.export.
+
+Notation: B batch, S tokens, E embed_dim, H query heads, Hkv key/value heads, D head_dim.
+
+Every registered operator passes ``torch.library.opcheck`` (schema, fake tensors,
+autograd registration); the layer compiles with ``fullgraph=True`` on each path of
+the issue (prefill, causal, GQA, RoPE, key padding, cached decoding, training) with no
+graph break in ``MultiHeadAttention.forward`` and the eager numbers within the accuracy
+criterion; ``torch.export`` captures prefill with a dynamic sequence length.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.export import Dim
+
+import multihead as mh
+from multihead import native
+from multihead.backends.auto import auto_path
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C++ compiler: " + native.status())
+
+#: compiled vs eager float32: the two differ only by rounding (fused elementwise kernels, summation order).
+ATOL = 2e-5
+
+
+def _qkv(b: int = 1, h: int = 4, hkv: int = 2, sq: int = 20, sk: int = 33, d: int = 16, dv: int = 16,
+         dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (torch.randn(b, h, sq, d, dtype=dtype), torch.randn(b, hkv, sk, d, dtype=dtype),
+            torch.randn(b, hkv, sk, dv, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("masked, causal, window, decode", [(False, False, None, False), (True, True, None, False),
+                                                            (False, True, 5, True), (True, False, 3, True)])
+def test_opcheck_attention(dtype: torch.dtype, masked: bool, causal: bool, window: int | None, decode: bool) -> None:
+    q, k, v = (t.requires_grad_(dtype != torch.bfloat16) for t in _qkv(dtype=dtype))
+    mask = torch.rand(1, 1, 20, 33) < 0.7 if masked else None
+    torch.library.opcheck(torch.ops.multihead.attention.default, (q, k, v, mask, 0.25, causal, window, decode))
+
+
+def test_opcheck_attention_backward() -> None:
+    q, k, v = _qkv()
+    out, lse = torch.ops.multihead.attention(q, k, v, None, 0.25, True, None, False)
+    dout = torch.randn_like(out)
+    delta = (dout * out).sum(-1)
+    torch.library.opcheck(torch.ops.multihead.attention_backward.default,
+                          (dout, q, k, v, lse, delta, None, 0.25, True, None))
+
+
+def test_opcheck_onednn_linear() -> None:
+    """The projections' oneDNN GEMM as an operator (what compiled layers call)."""
+    x, w, b = torch.randn(3, 5, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True), torch.randn(4)
+    torch.library.opcheck(torch.ops.multihead.linear.default, (x, w, b.requires_grad_()))
+    torch.library.opcheck(torch.ops.multihead.linear.default, (x, w, None))
+
+
+def test_opcheck_decode_step() -> None:
+    layer = mh.MultiHeadAttention(64, 4, num_kv_heads=2, rope=mh.RoPE(16, 10000.0), causal=True)
+    cache = layer.new_cache(2, 16)
+    projs = [layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj]
+    args = (torch.randn(2, 64), [p.weight.detach() for p in projs], [p.bias.detach() for p in projs],
+            layer.rope.cos, layer.rope.sin, 16, False, cache.k, cache.v, cache.lengths, 4, 2, 16, 0.25)
+    torch.library.opcheck(torch.ops.multihead.decode_step.default, args)
+
+
+def _layer(**kw: object) -> mh.MultiHeadAttention:
+    return mh.MultiHeadAttention(128, 8, num_kv_heads=2, causal=True, rope=mh.RoPE(16, 10000.0), **kw).eval()
+
+
+def _key_mask(b: int, s: int) -> torch.Tensor:
+    key_mask = torch.ones(b, s, dtype=torch.bool)
+    key_mask[1, s // 2:] = False
+    return key_mask
+
+
+def _no_breaks(fn: object, *args: object, **kwargs: object) -> None:
+    explained = torch._dynamo.explain(fn)(*args, **kwargs)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("kind", ["causal-gqa-rope", "bidirectional", "cross"])
+def test_compiled_prefill_matches_eager_with_no_graph_break(kind: str, padded: bool) -> None:
+    """S = 160, 8 heads: "auto" takes the native FlashAttention loop (≥ 2^14 scores)."""
+    layer = _layer() if kind == "causal-gqa-rope" else mh.MultiHeadAttention(128, 8).eval()
+    x = torch.randn(2, 160, 128)
+    kw: dict = {"key_mask": _key_mask(2, 160)} if padded else {}
+    if kind == "cross":
+        kw["context"] = torch.randn(2, 160, 128)
+    with torch.no_grad():
+        kv = torch.empty(2, layer.num_kv_heads, 160, 16)
+        assert auto_path(torch.empty(2, 8, 160, 16), kv, kv) == "native"
+        want = layer(x, **kw)
+        got = torch.compile(layer, fullgraph=True)(x, **kw)
+        _no_breaks(layer, x, **kw)
+    assert (got - want).abs().max() <= ATOL
+
+
+@pytest.mark.parametrize("backend", ["native", None])
+def test_compiled_training_matches_eager_gradients(backend: str | None) -> None:
+    """Forward and backward compiled; "native" runs the native backward inside the graph."""
+    layer = _layer(backend=backend).train()
+    x = torch.randn(2, 96, 128, requires_grad=True)
+    layer(x).square().sum().backward()
+    want = [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    x.grad = None
+    torch.compile(layer, fullgraph=True)(x).square().sum().backward()
+    got = [x.grad] + [p.grad for p in layer.parameters()]
+    for g, w in zip(got, want):
+        assert (g - w).abs().max() <= ATOL * max(1.0, w.abs().max().item())
+    _no_breaks(layer, x)
+
+
+def test_compiled_cached_decoding_matches_eager_and_compiles_twice() -> None:
+    """Prefill then single-token steps through the in-place cache, compiled with
+    fullgraph=True: one graph for the prompt, one for the fused decoding step
+    (``multihead::decode_step``, which writes the cache), reused at every length."""
+    layer = _layer()
+    prompt, steps = torch.randn(2, 12, 128), [torch.randn(2, 1, 128) for _ in range(6)]
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager_cache, compiled_cache = layer.new_cache(2, 32), layer.new_cache(2, 32)
+        want = [layer(prompt, cache=eager_cache)] + [layer(s, cache=eager_cache) for s in steps]
+        compiled = torch.compile(layer, fullgraph=True)
+        from torch._dynamo.utils import counters
+        counters.clear()
+        got = [compiled(prompt, cache=compiled_cache)] + [compiled(s, cache=compiled_cache) for s in steps]
+        assert counters["stats"]["unique_graphs"] == 2
+    assert compiled_cache.host_lengths() == eager_cache.host_lengths() == [18, 18]
+    assert torch.equal(compiled_cache.lengths, eager_cache.lengths)
+    assert (compiled_cache.k[:, :, :18] - eager_cache.k[:, :, :18]).abs().max() <= ATOL
+    for g, w in zip(got, want):
+        assert (g - w).abs().max() <= ATOL
+    assert mh.decode.why_not_fused(layer, steps[0], compiled_cache) is None  # the fused step is what ran
+    with torch.no_grad():
+        _no_breaks(layer, steps[0], cache=compiled_cache)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_export_with_a_dynamic_sequence_length_runs_at_two_lengths(padded: bool) -> None:
+    layer = _layer()
+    s = Dim("s", min=64, max=1024)
+    x = torch.randn(2, 128, 128)
+    args: tuple = (x,)
+    kwargs = {"key_mask": _key_mask(2, 128)} if padded else {}
+    shapes = {"x": {1: s}, "key_mask": {1: s}} if padded else {"x": {1: s}}
+    with torch.no_grad():
+        program = torch.export.export(layer, args, kwargs, dynamic_shapes=shapes)
+        ops = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+        assert "multihead.attention.default" in ops
+        for length in (96, 200):
+            x = torch.randn(2, length, 128)
+            kw = {"key_mask": _key_mask(2, length)} if padded else {}
+            got = program.module()(x, **kw)
+            assert got.shape == (2, length, 128)
+            assert (got - layer(x, **kw)).abs().max() <= ATOL
