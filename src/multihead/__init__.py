@@ -18,6 +18,7 @@ from .functional import attention
 from .masks import Structure
 from .module import MultiHeadAttention, merge_heads, split_heads
 from .rope import RoPE, half_to_interleaved, interleaved_to_half
+from .rope_scaling import RopeScaling
 from . import decode, interop  # noqa: E402  (they build on the module)
 from .tools.cost import Cost, cost
 from .tools.trace import Trace, trace
@@ -28,6 +29,7 @@ __all__ = [
     "attention",
     "MultiHeadAttention",
     "RoPE",
+    "RopeScaling",
     "KVCache",
     "trace",
     "Trace",

@@ -46,7 +46,7 @@ def _projections(layer: MultiHeadAttention) -> tuple[nn.Module, ...]:
 
 def _plain_rope(layer: MultiHeadAttention, cache: KVCache) -> bool:
     rope = layer.rope
-    return rope is None or (type(rope) is RoPE and max(cache.host_lengths()) < rope.max_positions
+    return rope is None or (type(rope) is RoPE and max(cache.host_lengths()) < rope.table_limit
                             and rope.cos.device.type == "cpu")
 
 
