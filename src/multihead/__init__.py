@@ -19,6 +19,7 @@ from .masks import Structure
 from .module import MultiHeadAttention, merge_heads, split_heads
 from .rope import RoPE, half_to_interleaved, interleaved_to_half
 from .rope_scaling import RopeScaling
+from . import logits
 from . import decode, interop  # noqa: E402  (they build on the module)
 from .tools.cost import Cost, cost
 from .tools.trace import Trace, trace
