@@ -62,6 +62,8 @@ FUSED_CONDITIONS: tuple[tuple[str, Check], ...] = (
     ("weights asked for", lambda l, x, c, kw: not kw.get("return_weights", False)),
     ("an observer is attached (trace or capture)", lambda l, x, c, kw: kw.get("observe") is None),
     ("the layer has a sliding window", lambda l, x, c, kw: l.window is None),
+    ("the layer has QK-norm, soft-capping, ALiBi or sinks",
+     lambda l, x, c, kw: l.qk_norm is None and l.softcap is None and l.alibi_slopes is None and l.sinks is None),
     ("a ring cache", lambda l, x, c, kw: not c.ring),
     ("dropout in training mode", lambda l, x, c, kw: not (l.training and l.dropout > 0)),
     ("a backend other than auto or native", lambda l, x, c, kw: l.backend in (None, "auto", "native")),
