@@ -18,7 +18,10 @@ from ..config import (_KEYS_ALL_BIAS, _KEYS_HEAD_DIM, _KEYS_HEADS, _KEYS_KV_HEAD
                       _KEYS_QKV_BIAS, _KEYS_WIDTH, DECODERS, ENCODERS, INTERLEAVED_ROPE, MAX_CONFIG_BYTES,
                       AttentionConfig, _check_bool, _check_positive_float)
 
-__all__ = ["parse", "read_json"]
+#: A multimodal file nests its language model's config once (twice at most in practice).
+MAX_TEXT_CONFIG_DEPTH = 4
+
+__all__ = ["parse", "read_json", "rope_parameters", "module_rope_base", "module_window"]
 
 
 def read_json(path: Path) -> Mapping[str, Any]:
@@ -33,6 +36,9 @@ def read_json(path: Path) -> Mapping[str, Any]:
         raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from e
     except (UnicodeDecodeError, ValueError, OSError) as e:
         raise ValueError(f"{path}: cannot be read as a JSON config ({e})") from e
+    except RecursionError:
+        raise ValueError(f"{path}: nested too deeply to be a config.json (JSON objects or arrays nested "
+                         f"beyond Python's recursion limit)") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: top level must be a JSON object, got {type(data).__name__}")
     return data
@@ -46,6 +52,8 @@ def parse(cfg: Mapping[str, Any], src: str) -> AttentionConfig:
     """Map one HF config dict to an AttentionConfig; every error names ``src`` and the key."""
     text = cfg.get("text_config")
     if _pick(cfg, _KEYS_WIDTH, src) is None and isinstance(text, Mapping):
+        if src.count("text_config") >= MAX_TEXT_CONFIG_DEPTH:
+            raise ValueError(f"{src}: text_config nested more than {MAX_TEXT_CONFIG_DEPTH} levels deep")
         return parse(text, f"{src} text_config")
     model_type = cfg.get("model_type")
     if model_type is not None and not isinstance(model_type, str):
@@ -174,12 +182,7 @@ def _bias(cfg: Mapping[str, Any], model_type: str | None, src: str) -> tuple[boo
 
 
 def _rope(cfg: Mapping[str, Any], model_type: str | None, head_dim: int, src: str) -> tuple[float | None, int | None]:
-    params = cfg.get("rope_parameters")
-    if params is not None and not isinstance(params, Mapping):
-        raise TypeError(f"{src}: rope_parameters must be an object, got {type(params).__name__}")
-    params = params or {}
-    if "rope_theta" not in params and isinstance(params.get("full_attention"), Mapping):
-        params = params["full_attention"]  # per-layer-type RoPE (Gemma 3): the full-attention layers
+    params = rope_parameters(cfg, "full_attention", src)  # mixed layer types (Gemma 3): the full-attention layers
     base = _optional_number(params, "rope_theta", f"{src} rope_parameters")
     for key in ("rope_theta", "rotary_emb_base"):
         other = _optional_number(cfg, key, src)
@@ -216,3 +219,55 @@ def _scale(cfg: Mapping[str, Any], src: str) -> float | None:
         return 1.0  # GPT-2 option: raw dot products
     scalar = _optional_number(cfg, "query_pre_attn_scalar", src)  # Gemma 2/3
     return None if scalar is None else 1.0 / math.sqrt(scalar)
+
+
+# ---- facts a converter reads from a model's config (object or dict) ------------------------------
+def _field(cfg: Any, key: str) -> Any:
+    return cfg.get(key) if isinstance(cfg, Mapping) else getattr(cfg, key, None)
+
+
+def rope_parameters(cfg: Any, layer_type: str | None, src: str) -> Mapping[str, Any]:
+    """``rope_parameters`` of one layer type: transformers v5 nests them per layer type
+    (``{"sliding_attention": {...}, "full_attention": {...}}``, Gemma 3, ModernBERT) or
+    gives one dict for every layer. ``layer_type`` picks the nested one; {} when absent."""
+    params = _field(cfg, "rope_parameters")
+    if params is not None and not isinstance(params, Mapping):
+        raise TypeError(f"{src}: rope_parameters must be an object, got {type(params).__name__}")
+    params = params or {}
+    nested = {k: v for k, v in params.items() if isinstance(v, Mapping)}
+    if nested and "rope_theta" not in params:
+        if layer_type not in nested:
+            raise ValueError(f"{src}: rope_parameters is given per layer type {sorted(nested)}, "
+                             f"but this layer's type is {layer_type!r}")
+        return nested[layer_type]
+    return params
+
+
+def module_rope_base(cfg: Any, layer_type: str | None, src: str) -> float:
+    """RoPE base θ of an attention layer whose class applies plain RoPE to all of D.
+
+    Raises:
+        ValueError: no config, a ``rope_type`` other than ``"default"`` (scaled RoPE) or a
+            partial rotary factor other than 1, naming the key.
+    """
+    if cfg is None:
+        raise ValueError(f"{src}: a config is required for RoPE settings; pass config=")
+    params = rope_parameters(cfg, layer_type, src)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"{src}: rope_parameters rope_type={rope_type!r} is not supported; only 'default'")
+    factor = params.get("partial_rotary_factor", _field(cfg, "partial_rotary_factor"))
+    if factor not in (None, 1, 1.0):
+        raise ValueError(f"{src}: partial_rotary_factor={factor} is not supported for this class; only 1.0")
+    base = params.get("rope_theta", _field(cfg, "rope_theta"))
+    return 10000.0 if base is None else _check_positive_float("rope_theta", base)
+
+
+def module_window(cfg: Any, src: str) -> int | None:
+    """``config.sliding_window`` as the classes that pass it to HF's kernel read it (Mistral)."""
+    window = _field(cfg, "sliding_window")
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"{src}: sliding_window must be a positive int or None, got {window!r}")
+    return window

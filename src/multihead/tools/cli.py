@@ -178,8 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except (ValueError, TypeError, FileNotFoundError) as e:  # bad configs, checkpoints, texts
-        parser.error(str(e))
-        return 2  # pragma: no cover (parser.error exits)
+        print(f"multihead: error: {e}", file=sys.stderr)  # one line, no traceback
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":  # pragma: no cover
