@@ -204,7 +204,7 @@ class MultiHeadAttention(nn.Module):
         Args:
             config: an :class:`~multihead.AttentionConfig` (e.g. from
                 ``AttentionConfig.from_hf("config.json")``).
-            layer: which layer (0-based) for per-layer head counts (``layer_num_heads``).
+            layer: which layer (0-based): its heads, head_dim, window and RoPE (``config.layer``).
             device: e.g. ``"meta"`` to build without allocating (shapes only).
             dtype: of the parameters.
             **overrides: ``causal``, ``scale``, ``window``, ``backend``, ``rope``, ``dropout``.
@@ -221,16 +221,23 @@ class MultiHeadAttention(nn.Module):
 
         if not isinstance(config, AttentionConfig):
             raise TypeError(f"config must be a multihead.AttentionConfig, got {type(config).__name__}")
-        h, hkv = config.heads_in_layer(layer)
+        if config.latent:
+            raise ValueError("config describes multi-head latent attention (kv_lora_rank is set); build it with "
+                             "multihead.MultiHeadLatentAttention.from_config")
+        lay = config.layer(layer)  # this layer's heads, head_dim, window and RoPE
+        if lay.embed_dim not in (None, config.embed_dim):
+            raise ValueError(f"layer {layer} has width {lay.embed_dim}, not embed_dim={config.embed_dim} (a stage "
+                             "of another width, as in Swin): multihead builds no patch-merging model")
         rope = None
-        if config.rope_base is not None:
+        if lay.rope_base is not None:
             positions = min(config.max_positions or ROPE_TABLE_POSITIONS, ROPE_TABLE_POSITIONS)
-            rope = RoPE(config.head_dim, config.rope_base, interleaved=config.rope_interleaved,
-                        rotary_dim=config.rotary_dim, max_positions=positions)
-        settings = _settings({"causal": config.causal, "scale": config.scale, "window": config.window,
+            rope = RoPE(lay.head_dim, lay.rope_base, interleaved=config.rope_interleaved,
+                        rotary_dim=config.rotary_dim, max_positions=positions, scaling=lay.rope_scaling)
+        settings = _settings({"causal": config.causal, "scale": config.scale, "window": lay.window,
                               "rope": rope}, overrides)
-        built = cls(config.embed_dim, h, num_kv_heads=hkv, head_dim=config.head_dim, bias=config.bias,
-                    o_bias=config.effective_o_bias, device=device, dtype=dtype, **settings)
+        built = cls(config.embed_dim, lay.num_heads, num_kv_heads=lay.num_kv_heads, head_dim=lay.head_dim,
+                    bias=config.bias, o_bias=config.effective_o_bias, qk_norm=config.qk_norm, softcap=config.softcap,
+                    alibi=config.alibi, sinks=config.sinks, device=device, dtype=dtype, **settings)
         if built.rope is not None and device is not None:
             built.rope.to(device)
         return built

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from . import hf_layers
 from ..config import (_KEYS_ALL_BIAS, _KEYS_HEAD_DIM, _KEYS_HEADS, _KEYS_KV_HEADS, _KEYS_LAYERS, _KEYS_POSITIONS,
                       _KEYS_QKV_BIAS, _KEYS_WIDTH, DECODERS, ENCODERS, INTERLEAVED_ROPE, MAX_CONFIG_BYTES,
                       AttentionConfig, _check_bool, _check_positive_float)
@@ -58,6 +59,8 @@ def parse(cfg: Mapping[str, Any], src: str) -> AttentionConfig:
     model_type = cfg.get("model_type")
     if model_type is not None and not isinstance(model_type, str):
         raise TypeError(f"{src}: model_type must be a str, got {type(model_type).__name__} {model_type!r}")
+    if model_type in hf_layers.SPECIAL:  # per-layer head lists, latent attention: keys of their own
+        return hf_layers.SPECIAL[model_type](cfg, src)
 
     width_key, width = _required(cfg, _KEYS_WIDTH, src)
     width = _as_int(width, width_key, src)
@@ -95,7 +98,7 @@ def parse(cfg: Mapping[str, Any], src: str) -> AttentionConfig:
     bias, o_bias = _bias(cfg, model_type, src)
     rope_base, rotary_dim = _rope(cfg, model_type, head_dim, src)
     try:
-        return AttentionConfig(
+        config = AttentionConfig(
             embed_dim=width, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
             num_layers=layers, causal=causal, bias=bias, o_bias=o_bias, rope_base=rope_base,
             rope_interleaved=rope_base is not None and model_type in INTERLEAVED_ROPE,
@@ -105,6 +108,7 @@ def parse(cfg: Mapping[str, Any], src: str) -> AttentionConfig:
         )
     except (TypeError, ValueError) as e:
         raise type(e)(f"{src}: {e}") from e
+    return hf_layers.extend(config, cfg, model_type, src)  # RoPE scaling, QK-norm, ..., per-layer attention
 
 
 def _pick(cfg: Mapping[str, Any], keys: Sequence[str], src: str) -> tuple[str, Any] | None:
