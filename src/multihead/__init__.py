@@ -17,6 +17,7 @@ from .config import AttentionConfig
 from .functional import attention
 from .masks import Structure
 from .module import MultiHeadAttention, merge_heads, split_heads
+from .latent import LatentCache, MultiHeadLatentAttention
 from .rope import RoPE, half_to_interleaved, interleaved_to_half
 from .rope_scaling import RopeScaling
 from . import logits
@@ -29,6 +30,8 @@ __version__ = "0.1.0"
 __all__ = [
     "attention",
     "MultiHeadAttention",
+    "MultiHeadLatentAttention",
+    "LatentCache",
     "RoPE",
     "RopeScaling",
     "KVCache",

@@ -182,14 +182,16 @@ def _deepseek(cfg: Mapping[str, Any], src: str) -> AttentionConfig:
     q_rank = cfg.get("q_lora_rank")
     q_rank = None if q_rank is None else h._as_int(q_rank, "q_lora_rank", src)
     heads = sizes["num_attention_heads"]
-    base = h._optional_number(cfg, "rope_theta", src) or 10000.0
+    params = h.rope_parameters(cfg, None, src)  # transformers v5 nests rope_theta and the scaling here
+    base = (h._optional_number(params, "rope_theta", f"{src} rope_parameters")
+            or h._optional_number(cfg, "rope_theta", src) or 10000.0)
     try:
         return AttentionConfig(
             embed_dim=sizes["hidden_size"], num_heads=heads, num_kv_heads=heads,
             head_dim=sizes["qk_nope_head_dim"] + sizes["qk_rope_head_dim"], num_layers=sizes["num_hidden_layers"],
             causal=True, bias=bool(h._optional_bool(cfg, "attention_bias", src)), o_bias=False, rope_base=base,
             rotary_dim=sizes["qk_rope_head_dim"], max_positions=h._optional_int(cfg, h._KEYS_POSITIONS, src),
-            model_type=cfg.get("model_type"), rope_scaling=rope_scaling(cfg, {}, src),
+            model_type=cfg.get("model_type"), rope_scaling=rope_scaling(cfg, params, src),
             kv_lora_rank=sizes["kv_lora_rank"], q_lora_rank=q_rank, qk_nope_head_dim=sizes["qk_nope_head_dim"],
             qk_rope_head_dim=sizes["qk_rope_head_dim"], v_head_dim=sizes["v_head_dim"])
     except (TypeError, ValueError) as e:
