@@ -88,6 +88,13 @@ def parse(cfg: Mapping[str, Any], src: str) -> AttentionConfig:
         head_dim = width // heads
 
     kv_key, kv_heads = _pick(cfg, _KEYS_KV_HEADS, src) or (None, None)
+    if model_type == "falcon":
+        kv_key, kv_heads = _falcon_kv_heads(cfg, heads, kv_key, kv_heads, src)
+    if model_type == "albert" and cfg.get("num_hidden_groups", 1) != layers:
+        raise ValueError(f"{src}: ALBERT shares its layers (num_hidden_groups={cfg.get('num_hidden_groups', 1)}, "
+                         f"num_hidden_layers={layers}): one config per distinct layer is not supported")
+    if _optional_bool(cfg, "alibi", src):
+        raise ValueError(f"{src}: alibi=true (ALiBi position biases) is not supported")
     if kv_heads is None:
         kv_heads = 1 if _optional_bool(cfg, "multi_query", src) else heads
     elif heads % _as_int(kv_heads, kv_key, src) or any(h % kv_heads for h in layer_heads or ()):
@@ -109,6 +116,20 @@ def parse(cfg: Mapping[str, Any], src: str) -> AttentionConfig:
     except (TypeError, ValueError) as e:
         raise type(e)(f"{src}: {e}") from e
     return hf_layers.extend(config, cfg, model_type, src)  # RoPE scaling, QK-norm, ..., per-layer attention
+
+
+def _falcon_kv_heads(cfg: Mapping[str, Any], heads: int, key: str | None, value: Any,
+                     src: str) -> tuple[str | None, Any]:
+    """FalconConfig's rule: ``num_kv_heads`` counts only with ``new_decoder_architecture`` or
+    ``multi_query=false``; ``multi_query`` defaults to true (Falcon-7B: 1 KV head, though its
+    saved config says num_kv_heads=71)."""
+    if _optional_bool(cfg, "new_decoder_architecture", src):
+        # transformers caches K/V expanded to all H heads there, unlike the weights' Hkv.
+        raise ValueError(f"{src}: Falcon's new_decoder_architecture is not supported (its KV cache holds "
+                         f"every query head, not num_kv_heads)")
+    if _optional_bool(cfg, "multi_query", src) is not False:
+        return "multi_query", 1
+    return key, heads if value is None else value
 
 
 def _pick(cfg: Mapping[str, Any], keys: Sequence[str], src: str) -> tuple[str, Any] | None:
@@ -162,14 +183,12 @@ def _causal(cfg: Mapping[str, Any], model_type: str | None, src: str) -> bool:
         return False
     if model_type in DECODERS:
         return True
-    is_decoder = _optional_bool(cfg, "is_decoder", src)
-    if is_decoder is not None:
-        return is_decoder
-    if _optional_bool(cfg, "is_encoder_decoder", src):
-        return False  # the encoder's self-attention
+    # The legacy is_decoder / is_encoder_decoder flags do not decide: every v4 config wrote
+    # is_decoder=false (GPT-NeoX-Japanese, MusicGen's decoder are causal nonetheless) and
+    # decoder configs carry is_encoder_decoder=true (Canary's, Dia's decoder).
     known = ", ".join(sorted(ENCODERS | set(DECODERS)))
-    raise ValueError(f"{src}: model_type={model_type!r} is not known and the file has no is_decoder or "
-                     f"is_encoder_decoder hint; known model types: {known}")
+    raise ValueError(f"{src}: model_type={model_type!r} is not known (its causality, heads and KV cache are "
+                     f"not read by guesswork); known model types: {known}")
 
 
 def _bias(cfg: Mapping[str, Any], model_type: str | None, src: str) -> tuple[bool, bool | None]:

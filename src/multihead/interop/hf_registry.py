@@ -28,6 +28,9 @@ is never imported here):
 * ``config_must``: config keys whose other values change the computation, with the value
   this description covers (e.g. OLMo's ``clip_qkv`` must be None).
 * ``resid_dropout``: a config key of a dropout the module applies after o_proj (Starcoder2).
+* ``model_types``: the config model types the class is verified with (the zoo test
+  compares each); the class with any other config class is refused, since another config
+  may name its RoPE or window keys differently.
 
 Causality comes from the module's ``is_causal``, the scale from its ``scaling``, biases
 and head counts from the weights, for every entry.
@@ -75,14 +78,14 @@ _LLAMA_ATTRS = frozenset({"attention_dropout", "config", "head_dim", "is_causal"
                           "num_key_value_groups", "scaling"})
 
 
-def _q_proj(model_type: str, cls: str, *, rope: str | None = "half", window: str | None = None,
+def _q_proj(model_type: str, cls: str, *, also: tuple[str, ...] = (), rope: str | None = "half", window: str | None = None,
             extra_attrs: frozenset[str] = frozenset(), call: str = "llama", **kw: Any) -> AttentionSpec:
     module = model_type.replace("-", "_")
-    return AttentionSpec(f"transformers.models.{module}.modeling_{module}.{cls}", (model_type,), "q_proj", call,
+    return AttentionSpec(f"transformers.models.{module}.modeling_{module}.{cls}", (model_type, *also), "q_proj", call,
                          _LINEARS, {"": _LLAMA_ATTRS | extra_attrs}, rope=rope, window=window, **kw)
 
 
-def _bert(model_type: str, prefix: str) -> list[AttentionSpec]:
+def _bert(model_type: str, prefix: str, also: tuple[str, ...] = ()) -> list[AttentionSpec]:
     module = model_type.replace("-", "_")
     path = f"transformers.models.{module}.modeling_{module}."
     self_parts = {"query": "Linear", "key": "Linear", "value": "Linear", "dropout": "Dropout"}
@@ -92,9 +95,9 @@ def _bert(model_type: str, prefix: str) -> list[AttentionSpec]:
              "output": f"{prefix}SelfOutput", "output.dense": "Linear", "output.LayerNorm": "LayerNorm",
              "output.dropout": "Dropout"}
     return [
-        AttentionSpec(path + f"{prefix}Attention", (model_type,), "bert", "bert", parts,
+        AttentionSpec(path + f"{prefix}Attention", (model_type, *also), "bert", "bert", parts,
                       {"": frozenset({"is_cross_attention"}), "self": self_attrs, "output": frozenset()}),
-        AttentionSpec(path + f"{prefix}SelfAttention", (model_type,), "bert-self", None, self_parts,
+        AttentionSpec(path + f"{prefix}SelfAttention", (model_type, *also), "bert-self", None, self_parts,
                       {"": self_attrs}),
     ]
 
@@ -109,7 +112,7 @@ _GPT2 = AttentionSpec(
 
 #: Every supported class, keyed by its qualified name.
 REGISTRY: Mapping[str, AttentionSpec] = {s.cls: s for s in [
-    _q_proj("llama", "LlamaAttention"),
+    _q_proj("llama", "LlamaAttention", also=("exaone", "internlm3", "iquestcoder")),  # their models are Llama
     _q_proj("mistral", "MistralAttention", window="config"),
     _q_proj("mixtral", "MixtralAttention", window="config"),
     _q_proj("qwen2", "Qwen2Attention", window="module", extra_attrs=frozenset({"layer_type", "sliding_window"})),
@@ -124,7 +127,7 @@ REGISTRY: Mapping[str, AttentionSpec] = {s.cls: s for s in [
                   {"": frozenset({"attention_dropout", "config", "head_dim", "is_causal", "num_attention_heads",
                                   "scaling"})}),
     _GPT2,
-    *_bert("bert", "Bert"), *_bert("roberta", "Roberta"), *_bert("xlm-roberta", "XLMRoberta"),
+    *_bert("bert", "Bert", also=("dpr",)), *_bert("roberta", "Roberta"), *_bert("xlm-roberta", "XLMRoberta"),
     *_bert("electra", "Electra"),
 ]}
 
@@ -165,6 +168,11 @@ def why_not(module: nn.Module, config: Any | None = None) -> str | None:
         if unknown:
             return f"{spec.name}{'.' + path if path else ''} has attributes its description does not cover: {unknown}"
     config = config if config is not None else _config_of(module)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in spec.model_types:
+        # Another config class may hold other keys (RoPE, windows) under other names.
+        return (f"{spec.name} with a config of model_type={model_type!r} is not verified; "
+                f"verified: {', '.join(spec.model_types)}")
     for key, want in spec.config_must.items():
         got = getattr(config, key, None) if config is not None else None
         if got != want:
