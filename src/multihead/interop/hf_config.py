@@ -286,6 +286,28 @@ def module_rope_base(cfg: Any, layer_type: str | None, src: str) -> float:
     return 10000.0 if base is None else _check_positive_float("rope_theta", base)
 
 
+def module_rope(cfg: Any, layer_type: str | None, src: str) -> tuple[float, Any]:
+    """(θ, RopeScaling or None) of an attention layer whose class applies RoPE to all of D.
+
+    Every type of transformers' ``ROPE_INIT_FUNCTIONS`` but ``proportional`` is read
+    (:mod:`multihead.rope_scaling` computes them bit for bit).
+
+    Raises:
+        ValueError: no config, an unknown or malformed scaling, a partial rotary factor
+            other than 1, naming the key.
+    """
+    if cfg is None:
+        raise ValueError(f"{src}: a config is required for RoPE settings; pass config=")
+    params = rope_parameters(cfg, layer_type, src)
+    factor = params.get("partial_rotary_factor", _field(cfg, "partial_rotary_factor"))
+    if factor not in (None, 1, 1.0):
+        raise ValueError(f"{src}: partial_rotary_factor={factor} is not supported for this class; only 1.0")
+    base = params.get("rope_theta", _field(cfg, "rope_theta"))
+    base = 10000.0 if base is None else _check_positive_float("rope_theta", base)
+    plain = cfg if isinstance(cfg, Mapping) else cfg.to_dict()
+    return base, hf_layers.rope_scaling({**plain, "rope_scaling": None}, params, src)
+
+
 def module_window(cfg: Any, src: str) -> int | None:
     """``config.sliding_window`` as the classes that pass it to HF's kernel read it (Mistral)."""
     window = _field(cfg, "sliding_window")

@@ -78,6 +78,7 @@ def _links(module: nn.Module, family: str) -> list[_Link]:
     else:
         links = [_Link(f"{n}.{p}", f"{n}.{p}") for n in ("q_proj", "k_proj", "v_proj", "o_proj")
                  for p in ("weight", "bias")]
+        links += [_Link(n, n) for n in ("q_norm.weight", "k_norm.weight", "sinks")]  # where the class has them
     params = dict(module.named_parameters())
     return [link for link in links if params.get(link.theirs) is not None]
 
@@ -244,6 +245,14 @@ def _q_proj_settings(module: nn.Module, config: Any, state: dict[str, torch.Tens
         "causal": bool(module.is_causal), "scale": float(module.scaling),
         "dropout": float(module.attention_dropout or 0.0), "window": window, "rope": _rope(module, config, spec),
     }
+    if spec.qk_norm is not None:
+        norm = module.q_norm
+        settings.update(qk_norm=spec.qk_norm, norm_offset=spec.norm_offset,
+                        norm_eps=float(getattr(norm, "variance_epsilon", getattr(norm, "eps", None))))
+    if spec.softcap and module.attn_logit_softcapping is not None:
+        settings["softcap"] = float(module.attn_logit_softcapping)
+    if "sinks" in spec.params:
+        settings["sinks"] = True
     return settings, {"head_dim": head_dim}
 
 
@@ -251,10 +260,10 @@ def _rope(module: nn.Module, config: Any, spec: hf_registry.AttentionSpec) -> Ro
     if spec.rope is None:
         return None
     src = f"{spec.name} config"
-    base = hf_config.module_rope_base(config, getattr(module, "layer_type", None), src)
+    base, scaling = hf_config.module_rope(config, getattr(module, "layer_type", None), src)
     positions = getattr(config, "max_position_embeddings", None) or ROPE_TABLE_POSITIONS
     return RoPE(int(module.head_dim), base, interleaved=spec.rope == "interleaved",
-                max_positions=min(int(positions), ROPE_TABLE_POSITIONS))
+                max_positions=min(int(positions), ROPE_TABLE_POSITIONS), scaling=scaling)
 
 
 def _settings(defaults: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
