@@ -75,3 +75,46 @@ def test_a_rope_type_multihead_does_not_compute_is_refused_by_name() -> None:
     model = _model({"rope_type": "proportional", "factor": 1.0})
     with pytest.raises(ValueError, match="rope_type must be one of"):
         mh.hf.patch(model)
+
+
+def test_phi3_fused_qkv_round_trips_through_patch_and_unpatch() -> None:
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    cfg = Phi3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
+                     intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0)
+    model = Phi3ForCausalLM(cfg).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    layer = mh.MultiHeadAttention.from_hf(model.model.layers[0].self_attn)
+    q_rows = 4 * 16
+    assert torch.equal(layer.k_proj.weight, before["model.layers.0.self_attn.qkv_proj.weight"][q_rows:q_rows + 32])
+    mh.hf.unpatch(mh.hf.patch(model))
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gpt_oss"])
+def test_the_attention_interface_kernel_applies_softcap_and_sinks(model_type: str) -> None:
+    """attn_implementation="multihead": transformers passes softcap= (Gemma 2) and s_aux= (gpt-oss)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from multihead.interop import hf_kernel
+
+    extra = {"attn_logit_softcapping": 2.0, "query_pre_attn_scalar": 16} if model_type == "gemma2" else {
+        "num_local_experts": 4, "num_experts_per_tok": 2}
+    cfg = AutoConfig.for_model(model_type, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=16, num_hidden_layers=2, intermediate_size=128, vocab_size=VOCAB,
+                               max_position_embeddings=64, pad_token_id=0, **extra)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 or name.endswith("sinks"):
+                p.mul_(4) if p.dim() == 2 else p.normal_()
+    ids = torch.randint(3, VOCAB, (1, S), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        model.set_attn_implementation(hf_kernel.register())
+        got = model(input_ids=ids).logits
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5

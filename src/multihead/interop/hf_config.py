@@ -286,8 +286,11 @@ def module_rope_base(cfg: Any, layer_type: str | None, src: str) -> float:
     return 10000.0 if base is None else _check_positive_float("rope_theta", base)
 
 
-def module_rope(cfg: Any, layer_type: str | None, src: str) -> tuple[float, Any]:
-    """(θ, RopeScaling or None) of an attention layer whose class applies RoPE to all of D.
+def module_rope(cfg: Any, layer_type: str | None, src: str, *, partial: bool = False) -> tuple[float, Any, float]:
+    """(θ, RopeScaling or None, rotary fraction) of an attention layer's RoPE.
+
+    ``partial``: the class rotates the first ``int(D · partial_rotary_factor)`` dims (Phi-3);
+    otherwise a factor other than 1 is refused.
 
     Every type of transformers' ``ROPE_INIT_FUNCTIONS`` but ``proportional`` is read
     (:mod:`multihead.rope_scaling` computes them bit for bit).
@@ -300,12 +303,13 @@ def module_rope(cfg: Any, layer_type: str | None, src: str) -> tuple[float, Any]
         raise ValueError(f"{src}: a config is required for RoPE settings; pass config=")
     params = rope_parameters(cfg, layer_type, src)
     factor = params.get("partial_rotary_factor", _field(cfg, "partial_rotary_factor"))
-    if factor not in (None, 1, 1.0):
+    if factor not in (None, 1, 1.0) and not partial:
         raise ValueError(f"{src}: partial_rotary_factor={factor} is not supported for this class; only 1.0")
+    factor = 1.0 if factor is None else _check_positive_float("partial_rotary_factor", factor)
     base = params.get("rope_theta", _field(cfg, "rope_theta"))
     base = 10000.0 if base is None else _check_positive_float("rope_theta", base)
     plain = cfg if isinstance(cfg, Mapping) else cfg.to_dict()
-    return base, hf_layers.rope_scaling({**plain, "rope_scaling": None}, params, src)
+    return base, hf_layers.rope_scaling({**plain, "rope_scaling": None}, params, src), factor
 
 
 def module_window(cfg: Any, src: str) -> int | None:

@@ -14,7 +14,9 @@ is never imported here):
 
 * ``layout``: where the weights are (``"q_proj"``: q/k/v/o_proj nn.Linear, our layout;
   ``"bert"``: ``self.query/key/value`` + ``output.dense``; ``"bert-self"``: query/key/value
-  without W_o; ``"gpt2"``: fused transposed Conv1D ``c_attn`` + ``c_proj``).
+  without W_o; ``"gpt2"``: fused transposed Conv1D ``c_attn`` + ``c_proj``; ``"phi3"``: fused
+  ``qkv_proj`` rows [q | k | v] + ``o_proj``). ``partial_rotary``: the class rotates the first
+  ``int(D · partial_rotary_factor)`` dims (Phi-3).
 * ``call``: the forward signature the patch wrapper imitates (``"llama"``, ``"vit"``,
   ``"bert"``, ``"gpt2"``; ``None``: converted by ``from_hf`` but never patched alone).
 * ``parts``: every submodule path and its class name, exactly; ``attrs``: the plain
@@ -74,6 +76,7 @@ class AttentionSpec:
     resid_dropout: str | None = None
     qk_norm: str | None = None
     norm_offset: bool = False
+    partial_rotary: bool = False
     softcap: bool = False
     params: frozenset[str] = frozenset()
 
@@ -146,6 +149,9 @@ REGISTRY: Mapping[str, AttentionSpec] = {s.cls: s for s in [
     _q_proj("gemma3_text", "Gemma3Attention", module="gemma3", window="module", softcap=True,
             extra_attrs=_LAYER_TYPED | {"attn_logit_softcapping", "is_sliding"}, norm="Gemma3RMSNorm",
             qk_norm="head", norm_offset=True, config_must={"use_bidirectional_attention": False}),
+    AttentionSpec("transformers.models.phi3.modeling_phi3.Phi3Attention", ("phi3",), "phi3", "llama",
+                  {"qkv_proj": "Linear", "o_proj": "Linear"},
+                  {"": _LLAMA_ATTRS | {"num_key_value_heads"}}, rope="half", window="config", partial_rotary=True),
     _q_proj("gpt_oss", "GptOssAttention", window="module", extra_attrs=_LAYER_TYPED, params=frozenset({"sinks"})),
     AttentionSpec("transformers.models.vit.modeling_vit.ViTAttention", ("vit",), "q_proj", "vit", _LINEARS,
                   {"": frozenset({"attention_dropout", "config", "head_dim", "is_causal", "num_attention_heads",

@@ -75,6 +75,13 @@ def _links(module: nn.Module, family: str) -> list[_Link]:
         links += [_Link(f"{o}.bias", "c_attn.bias", slice(i * e, (i + 1) * e))
                   for i, o in enumerate(("q_proj", "k_proj", "v_proj"))]
         links += [_Link("o_proj.weight", "c_proj.weight", transpose=True), _Link("o_proj.bias", "c_proj.bias")]
+    elif family == "phi3":  # fused qkv_proj: rows [q (H·D) | k (Hkv·D) | v (Hkv·D)]
+        q_rows = module.config.num_attention_heads * module.head_dim
+        kv_rows = module.num_key_value_heads * module.head_dim
+        cuts = (slice(0, q_rows), slice(q_rows, q_rows + kv_rows), slice(q_rows + kv_rows, q_rows + 2 * kv_rows))
+        links = [_Link(f"{o}.{p}", f"qkv_proj.{p}", rows) for o, rows in zip(("q_proj", "k_proj", "v_proj"), cuts)
+                 for p in ("weight", "bias")]
+        links += [_Link(f"o_proj.{p}", f"o_proj.{p}") for p in ("weight", "bias")]
     else:
         links = [_Link(f"{n}.{p}", f"{n}.{p}") for n in ("q_proj", "k_proj", "v_proj", "o_proj")
                  for p in ("weight", "bias")]
@@ -199,7 +206,8 @@ def from_hf(module: nn.Module, config: Any | None = None, **overrides: Any) -> M
     config = config if config is not None else hf_registry._config_of(module)
     state = state_from_hf(module)  # our names and layout
     w = state["q_proj.weight"]  # (H·D, E)
-    read = {"bert": _bert_settings, "bert-self": _bert_settings, "gpt2": _gpt2_settings, "q_proj": _q_proj_settings}
+    read = {"bert": _bert_settings, "bert-self": _bert_settings, "gpt2": _gpt2_settings, "q_proj": _q_proj_settings,
+            "phi3": _q_proj_settings}
     settings, sizes = read[family](module, config, state, spec)
     head_dim = sizes.pop("head_dim")
     layer = MultiHeadAttention(
@@ -260,9 +268,11 @@ def _rope(module: nn.Module, config: Any, spec: hf_registry.AttentionSpec) -> Ro
     if spec.rope is None:
         return None
     src = f"{spec.name} config"
-    base, scaling = hf_config.module_rope(config, getattr(module, "layer_type", None), src)
+    base, scaling, factor = hf_config.module_rope(config, getattr(module, "layer_type", None), src,
+                                                  partial=spec.partial_rotary)
     positions = getattr(config, "max_position_embeddings", None) or ROPE_TABLE_POSITIONS
-    return RoPE(int(module.head_dim), base, interleaved=spec.rope == "interleaved",
+    head_dim = int(module.head_dim)
+    return RoPE(head_dim, base, interleaved=spec.rope == "interleaved", rotary_dim=int(head_dim * factor),
                 max_positions=min(int(positions), ROPE_TABLE_POSITIONS), scaling=scaling)
 
 
