@@ -163,6 +163,7 @@ class KVCache:
         new = [min(t, length) for t, length in zip(targets, self._host_lengths)]
         if self.ring:
             w = self.window
+            assert w is not None  # a ring cache has a window (checked in __init__)
             for b, (t, length) in enumerate(zip(new, self._host_lengths)):
                 # Slots hold positions length-C .. length-1; the next query (at t) needs t-w+1 .. t-1.
                 if 0 < t < length and max(0, t - w + 1) < max(0, length - self.capacity):
@@ -279,6 +280,7 @@ class KVCache:
             if step.chunk is not None:
                 self._write_ring_chunk(*step.chunk, step.counts)
             else:
+                assert step.slots is not None  # an in-place append records its slots
                 self.slot_pos.scatter_(1, step.slots, step.key_pos)
             counts = step.counts
         else:
@@ -297,6 +299,7 @@ class KVCache:
         """Undo :meth:`append`'s writes (the attention that used it failed): the cache is
         then bitwise what it was before."""
         if step.saved is not None:
+            assert step.index is not None  # recorded together with saved
             self.k.scatter_(2, step.index, step.saved[0])
             self.v.scatter_(2, step.index, step.saved[1])
 

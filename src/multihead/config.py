@@ -19,7 +19,6 @@ full-attention layers; OpenELM and Swin vary the heads), ``layers`` holds one
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence

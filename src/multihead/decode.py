@@ -40,7 +40,7 @@ def plain_linear(linear: nn.Module) -> bool:
             and not nn.modules.module._global_forward_hooks and not nn.modules.module._global_forward_pre_hooks)
 
 
-def _projections(layer: MultiHeadAttention) -> tuple[nn.Module, ...]:
+def _projections(layer: MultiHeadAttention) -> tuple[nn.Linear, ...]:
     return (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj)
 
 
@@ -54,29 +54,30 @@ Check = Callable[["MultiHeadAttention", torch.Tensor, KVCache, dict], bool]
 
 #: (reason it does not apply, test that must hold), in the order they are asked.
 FUSED_CONDITIONS: tuple[tuple[str, Check], ...] = (
-    ("not one new token per row", lambda l, x, c, kw: x.dim() == 3 and x.shape[1] == 1),
-    (f"more than {native.MAX_STEP_ROWS} rows", lambda l, x, c, kw: x.shape[0] <= native.MAX_STEP_ROWS),
-    ("key_mask given (padding)", lambda l, x, c, kw: kw.get("key_mask") is None),
-    ("positions given", lambda l, x, c, kw: kw.get("positions") is None),
-    ("context given (cross-attention)", lambda l, x, c, kw: kw.get("context") is None),
-    ("weights asked for", lambda l, x, c, kw: not kw.get("return_weights", False)),
-    ("an observer is attached (trace or capture)", lambda l, x, c, kw: kw.get("observe") is None),
-    ("the layer has a sliding window", lambda l, x, c, kw: l.window is None),
+    ("not one new token per row", lambda layer, x, c, kw: x.dim() == 3 and x.shape[1] == 1),
+    (f"more than {native.MAX_STEP_ROWS} rows", lambda layer, x, c, kw: x.shape[0] <= native.MAX_STEP_ROWS),
+    ("key_mask given (padding)", lambda layer, x, c, kw: kw.get("key_mask") is None),
+    ("positions given", lambda layer, x, c, kw: kw.get("positions") is None),
+    ("context given (cross-attention)", lambda layer, x, c, kw: kw.get("context") is None),
+    ("weights asked for", lambda layer, x, c, kw: not kw.get("return_weights", False)),
+    ("an observer is attached (trace or capture)", lambda layer, x, c, kw: kw.get("observe") is None),
+    ("the layer has a sliding window", lambda layer, x, c, kw: layer.window is None),
     ("the layer has QK-norm, soft-capping, ALiBi or sinks",
-     lambda l, x, c, kw: l.qk_norm is None and l.softcap is None and l.alibi_slopes is None and l.sinks is None),
-    ("a ring cache", lambda l, x, c, kw: not c.ring),
-    ("dropout in training mode", lambda l, x, c, kw: not (l.training and l.dropout > 0)),
-    ("a backend other than auto or native", lambda l, x, c, kw: l.backend in (None, "auto", "native")),
-    ("not float32", lambda l, x, c, kw: x.dtype == torch.float32),
-    ("not on the CPU", lambda l, x, c, kw: x.device.type == "cpu"),
+     lambda layer, x, c, kw: layer.qk_norm is None and layer.softcap is None and layer.alibi_slopes is None
+     and layer.sinks is None),
+    ("a ring cache", lambda layer, x, c, kw: not c.ring),
+    ("dropout in training mode", lambda layer, x, c, kw: not (layer.training and layer.dropout > 0)),
+    ("a backend other than auto or native", lambda layer, x, c, kw: layer.backend in (None, "auto", "native")),
+    ("not float32", lambda layer, x, c, kw: x.dtype == torch.float32),
+    ("not on the CPU", lambda layer, x, c, kw: x.device.type == "cpu"),
     ("the cache's K and V buffers have different or non-unit-stride rows",
-     lambda l, x, c, kw: c.k.stride() == c.v.stride() and c.k.stride(-1) == 1),
+     lambda layer, x, c, kw: c.k.stride() == c.v.stride() and c.k.stride(-1) == 1),
     ("a projection is not a plain contiguous nn.Linear (subclass, hooks, or strided weights)",
-     lambda l, x, c, kw: all(plain_linear(p) and p.weight.is_contiguous()
-                             and (p.bias is None or p.bias.is_contiguous()) for p in _projections(l))),
+     lambda layer, x, c, kw: all(plain_linear(p) and p.weight.is_contiguous()
+                             and (p.bias is None or p.bias.is_contiguous()) for p in _projections(layer))),
     ("the RoPE is not a plain multihead.RoPE whose CPU table covers the positions",
-     lambda l, x, c, kw: _plain_rope(l, c)),
-    ("the native kernel is not compiled here for AVX-512", lambda l, x, c, kw: native.vector_bits() >= 512),
+     lambda layer, x, c, kw: _plain_rope(layer, c)),
+    ("the native kernel is not compiled here for AVX-512", lambda layer, x, c, kw: native.vector_bits() >= 512),
 )
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from typing import Literal, overload
+
 import torch
 
 from ._checks import check_finite as _check_finite
@@ -37,6 +39,20 @@ DEFAULT_BACKEND = "auto"
 WEIGHTS_BACKEND = "explicit"
 
 
+@overload
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+              mask: torch.Tensor | None = None, window: int | None = None, scale: float | None = None,
+              dropout_p: float = 0.0, return_weights: Literal[False] = False, return_lse: Literal[False] = False,
+              backend: str | None = None, check_finite: bool = False,
+              softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
+              sinks: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor: ...
+@overload
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+              mask: torch.Tensor | None = None, window: int | None = None, scale: float | None = None,
+              dropout_p: float = 0.0, return_weights: bool = False, return_lse: bool = False,
+              backend: str | None = None, check_finite: bool = False,
+              softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
+              sinks: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]: ...
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -129,16 +145,16 @@ def attention(
         dropout_p=dropout_p, return_weights=return_weights, return_lse=return_lse,
         **features,  # only the features asked for: a backend without them never sees the keywords
     )
-    extra = [t for t, asked in ((weights, return_weights), (lse, return_lse)) if asked]
+    extra = [t for t, asked in ((weights, return_weights), (lse, return_lse)) if asked and t is not None]
     return (out, *extra) if extra else out
 
 
-def _validate(q: object, k: object, v: object, mask: object, window: object, scale: object, dropout_p: object
-              ) -> tuple[torch.Tensor | None, float, float]:
+def _validate(q_in: object, k_in: object, v_in: object, mask: object, window: object, scale: object,
+              dropout_p: object) -> tuple[torch.Tensor | None, float, float]:
     """Every check of :func:`attention`, once: returns the mask as a 4-D view, scale, dropout_p."""
-    check_tensor("q", q, ndim=4)
-    check_tensor("k", k, ndim=4)
-    check_tensor("v", v, ndim=4)
+    q = check_tensor("q", q_in, ndim=4)
+    k = check_tensor("k", k_in, ndim=4)
+    v = check_tensor("v", v_in, ndim=4)
     check_float_tensor("q", q)
     check_like("k", k, "q", q)
     check_like("v", v, "q", q)
@@ -154,19 +170,20 @@ def _validate(q: object, k: object, v: object, mask: object, window: object, sca
         )
     if hkv == 0 or h % hkv != 0:
         raise ValueError(f"the number of query heads ({h}) must be a multiple of the number of K/V heads ({hkv})")
+    mask4 = None
     if mask is not None:
-        mask = check_bool_mask("mask", mask, (b, h, sq, sk), "[B, H, Sq, Sk]")
-        if mask.device != q.device:
-            raise ValueError(f"mask must be on device {q.device} like q, got {mask.device}")
-        mask = mask[(None,) * (4 - mask.dim())]  # (B|1, H|1, Sq|1, Sk|1): one rank for every backend
+        mask4 = check_bool_mask("mask", mask, (b, h, sq, sk), "[B, H, Sq, Sk]")
+        if mask4.device != q.device:
+            raise ValueError(f"mask must be on device {q.device} like q, got {mask4.device}")
+        mask4 = mask4[(None,) * (4 - mask4.dim())]  # (B|1, H|1, Sq|1, Sk|1): one rank for every backend
     if window is not None:
         check_int("window", window)
     if scale is None:
-        scale = 1.0 / math.sqrt(d)
+        scale_f = 1.0 / math.sqrt(d)
     else:
-        scale = check_float("scale", scale, low=0.0, high=math.inf, low_inclusive=False, high_inclusive=False)
-    dropout_p = check_float("dropout_p", dropout_p, low=0.0, high=1.0, high_inclusive=False)
-    return mask, scale, dropout_p
+        scale_f = check_float("scale", scale, low=0.0, high=math.inf, low_inclusive=False, high_inclusive=False)
+    p = check_float("dropout_p", dropout_p, low=0.0, high=1.0, high_inclusive=False)
+    return mask4, scale_f, p
 
 
 def _validate_features(q: torch.Tensor, k: torch.Tensor, softcap: object, alibi_slopes: object, sinks: object,

@@ -13,6 +13,9 @@ and :func:`mm_nt` are the same GEMM for the torch-only attention kernels.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -22,22 +25,32 @@ from .backends.registry import needs_grad
 
 __all__ = ["linear", "linears", "onednn_available", "gemm_for", "mm_nt", "MatMul"]
 
+
+def _gemm() -> Callable[..., torch.Tensor]:
+    """oneDNN's GEMM, on the paths that :func:`linears` takes only when it exists."""
+    op = _onednn_linear()
+    assert op is not None  # linears() checked it before choosing this path
+    return op
+
+
 class _OneDNNLinear(torch.autograd.Function):
     """y = x · wᵀ + b with oneDNN GEMMs in the forward and the backward pass."""
 
+    # ctx: Any, as in torch's own examples: its stub (FunctionCtx) lacks saved_tensors and
+    # needs_input_grad, and the context also carries our has_bias.
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, w: torch.Tensor,
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor,
                 b: torch.Tensor | None) -> torch.Tensor:
-        op = _onednn_linear()
+        op = _gemm()
         x2 = x.reshape(-1, x.shape[-1])  # (N, in)
         ctx.save_for_backward(x2, w)
         ctx.has_bias = b is not None
         return op(x2, w, b, "none", [], "").view(*x.shape[:-1], w.shape[0])
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, gy: torch.Tensor
+    def backward(ctx: Any, gy: torch.Tensor
                  ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        op = _onednn_linear()
+        op = _gemm()
         x2, w = ctx.saved_tensors
         gy2 = gy.reshape(-1, gy.shape[-1]).contiguous()  # (N, out)
         # oneDNN reads transposed operands slowly: pass contiguous copies (O(N·E), cheap next to the GEMMs).
@@ -77,7 +90,8 @@ def linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | Non
         One (..., out_i) tensor per layer.
     """
     tensors = [x] + [t for layer in layers for t in layer if t is not None]
-    if (_onednn_linear() is None or not torch.backends.mkldnn.enabled or x.device.type != "cpu"
+    op = _onednn_linear()
+    if (op is None or not torch.backends.mkldnn.enabled or x.device.type != "cpu"
             or any(t.dtype != torch.float32 for t in tensors)):
         return [F.linear(x, w, b) for w, b in layers]
     if needs_grad(*tensors):
@@ -87,6 +101,5 @@ def linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | Non
             and native.vector_bits() >= 512):
         outs = native.linear_few_rows(x2.contiguous(), layers)
     else:
-        op = _onednn_linear()
         outs = [op(x2, w, b, "none", [], "") for w, b in layers]
     return [o.view(*x.shape[:-1], o.shape[-1]) for o in outs]

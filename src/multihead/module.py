@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from . import decode
 from . import linear as _linear
@@ -149,7 +149,7 @@ class MultiHeadAttention(nn.Module):
                 raise TypeError(f"rope must be a multihead.RoPE or None, got {type(rope).__name__}")
             if rope.head_dim != head_dim:
                 raise ValueError(f"rope.head_dim must equal head_dim={head_dim}, got {rope.head_dim}")
-        self.dropout = check_float("dropout", dropout, low=0.0, high=1.0, high_inclusive=False)
+        self.dropout: float = check_float("dropout", dropout, low=0.0, high=1.0, high_inclusive=False)
         if scale is not None:
             scale = check_float("scale", scale, low=0.0, high=math.inf, low_inclusive=False, high_inclusive=False)
         if window is not None:
@@ -167,9 +167,9 @@ class MultiHeadAttention(nn.Module):
         self.head_dim = head_dim
         self.causal = bool(causal)
         self.scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-        self.window = window
+        self.window: int | None = window
         self.kdim, self.vdim = kdim, vdim
-        self.backend = backend
+        self.backend: str | None = backend
         o_bias = bias if o_bias is None else o_bias
         factory = {"device": device, "dtype": dtype}
         self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=bias, **factory)
@@ -381,6 +381,15 @@ class MultiHeadAttention(nn.Module):
         return mask & segments
 
     # The body lives here so that :func:`multihead.trace` can watch every step.
+    @overload
+    def _forward(self, x: torch.Tensor, context: torch.Tensor | None, *, mask: torch.Tensor | None,
+                 key_mask: torch.Tensor | None, positions: torch.Tensor | None, return_weights: Literal[False],
+                 observe: Observer | None, cache: KVCache | None = None) -> torch.Tensor: ...
+    @overload
+    def _forward(self, x: torch.Tensor, context: torch.Tensor | None, *, mask: torch.Tensor | None,
+                 key_mask: torch.Tensor | None, positions: torch.Tensor | None, return_weights: bool,
+                 observe: Observer | None, cache: KVCache | None = None
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
     def _forward(
         self,
         x: torch.Tensor,
@@ -399,7 +408,7 @@ class MultiHeadAttention(nn.Module):
                                                       observe=observe) is None:
             return decode.fused_step(self, x, cache)
         own_positions = cache is not None and positions is None
-        if own_positions:
+        if cache is not None and positions is None:
             positions = cache.positions(x.shape[1])  # (B, S): each row continues from its length
         seen = observe or _no_tap
         seen("X", x)
@@ -419,7 +428,7 @@ class MultiHeadAttention(nn.Module):
 
         if self.rope is not None:
             # With a cache the positions' range is known on the host: no device read.
-            bound = max(cache.host_lengths()) + x.shape[1] if own_positions else None
+            bound = max(cache.host_lengths()) + x.shape[1] if cache is not None and own_positions else None
             q, k = self.rope.rotate((q, k), positions, bound=bound)
             seen("Q_rot", q), seen("K_rot", k)
 
@@ -430,14 +439,17 @@ class MultiHeadAttention(nn.Module):
         seen("concat", concat)
         y = _apply_linear(self.o_proj, concat)  # (B, S, E)
         seen("O", y)
-        return (y, weights) if return_weights else y
+        if return_weights:
+            assert weights is not None  # the backend was resolved to return them
+            return y, weights
+        return y
 
     def _local_heads(self, q_width: int, k_width: int) -> tuple[int, int]:
         """(H, Hkv) in this call's projections: this rank's share when ``parallelize_module`` shards them
         (``mh.parallel.tensor_parallel_plan``); anything but whole heads and whole query groups is refused."""
         w = self.q_proj.weight
-        p = math.prod(w.device_mesh.size(i) for i, pl in enumerate(w.placements) if pl.is_shard()) \
-            if hasattr(w, "device_mesh") else 1
+        mesh, placements = getattr(w, "device_mesh", None), getattr(w, "placements", ())  # a DTensor's
+        p = math.prod(mesh.size(i) for i, pl in enumerate(placements) if pl.is_shard()) if mesh is not None else 1
         h, hkv, d = q_width // self.head_dim, k_width // self.head_dim, self.head_dim
         if (h * p, hkv * p, h * d, hkv * d) != (self.num_heads, self.num_kv_heads, q_width, k_width):
             raise ValueError(f"num_heads={self.num_heads} and num_kv_heads={self.num_kv_heads} must split into "
@@ -460,7 +472,8 @@ class MultiHeadAttention(nn.Module):
         if cache is not None:
             step = cache.append(k, v, real, structure=structure)
             k, v, attn_mask = step.keys, step.values, step.mask
-            seen("K_cache", k), seen("V_cache", v)
+            seen("K_cache", k)
+            seen("V_cache", v)
             if attn_mask is not None:  # the mask carries causality and the window
                 structure = Structure()
         try:
@@ -468,10 +481,10 @@ class MultiHeadAttention(nn.Module):
                                  scale=self.scale, dropout_p=dropout_p, return_weights=return_weights,
                                  return_lse=False, **features)
         except BaseException:
-            if step is not None:
+            if cache is not None and step is not None:
                 cache.rollback(step)
             raise
-        if step is not None:
+        if cache is not None and step is not None:
             cache.commit(step)
         return out, weights
 
@@ -588,12 +601,16 @@ def _no_tap(name: str, t: torch.Tensor) -> None:
 
 def _apply_linear(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``linear(x)``, through oneDNN's GEMM (:func:`multihead.linear.linear`) when plain."""
-    return _linear.linear(x, linear.weight, linear.bias) if _plain(linear) else linear(x)
+    if _plain(linear):
+        assert isinstance(linear, nn.Linear)  # _plain: exactly an nn.Linear
+        return _linear.linear(x, linear.weight, linear.bias)
+    out: torch.Tensor = linear(x)
+    return out
 
 
-def _check_key_mask(key_mask: object, b: int, sk: int, device: torch.device) -> None:
+def _check_key_mask(key_mask_in: object, b: int, sk: int, device: torch.device) -> None:
     """key_mask: bool (B, Sk), True = real token, on x's device."""
-    check_tensor("key_mask", key_mask, ndim=2)
+    key_mask = check_tensor("key_mask", key_mask_in, ndim=2)
     if key_mask.dtype != torch.bool:
         raise TypeError(f"key_mask must be a bool tensor (True = real token), got dtype {key_mask.dtype}")
     if tuple(key_mask.shape) != (b, sk):

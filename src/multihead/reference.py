@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 __all__ = [
     "project",
@@ -150,26 +151,26 @@ def residual(X: Array, O: Array) -> Array:
 
 
 def multi_head_attention(
-    X: Array,
-    W_q: Array,
-    W_k: Array,
-    W_v: Array,
-    W_o: Array,
+    X: npt.ArrayLike,
+    W_q: npt.ArrayLike,
+    W_k: npt.ArrayLike,
+    W_v: npt.ArrayLike,
+    W_o: npt.ArrayLike,
     num_heads: int,
     *,
     num_kv_heads: int | None = None,
-    b_q: Array | None = None,
-    b_k: Array | None = None,
-    b_v: Array | None = None,
-    b_o: Array | None = None,
+    b_q: npt.ArrayLike | None = None,
+    b_k: npt.ArrayLike | None = None,
+    b_v: npt.ArrayLike | None = None,
+    b_o: npt.ArrayLike | None = None,
     causal: bool = False,
     rope_base: float | None = None,
     rope_interleaved: bool = False,
     rotary_dim: int | None = None,
-    positions: Array | None = None,
-    context: Array | None = None,
-    mask: Array | None = None,
-    key_mask: Array | None = None,
+    positions: npt.ArrayLike | None = None,
+    context: npt.ArrayLike | None = None,
+    mask: npt.ArrayLike | None = None,
+    key_mask: npt.ArrayLike | None = None,
     window: int | None = None,
     scale: float | None = None,
     return_steps: bool = False,
@@ -205,7 +206,8 @@ def multi_head_attention(
     h = num_heads
     h_kv = h if num_kv_heads is None else num_kv_heads
     if h <= 0 or h_kv <= 0 or h % h_kv or W_q.shape[0] % h:
-        raise ValueError(f"num_heads={h} must be a positive multiple of num_kv_heads={h_kv} and divide W_q's rows {W_q.shape[0]}")
+        raise ValueError(f"num_heads={h} must be a positive multiple of num_kv_heads={h_kv} "
+                         f"and divide W_q's rows {W_q.shape[0]}")
     d_head = W_q.shape[0] // h
     scale = 1.0 / np.sqrt(d_head) if scale is None else scale
     S, Sk = X.shape[1], C.shape[1]

@@ -205,7 +205,8 @@ def check_positions(positions: object, batch: int, seq: int) -> torch.Tensor:
     if positions.dtype.is_floating_point or positions.dtype == torch.bool or positions.is_complex():
         raise TypeError(f"positions must be an integer tensor, got dtype {positions.dtype}")
     if positions.shape[-1] != seq or (positions.dim() == 2 and positions.shape[0] not in (1, batch)):
-        raise ValueError(f"positions must have shape [S] = [{seq}] or [B, S] = [{batch}, {seq}], got {list(positions.shape)}")
+        raise ValueError(f"positions must have shape [S] = [{seq}] or [B, S] = [{batch}, {seq}], "
+                         f"got {list(positions.shape)}")
     return positions
 
 

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from multihead.parallel.bench import start_measurable
+
 #: Timeout of every collective in the children (a hang becomes an error after this).
 COLLECTIVE_TIMEOUT_S = 30
 
@@ -62,18 +64,7 @@ def run_world(world_size: int, target: str, *, timeout_s: float = 170.0) -> list
     port = free_port()
     procs = [ctx.Process(target=_child, args=(r, world_size, port, target, results), daemon=True)
              for r in range(world_size)]
-    # A fixed mmap threshold: large tensors are mapped and unmapped, so a rank's RSS
-    # high-water mark counts its live tensors (glibc's dynamic threshold would keep freed ones).
-    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 17)
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        if saved is None:
-            del os.environ["MALLOC_MMAP_THRESHOLD_"]
-        else:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
+    start_measurable(procs)  # RSS high-water marks count live tensors
     got: dict[int, Any] = {}
     errors = []
     deadline = time.monotonic() + timeout_s

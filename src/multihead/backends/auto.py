@@ -97,12 +97,14 @@ def _native(decode: bool) -> Runner:
     return run
 
 
-def _torch_kernel(fn: Callable[..., object]) -> Runner:
+def _torch_kernel(fn: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]) -> Runner:
+    """A torch-only kernel (returns out, or (out, lse) when asked) as a :data:`Runner`."""
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool, **structure: object
             ) -> tuple[torch.Tensor, None, torch.Tensor | None]:
         result = fn(q, k, v, return_lse=return_lse, **structure)
-        out, lse = result if return_lse else (result, None)  # type: ignore[misc]
-        return out, None, lse  # type: ignore[return-value]
+        if isinstance(result, tuple):  # return_lse
+            return result[0], None, result[1]
+        return result, None, None
     return run
 
 

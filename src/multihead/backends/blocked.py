@@ -42,7 +42,7 @@ matmuls over all K/V heads, the G query heads of a group stacked (no K/V repeat)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -84,8 +84,8 @@ def _block_rows(rows: int, keys: int, causal: bool) -> int:
     return min(_MAX_ROWS, max(_MIN_ROWS, 1 << (want.bit_length() - 1)))
 
 
-def _as_4d(mask: torch.Tensor | None) -> torch.Tensor | None:
-    return None if mask is None else mask[(None,) * (4 - mask.dim())]  # (B|1, H|1, Sq|1, Sk|1)
+def _as_4d(mask: torch.Tensor) -> torch.Tensor:
+    return mask[(None,) * (4 - mask.dim())]  # (B|1, H|1, Sq|1, Sk|1)
 
 
 def _upcast(t: torch.Tensor) -> torch.Tensor:
@@ -124,7 +124,8 @@ def blocked_attention(
     g = h // hkv
     dtype = q.dtype
     q, k, v = _upcast(q), _upcast(k), _upcast(v)
-    plan = _Plan.make(q, sk, g, Structure(causal, window), _as_4d(mask), mm or gemm_for(q), return_lse)
+    mask4 = None if mask is None else _as_4d(mask)
+    plan = _Plan.make(q, sk, g, Structure(causal, window), mask4, mm or gemm_for(q), return_lse)
     out = torch.empty((b, plan.sqp, h, dv), dtype=q.dtype, device=q.device)  # (B, Sqp, H, Dv)
     lse = torch.empty((b, plan.sqp, h), dtype=q.dtype, device=q.device) if return_lse else None  # (B, Sqp, H)
     stage = _Stage(q, k, v, plan)
@@ -142,6 +143,7 @@ def blocked_attention(
     return result, lse[:, :sq].permute(0, 2, 1).to(lse_dtype(dtype))  # (B, H, Sq)
 
 
+@dataclass(eq=False)  # identity, as before: a plan holds tensors
 class _Plan:
     """The fixed sizes of one :func:`blocked_attention` call (see the module legend).
 
@@ -150,11 +152,25 @@ class _Plan:
         sq, sk, g: queries, keys, query heads per K/V head. step: P positions per
         block; sqp: Sq rounded up to P; skp: Sk rounded up to the key alignment;
         chunk: keys per chunk. mask: the caller's 4-D mask or None. mm: the GEMM.
-        plain: nothing to mask anywhere. may_die: a row may see no key at all.
+        return_lse: the caller wants the log-sum-exp. may_die: a row may see no key
+        at all. plain: nothing to mask anywhere. bands: cache of :meth:`band`.
     """
 
-    def __init__(self, **fields: object) -> None:
-        self.__dict__.update(fields)
+    structure: Structure
+    off: int
+    sq: int
+    sk: int
+    g: int
+    step: int
+    sqp: int
+    skp: int
+    chunk: int
+    mask: torch.Tensor | None
+    mm: MatMul
+    return_lse: bool
+    may_die: bool
+    plain: bool
+    bands: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def make(cls, q: torch.Tensor, sk: int, g: int, structure: Structure, mask: torch.Tensor | None,
@@ -168,7 +184,7 @@ class _Plan:
         may_die = mask is not None or off < 0 or (structure.window is not None and not structure.causal)
         return cls(structure=structure, off=off, sq=sq, sk=sk, g=g, step=step, sqp=-(-sq // step) * step,
                    skp=skp, chunk=chunk, mask=mask, mm=mm, return_lse=return_lse, may_die=may_die,
-                   plain=structure.trivial and mask is None and skp == sk, bands={})
+                   plain=structure.trivial and mask is None and skp == sk)
 
     def band(self, p0: int, p1: int, c0: int, c1: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """(P, c1 - c0) additive: -inf where the structure blocks query rows p0..p1-1, else 0.
@@ -195,21 +211,22 @@ class _Stage:
         d, dv = q.shape[-1], v.shape[-1]
         self.q, self.k, self.v, self.plan = q, k, v, plan
         self.qg = q.new_zeros((plan.sqp, plan.g, d))  # (Sqp, G, D)
-        self.k_direct = plan.skp == plan.sk and _rows_contiguous(k)
-        self.v_direct = plan.skp == plan.sk and _rows_contiguous(v)
-        self.kg = None if self.k_direct else k.new_zeros((plan.skp, d))  # (Skp, D)
-        self.vg = None if self.v_direct else v.new_zeros((plan.skp, dv))  # (Skp, Dv)
+        # None: K (V) is read in place (no padding, contiguous rows), else staged here.
+        direct_k = plan.skp == plan.sk and _rows_contiguous(k)
+        direct_v = plan.skp == plan.sk and _rows_contiguous(v)
+        self.kg: torch.Tensor | None = None if direct_k else k.new_zeros((plan.skp, d))  # (Skp, D)
+        self.vg: torch.Tensor | None = None if direct_v else v.new_zeros((plan.skp, dv))  # (Skp, Dv)
 
     def load(self, bi: int, gi: int, scale: float) -> None:
         g, sq, sk = self.plan.g, self.plan.sq, self.plan.sk
         torch.mul(self.q[bi, gi * g:(gi + 1) * g].transpose(0, 1), scale, out=self.qg[:sq])  # (Sq, G, D)
         self.q2 = self.qg.view(-1, self.qg.shape[-1])  # (Sqp·G, D)
-        if not self.k_direct:
+        if self.kg is not None:
             self.kg[:sk] = self.k[bi, gi]
-        if not self.v_direct:
+        if self.vg is not None:
             self.vg[:sk] = self.v[bi, gi]
-        self.k2 = self.k[bi, gi] if self.k_direct else self.kg  # (Skp, D)
-        self.vt2 = (self.v[bi, gi] if self.v_direct else self.vg).transpose(0, 1)  # (Dv, Skp)
+        self.k2 = self.k[bi, gi] if self.kg is None else self.kg  # (Skp, D)
+        self.vt2 = (self.v[bi, gi] if self.vg is None else self.vg).transpose(0, 1)  # (Dv, Skp)
 
 
 def _attend_block(stage: _Stage, plan: _Plan, bi: int, gi: int, p0: int, dst: torch.Tensor,
@@ -224,7 +241,8 @@ def _attend_block(stage: _Stage, plan: _Plan, bi: int, gi: int, p0: int, dst: to
         return
     lo, hi = lo // align * align, min(plan.skp, -(-hi // align) * align)  # aligned: few shapes
     x = stage.q2[p0 * g:p1 * g]  # (R, D)
-    acc, acc_lse = None, None
+    acc: torch.Tensor | None = None
+    acc_lse: torch.Tensor | None = None
     for c0 in range(lo, hi, plan.chunk):
         c1 = min(c0 + plan.chunk, hi)
         chunked = c0 > lo or c1 < hi
@@ -233,12 +251,12 @@ def _attend_block(stage: _Stage, plan: _Plan, bi: int, gi: int, p0: int, dst: to
         # A row may see no key of one chunk (causal band) though it sees others.
         check_dead = masked and (plan.may_die or chunked or plan.return_lse)
         smax = s.amax(-1) if chunked or check_dead or plan.return_lse else None  # (R,)
-        dead = smax == _NEG_INF if check_dead else None  # rows with no allowed key
+        dead = smax == _NEG_INF if check_dead and smax is not None else None  # (R,) rows with no allowed key
         torch._softmax(s, -1, False, out=s)  # in place
         o = plan.mm(s, stage.vt2[:, c0:c1])  # (R, Dv)
         if dead is not None:
             o.masked_fill_(dead[:, None], 0.0)  # softmax gave NaN there
-        lse = None
+        lse: torch.Tensor | None = None
         if smax is not None:
             # lse = max + log(sum), and the softmax's largest entry is exp(0)/sum.
             lse = smax - torch.log(s.amax(-1))
@@ -247,9 +265,12 @@ def _attend_block(stage: _Stage, plan: _Plan, bi: int, gi: int, p0: int, dst: to
         if not chunked:
             acc, acc_lse = o, lse
             break
+        assert lse is not None  # a chunked block computes its log-sum-exp
         acc, acc_lse = _merge(acc, acc_lse, o, lse)
+    assert acc is not None  # hi > lo: at least one chunk
     dst[p0:p1] = acc.view(plan.step, g, -1)
     if dst_lse is not None:
+        assert acc_lse is not None  # return_lse: every chunk computes its log-sum-exp
         dst_lse[p0:p1] = acc_lse.view(plan.step, g)
 
 
@@ -298,7 +319,7 @@ def _mask_block(mask: torch.Tensor, bi: int, gi: int, g: int, p0: int, p1: int, 
 def _merge(acc: torch.Tensor | None, acc_lse: torch.Tensor | None,
            o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Combine two normalised partial outputs by their log-sum-exp (rows with none: -inf)."""
-    if acc is None:
+    if acc is None or acc_lse is None:  # the first chunk (the two are set together)
         return o, lse
     top = torch.maximum(acc_lse, lse)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # both -inf: weights 0
@@ -353,7 +374,9 @@ def decode_attention(
 def _decode_mask(mask: torch.Tensor | None, b: int, h: int, hkv: int, g: int, sq: int, sk: int,
                  causal: bool, window: int | None, device: torch.device) -> torch.Tensor:
     """Combined mask broadcastable to (B, Hkv, Sq, G, Sk)."""
-    m = _as_4d(full_mask(mask, causal, window, sq, sk, device))  # (B|1, H|1, Sq|1, Sk|1)
+    full = full_mask(mask, causal, window, sq, sk, device)
+    assert full is not None  # the caller masks, or the structure does
+    m = _as_4d(full)  # (B|1, H|1, Sq|1, Sk|1)
     m = m.expand(m.shape[0], m.shape[1], sq, m.shape[3])
     if m.shape[1] == h:
         return m.reshape(m.shape[0], hkv, g, sq, m.shape[3]).transpose(2, 3)  # (B|1, Hkv, Sq, G, Sk|1)
@@ -374,5 +397,6 @@ def blocked_backend(
     gradient errors several times those of a plain float32 implementation.
     """
     result = blocked_attention(q, k, v, scale=scale, causal=causal, window=window, mask=mask, return_lse=return_lse)
-    out, lse = result if return_lse else (result, None)
-    return out, None, lse
+    if isinstance(result, tuple):
+        return result[0], None, result[1]
+    return result, None, None

@@ -28,7 +28,8 @@ def _onednn_linear() -> Callable[..., torch.Tensor] | None:
 
 def onednn_available() -> bool:
     """Whether float32 GEMMs run on oneDNN (else on ``torch.matmul``)."""
-    return _onednn_linear() is not None and torch.backends.mkldnn.enabled
+    # torch's stub declares the module attribute as its ContextProp descriptor; it reads a bool.
+    return _onednn_linear() is not None and torch.backends.mkldnn.enabled  # type: ignore[return-value]
 
 
 def _matmul_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

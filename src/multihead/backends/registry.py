@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar, overload
 
 import torch
 
@@ -95,11 +95,26 @@ FEATURES: dict[str, tuple[str, str]] = {
 _SPECS: dict[str, BackendSpec] = {}
 
 
+F = TypeVar("F", bound=Backend)
+
+
+@overload
+def register_backend(name: str, fn: None = None, *, weights: bool = False, lse: bool = False,
+                     grad: bool = False, dropout: bool = False, dtypes: frozenset[torch.dtype] | None = None,
+                     devices: frozenset[str] | None = None, ready: Callable[[], str | None] = _always,
+                     softcap: bool = False, alibi: bool = False, sinks: bool = False,
+                     ) -> Callable[[F], F]: ...
+@overload
+def register_backend(name: str, fn: F, *, weights: bool = False, lse: bool = False,
+                     grad: bool = False, dropout: bool = False, dtypes: frozenset[torch.dtype] | None = None,
+                     devices: frozenset[str] | None = None, ready: Callable[[], str | None] = _always,
+                     softcap: bool = False, alibi: bool = False, sinks: bool = False,
+                     ) -> F: ...
 def register_backend(name: str, fn: Backend | None = None, *, weights: bool = False, lse: bool = False,
                      grad: bool = False, dropout: bool = False, dtypes: frozenset[torch.dtype] | None = None,
                      devices: frozenset[str] | None = None, ready: Callable[[], str | None] = _always,
                      softcap: bool = False, alibi: bool = False, sinks: bool = False,
-                     ) -> Callable[[Backend], Backend] | Backend:
+                     ) -> Callable[[F], F] | Backend:
     """Register ``fn`` under ``name`` with its capabilities (usable as a decorator).
 
     Re-registering a name replaces it. The keywords are the fields of :class:`BackendSpec`.
@@ -107,7 +122,7 @@ def register_backend(name: str, fn: Backend | None = None, *, weights: bool = Fa
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty str, got {name!r}")
 
-    def deco(f: Backend) -> Backend:
+    def deco(f: F) -> F:
         _SPECS[name] = BackendSpec(name, f, weights=weights, lse=lse, grad=grad, dropout=dropout,
                                    dtypes=dtypes, devices=devices, ready=ready, softcap=softcap, alibi=alibi,
                                    sinks=sinks)

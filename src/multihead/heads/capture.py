@@ -196,9 +196,10 @@ class Capture:
             y, weights = layer._forward(x, context, mask=mask, key_mask=key_mask, positions=positions,
                                         return_weights=True, cache=cache,
                                         observe=lambda n, t: seen.__setitem__(n, t))
-            q = seen.get("Q_rot", seen.get("Q_k"))
-            k = seen.get("K_cache", seen.get("K_rot", seen.get("K_k")))
-            v = seen.get("V_cache", seen.get("V_k"))
+            # The layer always reports Q_k, K_k, V_k (and head_k); the others only on their paths.
+            q = seen.get("Q_rot", seen["Q_k"])
+            k = seen.get("K_cache", seen.get("K_rot", seen["K_k"]))
+            v = seen.get("V_cache", seen["V_k"])
             sel = None if len(info.heads) == info.num_heads else torch.tensor(info.heads, device=x.device)
             for what, store, t, per_query in (("weights", self.weights, weights, True),
                                               ("heads", self.heads, seen["head_k"], True),
@@ -243,7 +244,8 @@ class capture:  # noqa: N801  (a context manager used like a function)
             call of one layer inside the block (raised from the forward pass).
     """
 
-    def __init__(self, model: nn.Module, what: Sequence[str] = ("weights", "heads"), layers: Iterable[int | str] | None = None,
+    def __init__(self, model: nn.Module, what: Sequence[str] = ("weights", "heads"),
+                 layers: Iterable[int | str] | None = None,
                  *, heads: Iterable[int] | None = None, dtype: torch.dtype | None = None,
                  limit_bytes: int = DEFAULT_LIMIT_BYTES) -> None:
         what = (what,) if isinstance(what, str) else tuple(what)
@@ -290,3 +292,18 @@ class capture:  # noqa: N801  (a context manager used like a function)
             if layer.__dict__.get("_heads_tap") is tap:
                 del layer.__dict__["_heads_tap"]
         self._installed = []
+
+
+def weighted_layers(cap: Capture) -> list[str]:
+    """The names of ``cap``'s layers that hold weights, in model order.
+
+    Raises:
+        TypeError: ``cap`` is not a :class:`Capture`.
+        ValueError: it holds no weights.
+    """
+    if not isinstance(cap, Capture):
+        raise TypeError(f"cap must be a multihead.heads.Capture, got {type(cap).__name__}")
+    names = [n for n in cap.layers if n in cap.weights]
+    if not names:
+        raise ValueError("cap holds no weights: capture with what=('weights', ...) and run the model inside the block")
+    return names

@@ -129,7 +129,7 @@ def _importance(model: torch.nn.Module, batch: dict[str, torch.Tensor], full: to
         params = sum(p.numel() for p in pruned.parameters())
         pruning.append({"share_removed": share, "heads_removed": count, "removed": removed,
                         "mean_cosine": float(cos.mean()), "min_cosine": float(cos.min()), "parameters": params})
-    return {"importance": [{"layer": l, "head": h, "one_minus_cosine": s} for l, h, s in ranking],
+    return {"importance": [{"layer": layer, "head": h, "one_minus_cosine": s} for layer, h, s in ranking],
             "pruning": pruning, "parameters_full": sum(p.numel() for p in model.parameters())}
 
 

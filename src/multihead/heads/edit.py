@@ -30,7 +30,8 @@ from .capture import Capture, check_head_list, find_layers, layer_index
 __all__ = ["scale", "ablate", "importance", "Importance", "prune", "pruning_curve", "CurvePoint",
            "config_of", "resolve_spec"]
 
-Spec = Mapping[int | str, Iterable[int]]
+#: Layers (by index or name) to their heads; a union because Mapping is invariant in its key.
+Spec = Mapping[int, Iterable[int]] | Mapping[str, Iterable[int]] | Mapping[int | str, Iterable[int]]
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
@@ -187,8 +188,8 @@ class Importance:
             raise ValueError(f"by must be 'gradient' or 'ablation', got {by!r}")
         if scores is None:
             raise ValueError(f"this Importance has no {by!r} scores (it was not computed)")
-        cells = [(l, h, float(scores[l, h])) for l in range(scores.shape[0]) for h in range(scores.shape[1])
-                 if not math.isnan(float(scores[l, h]))]
+        cells = [(i, h, float(scores[i, h])) for i in range(scores.shape[0]) for h in range(scores.shape[1])
+                 if not math.isnan(float(scores[i, h]))]
         return sorted(cells, key=lambda c: (-c[2], c[0], c[1]))
 
 
@@ -241,7 +242,8 @@ def _gate_hook(i: int, layer: MultiHeadAttention, gates: list, granularity: str)
 
 
 def _normalise(scores: list[torch.Tensor], steps: Sequence[str], units: int, tokens: int | None) -> list[torch.Tensor]:
-    scores = [s / (tokens if "tokens" in steps else units) for s in scores]
+    # tokens: the real-token count, given exactly when "tokens" is among the steps (else None).
+    scores = [s / (units if tokens is None else tokens) for s in scores]
     if "layer" in steps:  # Michel et al.: L2 per layer
         scores = [s / s.norm().clamp_min(1e-20) for s in scores]
     if "global" in steps:  # bertology: min-max over all heads
@@ -400,7 +402,7 @@ def prune(model: nn.Module, spec: Spec) -> nn.Module:
             GQA groups left unequal, projections that are not plain nn.Linear.
     """
     plans = [(name, layer, *_prune_plan(name, layer, heads)) for name, layer, heads in resolve_spec(model, spec)]
-    for name, layer, keep, keep_kv in plans:
+    for _name, layer, keep, keep_kv in plans:
         d = layer.head_dim
         rows_q = torch.cat([torch.arange(i * d, (i + 1) * d) for i in keep])
         rows_kv = torch.cat([torch.arange(i * d, (i + 1) * d) for i in keep_kv])

@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from ..backends import full_mask
-from .capture import Capture
+from .capture import Capture, weighted_layers
 
 __all__ = ["HeadMetrics", "metrics", "norm_weights", "format_table", "to_json", "repeated_tokens",
            "is_special", "is_punctuation", "METRIC_FIELDS"]
@@ -288,11 +288,7 @@ def metrics(cap: Capture, tokens: object = None, key_mask: torch.Tensor | None =
         TypeError, ValueError (before any computation): no weights captured, non-square
             weights, a key_mask or token list of the wrong shape, induction without tokens.
     """
-    if not isinstance(cap, Capture):
-        raise TypeError(f"cap must be a multihead.heads.Capture, got {type(cap).__name__}")
-    names = [n for n in cap.layers if n in cap.weights]
-    if not names:
-        raise ValueError("cap holds no weights: capture with what=('weights', ...) and run the model inside the block")
+    names = weighted_layers(cap)
     b, _, s, sk = cap.weights[names[0]].shape
     for name in names:
         shape = tuple(cap.weights[name].shape)
@@ -313,8 +309,8 @@ def metrics(cap: Capture, tokens: object = None, key_mask: torch.Tensor | None =
         scores = _layer_scores(cap.weights[name].detach().to("cpu", torch.float64, copy=True), real,
                                info.causal, info.window, tok, special, induction, fnorm)
         for k, head in enumerate(info.heads):
-            values = {f: (None if scores[f] is None else float(scores[f][k])) for f in METRIC_FIELDS}
-            rows.append(HeadMetrics(layer=cap.layers.index(name), head=head, **values))
+            values = {f: (None if (sc := scores[f]) is None else float(sc[k])) for f in METRIC_FIELDS}
+            rows.append(HeadMetrics(layer=cap.layers.index(name), head=head, label=None, **values))
     return rows
 
 

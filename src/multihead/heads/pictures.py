@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .capture import Capture
+from .capture import Capture, weighted_layers
 from .labels import label
 from .metrics import HeadMetrics, _check_key_mask, metrics
 
@@ -31,11 +31,7 @@ DEFAULT_MAX_TOKENS = 256
 def _sequence(cap: Capture, sequence: int, key_mask: torch.Tensor | None, max_tokens: int
               ) -> tuple[list[str], torch.Tensor, torch.Tensor]:
     """(layer names, real-token index (n,), weights (L, H', n, n) float64) of one sequence."""
-    if not isinstance(cap, Capture):
-        raise TypeError(f"cap must be a multihead.heads.Capture, got {type(cap).__name__}")
-    names = [n for n in cap.layers if n in cap.weights]
-    if not names:
-        raise ValueError("cap holds no weights: capture with what=('weights', ...) and run the model inside the block")
+    names = weighted_layers(cap)
     b, _, s, sk = cap.weights[names[0]].shape
     if s != sk:
         raise ValueError(f"pictures need self-attention weights (S = Sk), got S={s}, Sk={sk}")

@@ -17,7 +17,7 @@ from typing import Any
 from . import hf_layers
 from ..config import (_KEYS_ALL_BIAS, _KEYS_HEAD_DIM, _KEYS_HEADS, _KEYS_KV_HEADS, _KEYS_LAYERS, _KEYS_POSITIONS,
                       _KEYS_QKV_BIAS, _KEYS_WIDTH, DECODERS, ENCODERS, INTERLEAVED_ROPE, MAX_CONFIG_BYTES,
-                      AttentionConfig, _check_bool, _check_positive_float)
+                      AttentionConfig, _check_positive_float)
 
 #: A multimodal file nests its language model's config once (twice at most in practice).
 MAX_TEXT_CONFIG_DEPTH = 4

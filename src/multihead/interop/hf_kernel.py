@@ -88,7 +88,7 @@ def attention_forward(
     result = attention(query, key, value, causal=causal, mask=mask, window=window, scale=scaling,
                        dropout_p=dropout, return_weights=want_weights, softcap=kwargs.get("softcap"),
                        sinks=kwargs.get("s_aux"))
-    out, weights = result if want_weights else (result, None)  # (B, H, S, D)
+    out, weights = result if isinstance(result, tuple) else (result, None)  # (B, H, S, D); a tuple iff want_weights
     return out.transpose(1, 2).contiguous(), weights  # (B, S, H, D)
 
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from ..module import MultiHeadAttention
 from .checkpoint import load_state
-from ..rope import RoPE, half_to_interleaved, interleaved_to_half
+from ..rope import RoPE
 from . import hf_config, hf_registry
 
 __all__ = ["from_hf", "to_hf", "hf_family", "state_from_hf", "state_to_hf", "OVERRIDABLE", "ROPE_TABLE_POSITIONS"]

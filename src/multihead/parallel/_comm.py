@@ -27,7 +27,7 @@ class ParallelError(ValueError):
     """A refusal raised on every rank with the same message."""
 
 
-def resolve_group(group: object) -> object:
+def resolve_group(group: object) -> dist.ProcessGroup:
     """A ``ProcessGroup`` from a ``ProcessGroup``, a 1-D ``DeviceMesh`` or None (the default group).
 
     Raises:
@@ -39,7 +39,9 @@ def resolve_group(group: object) -> object:
                          "(torchrun sets the environment) before using multihead.parallel; "
                          "multihead never starts a process group itself")
     if group is None:
-        return dist.group.WORLD
+        world = dist.group.WORLD
+        assert world is not None  # set by init_process_group (checked above)
+        return world
     from torch.distributed.device_mesh import DeviceMesh
 
     if isinstance(group, DeviceMesh):
@@ -53,12 +55,12 @@ def resolve_group(group: object) -> object:
                     f"got {type(group).__name__}")
 
 
-def world_and_rank(group: object) -> tuple[int, int]:
+def world_and_rank(group: dist.ProcessGroup) -> tuple[int, int]:
     """(P, r) of this process in ``group`` (already resolved)."""
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _device_of(group: object) -> torch.device:
+def _device_of(group: dist.ProcessGroup) -> torch.device:
     """Where this group's collectives want their tensors: CUDA for NCCL, else the CPU."""
     backend = dist.get_backend(group)
     if "nccl" in str(backend).lower():
@@ -66,7 +68,7 @@ def _device_of(group: object) -> torch.device:
     return torch.device("cpu")
 
 
-def agree(group: object, local: Sequence[int], error: str | None,
+def agree(group: dist.ProcessGroup, local: Sequence[int], error: str | None,
           check: Callable[[list[list[int]]], str | None]) -> list[list[int]]:
     """Exchange a few integers per rank and refuse on every rank together.
 
@@ -104,7 +106,7 @@ def agree(group: object, local: Sequence[int], error: str | None,
     return body
 
 
-def ring_shift(tensors: Sequence[torch.Tensor], recv_shapes: Sequence[Sequence[int]], group: object,
+def ring_shift(tensors: Sequence[torch.Tensor], recv_shapes: Sequence[Sequence[int]], group: dist.ProcessGroup,
                *, backward: bool = False, tag: int = 0) -> Callable[[], list[torch.Tensor]]:
     """Start sending ``tensors`` one step around the ring; return a function that waits.
 

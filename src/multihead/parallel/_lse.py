@@ -39,44 +39,12 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
 
     Returns:
         out (B, H, Sq, Dv) in q's dtype (zeros on rows with no visible key) and
-        lse (B, H, Sq) in float32 or wider (-inf on those rows). The core returns lse in
-        float32; for float64 inputs a float32 lse would put ~1e-7 into every merge, so it is
-        recomputed here in float64 (:func:`_lse_wide`).
+        lse (B, H, Sq) in ``work_dtype(q.dtype)`` (the core's: float64 for float64 inputs,
+        else float32), -inf on those rows.
     """
     out, lse = _functional.attention(q, k, v, causal=causal, window=window, mask=mask, scale=scale,
                                      return_lse=True)
-    if lse.dtype != work_dtype(q.dtype):
-        lse = _lse_wide(q, k, causal=causal, window=window, mask=mask, scale=scale)
     return out, lse
-
-
-def _lse_wide(q: torch.Tensor, k: torch.Tensor, *, causal: bool, window: int | None,
-              mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """(B, H, Sq) log-sum-exp of the masked scaled scores in ``work_dtype(q.dtype)``, a chunk of
-    queries at a time (scratch about a quarter of q's bytes); -inf where no key is visible."""
-    b, h, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
-    g = h // hkv
-    work = work_dtype(q.dtype)
-    lse = torch.empty(b, h, sq, dtype=work, device=q.device)
-    chunk = max(1, min(sq, (sq * d) // max(1, 4 * sk)))
-    keys = k.to(work)
-    for lo in range(0, sq, chunk):
-        hi = min(sq, lo + chunk)
-        qc = q[:, :, lo:hi].to(work).reshape(b, hkv, g, hi - lo, d)  # (B, Hkv, G, c, D)
-        s = torch.einsum("bkgqd,bksd->bkgqs", qc, keys).reshape(b, h, hi - lo, sk) * scale  # (B, H, c, Sk)
-        rows = torch.arange(lo, hi, device=q.device)[:, None] + (sk - sq)  # bottom-right query positions
-        off = torch.arange(sk, device=q.device)[None, :] - rows  # (c, Sk): key j - query position
-        allowed = torch.ones(hi - lo, sk, dtype=torch.bool, device=q.device)
-        if causal:
-            allowed = allowed & (off <= 0)
-        if window is not None:
-            allowed = allowed & (off > -window) & ((off < window) if not causal else True)
-        full = allowed.expand(b, h, hi - lo, sk)
-        if mask is not None:
-            full = full & mask.expand(b, h, sq, sk)[:, :, lo:hi]
-        lse[:, :, lo:hi] = torch.logsumexp(s.masked_fill(~full, float("-inf")), dim=-1)
-    return lse
 
 
 def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:

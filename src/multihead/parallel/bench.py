@@ -20,20 +20,15 @@ import os
 import queue
 import socket
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
 
+from ..tools.bench import _rss
+
 __all__ = ["run", "format_report"]
-
-
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    raise OSError(f"{field} not in /proc/self/status")
 
 
 def _ring_rank(rank: int, p: int, seq: int, heads: int, head_dim: int) -> dict[str, Any]:
@@ -45,9 +40,10 @@ def _ring_rank(rank: int, p: int, seq: int, heads: int, head_dim: int) -> dict[s
     sent = [0]
     original = dist.batch_isend_irecv
 
-    def counting(ops: list) -> Any:  # bytes this rank sends
-        sent[0] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
-        return original(ops)
+    # (the parameter keeps batch_isend_irecv's name: callers may pass it by keyword)
+    def counting(p2p_op_list: list[dist.P2POp]) -> list[dist.Work]:  # bytes this rank sends
+        sent[0] += sum(op.tensor.numel() * op.tensor.element_size() for op in p2p_op_list if op.op is dist.isend)
+        return original(p2p_op_list)
 
     warm = [torch.randn(1, heads, 4 * 2 * p, head_dim) for _ in range(3)]
     ring_attention(*(t[:, :, :8] for t in warm), causal=True)  # kernels loaded before the baseline
@@ -98,13 +94,30 @@ def _child(rank: int, p: int, port: int, job: tuple, results: Any) -> None:
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=p,
                                 timeout=timedelta(seconds=600))
-        fn = {"ring": _ring_rank, "heads": _heads_rank}[job[0]]
+        runners: dict[str, Callable[..., dict[str, Any]]] = {"ring": _ring_rank, "heads": _heads_rank}
+        fn = runners[job[0]]
         results.put((rank, fn(rank, p, *job[1:]), None))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         results.put((rank, None, repr(exc)))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def start_measurable(procs: list[Any]) -> None:
+    """Start processes with a fixed mmap threshold: every large tensor is then mapped and
+    unmapped, so a process's RSS high-water mark counts its live tensors, not glibc's heap
+    keeping freed blocks (its dynamic threshold)."""
+    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 17)
+    try:
+        for proc in procs:
+            proc.start()
+    finally:
+        if saved is None:
+            del os.environ["MALLOC_MMAP_THRESHOLD_"]
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
 
 
 def _spawn(p: int, job: tuple, timeout_s: float = 900.0) -> list[dict[str, Any]]:
@@ -116,18 +129,7 @@ def _spawn(p: int, job: tuple, timeout_s: float = 900.0) -> list[dict[str, Any]]
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = [ctx.Process(target=_child, args=(r, p, port, job, results), daemon=True) for r in range(p)]
-    # A fixed mmap threshold: every large tensor is mapped and unmapped, so the RSS high-water
-    # mark counts live tensors, not glibc's heap keeping freed blocks (its dynamic threshold).
-    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 17)
-    try:
-        for proc in procs:
-            proc.start()
-    finally:
-        if saved is None:
-            del os.environ["MALLOC_MMAP_THRESHOLD_"]
-        else:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
+    start_measurable(procs)
     got: dict[int, Any] = {}
     try:
         for _ in range(p):

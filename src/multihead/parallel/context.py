@@ -230,7 +230,7 @@ class ContextParallelAttention(nn.Module):
         return layer.o_proj(merge_heads(merged.to(x.dtype)))  # (B, Sn, E)
 
 
-def _merge_across(out: torch.Tensor, lse: torch.Tensor, group: object, world_size: int) -> torch.Tensor:
+def _merge_across(out: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup, world_size: int) -> torch.Tensor:
     """Merge every rank's partial (out, lse) by log-sum-exp: one all-gather of both, packed."""
     work = work_dtype(out.dtype)
     packed = torch.cat((out.to(work), lse.to(work).unsqueeze(-1)), dim=-1).contiguous()  # (B, H, Sn, D + 1)
@@ -246,15 +246,15 @@ def _merge_across(out: torch.Tensor, lse: torch.Tensor, group: object, world_siz
 def _check_tokens(x: object, key_mask: object, layer: MultiHeadAttention) -> str | None:
     """This rank's refusal of its tokens, as a message (raised on every rank by :func:`agree`)."""
     try:
-        check_tensor("x", x, ndim=3)
-        if x.shape[-1] != layer.embed_dim:  # type: ignore[union-attr]
+        x = check_tensor("x", x, ndim=3)
+        if x.shape[-1] != layer.embed_dim:
             raise ValueError(f"x must have last dim {layer.embed_dim} in [B, S_r, E], got {list(x.shape)}")
-        if x.dtype != layer.q_proj.weight.dtype:  # type: ignore[union-attr]
+        if x.dtype != layer.q_proj.weight.dtype:
             raise TypeError(f"x must have dtype {layer.q_proj.weight.dtype} like the layer, got {x.dtype}")
         if key_mask is not None:
-            check_tensor("key_mask", key_mask, ndim=2)
-            if key_mask.dtype != torch.bool or tuple(key_mask.shape) != tuple(x.shape[:2]):  # type: ignore
-                raise ValueError(f"key_mask must be bool [B, S_r] = {list(x.shape[:2])}, got "  # type: ignore
+            key_mask = check_tensor("key_mask", key_mask, ndim=2)
+            if key_mask.dtype != torch.bool or tuple(key_mask.shape) != tuple(x.shape[:2]):
+                raise ValueError(f"key_mask must be bool [B, S_r] = {list(x.shape[:2])}, got "
                                  f"{key_mask.dtype} {list(key_mask.shape)}")
     except (TypeError, ValueError) as exc:
         return f"{type(exc).__name__}: {exc}"

@@ -216,12 +216,12 @@ class HeadParallelAttention(nn.Module):
             context = None if context is None else _CopyToRanks.apply(context, self.group)
         result = self.local(x, context, mask=mask, key_mask=key_mask, positions=positions, cache=cache,
                             return_weights=return_weights)
-        y, weights = result if return_weights else (result, None)
+        y = result[0] if return_weights else result
         if self.world_size > 1:
             y = _SumOverRanks.apply(y, self.group)
             if self.o_bias is not None:
                 y = y + self.o_bias
-        return (y, weights) if return_weights else y
+        return (y, result[1]) if return_weights else y
 
 
 def shard_heads(layer: MultiHeadAttention, group: object = None) -> HeadParallelAttention:

@@ -31,10 +31,11 @@ import struct
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from .._checks import check_float, check_int
 from ..functional import attention
-from ..masks import key_padding_mask
+from ..masks import Structure, key_padding_mask
 from ._comm import agree, resolve_group, ring_shift, world_and_rank
 from ._lse import block_attention, merge_into, work_dtype
 from .layout import LAYOUTS, Run, _dtype_code, _rows, check_sizes, shard_runs
@@ -48,7 +49,7 @@ _BACKWARD_CHUNK = 1 << 22
 
 @dataclass(frozen=True)
 class _Spec:
-    group: object
+    group: dist.ProcessGroup | None  # None: a plan only (ring_plan), which never communicates
     world: int
     rank: int
     sizes: tuple[int, ...]
@@ -56,6 +57,12 @@ class _Spec:
     causal: bool
     window: int | None
     scale: float
+
+    @property
+    def comm(self) -> dist.ProcessGroup:
+        """The group of a spec that communicates."""
+        assert self.group is not None  # only ring_plan's specs have none, and they never send
+        return self.group
 
     @property
     def seq_len(self) -> int:
@@ -115,24 +122,25 @@ def _check_local(q: object, k: object, v: object, key_mask: object, causal: obje
                  scale: object, layout: object) -> tuple[str | None, list[int]]:
     """This rank's refusal of its own inputs (a message, not raised: see :func:`agree`) and metadata."""
     try:
-        _validate(q, k, v, key_mask, window, scale, layout)
+        qt, kt, vt, has_mask, win, sc = _validate(q, k, v, key_mask, window, scale, layout)
     except (TypeError, ValueError) as exc:
         return f"{type(exc).__name__}: {exc}", [0] * 12
-    b, h, s, d = q.shape  # type: ignore[union-attr]
-    scale_bits = 0 if scale is None else struct.unpack("<q", struct.pack("<d", float(scale)))[0]
-    return None, [b, h, d, k.shape[1], v.shape[-1], _dtype_code(q.dtype), int(bool(causal)),  # type: ignore[union-attr]
-                  0 if window is None else int(window), int(key_mask is not None), LAYOUTS.index(layout),
-                  scale_bits, s]
+    b, h, s, d = qt.shape
+    scale_bits = 0 if sc is None else struct.unpack("<q", struct.pack("<d", sc))[0]
+    return None, [b, h, d, kt.shape[1], vt.shape[-1], _dtype_code(qt.dtype), int(bool(causal)),
+                  0 if win is None else win, int(has_mask), LAYOUTS.index(layout), scale_bits, s]
 
 
 def _validate(q: object, k: object, v: object, key_mask: object, window: object, scale: object,
-              layout: object) -> None:
+              layout: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool, int | None, float | None]:
+    """Raise on bad inputs; return q, k, v, whether a key mask is given, window and scale, checked."""
     from .._checks import check_float_tensor, check_like, check_tensor
     from .layout import check_layout
 
     check_layout(layout)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(name, t, ndim=4)
+    q = check_tensor("q", q, ndim=4)
+    k = check_tensor("k", k, ndim=4)
+    v = check_tensor("v", v, ndim=4)
     check_float_tensor("q", q)
     check_like("k", k, "q", q)
     check_like("v", v, "q", q)
@@ -141,20 +149,21 @@ def _validate(q: object, k: object, v: object, key_mask: object, window: object,
         raise ValueError(f"k must have shape [B, Hkv, S_r, D] = [{b}, Hkv, {s}, {d}] (the same tokens as q), "
                          f"got {list(k.shape)}")
     if tuple(v.shape[:3]) != tuple(k.shape[:3]):
-        raise ValueError(f"v must have shape [B, Hkv, S_r, Dv] = {list(k.shape[:3])} + [Dv] like k, got {list(v.shape)}")
+        raise ValueError(f"v must have shape [B, Hkv, S_r, Dv] = {list(k.shape[:3])} + [Dv] like k, "
+                         f"got {list(v.shape)}")
     if h % k.shape[1]:
         raise ValueError(f"the number of query heads ({h}) must be a multiple of the number of K/V heads "
                          f"({k.shape[1]})")
     if key_mask is not None:
-        check_tensor("key_mask", key_mask, ndim=2)
+        key_mask = check_tensor("key_mask", key_mask, ndim=2)
         if key_mask.dtype != torch.bool:
             raise TypeError(f"key_mask must be a bool tensor (True = real token), got dtype {key_mask.dtype}")
         if tuple(key_mask.shape) != (b, s):
             raise ValueError(f"key_mask must have shape [B, S_r] = [{b}, {s}], got {list(key_mask.shape)}")
-    if window is not None:
-        check_int("window", window)
-    if scale is not None:
-        check_float("scale", scale, low=0.0, high=math.inf, low_inclusive=False, high_inclusive=False)
+    win = None if window is None else check_int("window", window)
+    sc = None if scale is None else check_float("scale", scale, low=0.0, high=math.inf, low_inclusive=False,
+                                                high_inclusive=False)
+    return q, k, v, key_mask is not None, win, sc
 
 
 def _check_table(table: list[list[int]], layout: str) -> str | None:
@@ -167,21 +176,20 @@ def _check_table(table: list[list[int]], layout: str) -> str | None:
 
 # -- the plan: which blocks run, and how -----------------------------------------------
 def _classify(a: Run, b: Run, causal: bool, window: int | None) -> str:
-    """How queries of run ``a`` see keys of run ``b``: skip, full, diag (kernel flags) or mask."""
-    if not causal and window is None:
+    """How queries of run ``a`` see keys of run ``b``: skip, full, diag (kernel flags) or mask.
+
+    From the structural rule (:class:`multihead.masks.Structure`): spans only move right as
+    the query moves right, so run ``a``'s first and last queries bound what all of them see.
+    """
+    structure = Structure(causal, window)
+    if structure.trivial:
         return _FULL
-    qmin, qmax, kmin, kmax = a.start, a.last, b.start, b.last
-    if causal:
-        if kmin > qmax or (window is not None and kmax <= qmin - window):
-            return _SKIP
-        full = kmax <= qmin and (window is None or kmin > qmax - window)
-    else:
-        assert window is not None
-        if kmin - qmax >= window or qmin - kmax >= window:
-            return _SKIP
-        full = kmax - qmin < window and qmax - kmin < window
-    if full:
-        return _FULL
+    far = 1 << 62  # spans unclipped on the right
+    first, last = structure.span(a.start, far), structure.span(a.last, far)
+    if last[1] <= b.start or first[0] > b.last:
+        return _SKIP  # no query sees any key of the run
+    if last[0] <= b.start and first[1] > b.last:
+        return _FULL  # every query sees every key of the run
     if (a.start, a.count, a.stride) == (b.start, b.count, b.stride) and a.stride == 1:
         return _DIAG  # same positions: the kernel's bottom-right causal/window flags are exact
     return _MASK
@@ -189,16 +197,7 @@ def _classify(a: Run, b: Run, causal: bool, window: int | None) -> str:
 
 def _pattern(a: Run, b: Run, causal: bool, window: int | None, device: torch.device) -> torch.Tensor:
     """(Sq_a, Sk_b) bool: which keys of run b the queries of run a may see, by global position."""
-    qp = a.positions(device)[:, None]
-    kp = b.positions(device)[None, :]
-    allowed = torch.ones(a.count, b.count, dtype=torch.bool, device=device)
-    if causal:
-        allowed &= kp <= qp
-        if window is not None:
-            allowed &= kp > qp - window
-    elif window is not None:
-        allowed &= (kp - qp).abs() < window
-    return allowed
+    return Structure(causal, window).allows(a.positions(device)[:, None], b.positions(device)[None, :])
 
 
 def _block_mask(kind: str, a: Run, b: Run, spec: _Spec, km: torch.Tensor | None, device: torch.device,
@@ -266,7 +265,7 @@ def _kv_shapes(spec: _Spec, src: int, k: torch.Tensor, v: torch.Tensor, km: torc
                ) -> list[tuple[int, ...]]:
     """Shapes of rank ``src``'s K, V (and key mask) shards."""
     n = spec.sizes[src]
-    shapes = [(k.shape[0], k.shape[1], n, k.shape[3]), (v.shape[0], v.shape[1], n, v.shape[3])]
+    shapes: list[tuple[int, ...]] = [(k.shape[0], k.shape[1], n, k.shape[3]), (v.shape[0], v.shape[1], n, v.shape[3])]
     if km is not None:
         shapes.append((km.shape[0], n))
     return shapes
@@ -285,7 +284,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(spec.world):
             src = (spec.rank - step) % spec.world
             nxt = (src - 1) % spec.world
-            wait = (ring_shift(current, _kv_shapes(spec, nxt, k, v, km), spec.group, tag=16 * step)
+            wait = (ring_shift(current, _kv_shapes(spec, nxt, k, v, km), spec.comm, tag=16 * step)
                     if step < spec.world - 1 else None)
             kk, vv = current[0], current[1]
             kmask = current[2] if km is not None else None
@@ -327,7 +326,7 @@ class _RingAttention(torch.autograd.Function):
             src = (spec.rank - step) % spec.world
             nxt = (src - 1) % spec.world
             last = step == spec.world - 1
-            wait = None if last else ring_shift(current, _kv_shapes(spec, nxt, k, v, km), spec.group,
+            wait = None if last else ring_shift(current, _kv_shapes(spec, nxt, k, v, km), spec.comm,
                                                 tag=16 * step)
             kk, vv = current[0], current[1]
             kmask = current[2] if km is not None else None
@@ -348,9 +347,10 @@ class _RingAttention(torch.autograd.Function):
                 dk += got_k
                 dv += got_v
             if last:  # the accumulators of shard r+1 go home; ours arrive from r-1
-                dk, dv = ring_shift([dk, dv], [k.shape, v.shape], spec.group, tag=16 * step + 8)()
+                dk, dv = ring_shift([dk, dv], [k.shape, v.shape], spec.comm, tag=16 * step + 8)()
             else:
-                pending = ring_shift([dk, dv], _kv_shapes(spec, nxt, k, v, None), spec.group, tag=16 * step + 8)
+                assert wait is not None  # started above: not the last step
+                pending = ring_shift([dk, dv], _kv_shapes(spec, nxt, k, v, None), spec.comm, tag=16 * step + 8)
                 current = wait()
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 

@@ -99,7 +99,7 @@ def _kv_heads_to_send(h: int, hkv: int, p: int, device: torch.device) -> torch.T
 
 
 def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                group: object) -> None:
+                group: dist.ProcessGroup) -> None:
     try:
         dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
     except (RuntimeError, NotImplementedError) as exc:
@@ -110,9 +110,9 @@ def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_
         raise
 
 
-def _seq_to_heads(x: torch.Tensor, sizes: list[int], group: object) -> torch.Tensor:
+def _seq_to_heads(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) -> torch.Tensor:
     """(B, Hx, S_r, D) -> (B, Hx/P, S, D) with the tokens in rank order."""
-    p, r = len(sizes), dist.get_rank(group)
+    p = len(sizes)
     b, hx, s, d = x.shape
     h = hx // p
     send = x.reshape(b, p, h, s, d).transpose(0, 1).contiguous()  # (P, B, h, S_r, D): block j to rank j
@@ -122,7 +122,7 @@ def _seq_to_heads(x: torch.Tensor, sizes: list[int], group: object) -> torch.Ten
     return torch.cat([t.view(b, h, n, d) for t, n in zip(parts, sizes)], dim=2)  # (B, h, S, D)
 
 
-def _heads_to_seq(y: torch.Tensor, sizes: list[int], group: object) -> torch.Tensor:
+def _heads_to_seq(y: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) -> torch.Tensor:
     """(B, h, S, D) in rank order -> (B, h·P, S_r, D): the inverse of :func:`_seq_to_heads`."""
     p, r = len(sizes), dist.get_rank(group)
     b, h, _, d = y.shape
@@ -135,7 +135,7 @@ def _heads_to_seq(y: torch.Tensor, sizes: list[int], group: object) -> torch.Ten
 
 class _SeqToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, sizes: list[int], group: object) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
         ctx.sizes, ctx.group = sizes, group
         return _seq_to_heads(x, sizes, group)
 
@@ -146,7 +146,7 @@ class _SeqToHeads(torch.autograd.Function):
 
 class _HeadsToSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y: torch.Tensor, sizes: list[int], group: object) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, y: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
         ctx.sizes, ctx.group = sizes, group
         return _heads_to_seq(y, sizes, group)
 
@@ -155,7 +155,7 @@ class _HeadsToSeq(torch.autograd.Function):
         return _seq_to_heads(grad.contiguous(), ctx.sizes, ctx.group), None, None
 
 
-def _gather_key_mask(key_mask: torch.Tensor, sizes: list[int], group: object) -> torch.Tensor:
+def _gather_key_mask(key_mask: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) -> torch.Tensor:
     """(B, S_r) bool on each rank -> (B, S) in rank order (one all-gather of bytes)."""
     b, longest = key_mask.shape[0], max(sizes)
     padded = key_mask.new_zeros((b, longest), dtype=torch.uint8)

@@ -34,6 +34,7 @@ Nothing here prints: :func:`format_report` returns the table as a string.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -175,6 +176,7 @@ def _layer_flops(e: int, h: int, hkv: int, d: int, s: int, sk: int, causal: bool
 def _hf_config(kind: str, impl: str, e: int, h: int, hkv: int | None = None) -> Any:
     import transformers as tf
 
+    cfg: tf.PretrainedConfig
     if kind == "bert":
         cfg = tf.BertConfig(hidden_size=e, num_attention_heads=h, attention_probs_dropout_prob=0.0,
                             hidden_dropout_prob=0.0)
@@ -205,14 +207,14 @@ def _hf_prefill_peers(x: torch.Tensor, causal: bool, e: int, h: int) -> dict[str
         mask = None if impl == "sdpa" else additive
         if not causal:
             bert = BertAttention(_hf_config("bert", impl, e, h)).eval()
-            fns[f"HF BERT {impl}"] = lambda m=bert: m(x)
+            fns[f"HF BERT {impl}"] = functools.partial(bert, x)
             continue
         gpt2 = GPT2Attention(_hf_config("gpt2", impl, e, h), layer_idx=0).eval()
-        fns[f"HF GPT-2 {impl}"] = lambda m=gpt2, am=mask: m(x, attention_mask=am)
+        fns[f"HF GPT-2 {impl}"] = functools.partial(gpt2, x, attention_mask=mask)
         cfg = _hf_config("llama", impl, e, h)
         llama = LlamaAttention(cfg, layer_idx=0).eval()
         pos = LlamaRotaryEmbedding(cfg)(x, torch.arange(s)[None])
-        fns[f"HF Llama {impl}"] = lambda m=llama, am=mask, p=pos: m(x, position_embeddings=p, attention_mask=am)
+        fns[f"HF Llama {impl}"] = functools.partial(llama, x, position_embeddings=pos, attention_mask=mask)
     return fns
 
 
@@ -249,9 +251,10 @@ def _decode_case(quick: bool) -> tuple[dict[str, Any], dict[str, Fn], dict[str, 
     try:
         import transformers as tf
         from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+        have_hf = True
     except ImportError:
-        tf = None
-    if tf is not None:
+        have_hf = False
+    if have_hf:
         for impl in ("sdpa", "eager"):
             cfg = _hf_config("llama", impl, e, h, hkv)
             layer = LlamaAttention(cfg, layer_idx=0).eval()
@@ -263,8 +266,8 @@ def _decode_case(quick: bool) -> tuple[dict[str, Any], dict[str, Fn], dict[str, 
                                     ("DynamicCache", tf.DynamicCache(config=cfg))):
                 hf_cache.update(k0, v0, 0)
                 name = f"HF Llama {impl} {label}"
-                fns[name] = lambda m=layer, c=hf_cache, p=pos: m(x, position_embeddings=p, cache=c)
-                resets[name] = lambda c=hf_cache: c.crop(-1)
+                fns[name] = functools.partial(layer, x, position_embeddings=pos, cache=hf_cache)
+                resets[name] = functools.partial(hf_cache.crop, -1)
                 fns[name]()  # one step so that every later call starts from L tokens after crop
     weights = sum(p.numel() * p.element_size() for p in ours.parameters())
     kv_bytes = 2 * hkv * (cached + 1) * d * 4
@@ -318,6 +321,7 @@ def memory_probe(impl: str, seq: int, heads: int, head_dim: int, causal: bool, p
     t0 = time.perf_counter()
     out = fn()
     elapsed = time.perf_counter() - t0
+    assert isinstance(out, torch.Tensor)  # both impls return the output alone
     peak = _rss("VmHWM:")
     io_bytes = 3 * q.nbytes + out.nbytes
     Path(path).write_text(json.dumps({"impl": impl, "peak_increase_bytes": peak - base, "io_bytes": io_bytes,
@@ -386,7 +390,7 @@ def run_suite(*, quick: bool = False, progress: Callable[[str], None] | None = N
         numel = (1 << 22) if quick else (1 << 26)
         src, dst = torch.randn(numel), torch.empty(numel)
         probe = torch.randn(spec["bytes"] // 4)
-        stats = time_interleaved({**fns, _COPY: lambda: dst.copy_(src), _READ: probe.sum},
+        stats = time_interleaved({**fns, _COPY: functools.partial(dst.copy_, src), _READ: probe.sum},
                                  reps=2 if quick else 5, warmup=1 if quick else 3, resets=resets, budget_s=budget)
         spec["copy_gbps"] = 2.0 * src.nbytes / stats.pop(_COPY)["median_s"] / 1e9
         spec["read_s"] = stats.pop(_READ)["median_s"]
@@ -404,7 +408,7 @@ def run_suite(*, quick: bool = False, progress: Callable[[str], None] | None = N
     if parallel:
         from ..parallel.bench import run as run_parallel
 
-        suite["parallel"] = run_parallel(progress=say, **({"seqs": (1024,)} if quick else {}))
+        suite["parallel"] = run_parallel(progress=say, seqs=(1024,)) if quick else run_parallel(progress=say)
     return suite
 
 
@@ -451,7 +455,8 @@ def format_report(suite: dict[str, Any]) -> str:
             current = case
             lines += ["", f"== {case} ==", _header(case)]
             if "bytes" in ours and "copy_gbps" in ours:
-                lines.append(f"(bandwidth limit: a copy timed in the same loop, {ours['copy_gbps']:.1f} GB/s read + write;"
+                lines.append(f"(bandwidth limit: a copy timed in the same loop, "
+                             f"{ours['copy_gbps']:.1f} GB/s read + write;"
                              f" a plain read of the same {ours['bytes'] / 1e6:.0f} MB (sum) took "
                              f"{ours['read_s'] * 1e3:.2f} ms: ours {ours['times_read']:.2f}x that)")
         for peer in (r for r in rows if not r["is_ours"]):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..module import MultiHeadAttention
@@ -30,7 +31,8 @@ def explain_seed(seq_len: int = SEED_SEQ_LEN, seed: int = 0) -> dict[str, Any]:
 
     d, h = SEED_EMBED_DIM, SEED_NUM_HEADS
     gen = torch.Generator().manual_seed(seed)
-    layer = MultiHeadAttention(d, h, causal=True, rope=RoPE(d // h))
+    rope = RoPE(d // h)
+    layer = MultiHeadAttention(d, h, causal=True, rope=rope)
     with torch.no_grad():
         for p in layer.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
@@ -41,8 +43,9 @@ def explain_seed(seq_len: int = SEED_SEQ_LEN, seed: int = 0) -> dict[str, Any]:
     ref = reference.multi_head_attention(
         x[0].T, w["q_proj"], w["k_proj"], w["v_proj"], w["o_proj"], h,
         b_q=b["q_proj"], b_k=b["k_proj"], b_v=b["v_proj"], b_o=b["o_proj"],
-        causal=True, rope_base=layer.rope.base,
+        causal=True, rope_base=rope.base,
     )
+    assert isinstance(ref, np.ndarray)  # O alone: return_steps is False
     err = float(abs(tr.output[0].T.double().numpy() - ref).max())
     params = sum(p.numel() for p in layer.parameters())
     return {

@@ -33,7 +33,8 @@ from .. import hf, interop
 from ..interop.hf_patch import _candidates
 from .trace import trace
 
-__all__ = ["bundled_model_dir", "load_model", "load_tokenizer", "run_model", "mean_pool", "explain_config", "DEFAULT_TEXTS"]
+__all__ = ["bundled_model_dir", "load_model", "load_tokenizer", "run_model", "mean_pool", "explain_config",
+           "DEFAULT_TEXTS"]
 
 #: Texts of different lengths, so that the batch has padding.
 DEFAULT_TEXTS = (
@@ -251,7 +252,10 @@ def run_model(
     diff = max(float((a - b)[real].abs().max()) for a, b in zip(ref.hidden_states, out.hidden_states))
     diff = max(diff, float((ref.last_hidden_state - out.last_hidden_state)[real].abs().max()))
 
-    layer0 = wrappers[0].mh
+    first = wrappers[0]
+    if not isinstance(first, hf.PatchedAttention):  # hf.patch replaces every supported module
+        raise RuntimeError(f"hf.patch left the attention module {type(first).__name__} unpatched")
+    layer0 = first.mh
     positions = seen.get("position_ids") if layer0.rope is not None else None
     if layer0.rope is not None and positions is None:
         positions = torch.arange(seen["x"].shape[1])

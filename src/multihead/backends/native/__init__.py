@@ -177,9 +177,10 @@ def _check_qkv(q: object, k: object, v: object, mask: object, window: object) ->
 
 
 def _run(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-         window: int | None, mask: torch.Tensor | None, return_lse: bool, *extra: int,
+         window: int | None, mask: torch.Tensor | None, return_lse: bool, *extra: int, checked: bool = False,
          ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    _check_qkv(q, k, v, mask, window)
+    if not checked:  # the "native" backend's callers validated everything once already
+        _check_qkv(q, k, v, mask, window)
     lib = _require()
     b, h, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -189,7 +190,8 @@ def _run(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     if mask is not None:
         mask = mask[(None,) * (4 - mask.dim())].expand(b, h, sq, sk)  # strides 0 where broadcast
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-               *(mask.stride() if mask is not None else (0, 0, 0, 0)), *(lse.stride() if lse is not None else (0, 0, 0)))
+               *(mask.stride() if mask is not None else (0, 0, 0, 0)),
+               *(lse.stride() if lse is not None else (0, 0, 0)))
     code = getattr(lib, name)(
         ptr(q), ptr(k), ptr(v), ptr(out), ptr(lse), ptr(mask),
         int64s((b, h, hkv, sq, sk, d, dv)), int64s(strides), float(scale), int(causal), int(window or 0),
@@ -311,12 +313,15 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, caus
         mask: torch.Tensor | None, return_lse: bool = False, decode: bool | None = None,
         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The native loop for these tensors (decoding loop for few rows per K/V head, else
-    the FlashAttention loop), half precision computed in float32: ``(out, lse or None)``."""
+    the FlashAttention loop), half precision computed in float32: ``(out, lse or None)``.
+
+    For callers that validated the tensors (:func:`multihead.attention`, the module):
+    :func:`attention_f32` and :func:`decode_f32` are the checked public entry points."""
     dtype = q.dtype
     decode = rows_per_kv_head(q, k) <= DECODE_ROWS if decode is None else decode
-    fn = decode_f32 if decode else attention_f32
-    result = fn(_upcast(q), _upcast(k), _upcast(v), scale=scale, causal=causal, window=window, mask=mask,
-                return_lse=return_lse)
+    name, extra = ("mh_decode_f32", ()) if decode else ("mh_attention_f32", (_QUERY_TILE,))
+    result = _run(name, _upcast(q), _upcast(k), _upcast(v), scale, causal, window, mask, return_lse, *extra,
+                  checked=True)
     out, lse = result if return_lse else (result, None)
     return (out if dtype == torch.float32 else out.to(dtype)), lse
 

@@ -18,7 +18,7 @@ _vp, _i64, _int, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_
 _ptrs, _i64p = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64)
 
 # q, k, v, out, lse (or null), mask (or null); dims (7); strides (19); scale, causal, window
-_ATTENTION = [_vp, _vp, _vp, _vp, _vp, _vp, _i64p, _i64p, _f32, _int, _i64]
+_ATTENTION: list[type] = [_vp, _vp, _vp, _vp, _vp, _vp, _i64p, _i64p, _f32, _int, _i64]
 
 SIGNATURES: dict[str, list[type]] = {
     "mh_attention_f32": _ATTENTION + [_i64, _int],  # + query tile, threads

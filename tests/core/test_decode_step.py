@@ -1,0 +1,194 @@
+"""The fused decoding step is inspectable: each condition, one at a time, makes
+``why_not_fused`` name it; with all of them met the step runs and equals the
+step-by-step path. The cache's counters have one writer, ``KVCache.commit``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import multihead as mh
+from multihead import decode
+from multihead.backends import native
+
+FUSED = native.vector_bits() >= 512
+
+
+def _layer(**kw) -> mh.MultiHeadAttention:
+    torch.manual_seed(0)
+    return mh.MultiHeadAttention(64, 4, num_kv_heads=2, causal=True, rope=mh.RoPE(16), **kw).eval()
+
+
+def _prefilled(layer: mh.MultiHeadAttention, b: int = 2, **cache_kw) -> tuple[mh.KVCache, torch.Tensor]:
+    cache = layer.new_cache(b, 32, **cache_kw)
+    x = torch.randn(b, 9, 64, dtype=layer.q_proj.weight.dtype)
+    with torch.no_grad():
+        layer(x[:, :8], cache=cache)
+    return cache, x[:, 8:]
+
+
+class _Sub(nn.Linear):
+    pass
+
+
+# (condition's reason fragment, how to break only that condition): each returns (layer, x, cache, call kwargs).
+BREAKS: dict[str, Callable[[], tuple]] = {
+    "not one new token per row": lambda: (lambda l: (l, torch.randn(2, 2, 64), _prefilled(l)[0], {}))(_layer()),
+    "more than": lambda: (lambda l: (l, torch.randn(native.MAX_STEP_ROWS + 1, 1, 64),
+                                     _prefilled(l, native.MAX_STEP_ROWS + 1)[0], {}))(_layer()),
+    "key_mask given": lambda: (lambda l: (l, torch.randn(2, 1, 64), _prefilled(l)[0],
+                                          {"key_mask": torch.ones(2, 1, dtype=torch.bool)}))(_layer()),
+    "positions given": lambda: (lambda l: (l, torch.randn(2, 1, 64), _prefilled(l)[0],
+                                           {"positions": torch.tensor([8])}))(_layer()),
+    "context given": lambda: (lambda l: (l, torch.randn(2, 1, 64), _prefilled(l)[0],
+                                         {"context": torch.randn(2, 3, 64)}))(_layer()),
+    "weights asked for": lambda: (lambda l: (l, torch.randn(2, 1, 64), _prefilled(l)[0],
+                                             {"return_weights": True}))(_layer()),
+    "an observer is attached": lambda: (lambda l: (l, torch.randn(2, 1, 64), _prefilled(l)[0],
+                                                   {"observe": lambda n, t: None}))(_layer()),
+    "sliding window": lambda: (lambda l: (l, torch.randn(2, 1, 64), _prefilled(l, ring=False)[0], {}))(
+        _layer(window=4)),
+    "a ring cache": lambda: (lambda l: (l, torch.randn(2, 1, 64), _ring_cache_without_window(l), {}))(_layer()),
+    "dropout in training mode": lambda: (lambda l: (l.train(), torch.randn(2, 1, 64), _prefilled(l)[0], {}))(
+        _layer(dropout=0.1)),
+    "a backend other than": lambda: (lambda l: (l, torch.randn(2, 1, 64), _prefilled(l)[0], {}))(
+        _layer(backend="sdpa")),
+    "not float32": lambda: (lambda l: (l, torch.randn(2, 1, 64, dtype=torch.float64), _prefilled(l)[0], {}))(
+        _layer(dtype=torch.float64)),
+    "not on the CPU": lambda: (lambda l: (l, torch.empty(2, 1, 64, device="meta"), _prefilled(l)[0], {}))(_layer()),
+    "K and V buffers": lambda: (lambda l: (l, torch.randn(2, 1, 64), _strided_cache(l), {}))(_layer()),
+    "not a plain contiguous nn.Linear": lambda: (lambda l: (l, torch.randn(2, 1, 64), _prefilled(l)[0], {}))(
+        _with_subclassed_projection(_layer())),
+    "RoPE is not a plain": lambda: (lambda l: (l, torch.randn(2, 1, 64), _prefilled(l)[0], {}))(
+        mh.MultiHeadAttention(64, 4, num_kv_heads=2, causal=True, rope=mh.RoPE(16, max_positions=8)).eval()),
+}
+
+
+def _ring_cache_without_window(layer: mh.MultiHeadAttention) -> mh.KVCache:
+    cache = layer.new_cache(2, 32)
+    cache.ring = True  # as a ring cache of another (windowed) layer would be
+    return cache
+
+
+def _strided_cache(layer: mh.MultiHeadAttention) -> mh.KVCache:
+    cache, _ = _prefilled(layer)
+    cache.v = cache.v.transpose(2, 3).contiguous().transpose(2, 3)  # same values, other strides
+    return cache
+
+
+def _with_subclassed_projection(layer: mh.MultiHeadAttention) -> mh.MultiHeadAttention:
+    sub = _Sub(64, 64)
+    sub.load_state_dict(layer.o_proj.state_dict())
+    layer.o_proj = sub
+    return layer
+
+
+def test_every_condition_has_a_case_here() -> None:
+    reasons = [r for r, _ in decode.FUSED_CONDITIONS]
+    assert len(reasons) == len(set(reasons))
+    for reason in reasons[:-1]:  # the last one (the kernel is built) is the machine's, tested below
+        assert any(key in reason for key in BREAKS), reason
+
+
+@pytest.mark.skipif(not FUSED, reason=f"no AVX-512 native kernel here ({native.status()})")
+@pytest.mark.parametrize("reason", list(BREAKS))
+def test_each_condition_alone_makes_it_say_why_not(reason: str) -> None:
+    layer, x, cache, call = BREAKS[reason]()
+    got = decode.why_not_fused(layer, x, cache, **call)
+    assert got is not None and reason in got, got
+
+
+@pytest.mark.skipif(not FUSED, reason=f"no AVX-512 native kernel here ({native.status()})")
+def test_with_every_condition_met_the_step_runs_and_equals_the_step_by_step_path() -> None:
+    layer = _layer()
+    cache, token = _prefilled(layer)
+    twin = _layer()
+    twin_cache, _ = _prefilled(twin)
+    assert decode.why_not_fused(layer, token, cache) is None
+    with torch.no_grad():
+        fused = layer(token, cache=cache)
+        stepwise = twin(token, cache=twin_cache, positions=torch.tensor([8]))  # positions: not fused
+    torch.testing.assert_close(fused, stepwise, atol=1e-5, rtol=1e-5)
+    assert cache.host_lengths() == twin_cache.host_lengths() == [9, 9]
+    assert torch.equal(cache.lengths, twin_cache.lengths) and torch.equal(cache.slot_pos, twin_cache.slot_pos)
+    torch.testing.assert_close(cache.k, twin_cache.k, atol=1e-5, rtol=1e-5)
+
+
+def test_without_the_kernel_it_says_so(monkeypatch) -> None:
+    monkeypatch.setattr(native, "vector_bits", lambda: 0)
+    layer = _layer()
+    cache, token = _prefilled(layer)
+    assert "not compiled here" in decode.why_not_fused(layer, token, cache)
+
+
+# ---- one writer of the counters -------------------------------------------------------------
+def test_append_stages_and_only_commit_advances_the_counters() -> None:
+    layer = _layer(backend="explicit")
+    cache = layer.new_cache(2, 16)
+    k = torch.randn(2, 2, 3, 16)
+    step = cache.append(k, k, None, structure=mh.Structure(causal=True))
+    assert cache.host_lengths() == [0, 0] and cache.lengths.tolist() == [0, 0]
+    assert (cache.slot_pos == -1).all()
+    cache.commit(step)
+    assert cache.host_lengths() == [3, 3] and cache.lengths.tolist() == [3, 3]
+    assert cache.slot_pos[:, :3].tolist() == [[0, 1, 2], [0, 1, 2]]
+
+
+def test_rollback_restores_the_cache_bitwise() -> None:
+    layer = _layer(backend="explicit")
+    cache = layer.new_cache(2, 16)
+    first = torch.randn(2, 2, 5, 16)
+    cache.commit(cache.append(first, first, None, structure=mh.Structure(causal=True)))
+    before = [t.clone() for t in (cache.k, cache.v, cache.lengths, cache.slot_pos)]
+    step = cache.append(torch.randn(2, 2, 2, 16), torch.randn(2, 2, 2, 16), [2, 1], structure=mh.Structure(True))
+    cache.rollback(step)
+    for a, b in zip(before, (cache.k, cache.v, cache.lengths, cache.slot_pos)):
+        assert torch.equal(a, b)
+    assert cache.host_lengths() == [5, 5]
+
+
+def test_commit_of_counts_is_one_in_order_token_per_row_of_a_linear_cache() -> None:
+    layer = _layer()
+    cache = layer.new_cache(2, 8)
+    cache.commit([1, 1])
+    assert cache.host_lengths() == [1, 1] and cache.slot_pos[:, 0].tolist() == [0, 0]
+    with pytest.raises(ValueError, match="one in-order token per row"):
+        cache.commit([2, 1])
+    with pytest.raises(ValueError, match="2 counts"):
+        cache.commit([1])
+    assert cache.host_lengths() == [1, 1]
+
+
+def test_a_failing_backend_leaves_the_cache_as_it_was(monkeypatch) -> None:
+    """The module writes the cache only when the whole call succeeds (failure inside the backend)."""
+    from multihead.backends import registry
+
+    layer = _layer(backend="explicit")
+    cache, token = _prefilled(layer)
+    before = [t.clone() for t in (cache.k, cache.v, cache.lengths, cache.slot_pos)]
+
+    def boom(*a, **k):
+        raise MemoryError("simulated: the weights could not be allocated")
+
+    spec = registry.get_spec("explicit")
+    import dataclasses
+    monkeypatch.setitem(registry._SPECS, "explicit", dataclasses.replace(spec, fn=boom))
+    with torch.no_grad(), pytest.raises(MemoryError):
+        layer(torch.randn(2, 3, 64), cache=cache)
+    for a, b in zip(before, (cache.k, cache.v, cache.lengths, cache.slot_pos)):
+        assert torch.equal(a, b)
+    assert cache.host_lengths() == [8, 8]
+
+
+def test_from_config_builds_the_layer_a_config_describes() -> None:
+    cfg = mh.AttentionConfig(embed_dim=64, num_heads=4, num_kv_heads=2, head_dim=16, num_layers=2, causal=True,
+                             rope_base=10000.0, bias=False)
+    layer = mh.MultiHeadAttention.from_config(cfg)
+    assert (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.causal) == (4, 2, 16, True)
+    assert layer.rope is not None and layer.q_proj.bias is None
+    assert mh.interop.from_config(cfg).num_kv_heads == 2
+    with pytest.raises(TypeError, match="AttentionConfig"):
+        mh.MultiHeadAttention.from_config({"embed_dim": 64})
