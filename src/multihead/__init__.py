@@ -42,6 +42,7 @@ __all__ = [
     "interleaved_to_half",
     "half_to_interleaved",
     "masks",
+    "logits",
     "Structure",
     "backends",
     "decode",

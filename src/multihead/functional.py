@@ -52,7 +52,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               dropout_p: float = 0.0, return_weights: bool = False, return_lse: bool = False,
               backend: str | None = None, check_finite: bool = False,
               softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
-              sinks: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]: ...
+              sinks: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+              ) -> torch.Tensor | tuple[torch.Tensor, ...]: ...
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -91,9 +91,9 @@ _LLAMA_ATTRS = frozenset({"attention_dropout", "config", "head_dim", "is_causal"
                           "num_key_value_groups", "scaling"})
 
 
-def _q_proj(model_type: str, cls: str, *, also: tuple[str, ...] = (), rope: str | None = "half", window: str | None = None,
-            extra_attrs: frozenset[str] = frozenset(), call: str = "llama", norm: str | None = None,
-            module: str | None = None, **kw: Any) -> AttentionSpec:
+def _q_proj(model_type: str, cls: str, *, also: tuple[str, ...] = (), rope: str | None = "half",
+            window: str | None = None, extra_attrs: frozenset[str] = frozenset(), call: str = "llama",
+            norm: str | None = None, module: str | None = None, **kw: Any) -> AttentionSpec:
     module = module or model_type.replace("-", "_")
     parts = _LINEARS if norm is None else {**_LINEARS, "q_norm": norm, "k_norm": norm}
     return AttentionSpec(f"transformers.models.{module}.modeling_{module}.{cls}", (model_type, *also), "q_proj", call,
