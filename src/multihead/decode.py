@@ -46,7 +46,7 @@ def _projections(layer: MultiHeadAttention) -> tuple[nn.Linear, ...]:
 
 def _plain_rope(layer: MultiHeadAttention, cache: KVCache) -> bool:
     rope = layer.rope
-    return rope is None or (type(rope) is RoPE and max(cache.host_lengths()) < rope.max_positions
+    return rope is None or (type(rope) is RoPE and max(cache.host_lengths()) < rope.table_limit
                             and rope.cos.device.type == "cpu")
 
 
@@ -62,6 +62,9 @@ FUSED_CONDITIONS: tuple[tuple[str, Check], ...] = (
     ("weights asked for", lambda layer, x, c, kw: not kw.get("return_weights", False)),
     ("an observer is attached (trace or capture)", lambda layer, x, c, kw: kw.get("observe") is None),
     ("the layer has a sliding window", lambda layer, x, c, kw: layer.window is None),
+    ("the layer has QK-norm, soft-capping, ALiBi or sinks",
+     lambda layer, x, c, kw: layer.qk_norm is None and layer.softcap is None and layer.alibi_slopes is None
+     and layer.sinks is None),
     ("a ring cache", lambda layer, x, c, kw: not c.ring),
     ("dropout in training mode", lambda layer, x, c, kw: not (layer.training and layer.dropout > 0)),
     ("a backend other than auto or native", lambda layer, x, c, kw: layer.backend in (None, "auto", "native")),

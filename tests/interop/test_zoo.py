@@ -58,6 +58,19 @@ ZOO: dict[str, tuple[dict[str, Any], bool]] = {
     "olmo": ({}, True),
     "starcoder2": ({}, True),
     "cohere": ({}, True),
+    "qwen3": ({"head_dim": 16, "layer_types": ["full_attention", "sliding_attention"], "use_sliding_window": True},
+              True),
+    "olmo2": ({}, True),
+    "phi3": ({"partial_rotary_factor": 0.5, "original_max_position_embeddings": 4, "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+        "long_factor": [1.0, 1.5, 2.0, 2.5], "short_factor": [1.0, 1.1, 1.2, 1.3],
+        "original_max_position_embeddings": 4}}, True),
+    "gemma2": ({"head_dim": 16, "query_pre_attn_scalar": 12, "attn_logit_softcapping": 3.0}, True),
+    "gemma3_text": ({"head_dim": 16, "query_pre_attn_scalar": 12, "layer_types": ["sliding_attention",
+                     "full_attention"], "rope_parameters": {
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}}, True),
+    "gpt_oss": ({"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2}, True),
     "gpt2": ({}, True),
     "bert": ({}, False),
     "dpr": ({}, False),  # BertAttention inside DPRQuestionEncoder

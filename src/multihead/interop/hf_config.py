@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from . import hf_layers
 from ..config import (_KEYS_ALL_BIAS, _KEYS_HEAD_DIM, _KEYS_HEADS, _KEYS_KV_HEADS, _KEYS_LAYERS, _KEYS_POSITIONS,
                       _KEYS_QKV_BIAS, _KEYS_WIDTH, DECODERS, ENCODERS, INTERLEAVED_ROPE, MAX_CONFIG_BYTES,
                       AttentionConfig, _check_positive_float)
@@ -59,6 +60,8 @@ def parse(cfg: Mapping[str, Any], src: str) -> AttentionConfig:
     model_type = cfg.get("model_type")
     if model_type is not None and not isinstance(model_type, str):
         raise TypeError(f"{src}: model_type must be a str, got {type(model_type).__name__} {model_type!r}")
+    if model_type in hf_layers.SPECIAL:  # per-layer head lists, latent attention: keys of their own
+        return hf_layers.SPECIAL[model_type](cfg, src)
 
     width_key, width = _required(cfg, _KEYS_WIDTH, src)
     width = _as_int(width, width_key, src)
@@ -103,7 +106,7 @@ def parse(cfg: Mapping[str, Any], src: str) -> AttentionConfig:
     bias, o_bias = _bias(cfg, model_type, src)
     rope_base, rotary_dim = _rope(cfg, model_type, head_dim, src)
     try:
-        return AttentionConfig(
+        config = AttentionConfig(
             embed_dim=width, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
             num_layers=layers, causal=causal, bias=bias, o_bias=o_bias, rope_base=rope_base,
             rope_interleaved=rope_base is not None and model_type in INTERLEAVED_ROPE,
@@ -113,6 +116,7 @@ def parse(cfg: Mapping[str, Any], src: str) -> AttentionConfig:
         )
     except (TypeError, ValueError) as e:
         raise type(e)(f"{src}: {e}") from e
+    return hf_layers.extend(config, cfg, model_type, src)  # RoPE scaling, QK-norm, ..., per-layer attention
 
 
 def _falcon_kv_heads(cfg: Mapping[str, Any], heads: int, key: str | None, value: Any,
@@ -282,6 +286,32 @@ def module_rope_base(cfg: Any, layer_type: str | None, src: str) -> float:
         raise ValueError(f"{src}: partial_rotary_factor={factor} is not supported for this class; only 1.0")
     base = params.get("rope_theta", field(cfg, "rope_theta"))
     return 10000.0 if base is None else _check_positive_float("rope_theta", base)
+
+
+def module_rope(cfg: Any, layer_type: str | None, src: str, *, partial: bool = False) -> tuple[float, Any, float]:
+    """(θ, RopeScaling or None, rotary fraction) of an attention layer's RoPE.
+
+    ``partial``: the class rotates the first ``int(D · partial_rotary_factor)`` dims (Phi-3);
+    otherwise a factor other than 1 is refused.
+
+    Every type of transformers' ``ROPE_INIT_FUNCTIONS`` but ``proportional`` is read
+    (:mod:`multihead.rope_scaling` computes them bit for bit).
+
+    Raises:
+        ValueError: no config, an unknown or malformed scaling, a partial rotary factor
+            other than 1, naming the key.
+    """
+    if cfg is None:
+        raise ValueError(f"{src}: a config is required for RoPE settings; pass config=")
+    params = rope_parameters(cfg, layer_type, src)
+    factor = params.get("partial_rotary_factor", _field(cfg, "partial_rotary_factor"))
+    if factor not in (None, 1, 1.0) and not partial:
+        raise ValueError(f"{src}: partial_rotary_factor={factor} is not supported for this class; only 1.0")
+    factor = 1.0 if factor is None else _check_positive_float("partial_rotary_factor", factor)
+    base = params.get("rope_theta", _field(cfg, "rope_theta"))
+    base = 10000.0 if base is None else _check_positive_float("rope_theta", base)
+    plain = cfg if isinstance(cfg, Mapping) else cfg.to_dict()
+    return base, hf_layers.rope_scaling({**plain, "rope_scaling": None}, params, src), factor
 
 
 def module_window(cfg: Any, src: str) -> int | None:

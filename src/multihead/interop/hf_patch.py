@@ -123,9 +123,14 @@ class PatchedAttention(nn.Module):
     ) -> torch.Tensor:
         # The HF cache stores (B, Hkv, Sk, D) keys after RoPE, as our KVCache does.
         layer = self.mh
-        q = split_heads(layer.q_proj(x), layer.num_heads)  # (B, H, S, D)
-        k = split_heads(layer.k_proj(x), layer.num_kv_heads)  # (B, Hkv, S, D)
+        q, k = layer.q_proj(x), layer.k_proj(x)  # (B, S, H·D), (B, S, Hkv·D)
+        if layer.qk_norm == "proj":
+            q, k = layer.q_norm(q), layer.k_norm(k)
+        q = split_heads(q, layer.num_heads)  # (B, H, S, D)
+        k = split_heads(k, layer.num_kv_heads)  # (B, Hkv, S, D)
         v = split_heads(layer.v_proj(x), layer.num_kv_heads)  # (B, Hkv, S, D)
+        if layer.qk_norm == "head":
+            q, k = layer.q_norm(q), layer.k_norm(k)
         if layer.rope is not None:
             q, k = layer.rope(q, positions), layer.rope(k, positions)
         k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)  # (B, Hkv, Sk, D)
@@ -137,7 +142,8 @@ class PatchedAttention(nn.Module):
             # keys past S are unwritten slots, which HF's own kernels slice off too.
             k, v = k[:, :, :sq], v[:, :, :sq]
         heads = attention(q, k, v, causal=layer.causal, mask=mask, window=layer.window, scale=layer.scale,
-                          dropout_p=layer.dropout if self.training else 0.0, backend=layer.backend)
+                          dropout_p=layer.dropout if self.training else 0.0, backend=layer.backend,
+                          softcap=layer.softcap, alibi_slopes=layer.alibi_slopes, sinks=layer.sinks)
         return layer.o_proj(merge_heads(heads))  # (B, S, E)
 
 

@@ -14,7 +14,9 @@ is never imported here):
 
 * ``layout``: where the weights are (``"q_proj"``: q/k/v/o_proj nn.Linear, our layout;
   ``"bert"``: ``self.query/key/value`` + ``output.dense``; ``"bert-self"``: query/key/value
-  without W_o; ``"gpt2"``: fused transposed Conv1D ``c_attn`` + ``c_proj``).
+  without W_o; ``"gpt2"``: fused transposed Conv1D ``c_attn`` + ``c_proj``; ``"phi3"``: fused
+  ``qkv_proj`` rows [q | k | v] + ``o_proj``). ``partial_rotary``: the class rotates the first
+  ``int(D · partial_rotary_factor)`` dims (Phi-3).
 * ``call``: the forward signature the patch wrapper imitates (``"llama"``, ``"vit"``,
   ``"bert"``, ``"gpt2"``; ``None``: converted by ``from_hf`` but never patched alone).
 * ``parts``: every submodule path and its class name, exactly; ``attrs``: the plain
@@ -28,6 +30,12 @@ is never imported here):
 * ``config_must``: config keys whose other values change the computation, with the value
   this description covers (e.g. OLMo's ``clip_qkv`` must be None).
 * ``resid_dropout``: a config key of a dropout the module applies after o_proj (Starcoder2).
+* ``qk_norm``: ``"head"`` (RMSNorm ``q_norm``/``k_norm`` over D, Qwen3, Gemma 3) or
+  ``"proj"`` (over the whole projection, OLMo 2); ``norm_offset``: the weight is stored as
+  ``w - 1`` (Gemma). ``softcap``: the module's ``attn_logit_softcapping`` is applied
+  (Gemma 2/3). ``params``: the module's own parameters besides its submodules' (gpt-oss's
+  ``sinks``); any other is refused. RoPE scaling (``rope_type`` linear, dynamic, llama3,
+  yarn, longrope) is read from the config for every RoPE class.
 * ``model_types``: the config model types the class is verified with (the zoo test
   compares each); the class with any other config class is refused, since another config
   may name its RoPE or window keys differently.
@@ -68,6 +76,11 @@ class AttentionSpec:
     window: str | None = None
     config_must: Mapping[str, Any] = field(default_factory=dict)
     resid_dropout: str | None = None
+    qk_norm: str | None = None
+    norm_offset: bool = False
+    partial_rotary: bool = False
+    softcap: bool = False
+    params: frozenset[str] = frozenset()
 
     @property
     def name(self) -> str:
@@ -82,10 +95,14 @@ _LLAMA_ATTRS = frozenset({"attention_dropout", "config", "head_dim", "is_causal"
 
 def _q_proj(model_type: str, cls: str, *, also: tuple[str, ...] = (), rope: str | None = "half",
             window: str | None = None, extra_attrs: frozenset[str] = frozenset(), call: str = "llama",
-            **kw: Any) -> AttentionSpec:
-    module = model_type.replace("-", "_")
+            norm: str | None = None, module: str | None = None, **kw: Any) -> AttentionSpec:
+    module = module or model_type.replace("-", "_")
+    parts = _LINEARS if norm is None else {**_LINEARS, "q_norm": norm, "k_norm": norm}
     return AttentionSpec(f"transformers.models.{module}.modeling_{module}.{cls}", (model_type, *also), "q_proj", call,
-                         _LINEARS, {"": _LLAMA_ATTRS | extra_attrs}, rope=rope, window=window, **kw)
+                         parts, {"": _LLAMA_ATTRS | extra_attrs}, rope=rope, window=window, **kw)
+
+
+_LAYER_TYPED = frozenset({"layer_type", "sliding_window"})
 
 
 def _bert(model_type: str, prefix: str, also: tuple[str, ...] = ()) -> list[AttentionSpec]:
@@ -126,6 +143,18 @@ REGISTRY: Mapping[str, AttentionSpec] = {s.cls: s for s in [
             resid_dropout="residual_dropout"),
     _q_proj("cohere", "CohereAttention", rope="interleaved", extra_attrs=frozenset({"use_qk_norm"}),
             config_must={"use_qk_norm": False}),
+    _q_proj("qwen3", "Qwen3Attention", window="module", extra_attrs=_LAYER_TYPED, norm="Qwen3RMSNorm",
+            qk_norm="head"),
+    _q_proj("olmo2", "Olmo2Attention", norm="Olmo2RMSNorm", qk_norm="proj"),
+    _q_proj("gemma2", "Gemma2Attention", window="module", softcap=True,
+            extra_attrs=_LAYER_TYPED | {"attn_logit_softcapping"}),
+    _q_proj("gemma3_text", "Gemma3Attention", module="gemma3", window="module", softcap=True,
+            extra_attrs=_LAYER_TYPED | {"attn_logit_softcapping", "is_sliding"}, norm="Gemma3RMSNorm",
+            qk_norm="head", norm_offset=True, config_must={"use_bidirectional_attention": False}),
+    AttentionSpec("transformers.models.phi3.modeling_phi3.Phi3Attention", ("phi3",), "phi3", "llama",
+                  {"qkv_proj": "Linear", "o_proj": "Linear"},
+                  {"": _LLAMA_ATTRS | {"num_key_value_heads"}}, rope="half", window="config", partial_rotary=True),
+    _q_proj("gpt_oss", "GptOssAttention", window="module", extra_attrs=_LAYER_TYPED, params=frozenset({"sinks"})),
     AttentionSpec("transformers.models.vit.modeling_vit.ViTAttention", ("vit",), "q_proj", "vit", _LINEARS,
                   {"": frozenset({"attention_dropout", "config", "head_dim", "is_causal", "num_attention_heads",
                                   "scaling"})}),
@@ -174,6 +203,9 @@ def why_not(module: nn.Module, config: Any | None = None) -> str | None:
     if extra or missing:
         return (f"{spec.name} has submodules its description does not account for: "
                 f"{', '.join(extra) or 'none'}; missing: {', '.join(missing) or 'none'}")
+    own = sorted(set(module._parameters) - spec.params)
+    if own:
+        return f"{spec.name} has parameters of its own its description does not cover: {own}"
     for path, allowed in spec.attrs.items():
         owner = module.get_submodule(path) if path else module
         unknown = sorted(k for k in vars(owner) if not k.startswith("_") and k != "training" and k not in allowed)
@@ -200,15 +232,20 @@ def _config_of(module: nn.Module) -> Any | None:
 
 def markdown_table() -> str:
     """The README's table of supported families, generated from :data:`REGISTRY`."""
-    rows = ["| model type | attention class | layout | position encoding | window |",
-            "|---|---|---|---|---|"]
+    rows = ["| model type | attention class | layout | position encoding | window | also |",
+            "|---|---|---|---|---|---|"]
     for spec in sorted(REGISTRY.values(), key=lambda s: (s.model_types, s.name)):
         if spec.call is None:
             continue  # converted by from_hf as part of its parent's entry
-        rope = {None: "none", "half": "RoPE, rotate-half", "interleaved": "RoPE, interleaved"}[spec.rope]
+        rope = {None: "none", "half": "RoPE, rotate-half (+ scaling)",
+                "interleaved": "RoPE, interleaved (+ scaling)"}[spec.rope]
         window = {None: "none", "module": "per layer (`module.sliding_window`)",
                   "config": "`config.sliding_window`"}[spec.window]
-        rows.append(f"| {', '.join(spec.model_types)} | `{spec.name}` | {spec.layout} | {rope} | {window} |")
+        also = [f"QK-norm ({spec.qk_norm})"] if spec.qk_norm else []
+        also += ["soft-capping"] if spec.softcap else []
+        also += ["sinks"] if "sinks" in spec.params else []
+        rows.append(f"| {', '.join(spec.model_types)} | `{spec.name}` | {spec.layout} | {rope} | {window} | "
+                    f"{', '.join(also) or '-'} |")
     return "\n".join(rows)
 
 

@@ -76,9 +76,17 @@ def _links(module: nn.Module, family: str) -> list[_Link]:
         links += [_Link(f"{o}.bias", "c_attn.bias", slice(i * e, (i + 1) * e))
                   for i, o in enumerate(("q_proj", "k_proj", "v_proj"))]
         links += [_Link("o_proj.weight", "c_proj.weight", transpose=True), _Link("o_proj.bias", "c_proj.bias")]
+    elif family == "phi3":  # fused qkv_proj: rows [q (H·D) | k (Hkv·D) | v (Hkv·D)]
+        q_rows = module.config.num_attention_heads * module.head_dim
+        kv_rows = module.num_key_value_heads * module.head_dim
+        cuts = (slice(0, q_rows), slice(q_rows, q_rows + kv_rows), slice(q_rows + kv_rows, q_rows + 2 * kv_rows))
+        links = [_Link(f"{o}.{p}", f"qkv_proj.{p}", rows) for o, rows in zip(("q_proj", "k_proj", "v_proj"), cuts)
+                 for p in ("weight", "bias")]
+        links += [_Link(f"o_proj.{p}", f"o_proj.{p}") for p in ("weight", "bias")]
     else:
         links = [_Link(f"{n}.{p}", f"{n}.{p}") for n in ("q_proj", "k_proj", "v_proj", "o_proj")
                  for p in ("weight", "bias")]
+        links += [_Link(n, n) for n in ("q_norm.weight", "k_norm.weight", "sinks")]  # where the class has them
     params = dict(module.named_parameters())
     return [link for link in links if params.get(link.theirs) is not None]
 
@@ -196,7 +204,8 @@ def from_hf(module: nn.Module, config: Any | None = None, **overrides: Any) -> M
     config = config if config is not None else hf_registry._config_of(module)
     state = state_from_hf(module)  # our names and layout
     w = state["q_proj.weight"]  # (H·D, E)
-    read = {"bert": _bert_settings, "bert-self": _bert_settings, "gpt2": _gpt2_settings, "q_proj": _q_proj_settings}
+    read = {"bert": _bert_settings, "bert-self": _bert_settings, "gpt2": _gpt2_settings, "q_proj": _q_proj_settings,
+            "phi3": _q_proj_settings}
     settings, sizes = read[family](module, config, state, spec)
     head_dim = sizes.pop("head_dim")
     layer = MultiHeadAttention(
@@ -242,6 +251,14 @@ def _q_proj_settings(module: Any, config: Any, state: dict[str, torch.Tensor],
         "causal": bool(module.is_causal), "scale": float(module.scaling),
         "dropout": float(module.attention_dropout or 0.0), "window": window, "rope": _rope(module, config, spec),
     }
+    if spec.qk_norm is not None:
+        norm = module.q_norm
+        settings.update(qk_norm=spec.qk_norm, norm_offset=spec.norm_offset,
+                        norm_eps=float(getattr(norm, "variance_epsilon", getattr(norm, "eps", None))))
+    if spec.softcap and module.attn_logit_softcapping is not None:
+        settings["softcap"] = float(module.attn_logit_softcapping)
+    if "sinks" in spec.params:
+        settings["sinks"] = True
     return settings, {"head_dim": head_dim}
 
 
@@ -249,10 +266,12 @@ def _rope(module: Any, config: Any, spec: hf_registry.AttentionSpec) -> RoPE | N
     if spec.rope is None:
         return None
     src = f"{spec.name} config"
-    base = hf_config.module_rope_base(config, getattr(module, "layer_type", None), src)
+    base, scaling, factor = hf_config.module_rope(config, getattr(module, "layer_type", None), src,
+                                                  partial=spec.partial_rotary)
     positions = hf_config.module_max_positions(config) or ROPE_TABLE_POSITIONS
-    return RoPE(int(module.head_dim), base, interleaved=spec.rope == "interleaved",
-                max_positions=min(int(positions), ROPE_TABLE_POSITIONS))
+    head_dim = int(module.head_dim)
+    return RoPE(head_dim, base, interleaved=spec.rope == "interleaved", rotary_dim=int(head_dim * factor),
+                max_positions=min(int(positions), ROPE_TABLE_POSITIONS), scaling=scaling)
 
 
 def _settings(defaults: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:

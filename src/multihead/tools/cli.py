@@ -45,7 +45,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _explain_config(args: argparse.Namespace) -> int:
-    from .explain import explain_config
+    from .explain import explain_config, format_layer_kinds
 
     info = explain_config(args.config, args.seq)
     c = info["config"]
@@ -58,6 +58,9 @@ def _explain_config(args: argparse.Namespace) -> int:
         info["table_text"],
         "",
         f"parameters per layer: {info['parameters_per_layer']:,}",
+        "",
+        "layer kinds (the table above is layer 0's):",
+        format_layer_kinds(info["layer_kinds"]),
     ])
     _emit(args, {k: v for k, v in info.items() if k != "table_text"}, text)
     return 0
@@ -67,7 +70,7 @@ def cmd_cost(args: argparse.Namespace) -> int:
     from .cost import cost
 
     result = cost(args.config, args.seq, batch=args.batch, dtype=args.dtype)
-    _emit(args, result.to_dict(), result.format())
+    _emit(args, result.to_dict(), result.format(per_layer=args.per_layer))
     return 0
 
 
@@ -141,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=SEED_SEQ_LEN, help="tokens S (default %(default)s)")
     p.add_argument("--batch", type=int, default=1, help="sequences B (default %(default)s)")
     p.add_argument("--dtype", default="float32", help="K/V element type (default %(default)s)")
+    p.add_argument("--per-layer", action="store_true", help="a row per layer (heads, window, FLOPs, cache)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_cost)
 

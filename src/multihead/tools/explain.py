@@ -117,4 +117,30 @@ def explain_config(config: Any, seq_len: int = 1024, *, batch: int = 1) -> dict[
         "head_dim": config.head_dim, "seq_len": seq_len, "batch": batch,
         "parameters_per_layer": sum(p.numel() for p in layer.parameters()),
         "table": tr.to_dict(), "table_text": tr.format(),
+        "layer_kinds": layer_kinds(config),
     }
+
+
+def layer_kinds(config: Any) -> list[dict[str, Any]]:
+    """Each distinct kind of attention layer in ``config`` and the layers that have it (JSON-ready)."""
+    out = []
+    for lay, indices in config.layer_kinds().items():
+        scaling = lay.rope_scaling
+        out.append({"kind": lay.kind, "layers": indices, "num_heads": lay.num_heads, "num_kv_heads": lay.num_kv_heads,
+                    "head_dim": lay.head_dim, "embed_dim": lay.embed_dim or config.embed_dim, "window": lay.window,
+                    "rope_base": lay.rope_base, "rope_type": None if scaling is None else scaling.rope_type})
+    return out
+
+
+def format_layer_kinds(kinds: list[dict[str, Any]]) -> str:
+    """One line per distinct layer kind: which layers, heads, head_dim, window, RoPE."""
+    lines = []
+    for k in kinds:
+        idx = k["layers"]
+        where = f"layers {idx[0]}..{idx[-1]}" if idx == list(range(idx[0], idx[-1] + 1)) else f"layers {idx}"
+        rope = "no RoPE" if k["rope_base"] is None else f"RoPE θ={k['rope_base']:g}" + (
+            f" ({k['rope_type']})" if k["rope_type"] else "")
+        window = "full" if k["window"] is None else f"window {k['window']}"
+        lines.append(f"{len(idx):>3} × {k['kind']}: E={k['embed_dim']}, h={k['num_heads']}, h_kv={k['num_kv_heads']}, "
+                     f"d_head={k['head_dim']}, {window}, {rope} — {where}")
+    return "\n".join(lines)
