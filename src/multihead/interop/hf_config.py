@@ -304,11 +304,11 @@ def module_rope(cfg: Any, layer_type: str | None, src: str, *, partial: bool = F
     if cfg is None:
         raise ValueError(f"{src}: a config is required for RoPE settings; pass config=")
     params = rope_parameters(cfg, layer_type, src)
-    factor = params.get("partial_rotary_factor", _field(cfg, "partial_rotary_factor"))
+    factor = params.get("partial_rotary_factor", field(cfg, "partial_rotary_factor"))
     if factor not in (None, 1, 1.0) and not partial:
         raise ValueError(f"{src}: partial_rotary_factor={factor} is not supported for this class; only 1.0")
     factor = 1.0 if factor is None else _check_positive_float("partial_rotary_factor", factor)
-    base = params.get("rope_theta", _field(cfg, "rope_theta"))
+    base = params.get("rope_theta", field(cfg, "rope_theta"))
     base = 10000.0 if base is None else _check_positive_float("rope_theta", base)
     plain = cfg if isinstance(cfg, Mapping) else cfg.to_dict()
     return base, hf_layers.rope_scaling({**plain, "rope_scaling": None}, params, src), factor
