@@ -17,7 +17,10 @@ from .config import AttentionConfig
 from .functional import attention
 from .masks import Structure
 from .module import MultiHeadAttention, merge_heads, split_heads
+from .latent import LatentCache, MultiHeadLatentAttention
 from .rope import RoPE, half_to_interleaved, interleaved_to_half
+from .rope_scaling import RopeScaling
+from . import logits
 from . import decode, interop  # noqa: E402  (they build on the module)
 from .tools.cost import Cost, cost
 from .tools.trace import Trace, trace
@@ -27,7 +30,10 @@ __version__ = "0.1.0"
 __all__ = [
     "attention",
     "MultiHeadAttention",
+    "MultiHeadLatentAttention",
+    "LatentCache",
     "RoPE",
+    "RopeScaling",
     "KVCache",
     "trace",
     "Trace",
@@ -36,6 +42,7 @@ __all__ = [
     "interleaved_to_half",
     "half_to_interleaved",
     "masks",
+    "logits",
     "Structure",
     "backends",
     "decode",

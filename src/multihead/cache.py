@@ -33,6 +33,7 @@ with gradients enabled on tensors that require them is refused.
 from __future__ import annotations
 
 import operator
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -96,6 +97,7 @@ class KVCache:
         self.max_len = max_len
         self.window = window
         self.ring = bool(ring)
+        self._owner: weakref.ref | None = None  # the layer whose K/V this holds (see claim)
 
     # -- sizes -----------------------------------------------------------------------
     @property
@@ -137,6 +139,29 @@ class KVCache:
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
                 f"ring={self.ring}, lengths={self._host_lengths})")
 
+    # -- ownership ---------------------------------------------------------------------
+    def claim(self, layer: object) -> None:
+        """Bind the cache to ``layer``: the layer whose ``new_cache`` made it, or else the
+        first layer that uses it. A cache holds one layer's K/V, so any other layer is refused.
+
+        Raises:
+            ValueError: the cache belongs to another (still living) layer; nothing changes.
+        """
+        owner = None if self._owner is None else self._owner()
+        if owner is None:
+            self._owner = weakref.ref(layer)
+        elif owner is not layer:
+            raise ValueError(
+                f"cache belongs to another layer ({type(owner).__name__} at {id(owner):#x}, not this "
+                f"{type(layer).__name__} at {id(layer):#x}): a cache holds one layer's K/V; "
+                "give each layer its own cache from layer.new_cache(...)"
+            )
+
+    def __getstate__(self) -> dict:
+        # A weak reference cannot be pickled: a saved and reloaded cache belongs to the
+        # first layer that uses it.
+        return {**self.__dict__, "_owner": None}
+
     # -- state changes ---------------------------------------------------------------
     def reset(self) -> None:
         """Forget every token (buffers are not cleared: empty slots are never read)."""
@@ -152,15 +177,20 @@ class KVCache:
                 their length.
 
         Raises:
+            TypeError: n is not integral (a bool is not a length).
             ValueError: negative n, wrong count, or (ring cache) a roll-back further than
                 the ring still holds.
         """
-        targets = [n] * self.batch_size if isinstance(n, int) else list(n)
+        given = _integral(n)  # any integral number (int, NumPy or 0-d tensor integers), as Python's indexing takes
+        targets: list[object]
+        if isinstance(given, Sequence | torch.Tensor) and not isinstance(given, str | bytes):
+            targets = list(given)  # one per row
+        else:
+            targets = [given] * self.batch_size  # a non-integral scalar is refused by check_int
         if len(targets) != self.batch_size:
             raise ValueError(f"n must be an int or {self.batch_size} ints (one per row), got {len(targets)}")
-        for t in targets:
-            check_int("n", t, minimum=0, maximum=self.max_len)
-        new = [min(t, length) for t, length in zip(targets, self._host_lengths)]
+        counts = [check_int("n", _integral(t), minimum=0, maximum=self.max_len) for t in targets]
+        new = [min(t, length) for t, length in zip(counts, self._host_lengths)]
         if self.ring:
             w = self.window
             assert w is not None  # a ring cache has a window (checked in __init__)
@@ -231,16 +261,21 @@ class KVCache:
             return self._stage_ring_chunk(k, v, counts, positions, new_pos, structure)
         slots = positions % self.capacity if self.ring else positions  # (B, Sn)
         index = slots[:, None, :, None].expand(b, self.num_kv_heads, sn, self.head_dim)
-        saved = (self.k.gather(2, index), self.v.gather(2, index))
-        self.k.scatter_(2, index, k.detach())
-        self.v.scatter_(2, index, v.detach())
         used = min(self.capacity, max(length + sn for length in old))
-        keys, values = self.k[:, :, :used], self.v[:, :, :used]  # (B, Hkv, Sk, D)
-        step = Append(keys, values, None, counts, slots, new_pos, index, saved)
+        mask = None
         if not self._plain_tail(old, sn, real is None, structure):
             key_pos = self.slot_pos[:, :used].scatter(1, slots.clamp(max=used - 1), new_pos)  # (B, Sk), staged
-            step.mask = self._mask(positions, key_pos, structure)
-        return step
+            mask = self._mask(positions, key_pos, structure)
+        saved = (self.k.gather(2, index), self.v.gather(2, index))
+        # Everything is allocated: the writes come last, and a failed V write undoes the K write.
+        self.k.scatter_(2, index, k.detach())
+        try:
+            self.v.scatter_(2, index, v.detach())
+        except BaseException:
+            self.k.scatter_(2, index, saved[0])
+            raise
+        keys, values = self.k[:, :, :used], self.v[:, :, :used]  # (B, Hkv, Sk, D)
+        return Append(keys, values, mask, counts, slots, new_pos, index, saved)
 
     def _plain_tail(self, old: list[int], sn: int, all_real: bool, structure: Structure) -> bool:
         """The new queries see the cache in order, bottom-right aligned: no mask needed.
@@ -277,12 +312,13 @@ class KVCache:
                 wrote K/V in order itself (the native decoding step).
         """
         if isinstance(step, Append):
+            counts = step.counts
+            gained = torch.tensor(counts, dtype=torch.int64, device=self.device)  # (B,)
             if step.chunk is not None:
                 self._write_ring_chunk(*step.chunk, step.counts)
             else:
                 assert step.slots is not None  # an in-place append records its slots
                 self.slot_pos.scatter_(1, step.slots, step.key_pos)
-            counts = step.counts
         else:
             counts = [operator.index(c) for c in step]
             if len(counts) != self.batch_size:
@@ -290,9 +326,10 @@ class KVCache:
             if self.ring or any(c != 1 for c in counts):
                 raise ValueError("commit(counts) takes one in-order token per row of a linear cache; "
                                  "other appends go through append()")
+            gained = torch.tensor(counts, dtype=torch.int64, device=self.device)  # (B,)
             positions = self.positions(1)  # (B, 1)
             self.slot_pos.scatter_(1, positions, positions)
-        self.lengths.add_(torch.tensor(counts, dtype=torch.int64, device=self.device))
+        self.lengths.add_(gained)
         self._host_lengths = [length + c for length, c in zip(self._host_lengths, counts)]
 
     def rollback(self, step: Append) -> None:
@@ -314,10 +351,13 @@ class KVCache:
         pos = positions[:, :1] + idx  # (B, C) absolute positions
         slots = pos % c  # distinct within a row: C consecutive positions
         expand = lambda t: t[:, None, :, None].expand(b, hkv, c, d)  # noqa: E731
-        for buf, new in ((self.k, k), (self.v, v)):
-            fresh = new.gather(2, expand(idx.clamp(min=0)))  # (B, Hkv, C, D)
-            buf.scatter_(2, expand(slots), torch.where(keep[:, None, :, None], fresh, buf.gather(2, expand(slots))))
-        self.slot_pos.scatter_(1, slots, torch.where(keep, pos, self.slot_pos.gather(1, slots)))
+        # Every new value first, then the in-place writes: an allocation failure changes nothing.
+        rows = [torch.where(keep[:, None, :, None], new.gather(2, expand(idx.clamp(min=0))),
+                            buf.gather(2, expand(slots))) for buf, new in ((self.k, k), (self.v, v))]  # (B, Hkv, C, D)
+        new_pos = torch.where(keep, pos, self.slot_pos.gather(1, slots))  # (B, C)
+        self.k.scatter_(2, expand(slots), rows[0])
+        self.v.scatter_(2, expand(slots), rows[1])
+        self.slot_pos.scatter_(1, slots, new_pos)
 
     @staticmethod
     def _mask(q_pos: torch.Tensor, key_pos: torch.Tensor, structure: Structure) -> torch.Tensor:
@@ -325,6 +365,17 @@ class KVCache:
         qp = q_pos[:, :, None]  # (B, Sn, 1)
         kp = key_pos[:, None, :]  # (B, 1, Sk)
         return ((kp >= 0) & structure.allows(qp, kp))[:, None]  # (B, 1, Sn, Sk)
+
+
+def _integral(value: object) -> object:
+    """``operator.index(value)`` for integral numbers that are not bools; anything else as given
+    (for :func:`check_int` to refuse by name)."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        return value
+    try:
+        return operator.index(value)  # type: ignore[arg-type]  # has __index__
+    except TypeError:  # e.g. a tensor with more than one element
+        return value
 
 
 @dataclass

@@ -10,10 +10,12 @@ H·D may differ from E. Query head i reads key/value head ``i // (H // Hkv)``:
 Hkv = H is MHA, Hkv = 1 is MQA, anything in between is GQA.
 
 :meth:`AttentionConfig.from_hf` reads the model families in ``ENCODERS`` and
-``DECODERS``; other model types are read only when the file says ``is_decoder`` or
-``is_encoder_decoder``. Where a model alternates sliding-window and full-attention
-layers (Gemma 2/3, ``layer_types``), the config describes the full-attention layers
-(``window=None``), so costs computed from it are upper bounds.
+``DECODERS`` and refuses every other model type by name (the legacy ``is_decoder`` /
+``is_encoder_decoder`` flags do not decide causality: transformers wrote
+``is_decoder=false`` for causal models too). Where layers differ (Gemma 2/3 alternate
+sliding-window and full-attention layers; OpenELM and Swin vary the heads), ``layers``
+holds one :class:`LayerAttention` per layer and the top-level fields describe the typical
+(full-attention, widest) layer for callers that read one layer.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from ._checks import MAX_DIM, check_int
+from .rope_scaling import RopeScaling
 
-__all__ = ["AttentionConfig", "ENCODERS", "DECODERS"]
+__all__ = ["AttentionConfig", "LayerAttention", "ENCODERS", "DECODERS"]
 
 MAX_LAYERS = 10_000
 MAX_POSITIONS = 1 << 30
@@ -49,6 +52,7 @@ DECODERS: Mapping[str, tuple[bool, bool, bool]] = {
     "gemma": (False, False, True), "gemma2": (False, False, True), "gemma3_text": (False, False, True),
     "phi3": (False, False, True), "olmo": (False, False, True), "olmo2": (False, False, True),
     "starcoder2": (True, True, True),
+    "bloom": (True, True, False), "gpt_oss": (True, True, True),
 }
 # GPT-J pairs coordinates (2p, 2p+1) like Meta's original checkpoints; HF Llama rotates halves.
 INTERLEAVED_ROPE = frozenset({"gptj"})
@@ -61,6 +65,59 @@ _KEYS_LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 _KEYS_POSITIONS = ("max_position_embeddings", "n_positions")
 _KEYS_QKV_BIAS = ("qkv_bias", "use_qkv_bias")  # q/k/v only
 _KEYS_ALL_BIAS = ("attention_bias", "bias", "enable_bias")  # q/k/v and o
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerAttention:
+    """The attention of one layer, where layers differ.
+
+    Args:
+        num_heads, num_kv_heads, head_dim: H, Hkv (dividing H), D of this layer.
+        embed_dim: E of this layer where the width changes by stage (Swin); None = the model's.
+        window: sliding window, or None for full attention.
+        rope_base: θ of this layer (Gemma 3's local layers use 10000, its global ones 1e6),
+            or None without RoPE.
+        rope_scaling: this layer's RoPE scaling, or None.
+        kind: a label: ``"full_attention"``, ``"sliding_attention"`` (transformers'
+            ``layer_types``) or the family's own name for it.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    embed_dim: int | None = None
+    window: int | None = None
+    rope_base: float | None = None
+    rope_scaling: RopeScaling | None = None
+    kind: str = "full_attention"
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "num_kv_heads", "head_dim"):
+            check_int(name, getattr(self, name))
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads must be a multiple of num_kv_heads, got num_heads={self.num_heads}, "
+                             f"num_kv_heads={self.num_kv_heads}")
+        for name in ("embed_dim", "window"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), maximum=MAX_POSITIONS)
+        if self.rope_base is not None:
+            _check_positive_float("rope_base", self.rope_base)
+        if isinstance(self.rope_scaling, Mapping):
+            object.__setattr__(self, "rope_scaling", _scaling_from_dict(self.rope_scaling))
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise TypeError(f"rope_scaling must be a RopeScaling or None, got {type(self.rope_scaling).__name__}")
+        if not isinstance(self.kind, str):
+            raise TypeError(f"kind must be a str, got {type(self.kind).__name__}")
+
+    @property
+    def kv_numbers_per_token(self) -> int:
+        """K and V numbers one token adds to this layer's cache: 2·Hkv·D."""
+        return 2 * self.num_kv_heads * self.head_dim
+
+
+def _scaling_from_dict(d: Mapping[str, Any]) -> RopeScaling:
+    """A RopeScaling from its ``asdict`` form (lists for the longrope factors)."""
+    return RopeScaling(**d)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +142,19 @@ class AttentionConfig:
         model_type: the Hugging Face ``model_type`` it came from, if any.
         layer_num_heads: per-layer H (lists in some ViT configs); its length must be L.
             K/V heads per layer: H_i for an MHA config (Hkv == H), else Hkv.
+        layers: one :class:`LayerAttention` per layer (L entries) where layers differ in
+            heads, head_dim, window or RoPE; None = every layer as the top-level fields
+            (and ``layer_num_heads``) say. :meth:`layer` gives any layer either way.
+        rope_scaling: RoPE scaling of the typical layer (:class:`~multihead.RopeScaling`).
+        qk_norm: ``"head"`` or ``"proj"`` QK-norm (Qwen3/Gemma 3, OLMo 2), or None.
+        softcap: logit soft-capping (Gemma 2), or None.
+        alibi: ALiBi position biases (BLOOM, MPT).
+        sinks: learned attention sinks (gpt-oss).
+        kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim:
+            multi-head latent attention (DeepSeek-V2/V3, their config names): K/V compressed
+            to ``kv_lora_rank`` numbers per token plus one shared rotary key of
+            ``qk_rope_head_dim``; then ``head_dim = qk_nope_head_dim + qk_rope_head_dim``.
+            All None for ordinary attention; ``kv_lora_rank`` set requires the three head dims.
 
     Raises:
         TypeError: a field of the wrong type (bools are not ints).
@@ -108,6 +178,17 @@ class AttentionConfig:
     scale: float | None = None
     model_type: str | None = None
     layer_num_heads: tuple[int, ...] | None = None
+    layers: tuple[LayerAttention, ...] | None = None
+    rope_scaling: RopeScaling | None = None
+    qk_norm: str | None = None
+    softcap: float | None = None
+    alibi: bool = False
+    sinks: bool = False
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("embed_dim", "num_heads", "num_kv_heads", "head_dim"):
@@ -146,6 +227,70 @@ class AttentionConfig:
             raise TypeError(f"model_type must be a str or None, got {type(self.model_type).__name__}")
         if self.layer_num_heads is not None:
             object.__setattr__(self, "layer_num_heads", self._checked_layer_heads(self.layer_num_heads))
+        self._check_features()
+        if self.layers is not None:
+            object.__setattr__(self, "layers", self._checked_layers(self.layers))
+
+    def _check_features(self) -> None:
+        if isinstance(self.rope_scaling, Mapping):
+            object.__setattr__(self, "rope_scaling", _scaling_from_dict(self.rope_scaling))
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise TypeError(f"rope_scaling must be a RopeScaling or None, got {type(self.rope_scaling).__name__}")
+        if self.qk_norm not in (None, "head", "proj"):
+            raise ValueError(f"qk_norm must be 'head', 'proj' or None, got {self.qk_norm!r}")
+        if self.softcap is not None:
+            _check_positive_float("softcap", self.softcap)
+        for name in ("alibi", "sinks"):
+            _check_bool(name, getattr(self, name))
+        if self.alibi and self.rope_base is not None:
+            raise ValueError(f"alibi=True needs rope_base=None (ALiBi replaces RoPE), got rope_base={self.rope_base}")
+        latent = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        for name in latent:
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name))
+        if self.kv_lora_rank is not None:
+            missing = [n for n in latent[2:] if getattr(self, n) is None]
+            if missing:
+                raise ValueError(f"kv_lora_rank (latent attention) needs {', '.join(missing)}, got None")
+            if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
+                raise ValueError(f"head_dim must be qk_nope_head_dim + qk_rope_head_dim = "
+                                 f"{self.qk_nope_head_dim + self.qk_rope_head_dim} for latent attention, "
+                                 f"got {self.head_dim}")
+
+    @property
+    def latent(self) -> bool:
+        """Multi-head latent attention (``kv_lora_rank`` set)."""
+        return self.kv_lora_rank is not None
+
+    def _checked_layers(self, value: object) -> tuple[LayerAttention, ...]:
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+            raise TypeError(f"layers must be a sequence of LayerAttention, got {type(value).__name__}")
+        layers = tuple(LayerAttention(**v) if isinstance(v, Mapping) else v for v in value)
+        bad = [i for i, v in enumerate(layers) if not isinstance(v, LayerAttention)]
+        if bad:
+            raise TypeError(f"layers[{bad[0]}] must be a LayerAttention, got {type(layers[bad[0]]).__name__}")
+        if len(layers) != self.num_layers:
+            raise ValueError(f"layers must have num_layers={self.num_layers} entries, got {len(layers)}")
+        if self.layer_num_heads is not None and tuple(v.num_heads for v in layers) != self.layer_num_heads:
+            raise ValueError("layers and layer_num_heads disagree on the heads per layer")
+        return layers
+
+    def layer(self, index: int) -> LayerAttention:
+        """The attention of layer ``index`` (0-based): ``layers[index]``, or derived from the top level."""
+        check_int("layer", index, minimum=0, maximum=self.num_layers - 1)
+        if self.layers is not None:
+            return self.layers[index]
+        h, hkv = self.heads_in_layer(index)
+        return LayerAttention(num_heads=h, num_kv_heads=hkv, head_dim=self.head_dim, window=self.window,
+                              rope_base=self.rope_base, rope_scaling=self.rope_scaling,
+                              kind="full_attention" if self.window is None else "sliding_attention")
+
+    def layer_kinds(self) -> dict[LayerAttention, list[int]]:
+        """Each distinct layer (heads, head_dim, window, RoPE) and the layers that have it, in order."""
+        kinds: dict[LayerAttention, list[int]] = {}
+        for i in range(self.num_layers):
+            kinds.setdefault(self.layer(i), []).append(i)
+        return kinds
 
     def _checked_layer_heads(self, value: object) -> tuple[int, ...]:
         if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
@@ -194,8 +339,10 @@ class AttentionConfig:
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     def heads_in_layer(self, layer: int) -> tuple[int, int]:
-        """(H, Hkv) of layer ``layer`` (0-based), honouring ``layer_num_heads``."""
+        """(H, Hkv) of layer ``layer`` (0-based), honouring ``layers`` and ``layer_num_heads``."""
         check_int("layer", layer, minimum=0, maximum=self.num_layers - 1)
+        if self.layers is not None:
+            return self.layers[layer].num_heads, self.layers[layer].num_kv_heads
         if self.layer_num_heads is None:
             return self.num_heads, self.num_kv_heads
         h = self.layer_num_heads[layer]
@@ -206,6 +353,8 @@ class AttentionConfig:
         d = asdict(self)
         if d["layer_num_heads"] is not None:
             d["layer_num_heads"] = list(d["layer_num_heads"])
+        if d["layers"] is not None:
+            d["layers"] = list(d["layers"])
         return d
 
     # ---- reading Hugging Face files --------------------------------------------------
@@ -220,6 +369,9 @@ class AttentionConfig:
         ``rotary_emb_base`` (10000 for a RoPE family that is silent); partial rotary from
         ``partial_rotary_factor``/``rotary_pct``/``rotary_dim``. ``sliding_window`` counts
         unless ``use_sliding_window`` is false. Multimodal files are read from ``text_config``.
+        Falcon's KV heads follow ``FalconConfig`` (``num_kv_heads`` counts only without
+        ``multi_query``); ALiBi, Falcon's new decoder architecture and ALBERT's shared
+        layers are refused. Unknown model types are refused.
 
         Raises:
             ValueError: unreadable, truncated or non-JSON file, a missing file, a top level

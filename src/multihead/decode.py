@@ -46,7 +46,7 @@ def _projections(layer: MultiHeadAttention) -> tuple[nn.Linear, ...]:
 
 def _plain_rope(layer: MultiHeadAttention, cache: KVCache) -> bool:
     rope = layer.rope
-    return rope is None or (type(rope) is RoPE and max(cache.host_lengths()) < rope.max_positions
+    return rope is None or (type(rope) is RoPE and max(cache.host_lengths()) < rope.table_limit
                             and rope.cos.device.type == "cpu")
 
 
@@ -62,6 +62,9 @@ FUSED_CONDITIONS: tuple[tuple[str, Check], ...] = (
     ("weights asked for", lambda layer, x, c, kw: not kw.get("return_weights", False)),
     ("an observer is attached (trace or capture)", lambda layer, x, c, kw: kw.get("observe") is None),
     ("the layer has a sliding window", lambda layer, x, c, kw: layer.window is None),
+    ("the layer has QK-norm, soft-capping, ALiBi or sinks",
+     lambda layer, x, c, kw: layer.qk_norm is None and layer.softcap is None and layer.alibi_slopes is None
+     and layer.sinks is None),
     ("a ring cache", lambda layer, x, c, kw: not c.ring),
     ("dropout in training mode", lambda layer, x, c, kw: not (layer.training and layer.dropout > 0)),
     ("a backend other than auto or native", lambda layer, x, c, kw: layer.backend in (None, "auto", "native")),
@@ -103,17 +106,27 @@ def fused_step(layer: MultiHeadAttention, x: torch.Tensor, cache: KVCache) -> to
         x: (B, 1, E), a call for which :func:`why_not_fused` returned None.
 
     Returns:
-        y: (B, 1, E), as ``layer(x, cache=cache)`` (within rounding).
+        y: (B, 1, E), as ``layer(x, cache=cache)`` (within rounding). If the step fails,
+        the slots it wrote are restored: the cache is left bitwise as it was.
     """
     b, _, e = x.shape
     rope = layer.rope
     cos, sin, rotary_dim, interleaved = (None, None, 0, False) if rope is None else (
         rope.cos, rope.sin, rope.rotary_dim, rope.interleaved)
     projs = _projections(layer)
-    # The operator (not the ctypes call) so that torch.compile sees one opaque node that writes the cache.
-    y = torch.ops.multihead.decode_step(
-        x.reshape(b, e).contiguous(), [p.weight for p in projs], [p.bias for p in projs], cos, sin, rotary_dim,
-        interleaved, cache.k, cache.v, cache.lengths, layer.num_heads, layer.num_kv_heads, layer.head_dim,
-        float(layer.scale))  # (B, E); K/V written at each row's next slot
-    cache.commit([1] * b)
+    # The slots the step writes (row i's next one), saved: a failure leaves the cache bitwise as it was.
+    slots = [(cache.k[i, :, n], cache.v[i, :, n]) for i, n in enumerate(cache.host_lengths())]  # (Hkv, D) views
+    saved = [(k.clone(), v.clone()) for k, v in slots]
+    try:
+        # The operator (not the ctypes call) so that torch.compile sees one opaque node that writes the cache.
+        y = torch.ops.multihead.decode_step(
+            x.reshape(b, e).contiguous(), [p.weight for p in projs], [p.bias for p in projs], cos, sin, rotary_dim,
+            interleaved, cache.k, cache.v, cache.lengths, layer.num_heads, layer.num_kv_heads, layer.head_dim,
+            float(layer.scale))  # (B, E); K/V written at each row's next slot
+        cache.commit([1] * b)
+    except BaseException:
+        for (k, v), (k0, v0) in zip(slots, saved):
+            k.copy_(k0)
+            v.copy_(v0)
+        raise
     return y.view(b, 1, e)

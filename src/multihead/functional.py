@@ -19,6 +19,7 @@ head i reads K/V head ``i // G`` (the grouping of Llama checkpoints and of
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from typing import Literal, overload
 
@@ -28,6 +29,7 @@ from ._checks import check_finite as _check_finite
 from ._checks import check_bool_mask, check_float, check_float_tensor, check_int, check_like, check_tensor
 
 from .backends import resolve_backend
+from .masks import segment_mask
 
 __all__ = ["attention", "DEFAULT_BACKEND", "default_backend"]
 
@@ -41,12 +43,17 @@ WEIGHTS_BACKEND = "explicit"
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               mask: torch.Tensor | None = None, window: int | None = None, scale: float | None = None,
               dropout_p: float = 0.0, return_weights: Literal[False] = False, return_lse: Literal[False] = False,
-              backend: str | None = None, check_finite: bool = False) -> torch.Tensor: ...
+              backend: str | None = None, check_finite: bool = False,
+              softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
+              sinks: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor: ...
 @overload
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               mask: torch.Tensor | None = None, window: int | None = None, scale: float | None = None,
               dropout_p: float = 0.0, return_weights: bool = False, return_lse: bool = False,
-              backend: str | None = None, check_finite: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]: ...
+              backend: str | None = None, check_finite: bool = False,
+              softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
+              sinks: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+              ) -> torch.Tensor | tuple[torch.Tensor, ...]: ...
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -61,6 +68,10 @@ def attention(
     return_lse: bool = False,
     backend: str | None = None,
     check_finite: bool = False,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Multi-head scaled dot-product attention.
 
@@ -94,6 +105,19 @@ def attention(
             it; it never runs another backend instead.
         check_finite: raise if q, k or v hold NaN or Inf, naming the tensor and the
             first bad index (costs one pass over the inputs; off by default).
+        softcap: logit soft-capping ``cap · tanh(s / cap)`` after scaling, before masking
+            (Gemma 2; flash-attn's ``softcap``); None = off.
+        alibi_slopes: (H,) float: ALiBi, ``-slope_h · |i + Sk - Sq - j|`` added to the
+            logits (BLOOM, MPT; :func:`multihead.logits.alibi_slopes` gives the standard ones).
+        sinks: (H,) float: one learned logit per head that joins every row's softmax and
+            takes probability from the keys (gpt-oss); differentiable where the backend is.
+            Not with ``return_lse`` (a merged partial result would count the sink twice).
+        cu_seqlens: (N+1,) integer cumulative lengths ``0 = c_0 <= ... <= c_N = S`` of N
+            sequences packed along the tokens (flash-attn's varlen layout, here within each
+            of the B rows): token t attends only to tokens of its own sequence (and, with
+            ``causal``/``window``, by position inside it). Needs Sq == Sk. Computed as a
+            block-diagonal mask: every backend that takes masks runs it (dense FLOPs).
+        See :mod:`multihead.logits` for the order of these steps.
 
     Returns:
         out (B, H, Sq, Dv); with ``return_weights`` and/or ``return_lse`` a tuple
@@ -109,8 +133,10 @@ def attention(
             ``check_finite``.
     """
     mask, scale, dropout_p = _validate(q, k, v, mask, window, scale, dropout_p)
+    features = _validate_features(q, k, softcap, alibi_slopes, sinks, return_lse)
+    mask = _with_segments(mask, cu_seqlens, q, k)
     fn = resolve_backend(default_backend(backend, return_weights), q, k, v, dropout_p=dropout_p,
-                         return_weights=return_weights, return_lse=return_lse)
+                         return_weights=return_weights, return_lse=return_lse, **features)
     if check_finite:
         for name, t in (("q", q), ("k", k), ("v", v)):
             _check_finite(name, t)
@@ -118,6 +144,7 @@ def attention(
         q, k, v,
         mask=mask, causal=bool(causal), window=window, scale=scale,
         dropout_p=dropout_p, return_weights=return_weights, return_lse=return_lse,
+        **features,  # only the features asked for: a backend without them never sees the keywords
     )
     extra = [t for t, asked in ((weights, return_weights), (lse, return_lse)) if asked and t is not None]
     return (out, *extra) if extra else out
@@ -158,6 +185,44 @@ def _validate(q_in: object, k_in: object, v_in: object, mask: object, window: ob
         scale_f = check_float("scale", scale, low=0.0, high=math.inf, low_inclusive=False, high_inclusive=False)
     p = check_float("dropout_p", dropout_p, low=0.0, high=1.0, high_inclusive=False)
     return mask4, scale_f, p
+
+
+def _validate_features(q: torch.Tensor, k: torch.Tensor, softcap: object, alibi_slopes: object, sinks: object,
+                       return_lse: bool) -> dict[str, Any]:
+    """The logit features asked for (see :mod:`multihead.logits`), checked: only the set ones."""
+    h = q.shape[1]
+    features: dict[str, Any] = {}
+    if softcap is not None:
+        features["softcap"] = check_float("softcap", softcap, low=0.0, high=math.inf, low_inclusive=False,
+                                          high_inclusive=False)
+    for name, value in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if value is None:
+            continue
+        check_tensor(name, value, ndim=1)
+        if not value.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating tensor [H], got dtype {value.dtype}")
+        if value.shape[0] != h:
+            raise ValueError(f"{name} must have shape [H] = [{h}], got {list(value.shape)}")
+        if value.device != q.device:
+            raise ValueError(f"{name} must be on device {q.device} like q, got {value.device}")
+        features[name] = value
+    if sinks is not None and return_lse:
+        raise ValueError("return_lse=True is not supported with sinks: the sink joins each row's softmax once, "
+                         "so log-sum-exps of partial results would count it once per part")
+    return features
+
+
+def _with_segments(mask: torch.Tensor | None, cu_seqlens: object, q: torch.Tensor, k: torch.Tensor
+                   ) -> torch.Tensor | None:
+    """``mask`` and-ed with the block-diagonal mask of packed sequences (``cu_seqlens``)."""
+    if cu_seqlens is None:
+        return mask
+    s = q.shape[2]
+    if k.shape[2] != s:
+        raise ValueError(f"cu_seqlens needs as many keys as queries (packed self-attention), got Sq={s}, "
+                         f"Sk={k.shape[2]}")
+    segments = segment_mask(cu_seqlens, s, q.device)  # (1, 1, S, S)
+    return segments if mask is None else mask & segments
 
 
 def default_backend(backend: str | None, return_weights: bool) -> str:

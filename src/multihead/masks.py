@@ -37,6 +37,8 @@ __all__ = [
     "full_mask",
     "from_additive",
     "to_additive",
+    "segment_mask",
+    "segments_from_positions",
 ]
 
 
@@ -219,3 +221,42 @@ def full_mask(
         return mask
     dense = structure.dense(sq, sk, device)  # (Sq, Sk)
     return dense if mask is None else mask & dense
+
+
+def segment_mask(cu_seqlens: object, seq: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """(1, 1, S, S) bool: token t may attend to token u only inside its own packed sequence.
+
+    Args:
+        cu_seqlens: (N+1,) integer cumulative lengths ``0 = c_0 <= c_1 <= ... <= c_N = S``
+            (flash-attn's varlen layout); sequence n holds tokens ``c_n .. c_{n+1} - 1``.
+        seq: S.
+
+    Raises:
+        TypeError: not an integer tensor.
+        ValueError: not 1-D, not starting at 0, decreasing, or not ending at S (one read
+            back to the host to check).
+    """
+    cu = check_tensor("cu_seqlens", cu_seqlens, ndim=1)
+    if cu.dtype.is_floating_point or cu.dtype == torch.bool or cu.is_complex():
+        raise TypeError(f"cu_seqlens must be an integer tensor, got dtype {cu.dtype}")
+    values = cu.tolist()
+    if not values or values[0] != 0 or values[-1] != seq or any(b < a for a, b in zip(values, values[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to S={seq} (cumulative lengths), got {values[:8]}"
+                         f"{'...' if len(values) > 8 else ''}")
+    tokens = torch.arange(seq, device=cu.device)
+    ids = torch.searchsorted(cu[1:].contiguous(), tokens, right=True)  # (S,): each token's sequence
+    same = ids[:, None] == ids[None, :]  # (S, S)
+    return same[None, None].to(device if device is not None else cu.device)
+
+
+def segments_from_positions(positions: torch.Tensor) -> torch.Tensor:
+    """(B, 1, S, S) bool from (B, S) or (S,) positions that restart where a packed sequence begins.
+
+    A token starts a new sequence where its position is not the previous one's plus one
+    (Hugging Face packs sequences without padding this way, each from position 0).
+    """
+    pos = positions if positions.dim() == 2 else positions[None]  # (B, S)
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    ids = starts.long().cumsum(dim=1)  # (B, S): sequence number of each token
+    return (ids[:, :, None] == ids[:, None, :])[:, None]  # (B, 1, S, S)

@@ -5,7 +5,9 @@ Hkv key/value heads, D head_dim.
 
     x (B, S, E)
       -> q_proj, k_proj, v_proj         project        (B, S, H·D), (B, Sk, Hkv·D) ×2
+      -> QK-norm ("proj": OLMo 2)        over H·D, Hkv·D (optional)
       -> split_heads                     a view          (B, H, S, D), (B, Hkv, Sk, D) ×2
+      -> QK-norm ("head": Qwen3, Gemma 3) over D (optional)
       -> RoPE on q and k                 per head
       -> attention                       per head        (B, H, S, D)
       -> merge_heads                     concat          (B, S, H·D)
@@ -30,10 +32,13 @@ from . import linear as _linear
 from ._checks import check_finite as _check_finite
 from ._checks import check_bool_mask, check_float, check_int, check_tensor
 from .backends import get_backend, resolve_backend
-from .cache import KVCache
+from .backends.registry import Backend
+from .cache import Append, KVCache
 from .decode import plain_linear as _plain
 from .functional import default_backend
-from .masks import Structure, key_padding_mask
+from .logits import alibi_slopes
+from .masks import Structure, key_padding_mask, segments_from_positions
+from .qk_norm import QK_NORMS, RMSNorm
 from .rope import RoPE, check_positions
 
 if TYPE_CHECKING:
@@ -76,6 +81,14 @@ class MultiHeadAttention(nn.Module):
         kdim, vdim: width of the ``context`` for cross-attention; default E. One
             context feeds both k_proj and v_proj, so vdim must equal kdim.
         backend: attention backend name; None = the functional default.
+        qk_norm: RMSNorm on q and k before RoPE: ``"head"`` (over D, Qwen3/Gemma 3) or
+            ``"proj"`` (over H·D and Hkv·D, OLMo 2); modules ``q_norm``, ``k_norm``.
+        norm_eps: the QK-norm's epsilon.
+        norm_offset: the QK-norm weight is stored as ``w - 1`` (Gemma).
+        softcap: logit soft-capping ``cap · tanh(s / cap)`` (Gemma 2), or None.
+        alibi: ALiBi biases with the standard slopes of H heads (BLOOM, MPT) instead of
+            RoPE (buffer ``alibi_slopes``).
+        sinks: one learned sink logit per head (gpt-oss; parameter ``sinks``, zeros).
         device, dtype: for the parameters.
 
     Raises:
@@ -99,11 +112,27 @@ class MultiHeadAttention(nn.Module):
         kdim: int | None = None,
         vdim: int | None = None,
         backend: str | None = None,
+        qk_norm: str | None = None,
+        norm_eps: float = 1e-6,
+        norm_offset: bool = False,
+        softcap: float | None = None,
+        alibi: bool = False,
+        sinks: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         check_int("embed_dim", embed_dim)
+        if qk_norm is not None and qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm must be one of {list(QK_NORMS)} or None, got {qk_norm!r}")
+        if softcap is not None:
+            softcap = check_float("softcap", softcap, low=0.0, high=math.inf, low_inclusive=False,
+                                  high_inclusive=False)
+        for name, flag in (("alibi", alibi), ("sinks", sinks), ("norm_offset", norm_offset)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
+        if alibi and rope is not None:
+            raise ValueError("alibi=True with a rope: ALiBi replaces position embeddings; pass rope=None")
         check_int("num_heads", num_heads)
         num_kv_heads = num_heads if num_kv_heads is None else check_int("num_kv_heads", num_kv_heads)
         if num_heads % num_kv_heads:
@@ -149,6 +178,17 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(vdim, num_kv_heads * head_dim, bias=bias, **factory)
         self.o_proj = nn.Linear(num_heads * head_dim, embed_dim, bias=o_bias, **factory)
         self.rope = rope
+        self.qk_norm = qk_norm
+        if qk_norm is not None:
+            q_width, k_width = (head_dim, head_dim) if qk_norm == "head" else (num_heads * head_dim,
+                                                                              num_kv_heads * head_dim)
+            self.q_norm = RMSNorm(q_width, eps=norm_eps, offset=norm_offset, **factory)
+            self.k_norm = RMSNorm(k_width, eps=norm_eps, offset=norm_offset, **factory)
+        self.softcap = softcap
+        self.alibi_slopes: torch.Tensor | None
+        self.register_buffer("alibi_slopes", alibi_slopes(num_heads).to(device) if alibi else None,
+                             persistent=False)  # (H,) float32
+        self.sinks = nn.Parameter(torch.zeros(num_heads, **factory)) if sinks else None  # (H,)
 
     @classmethod
     def from_config(
@@ -165,7 +205,7 @@ class MultiHeadAttention(nn.Module):
         Args:
             config: an :class:`~multihead.AttentionConfig` (e.g. from
                 ``AttentionConfig.from_hf("config.json")``).
-            layer: which layer (0-based) for per-layer head counts (``layer_num_heads``).
+            layer: which layer (0-based): its heads, head_dim, window and RoPE (``config.layer``).
             device: e.g. ``"meta"`` to build without allocating (shapes only).
             dtype: of the parameters.
             **overrides: ``causal``, ``scale``, ``window``, ``backend``, ``rope``, ``dropout``.
@@ -182,16 +222,23 @@ class MultiHeadAttention(nn.Module):
 
         if not isinstance(config, AttentionConfig):
             raise TypeError(f"config must be a multihead.AttentionConfig, got {type(config).__name__}")
-        h, hkv = config.heads_in_layer(layer)
+        if config.latent:
+            raise ValueError("config describes multi-head latent attention (kv_lora_rank is set); build it with "
+                             "multihead.MultiHeadLatentAttention.from_config")
+        lay = config.layer(layer)  # this layer's heads, head_dim, window and RoPE
+        if lay.embed_dim not in (None, config.embed_dim):
+            raise ValueError(f"layer {layer} has width {lay.embed_dim}, not embed_dim={config.embed_dim} (a stage "
+                             "of another width, as in Swin): multihead builds no patch-merging model")
         rope = None
-        if config.rope_base is not None:
+        if lay.rope_base is not None:
             positions = min(config.max_positions or ROPE_TABLE_POSITIONS, ROPE_TABLE_POSITIONS)
-            rope = RoPE(config.head_dim, config.rope_base, interleaved=config.rope_interleaved,
-                        rotary_dim=config.rotary_dim, max_positions=positions)
-        settings = _settings({"causal": config.causal, "scale": config.scale, "window": config.window,
+            rope = RoPE(lay.head_dim, lay.rope_base, interleaved=config.rope_interleaved,
+                        rotary_dim=config.rotary_dim, max_positions=positions, scaling=lay.rope_scaling)
+        settings = _settings({"causal": config.causal, "scale": config.scale, "window": lay.window,
                               "rope": rope}, overrides)
-        built = cls(config.embed_dim, h, num_kv_heads=hkv, head_dim=config.head_dim, bias=config.bias,
-                    o_bias=config.effective_o_bias, device=device, dtype=dtype, **settings)
+        built = cls(config.embed_dim, lay.num_heads, num_kv_heads=lay.num_kv_heads, head_dim=lay.head_dim,
+                    bias=config.bias, o_bias=config.effective_o_bias, qk_norm=config.qk_norm, softcap=config.softcap,
+                    alibi=config.alibi, sinks=config.sinks, device=device, dtype=dtype, **settings)
         if built.rope is not None and device is not None:
             built.rope.to(device)
         return built
@@ -230,7 +277,8 @@ class MultiHeadAttention(nn.Module):
                 True when the layer has a sliding window shorter than ``max_len``.
 
         Returns:
-            a cache with buffers (B, Hkv, C, D), C = max_len (or the window for a ring).
+            a cache with buffers (B, Hkv, C, D), C = max_len (or the window for a ring),
+            belonging to this layer: passing it to another layer raises ``ValueError``.
         """
         weight = self.q_proj.weight
         # The cache holds what the layer computes: another dtype or device could never be used.
@@ -240,17 +288,31 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"device must be the layer's device {weight.device}, got {device}")
         if ring is None:
             ring = self.window is not None and self.window < max_len
-        return KVCache(
+        cache = KVCache(
             batch_size, max_len, self.num_kv_heads, self.head_dim,
             dtype=weight.dtype if dtype is None else dtype,
             device=weight.device if device is None else device,
             window=self.window, ring=ring,
         )
+        cache.claim(self)  # it holds this layer's K/V: any other layer is refused
+        return cache
+
+    @property
+    def per_head_extras(self) -> list[str]:
+        """Names of per-head state beyond the projections (ALiBi slopes, sinks, a whole-projection
+        QK-norm): code that removes or splits heads must carry them, or refuse."""
+        return [name for name, present in (("alibi_slopes", self.alibi_slopes is not None),
+                                           ("sinks", self.sinks is not None),
+                                           ("qk_norm='proj'", self.qk_norm == "proj")) if present]
 
     def extra_repr(self) -> str:
+        extras = "".join(f", {name}={value!r}" for name, value in (
+            ("qk_norm", self.qk_norm), ("softcap", self.softcap)) if value is not None)
+        extras += ", alibi=True" if self.alibi_slopes is not None else ""
+        extras += ", sinks=True" if self.sinks is not None else ""
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-            f"head_dim={self.head_dim}, causal={self.causal}, window={self.window}"
+            f"head_dim={self.head_dim}, causal={self.causal}, window={self.window}{extras}"
         )
 
     def forward(
@@ -264,6 +326,7 @@ class MultiHeadAttention(nn.Module):
         cache: KVCache | None = None,
         return_weights: bool = False,
         check_finite: bool = False,
+        packed: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend from ``x`` to itself (or to ``context``), optionally through a KV cache.
 
@@ -281,6 +344,10 @@ class MultiHeadAttention(nn.Module):
             return_weights: also return per-head weights (B, H, S, Sk), never averaged.
             check_finite: raise ``ValueError`` if ``x`` or ``context`` hold NaN/Inf,
                 naming the tensor and the first bad index, before anything else.
+            packed: each row holds several sequences one after another, each starting
+                where ``positions`` does not continue the previous token's (Hugging Face's
+                packing without padding, positions restarting at 0): tokens attend only
+                inside their own sequence. Needs ``positions``; not with a cache or context.
 
         Returns:
             y (B, S, E), or ``(y, weights)``. A query with no allowed key gets zeros
@@ -296,11 +363,26 @@ class MultiHeadAttention(nn.Module):
                 if isinstance(t, torch.Tensor):
                     _check_finite(name, t)
         tap = self.__dict__.get("_heads_tap")  # set only while multihead.heads.capture records this layer
+        if packed:
+            mask = self._packed_mask(x, context, mask, positions, cache)
         if tap is not None:
             return tap(self, x, context, mask=mask, key_mask=key_mask, positions=positions, cache=cache,
                        return_weights=return_weights)
         return self._forward(x, context, mask=mask, key_mask=key_mask, positions=positions,
                              cache=cache, return_weights=return_weights, observe=None)
+
+    def _packed_mask(self, x: torch.Tensor, context: torch.Tensor | None, mask: torch.Tensor | None,
+                     positions: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
+        """``mask`` and-ed with the block-diagonal mask of the packed sequences in ``positions``."""
+        if positions is None or context is not None or cache is not None:
+            raise ValueError("packed=True needs positions (restarting where each sequence begins) and no "
+                             "context or cache")
+        check_tensor("x", x, ndim=3)
+        segments = segments_from_positions(check_positions(positions, x.shape[0], x.shape[1]))  # (B|1, 1, S, S)
+        if mask is None:
+            return segments
+        check_bool_mask("mask", mask, (x.shape[0], self.num_heads, x.shape[1], x.shape[1]), "[B, H, S, Sk]")
+        return mask & segments
 
     # The body lives here so that :func:`multihead.trace` can watch every step.
     @overload
@@ -337,12 +419,16 @@ class MultiHeadAttention(nn.Module):
 
         q, k, v = self._project(x, context)  # (B, S, H·D), (B, Sk, Hkv·D) ×2
         seen("Q", q), seen("K", k), seen("V", v)
+        if self.qk_norm == "proj":
+            q, k = self.q_norm(q), self.k_norm(k)  # over H·D and Hkv·D (OLMo 2)
 
         h, hkv = self._local_heads(q.shape[-1], k.shape[-1])  # fewer under tensor parallelism
         q = split_heads(q, h)  # (B, H, S, D)
         k = split_heads(k, hkv)  # (B, Hkv, Sk, D)
         v = split_heads(v, hkv)  # (B, Hkv, Sk, D)
         seen("Q_k", q), seen("K_k", k), seen("V_k", v)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)  # over D, per head (Qwen3, Gemma 3)
 
         if self.rope is not None:
             # With a cache the positions' range is known on the host: no device read.
@@ -350,13 +436,25 @@ class MultiHeadAttention(nn.Module):
             q, k = self.rope.rotate((q, k), positions, bound=bound)
             seen("Q_rot", q), seen("K_rot", k)
 
-        heads, weights = self._attend(q, k, v, attn_mask, real, cache, return_weights, seen)  # (B, H, S, D)
-        seen("head_k", heads)
+        fn = resolve_backend(default_backend(self.backend, return_weights), q, k, v,
+                             dropout_p=self.dropout if self.training else 0.0,
+                             return_weights=return_weights, **self._features())  # before anything is written
+        structure = Structure(self.causal, self.window)
+        step = None if cache is None else cache.append(k, v, real, structure=structure)  # staged
+        try:  # the cache is committed only if the whole call succeeds; any failure rolls it back
+            heads, weights = self._attend(fn, q, k, v, attn_mask, structure, step, return_weights, seen)  # (B, H, S, D)
+            seen("head_k", heads)
 
-        concat = merge_heads(heads)  # (B, S, H·D)
-        seen("concat", concat)
-        y = _apply_linear(self.o_proj, concat)  # (B, S, E)
-        seen("O", y)
+            concat = merge_heads(heads)  # (B, S, H·D)
+            seen("concat", concat)
+            y = _apply_linear(self.o_proj, concat)  # (B, S, E)
+            seen("O", y)
+        except BaseException:
+            if cache is not None and step is not None:
+                cache.rollback(step)
+            raise
+        if cache is not None and step is not None:
+            cache.commit(step)
         if return_weights:
             assert weights is not None  # the backend was resolved to return them
             return y, weights
@@ -375,33 +473,25 @@ class MultiHeadAttention(nn.Module):
                              f"{d}); for num_kv_heads < ranks use multihead.parallel.shard_heads")
         return h, hkv
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
-                real: list[int] | None, cache: KVCache | None, return_weights: bool, seen: Observer,
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Attention of the heads, through the cache if given: the cache is written only if
-        the whole call succeeds (a failure rolls its staged write back)."""
-        dropout_p = self.dropout if self.training else 0.0
-        fn = resolve_backend(default_backend(self.backend, return_weights), q, k, v, dropout_p=dropout_p,
-                             return_weights=return_weights)  # before anything is written
-        structure = Structure(self.causal, self.window)
-        step = None
-        if cache is not None:
-            step = cache.append(k, v, real, structure=structure)
+    def _features(self) -> dict[str, Any]:
+        """The layer's logit features a backend must support (soft-capping, ALiBi, sinks)."""
+        return {name: value for name, value in (("softcap", self.softcap), ("alibi_slopes", self.alibi_slopes),
+                                                ("sinks", self.sinks)) if value is not None}
+
+    def _attend(self, fn: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                attn_mask: torch.Tensor | None, structure: Structure, step: Append | None,
+                return_weights: bool, seen: Observer) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention of the heads by the resolved backend ``fn``, over the cache's staged
+        keys and values when ``step`` (from :meth:`KVCache.append`) is given."""
+        if step is not None:
             k, v, attn_mask = step.keys, step.values, step.mask
             seen("K_cache", k)
             seen("V_cache", v)
             if attn_mask is not None:  # the mask carries causality and the window
                 structure = Structure()
-        try:
-            out, weights, _ = fn(q, k, v, mask=attn_mask, causal=structure.causal, window=structure.window,
-                                 scale=self.scale, dropout_p=dropout_p, return_weights=return_weights,
-                                 return_lse=False)
-        except BaseException:
-            if cache is not None and step is not None:
-                cache.rollback(step)
-            raise
-        if cache is not None and step is not None:
-            cache.commit(step)
+        out, weights, _ = fn(q, k, v, mask=attn_mask, causal=structure.causal, window=structure.window,
+                             scale=self.scale, dropout_p=self.dropout if self.training else 0.0,
+                             return_weights=return_weights, return_lse=False, **self._features())
         return out, weights
 
     def _project(self, x: torch.Tensor, context: torch.Tensor | None
@@ -458,7 +548,11 @@ class MultiHeadAttention(nn.Module):
             if not torch.equal(right_padded, key_mask):
                 raise ValueError("key_mask with a cache must be right-padded (each row's real tokens first, "
                                  "then padding); left padding would leave holes in the cache")
+        if self.alibi_slopes is not None and cache.ring:
+            raise ValueError("a ring cache with alibi is not supported: ALiBi's distances need the keys in "
+                             "position order; use new_cache(..., ring=False)")
         cache.check_append(b, self.num_kv_heads, self.head_dim, x.dtype, x.device, s)
+        cache.claim(self)  # another layer's cache is refused
         return real
 
     def _check_inputs(

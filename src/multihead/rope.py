@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ._checks import check_float, check_int, check_tensor
+from .rope_scaling import RopeScaling, rope_frequencies
 
 __all__ = ["RoPE", "interleaved_to_half", "half_to_interleaved"]
 
@@ -36,9 +37,13 @@ class RoPE(nn.Module):
         rotary_dim: R, how many leading dims rotate (default all of D); even.
         max_positions: size of the precomputed cos/sin table; positions beyond it are
             computed on the fly (same formula, same numbers).
+        scaling: a :class:`~multihead.rope_scaling.RopeScaling` (linear, dynamic, llama3,
+            yarn, longrope); its inverse frequencies and attention factor (which multiplies
+            cos and sin) are transformers' bit for bit. Default: plain RoPE.
 
     Raises:
         ValueError: odd head_dim or rotary_dim, rotary_dim > head_dim, base <= 0.
+        TypeError: ``scaling`` not a RopeScaling.
     """
 
     cos: torch.Tensor
@@ -53,6 +58,7 @@ class RoPE(nn.Module):
         interleaved: bool = False,
         rotary_dim: int | None = None,
         max_positions: int = 4096,
+        scaling: RopeScaling | None = None,
     ) -> None:
         super().__init__()
         check_int("head_dim", head_dim)
@@ -66,12 +72,35 @@ class RoPE(nn.Module):
         self.rotary_dim = rotary_dim
         self.interleaved = bool(interleaved)
         self.max_positions = check_int("max_positions", max_positions, maximum=1 << 24)
-        # Same float32 formula as Hugging Face's default rope init, so tables match bitwise.
-        inv_freq = 1.0 / (self.base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+        if scaling is not None and not isinstance(scaling, RopeScaling):
+            raise TypeError(f"scaling must be a multihead.RopeScaling or None, got {type(scaling).__name__}")
+        self.scaling = scaling
+        # Same float32 formulas as Hugging Face's rope init functions, so tables match bitwise.
+        inv_freq, self.attention_factor = rope_frequencies(rotary_dim, self.base, scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # (R/2,)
         angles = torch.arange(self.max_positions, dtype=torch.float32)[:, None] * inv_freq  # (P, R/2)
-        self.register_buffer("cos", angles.cos(), persistent=False)  # (P, R/2)
-        self.register_buffer("sin", angles.sin(), persistent=False)  # (P, R/2)
+        self.register_buffer("cos", self._scaled(angles.cos()), persistent=False)  # (P, R/2)
+        self.register_buffer("sin", self._scaled(angles.sin()), persistent=False)  # (P, R/2)
+
+    def _scaled(self, t: torch.Tensor) -> torch.Tensor:
+        """cos or sin times the attention factor (yarn, longrope), as transformers applies it."""
+        return t if self.attention_factor == 1.0 else t * self.attention_factor
+
+    @property
+    def table_limit(self) -> int:
+        """Lengths up to which the precomputed table holds: ``max_positions``, or less where
+        the frequencies change with the length (dynamic past M, longrope past M_orig)."""
+        s = self.scaling
+        if s is None or not s.length_dependent:
+            return self.max_positions
+        edge = s.max_positions if s.rope_type == "dynamic" else s.original_max_positions
+        return min(self.max_positions, edge)
+
+    def inv_freq_for(self, length: int) -> torch.Tensor:
+        """(R/2,) float32 inverse frequencies for a call covering positions < ``length``."""
+        if self.scaling is None or not self.scaling.length_dependent:
+            return self.inv_freq
+        return rope_frequencies(self.rotary_dim, self.base, self.scaling, seq_len=length)[0].to(self.inv_freq.device)
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         # ``layer.half()`` / ``.to(torch.bfloat16)`` convert every float buffer; the tables
@@ -88,7 +117,9 @@ class RoPE(nn.Module):
         return "interleaved" if self.interleaved else "half"
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, base={self.base}, pairing={self.pairing!r}, rotary_dim={self.rotary_dim}"
+        scaled = "" if self.scaling is None else f", rope_type={self.scaling.rope_type!r}"
+        return (f"head_dim={self.head_dim}, base={self.base}, pairing={self.pairing!r}, "
+                f"rotary_dim={self.rotary_dim}{scaled}")
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32, *,
                bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,20 +135,26 @@ class RoPE(nn.Module):
             bound: a known upper bound (exclusive) of ``positions``, all >= 0; when given
                 nothing is read back from the device to choose the table or the formula.
         """
-        if dtype == torch.float64:
-            exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float64, device=positions.device)
-            inv_freq = 1.0 / (self.base ** (exponents / self.rotary_dim))  # (R/2,)
-            angles = positions.to(torch.float64)[..., None] * inv_freq
-            return angles.cos(), angles.sin()
-        # meta: shapes only; compiled: a read-back would break the graph, the formula needs none.
+        # meta: shapes only; compiled: a read-back would break the graph (tables are then read by formula).
         if (bound is None and positions.numel() and positions.device.type != "meta"
                 and not torch.compiler.is_compiling()):
             low, high = torch.aminmax(positions)
             bound = int(high) + 1 if int(low) >= 0 else None  # one read back, only for caller-given positions
-        if bound is not None and bound <= self.max_positions:
+        if self.scaling is not None and self.scaling.length_dependent and bound is None:
+            raise ValueError("positions must be >= 0 for a length-dependent RoPE scaling "
+                             f"({self.scaling.rope_type!r}: its frequencies depend on the largest position)")
+        if dtype == torch.float64:
+            if self.scaling is None:
+                exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float64, device=positions.device)
+                inv_freq = 1.0 / (self.base ** (exponents / self.rotary_dim))  # (R/2,)
+            else:  # the scaled frequencies are defined in float32; only the angles widen
+                inv_freq = self.inv_freq_for(bound).to(device=positions.device, dtype=torch.float64)
+            angles = positions.to(torch.float64)[..., None] * inv_freq
+            return self._scaled(angles.cos()), self._scaled(angles.sin())
+        if bound is not None and bound <= self.table_limit:
             return self.cos[positions], self.sin[positions]
-        angles = positions.to(torch.float32)[..., None] * self.inv_freq
-        return angles.cos(), angles.sin()
+        angles = positions.to(torch.float32)[..., None] * self.inv_freq_for(bound or 0)
+        return self._scaled(angles.cos()), self._scaled(angles.sin())
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Rotate ``x``.

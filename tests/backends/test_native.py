@@ -257,11 +257,11 @@ def test_builds_once_into_the_cache_dir_and_reuses_it(tmp_path) -> None:
     code = "from multihead import native; assert native.build(), native.status(); print(native.status())"
     first = _python(code, MULTIHEAD_CACHE_DIR=str(tmp_path))
     assert first.returncode == 0, first.stderr
-    built = sorted(tmp_path.iterdir())
-    assert len(built) == 1 and built[0].suffix == ".so" and str(built[0]) in first.stdout
-    mtime = built[0].stat().st_mtime_ns
+    built = sorted(tmp_path.iterdir())  # the kernel and its build record (size, SHA-256)
+    assert [p.suffix for p in built] == [".json", ".so"] and str(built[1]) in first.stdout
+    mtime = built[1].stat().st_mtime_ns
     again = _python(code, MULTIHEAD_CACHE_DIR=str(tmp_path))
-    assert again.returncode == 0 and sorted(tmp_path.iterdir()) == built and built[0].stat().st_mtime_ns == mtime
+    assert again.returncode == 0 and sorted(tmp_path.iterdir()) == built and built[1].stat().st_mtime_ns == mtime
 
 
 def test_disabled_by_environment_variable() -> None:

@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+import torch
+
+import multihead as mh
 from multihead.config import AttentionConfig
 
 CONFIGS = Path(__file__).parents[1] / "data" / "configs"
@@ -129,10 +132,39 @@ def test_alternating_sliding_and_full_layers_describe_the_full_layers():
     assert c.window is None and c.effective_scale == 1 / 16
 
 
-def test_unknown_model_type_uses_the_is_decoder_hint():
+@pytest.mark.parametrize("hint", [{"is_decoder": True}, {"is_decoder": False}, {"is_encoder_decoder": True}])
+def test_unknown_model_type_is_refused_whatever_the_legacy_hints_say(hint):
+    # gpt_neox_japanese says is_decoder=false and is causal; dia_decoder says is_encoder_decoder=true
     raw = {"model_type": "my_lm", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2}
-    assert AttentionConfig.from_hf({**raw, "is_decoder": True}).causal is True
-    assert AttentionConfig.from_hf({**raw, "is_encoder_decoder": True}).causal is False
+    with pytest.raises(ValueError, match="model_type='my_lm' is not known"):
+        AttentionConfig.from_hf({**raw, **hint})
+
+
+def test_falcon_7b_as_saved_by_transformers_has_one_kv_head():
+    # FalconConfig.save_pretrained writes num_kv_heads=71; transformers uses it only without multi_query
+    falcon = {"model_type": "falcon", "hidden_size": 4544, "num_attention_heads": 71, "num_kv_heads": 71,
+              "num_hidden_layers": 32, "multi_query": True, "new_decoder_architecture": False, "alibi": False}
+    c = AttentionConfig.from_hf(falcon)
+    assert c.num_kv_heads == 1
+    assert mh.cost(c, 1, dtype=torch.float16).kv_cache_bytes_per_token == 32 * 2 * 64 * 2  # 8 KiB
+    no_key = {k: v for k, v in falcon.items() if k != "multi_query"}  # FalconConfig's default is multi_query
+    assert AttentionConfig.from_hf(no_key).num_kv_heads == 1
+    assert AttentionConfig.from_hf({**falcon, "multi_query": False}).num_kv_heads == 71
+
+
+@pytest.mark.parametrize("changes, message", [({"new_decoder_architecture": True}, "new_decoder_architecture"),
+                                              ({"alibi": True}, "alibi")])
+def test_falcon_variants_the_config_cannot_describe_are_refused(changes, message):
+    falcon = {"model_type": "falcon", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2}
+    with pytest.raises(ValueError, match=message):
+        AttentionConfig.from_hf({**falcon, **changes})
+
+
+def test_albert_shared_layers_are_refused():
+    albert = {"model_type": "albert", "hidden_size": 768, "num_attention_heads": 12, "num_hidden_layers": 12,
+              "num_hidden_groups": 1}
+    with pytest.raises(ValueError, match="num_hidden_groups"):
+        AttentionConfig.from_hf(albert)
 
 
 def test_per_layer_head_lists_become_layer_num_heads():

@@ -51,6 +51,8 @@ BREAKS: dict[str, Callable[[], tuple]] = {
                                                    {"observe": lambda n, t: None}))(_layer()),
     "sliding window": lambda: (lambda l: (l, torch.randn(2, 1, 64), _prefilled(l, ring=False)[0], {}))(
         _layer(window=4)),
+    "QK-norm, soft-capping, ALiBi or sinks": lambda: (lambda l: (l, torch.randn(2, 1, 64), _prefilled(l)[0], {}))(
+        _layer(softcap=30.0)),
     "a ring cache": lambda: (lambda l: (l, torch.randn(2, 1, 64), _ring_cache_without_window(l), {}))(_layer()),
     "dropout in training mode": lambda: (lambda l: (l.train(), torch.randn(2, 1, 64), _prefilled(l)[0], {}))(
         _layer(dropout=0.1)),

@@ -30,16 +30,28 @@ FUZZ = settings(max_examples=max(1, int(300 * SCALE)), deadline=None, derandomiz
 KEYS = ["model_type", "hidden_size", "n_embd", "d_model", "num_attention_heads", "n_head", "num_key_value_heads",
         "head_dim", "num_hidden_layers", "n_layer", "rope_theta", "rope_parameters", "partial_rotary_factor",
         "rotary_pct", "attention_bias", "qkv_bias", "max_position_embeddings", "n_positions", "sliding_window",
-        "use_sliding_window", "is_decoder", "multi_query", "text_config", "query_pre_attn_scalar"]
+        "use_sliding_window", "is_decoder", "multi_query", "text_config", "query_pre_attn_scalar",
+        # issue #15's fields: RoPE scaling, per-layer attention, features, latent attention
+        "rope_scaling", "layer_types", "sliding_window_pattern", "attn_logit_softcapping", "max_window_layers",
+        "original_max_position_embeddings", "rope_local_base_freq", "num_query_heads", "num_kv_heads", "model_dim",
+        "num_transformer_layers", "depths", "num_heads", "embed_dim", "window_size", "kv_lora_rank", "q_lora_rank",
+        "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_type", "factor", "type"]
 VALUES = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), st.floats(allow_nan=True, allow_infinity=True),
-              st.sampled_from(["llama", "bert", "gpt2", "qwen2", "mistral", "vit", "gemma", "t5", ""]),
+              st.sampled_from(["llama", "bert", "gpt2", "qwen2", "mistral", "vit", "gemma", "t5", "", "gemma2",
+                               "gemma3_text", "openelm", "swin", "deepseek_v3", "bloom", "llama3", "yarn",
+                               "longrope", "sliding_attention", "full_attention"]),
               st.text(max_size=8)),
     lambda children: st.one_of(st.lists(children, max_size=4), st.dictionaries(st.sampled_from(KEYS), children, max_size=4)),
     max_leaves=8,
 )
 BASE = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
         "num_hidden_layers": 2, "rope_theta": 10000.0}
+
+
+MODERN = [json.loads((Path(__file__).parent.parent / "data" / "configs" / name).read_text()) for name in (
+    "gemma-2-9b.json", "llama-3.1-8b.json", "openelm-270m.json", "swin-tiny-patch4-window7-224.json",
+    "deepseek-v3.json", "phi-3-mini-128k.json")]
 
 
 def check_config_or_refusal(source: object) -> None:
@@ -49,6 +61,10 @@ def check_config_or_refusal(source: object) -> None:
         return
     assert config.num_heads % config.num_kv_heads == 0
     assert config.head_dim >= 1 and config.embed_dim >= 1
+    try:  # per-layer sums: exact, or refused (Swin's stages)
+        assert mh.cost(config, 8).params_total > 0
+    except ValueError as e:
+        assert "other widths" in str(e)
 
 
 @given(st.dictionaries(st.sampled_from(KEYS), VALUES, max_size=10))
@@ -61,6 +77,12 @@ def test_random_config_dicts_are_read_or_refused(cfg: dict) -> None:
 @FUZZ
 def test_valid_configs_with_random_fields_replaced_are_read_or_refused(changes: dict) -> None:
     check_config_or_refusal({**BASE, **changes})
+
+
+@given(st.sampled_from(range(len(MODERN))), st.dictionaries(st.sampled_from(KEYS), VALUES, max_size=3))
+@FUZZ
+def test_todays_configs_with_random_fields_replaced_are_read_or_refused(which: int, changes: dict) -> None:
+    check_config_or_refusal({**MODERN[which], **changes})
 
 
 @given(st.binary(max_size=300) | st.text(max_size=300).map(str.encode))

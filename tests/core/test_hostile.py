@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,6 +37,12 @@ def nan_at(shape: tuple[int, ...], index: tuple[int, ...], value: float = float(
 def layer(**kw) -> mh.MultiHeadAttention:
     torch.manual_seed(0)
     return mh.MultiHeadAttention(16, 4, **kw)
+
+
+@torch.no_grad()
+def use_cache_of(owner: mh.MultiHeadAttention, other: mh.MultiHeadAttention) -> None:
+    """Call ``other`` with a cache ``owner`` made (both alive, the same shape)."""
+    other(torch.randn(1, 1, 16), cache=owner.new_cache(1, 4))
 
 
 def write(tmp: Path, name: str, text: str) -> Path:
@@ -98,6 +105,8 @@ ROWS: list[tuple[str, Callable[[Path], object], type[Exception], str]] = [
     # the KV cache
     ("cache_terabytes", lambda t: layer().new_cache(2**20, 2**30), ValueError, "TiB"),
     ("cache_crop_negative", lambda t: layer().new_cache(1, 4).crop(-1), ValueError, "n must be in"),
+    ("cache_crop_bool", lambda t: layer().new_cache(1, 4).crop(True), TypeError, "n must be an int, got bool"),
+    ("cache_of_another_layer", lambda t: use_cache_of(layer(), layer()), ValueError, "cache belongs to another layer"),
     # config.json files
     ("config_malformed_json", lambda t: AttentionConfig.from_hf(write(t, "bad.json", "{hidden_size: 64")), ValueError, "bad.json"),
     ("config_truncated", lambda t: AttentionConfig.from_hf(write(t, "cut.json", json.dumps(LLAMA)[:40])), ValueError, "cut.json"),
@@ -119,13 +128,75 @@ ROWS: list[tuple[str, Callable[[Path], object], type[Exception], str]] = [
     ("missing_weights_file", lambda t: load_safetensors(t / "absent.safetensors"), FileNotFoundError, "absent.safetensors"),
     ("not_a_safetensors_file", lambda t: load_safetensors(write(t, "junk.safetensors", "not safetensors")), ValueError, "junk.safetensors"),
     ("from_torch_of_a_linear", lambda t: mh.MultiHeadAttention.from_torch(torch.nn.Linear(4, 4)), TypeError, "MultiheadAttention"),
+    ("fifo_as_weights", lambda t: load_safetensors(fifo(t / "model.safetensors")), ValueError, "model.safetensors: not a regular file \\(a FIFO\\)"),
+    ("device_as_weights", lambda t: load_safetensors(link(t / "w.safetensors", "/dev/zero")), ValueError, "w.safetensors: not a regular file \\(a character device\\)"),
+    ("fifo_shard", lambda t: load_safetensors(sharded(t, {"a": "s.safetensors"}, fifo_shard="s.safetensors")), ValueError, "s.safetensors: not a regular file \\(a FIFO\\)"),
+    # sharded checkpoints: the index is not trusted
+    ("shard_absolute", lambda t: load_safetensors(sharded(t, {"a": str(outside(t))})), ValueError, r"weight_map\['a'\] = '/.*' is not a file inside"),
+    ("shard_dotdot", lambda t: load_safetensors(sharded(t, {"a": "../" + outside(t).name})), ValueError, r"weight_map\['a'\] = '\.\./.*' is not a file inside"),
+    ("shard_subfolder_dotdot", lambda t: load_safetensors(sharded(t, {"a": "sub/../../x.safetensors"})), ValueError, r"weight_map\['a'\].* is not a file inside"),
+    ("shard_dot", lambda t: load_safetensors(sharded(t, {"a": "."})), ValueError, r"weight_map\['a'\] must be a \.safetensors file name, got '\.'"),
+    ("shard_symlink_out", lambda t: load_safetensors(sharded(t, {"a": "s.safetensors"}, link_shard="s.safetensors")), ValueError, r"weight_map\['a'\] = 's.safetensors' is not a file inside"),
+    ("shard_not_a_string", lambda t: load_safetensors(sharded(t, {"a": 3})), ValueError, r"weight_map\['a'\] must be a \.safetensors file name, got 3"),
+    ("weight_map_a_list", lambda t: load_safetensors(sharded(t, ["s.safetensors"])), ValueError, r"index.json: 'weight_map' must be a non-empty object"),
+    ("weight_map_missing", lambda t: load_safetensors(sharded(t, None)), ValueError, r"index.json: 'weight_map' must be"),
+    ("index_a_list", lambda t: load_safetensors(sharded(t, None, text="[1, 2]")), ValueError, r"index.json: 'weight_map' must be"),
+    ("index_malformed", lambda t: load_safetensors(sharded(t, None, text='{"weight_map": {')), ValueError, r"index.json: not a safetensors index"),
+    ("index_deeply_nested", lambda t: load_safetensors(sharded(t, None, text="[" * 100000)), ValueError, r"index.json: not a safetensors index"),
+    ("tensor_listed_twice", lambda t: load_safetensors(sharded(t, None, text='{"weight_map": {"a": "s1.safetensors", "a": "s2.safetensors"}}')), ValueError, r"index.json: key 'a' is listed twice"),
+    ("tensor_in_two_shards", lambda t: load_safetensors(sharded(t, {"a": "s1.safetensors", "b": "s2.safetensors"}, extra={"s2.safetensors": ["a"]})), ValueError, r"s2.safetensors: holds tensor 'a' but the index puts it in 's1.safetensors'"),
+    ("tensor_missing_from_shard", lambda t: load_safetensors(sharded(t, {"a": "s1.safetensors", "b": "s1.safetensors"}, skip=["b"])), ValueError, r"s1.safetensors: lacks tensor 'b'"),
 ]
+
+
+def fifo(path: Path) -> Path:
+    os.mkfifo(path)
+    return path
+
+
+def link(path: Path, target: str) -> Path:
+    path.symlink_to(target)
+    return path
+
+
+def outside(tmp: Path) -> Path:
+    """A valid safetensors file outside the checkpoint folder (``tmp / "ckpt"``)."""
+    path = tmp / "outside.safetensors"
+    save_file({"a": torch.zeros(1)}, str(path))
+    return path
+
+
+def sharded(tmp: Path, weight_map: object, *, text: str | None = None, extra: dict | None = None,
+            skip: list[str] = (), fifo_shard: str | None = None, link_shard: str | None = None) -> Path:
+    """A checkpoint folder ``tmp / "ckpt"``: its index (``weight_map`` or raw ``text``) and,
+    for each well-formed shard name, a shard with the tensors the index lists there
+    (less ``skip``, plus ``extra[shard]``)."""
+    root = tmp / "ckpt"
+    root.mkdir()
+    index = {"metadata": {}} if weight_map is None else {"metadata": {}, "weight_map": weight_map}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index) if text is None else text)
+    if isinstance(weight_map, dict):
+        for shard in {v for v in weight_map.values() if isinstance(v, str) and "/" not in v and v != "."}:
+            names = [k for k, v in weight_map.items() if v == shard and k not in skip]
+            names += (extra or {}).get(shard, [])
+            if shard == fifo_shard:
+                os.mkfifo(root / shard)
+            elif shard == link_shard:
+                (root / shard).symlink_to(outside(tmp))
+            else:
+                save_file({n: torch.zeros(1) for n in names}, str(root / shard))
+    return root
 
 
 @pytest.mark.parametrize("call, exc, match", [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
 def test_bad_input_is_refused_with_a_message_naming_it(tmp_path: Path, call, exc, match: str) -> None:
     with pytest.raises(exc, match=match):
         call(tmp_path)
+
+
+def test_a_good_sharded_checkpoint_loads_every_shard(tmp_path: Path) -> None:
+    root = sharded(tmp_path, {"a": "s1.safetensors", "b": "s2.safetensors", "c": "s2.safetensors"})
+    assert sorted(load_safetensors(root)) == ["a", "b", "c"]
 
 
 def test_the_table_is_large_enough() -> None:
@@ -211,3 +282,39 @@ def test_cli_refuses_bad_arguments_with_exit_code_2(argv: list[str], match: str)
     assert done.returncode == 2, done.stderr
     assert re.search(match, done.stderr), done.stderr
     assert "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["explain", "--seq", str(10**9)], r"--seq must be at most 4096 when the seed's example runs"),
+        (["explain", "--seq", "100000"], r"--seq must be at most 4096 when the seed's example runs"),
+        (["explain", "tests/data/configs/gpt2.json", "--seq", str(2**20 + 1)], r"--seq must be at most 1048576"),
+        (["explain", "no-such-config.json", "--seq", str(10**9)], r"--seq must be at most 1048576"),
+    ],
+    ids=["seed-1e9", "seed-1e5", "config-above-2^20", "refused-before-reading-the-config"],
+)
+def test_explain_bounds_seq_up_front_with_one_line_and_exit_code_2(argv, match, capsys, monkeypatch) -> None:
+    from multihead.tools import cli, explain
+
+    def no_work(*args, **kw):
+        raise AssertionError("the bound must be checked before any work")
+
+    monkeypatch.setattr(explain, "explain_seed", no_work)
+    monkeypatch.setattr(explain, "explain_config", no_work)
+    monkeypatch.chdir(Path(__file__).parents[2])
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and re.search(match, err), err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_the_library_bounds_explain_seq_len_too() -> None:
+    from multihead.tools.explain import explain_config, explain_seed
+
+    with pytest.raises(ValueError, match=r"seq_len must be in \[1, 4096\], got 100000"):
+        explain_seed(100_000)
+    with pytest.raises(ValueError, match=r"seq_len must be in \[1, 1048576\]"):
+        explain_config("no-such-config.json", 2**20 + 1)

@@ -181,11 +181,11 @@ def test_registered_kernel_returns_per_head_weights_when_asked() -> None:
     assert float(weights[1, :, :, S - 4:].abs().max()) == 0.0  # padding keys get no weight
 
 
-def test_kernel_refuses_softcap_and_bias_masks() -> None:
+def test_kernel_applies_softcap_and_refuses_bias_masks() -> None:
     q = torch.randn(1, H, 3, 16)
     module = nn.Module()
-    with pytest.raises(ValueError, match="softcap"):
-        mh.hf.attention_forward(module, q, q, q, None, softcap=30.0)
+    out, _ = mh.hf.attention_forward(module, q, q, q, None, softcap=0.5)  # issue #15: soft-capping is in the core
+    torch.testing.assert_close(out.transpose(1, 2), mh.attention(q, q, q, softcap=0.5), rtol=0, atol=0)
     alibi = torch.full((1, 1, 3, 3), -0.5)
     with pytest.raises(ValueError, match="bias"):
         mh.hf.attention_forward(module, q, q, q, alibi)

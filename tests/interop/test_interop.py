@@ -219,9 +219,12 @@ def test_llama_family_converts_gqa_rope_bias_window(name: str) -> None:
                           1e-5, rtol=1e-4)  # float32 sums over B·S terms
 
 
-def test_llama_rope_scaling_is_refused() -> None:
+def test_llama_rope_scaling_is_converted_and_an_unknown_type_refused() -> None:
     config = LlamaConfig(hidden_size=E, num_attention_heads=H, **SMALL,
                          rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
+    layer = interop.from_hf(LlamaAttention(config, layer_idx=0))  # issue #15: every ROPE_INIT_FUNCTIONS type
+    assert layer.rope.scaling.rope_type == "linear" and layer.rope.scaling.factor == 2.0
+    config.rope_parameters = {"rope_type": "proportional", "factor": 1.0, "rope_theta": 10000.0}
     with pytest.raises(ValueError, match="rope_type"):
         interop.from_hf(LlamaAttention(config, layer_idx=0))
 

@@ -56,6 +56,9 @@ class Call:
     dropout_p: float = 0.0
     return_weights: bool = False
     return_lse: bool = False
+    softcap: bool = False
+    alibi: bool = False
+    sinks: bool = False
 
     @property
     def differentiable(self) -> bool:
@@ -126,6 +129,12 @@ def _blocked_fits(c: Call) -> bool:
 AUTO_RULES: tuple[Rule, ...] = (
     Rule("explicit", "attention weights were asked for: only 'explicit' returns them",
          lambda c: c.return_weights, _backend(explicit_attention)),
+    Rule("explicit (softcap)", "logit soft-capping: only 'explicit' applies it",
+         lambda c: c.softcap, _backend(explicit_attention)),
+    Rule("sdpa (bias)", "ALiBi or sinks without the log-sum-exp: SDPA with an exact additive float mask",
+         lambda c: (c.alibi or c.sinks) and not c.return_lse, _backend(sdpa_attention)),
+    Rule("explicit (bias, lse)", "ALiBi with the log-sum-exp: 'explicit' (the kernels take no biases)",
+         lambda c: c.alibi or c.sinks, _backend(explicit_attention)),
     Rule("sdpa (gradients)", "gradients or dropout are needed (or the tensors are not on the CPU): "
          "SDPA is differentiable", lambda c: c.differentiable and not c.return_lse, _backend(sdpa_attention)),
     Rule("native (gradients, lse)", f"gradients and the log-sum-exp on the CPU, no dropout, from "
@@ -161,7 +170,8 @@ def _rule(call: Call) -> Rule:
 
 
 def auto_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0,
-              return_weights: bool = False, return_lse: bool = False) -> str:
+              return_weights: bool = False, return_lse: bool = False, softcap: float | None = None,
+              alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> str:
     """The path the ``"auto"`` backend takes for these tensors: a key of :data:`AUTO_PATHS`.
 
     No hidden slow path: call this (``AUTO_PATHS[path]`` says why) to see what a call of
@@ -171,20 +181,30 @@ def auto_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: f
     Args:
         q: (B, H, Sq, D); k: (B, Hkv, Sk, D); v: (B, Hkv, Sk, Dv); as given to
             :func:`multihead.attention` (whose checks this does not repeat).
-        dropout_p, return_weights, return_lse: as given to :func:`multihead.attention`.
+        dropout_p, return_weights, return_lse, softcap, alibi_slopes, sinks: as given to
+            :func:`multihead.attention`.
     """
-    return _rule(Call(q, k, v, dropout_p, return_weights, return_lse)).path
+    return _rule(_call(q, k, v, dropout_p, return_weights, return_lse, softcap, alibi_slopes, sinks)).path
 
 
-@register_backend("auto", weights=True, lse=True, grad=True, dropout=True)
+def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, return_weights: bool,
+          return_lse: bool, softcap: object, alibi_slopes: object, sinks: object) -> Call:
+    return Call(q, k, v, dropout_p, return_weights, return_lse, softcap is not None, alibi_slopes is not None,
+                sinks is not None)
+
+
+@register_backend("auto", weights=True, lse=True, grad=True, dropout=True, softcap=True, alibi=True, sinks=True)
 def auto_backend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     mask: torch.Tensor | None, causal: bool, window: int | None, scale: float,
-    dropout_p: float, return_weights: bool, return_lse: bool,
+    dropout_p: float, return_weights: bool, return_lse: bool, softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Run the path :func:`auto_path` picks for this call (the first rule that applies)."""
-    rule = _rule(Call(q, k, v, dropout_p, return_weights, return_lse))
-    structure = dict(scale=scale, causal=causal, window=window, mask=mask)
+    rule = _rule(_call(q, k, v, dropout_p, return_weights, return_lse, softcap, alibi_slopes, sinks))
+    features = dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+    structure = dict(scale=scale, causal=causal, window=window, mask=mask,
+                     **{key: value for key, value in features.items() if value is not None})
     if rule.path.startswith(("explicit", "sdpa")):
         return rule.run(q, k, v, return_lse=return_lse, dropout_p=dropout_p, return_weights=return_weights,
                         **structure)

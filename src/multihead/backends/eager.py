@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..logits import alibi_bias, sink_column, soft_cap
 from ..masks import full_mask
 from .registry import register_backend
 
@@ -47,7 +48,7 @@ def masked_logsumexp(scores: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(scores.to(accumulation_dtype(scores.dtype)), dim=-1).to(lse_dtype(scores.dtype))
 
 
-@register_backend("explicit", weights=True, lse=True, grad=True, dropout=True)
+@register_backend("explicit", weights=True, lse=True, grad=True, dropout=True, softcap=True, alibi=True, sinks=True)
 def explicit_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -60,8 +61,14 @@ def explicit_attention(
     dropout_p: float,
     return_weights: bool,
     return_lse: bool,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """softmax(q kᵀ · scale) v, written out, with GQA by grouping (no repeat of K/V)."""
+    """softmax(q kᵀ · scale) v, written out, with GQA by grouping (no repeat of K/V).
+
+    Soft-capping, ALiBi and sinks in the order of :mod:`multihead.logits`.
+    """
     b, h, sq, _ = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
     g = h // hkv
@@ -73,10 +80,17 @@ def explicit_attention(
     qg = q.to(acc).reshape(b, hkv, g * sq, q.shape[-1])  # (B, Hkv, G·Sq, D): query heads of one group stacked
     scores = torch.matmul(qg, k.to(acc).transpose(-1, -2)) * scale  # (B, Hkv, G·Sq, Sk)
     scores = scores.view(b, h, sq, sk)  # (B, H, Sq, Sk)
+    if softcap is not None:
+        scores = soft_cap(scores, softcap)
+    if alibi_slopes is not None:
+        scores = scores + alibi_bias(alibi_slopes, sq, sk, acc)  # (B, H, Sq, Sk)
     combined = full_mask(mask, causal, window, sq, sk, q.device)
     if combined is not None:
         scores = scores.masked_fill(~combined, _NEG_INF)
-    weights = safe_softmax(scores)  # (B, H, Sq, Sk)
+    if sinks is not None:  # the sink is one more column of the softmax, then dropped
+        weights = safe_softmax(torch.cat((scores, sink_column(sinks, b, sq, acc)), dim=-1))[..., :sk]
+    else:
+        weights = safe_softmax(scores)  # (B, H, Sq, Sk)
     probs = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
     out = torch.matmul(probs.view(b, hkv, g * sq, sk), v.to(acc))  # (B, Hkv, G·Sq, Dv)
     out = out.view(b, h, sq, dv).to(q.dtype)  # (B, H, Sq, Dv)

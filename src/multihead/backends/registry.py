@@ -9,7 +9,9 @@ A backend is a callable with one signature::
         -> (out (B, H, Sq, Dv), weights (B, H, Sq, Sk) or None, lse (B, H, Sq) or None)
 
 receiving arguments already validated by :func:`multihead.attention` (``mask`` is None
-or a 4-D bool view broadcastable to (B, H, Sq, Sk)). Each is registered with a
+or a 4-D bool view broadcastable to (B, H, Sq, Sk)). The logit features
+(:mod:`multihead.logits`) are extra keywords, passed only when asked for and only to a
+backend that declares them: ``softcap`` (float), ``alibi_slopes`` (H,), ``sinks`` (H,). Each is registered with a
 :class:`BackendSpec` stating its capabilities; :func:`resolve_backend` compares a call
 with them **before any work** and raises a ``ValueError`` naming the missing one: a
 backend the user names never hands the call to another (the only router is ``"auto"``,
@@ -25,7 +27,7 @@ from typing import Protocol, TypeVar, overload
 import torch
 
 __all__ = ["Backend", "BackendSpec", "register_backend", "get_backend", "get_spec", "resolve_backend",
-           "available_backends", "missing_capability"]
+           "available_backends", "missing_capability", "FEATURES"]
 
 
 class Backend(Protocol):
@@ -64,6 +66,9 @@ class BackendSpec:
         devices: device types it runs on (``"cpu"``, ``"cuda"``...); None = any.
         ready: returns None when it can run in this process, else why not (e.g. a
             kernel that could not be built); asked before any work.
+        softcap: applies logit soft-capping (keyword ``softcap``).
+        alibi: adds ALiBi biases (keyword ``alibi_slopes``).
+        sinks: joins learned sink logits to the softmax (keyword ``sinks``).
     """
 
     name: str
@@ -75,7 +80,17 @@ class BackendSpec:
     dtypes: frozenset[torch.dtype] | None = None
     devices: frozenset[str] | None = None
     ready: Callable[[], str | None] = field(default=_always, compare=False)
+    softcap: bool = False
+    alibi: bool = False
+    sinks: bool = False
 
+
+#: The logit features a call may ask for: keyword -> (BackendSpec field, in words).
+FEATURES: dict[str, tuple[str, str]] = {
+    "softcap": ("softcap", "logit soft-capping (softcap=...)"),
+    "alibi_slopes": ("alibi", "ALiBi biases (alibi_slopes=...)"),
+    "sinks": ("sinks", "attention sinks (sinks=...)"),
+}
 
 _SPECS: dict[str, BackendSpec] = {}
 
@@ -87,15 +102,18 @@ F = TypeVar("F", bound=Backend)
 def register_backend(name: str, fn: None = None, *, weights: bool = False, lse: bool = False,
                      grad: bool = False, dropout: bool = False, dtypes: frozenset[torch.dtype] | None = None,
                      devices: frozenset[str] | None = None, ready: Callable[[], str | None] = _always,
+                     softcap: bool = False, alibi: bool = False, sinks: bool = False,
                      ) -> Callable[[F], F]: ...
 @overload
 def register_backend(name: str, fn: F, *, weights: bool = False, lse: bool = False,
                      grad: bool = False, dropout: bool = False, dtypes: frozenset[torch.dtype] | None = None,
                      devices: frozenset[str] | None = None, ready: Callable[[], str | None] = _always,
+                     softcap: bool = False, alibi: bool = False, sinks: bool = False,
                      ) -> F: ...
 def register_backend(name: str, fn: Backend | None = None, *, weights: bool = False, lse: bool = False,
                      grad: bool = False, dropout: bool = False, dtypes: frozenset[torch.dtype] | None = None,
                      devices: frozenset[str] | None = None, ready: Callable[[], str | None] = _always,
+                     softcap: bool = False, alibi: bool = False, sinks: bool = False,
                      ) -> Callable[[F], F] | Backend:
     """Register ``fn`` under ``name`` with its capabilities (usable as a decorator).
 
@@ -106,7 +124,8 @@ def register_backend(name: str, fn: Backend | None = None, *, weights: bool = Fa
 
     def deco(f: F) -> F:
         _SPECS[name] = BackendSpec(name, f, weights=weights, lse=lse, grad=grad, dropout=dropout,
-                                   dtypes=dtypes, devices=devices, ready=ready)
+                                   dtypes=dtypes, devices=devices, ready=ready, softcap=softcap, alibi=alibi,
+                                   sinks=sinks)
         return f
 
     return deco if fn is None else deco(fn)
@@ -141,8 +160,18 @@ def needs_grad(*tensors: torch.Tensor) -> bool:
 
 def missing_capability(spec: BackendSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                        dropout_p: float = 0.0, return_weights: bool = False, return_lse: bool = False,
-                       ) -> str | None:
-    """The first thing this call asks of ``spec`` that it cannot do, in words; None if none."""
+                       **features: object) -> str | None:
+    """The first thing this call asks of ``spec`` that it cannot do, in words; None if none.
+
+    ``features``: the logit features of the call (keys of :data:`FEATURES`, None = not asked).
+    """
+    for key, value in features.items():
+        capability, words = FEATURES[key]
+        if value is not None and not getattr(spec, capability):
+            return words
+    learned = [t for t in features.values() if isinstance(t, torch.Tensor)]
+    if not spec.grad and learned and needs_grad(*learned):
+        return "gradients (alibi_slopes or sinks requires grad)"
     if return_weights and not spec.weights:
         return "returning attention weights (return_weights=True)"
     if return_lse and not spec.lse:
@@ -160,7 +189,7 @@ def missing_capability(spec: BackendSpec, q: torch.Tensor, k: torch.Tensor, v: t
 
 
 def resolve_backend(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0,
-                    return_weights: bool = False, return_lse: bool = False) -> Backend:
+                    return_weights: bool = False, return_lse: bool = False, **features: object) -> Backend:
     """The backend ``name``, checked to do everything the call asks — before any work.
 
     Raises:
@@ -169,10 +198,10 @@ def resolve_backend(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """
     spec = get_spec(name)
     missing = missing_capability(spec, q, k, v, dropout_p=dropout_p, return_weights=return_weights,
-                                 return_lse=return_lse)
+                                 return_lse=return_lse, **features)
     if missing is not None:
         able = [s.name for s in _SPECS.values()
                 if missing_capability(s, q, k, v, dropout_p=dropout_p, return_weights=return_weights,
-                                      return_lse=return_lse) is None]
+                                      return_lse=return_lse, **features) is None]
         raise ValueError(f"backend {name!r} cannot do {missing}; backends that can: {able}")
     return spec.fn

@@ -2,7 +2,10 @@
 
 Notation: B batch, H query heads, Hkv key/value heads, Sq queries, Sk keys, D head dim.
 
-Differentiable, with dropout, any dtype and device; no weights, no log-sum-exp.
+Differentiable, with dropout, any dtype and device; no weights, no log-sum-exp. ALiBi
+and sinks go in exactly through an additive float mask (a sink is one more key of zeros
+whose bias is the sink logit: its score is exactly ``sink_h``, its value adds nothing);
+soft-capping, a function of the score itself, cannot and is refused.
 """
 
 from __future__ import annotations
@@ -10,13 +13,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..logits import alibi_bias, sink_column
 from ..masks import full_mask
 from .registry import register_backend
 
 __all__ = ["sdpa_attention"]
 
 
-@register_backend("sdpa", grad=True, dropout=True)
+@register_backend("sdpa", grad=True, dropout=True, alibi=True, sinks=True)
 def sdpa_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -29,6 +33,8 @@ def sdpa_attention(
     dropout_p: float,
     return_weights: bool,
     return_lse: bool,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, None, None]:
     """torch's fused ``scaled_dot_product_attention``.
 
@@ -38,6 +44,8 @@ def sdpa_attention(
     """
     sq, sk = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
+    if alibi_slopes is not None or sinks is not None:
+        return _with_bias(q, k, v, mask, causal, window, scale, dropout_p, alibi_slopes, sinks), None, None
     if mask is None and window is None and (not causal or sq == sk):
         out = F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=gqa
@@ -49,3 +57,25 @@ def sdpa_attention(
         q, k, v, attn_mask=combined, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
     )
     return out, None, None
+
+
+def _with_bias(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+               window: int | None, scale: float, dropout_p: float, alibi_slopes: torch.Tensor | None,
+               sinks: torch.Tensor | None) -> torch.Tensor:
+    """SDPA with ALiBi and/or sinks as an additive float mask (-inf where masked)."""
+    b, h, sq, _ = q.shape
+    sk = k.shape[2]
+    work = torch.promote_types(q.dtype, torch.float32) if q.dtype != torch.float64 else q.dtype
+    bias = torch.zeros(1, 1, sq, sk, dtype=work, device=q.device)  # (1, 1, Sq, Sk)
+    if alibi_slopes is not None:
+        bias = bias + alibi_bias(alibi_slopes, sq, sk, work)[None]  # (1, H, Sq, Sk)
+    combined = full_mask(mask, causal, window, sq, sk, q.device)
+    if combined is not None:
+        bias = bias.masked_fill(~combined, float("-inf"))
+    bias = bias.expand(b, h, sq, sk)  # (B, H, Sq, Sk)
+    if sinks is not None:
+        bias = torch.cat((bias, sink_column(sinks, b, sq, work)), dim=-1)  # (B, H, Sq, Sk + 1)
+        zeros = k.new_zeros(b, k.shape[1], 1, k.shape[3])
+        k, v = torch.cat((k, zeros), dim=2), torch.cat((v, v.new_zeros(b, v.shape[1], 1, v.shape[3])), dim=2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), dropout_p=dropout_p, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])

@@ -377,6 +377,9 @@ def _prune_plan(name: str, layer: MultiHeadAttention, heads: tuple[int, ...]) ->
         raise ValueError(f"pruning heads {list(heads)} of layer {name!r} leaves K/V groups of unequal sizes "
                          f"{sizes} (K/V head -> query heads kept); query head i must read K/V head i // G with one G "
                          "per layer, so remove the same number of query heads from every group it keeps")
+    if layer.per_head_extras:
+        raise ValueError(f"layer {name!r} has per-head state {layer.per_head_extras} that pruning does not "
+                         "slice; pruning it is not supported")
     for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
         if type(getattr(layer, p)) is not nn.Linear:
             raise TypeError(f"layer {name!r}: {p} is a {type(getattr(layer, p)).__name__}, not a plain "

@@ -12,16 +12,18 @@ where True = may attend. Peers store the same numbers differently; this module m
   by dropout, the residual and a LayerNorm.
 * GPT-2 family (GPT2Attention): fused ``c_attn`` and ``c_proj`` Conv1D, stored ``[in, out]``,
   the transpose of nn.Linear.
-* Llama family (Llama, Mistral, Qwen2, ...): ``q_proj/k_proj/v_proj/o_proj`` nn.Linear,
-  our names and layout; RoPE rotate-half.
+* q_proj classes (Llama, Mistral, Qwen2, ViT, Cohere, ...): ``q_proj/k_proj/v_proj/o_proj``
+  nn.Linear, our names and layout; RoPE as each class's registry entry says.
 
 Only the attention part is converted: BertAttention's output adds dropout, the residual
 and a LayerNorm, which belong to the surrounding block (:func:`multihead.hf.patch` keeps
 them around the converted layer). Checkpoints are read with safetensors only; pickles
 (``.bin``, ``.pt``, ...) are never unpickled (:func:`load_safetensors`).
 
-transformers is never imported here at module level; the converters recognise modules by
-their attributes.
+transformers is never imported here at module level. Hugging Face modules are converted
+only when their class is in :data:`multihead.interop.hf_registry.REGISTRY` (by qualified
+class name, with a complete description of what it computes): exact or refused, never
+guessed from weight names.
 """
 
 from __future__ import annotations

@@ -5,9 +5,12 @@ Notation: none (tensors by name).
 
 from __future__ import annotations
 
+import json
 import os
+import stat
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,12 +19,17 @@ __all__ = ["load_safetensors", "load_state", "PICKLE_SUFFIXES"]
 
 #: File suffixes of pickled checkpoints, refused by :func:`load_safetensors`.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+#: The index of a sharded checkpoint folder.
+INDEX_NAME = "model.safetensors.index.json"
 
 
 def load_safetensors(path: str | os.PathLike[str], *, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """Read tensors from a ``.safetensors`` file, or from a folder's ``model.safetensors``.
 
-    A sharded folder (``model.safetensors.index.json``) is read shard by shard. Pickled
+    A sharded folder (``model.safetensors.index.json``) is read shard by shard; its
+    shards must be files directly inside the folder, each holding exactly the tensors
+    the index puts there (a tensor in two shards is refused, never overwritten). Only
+    regular files are opened (a FIFO or a device is refused before opening). Pickled
     checkpoints are refused without being opened: unpickling runs arbitrary code, so
     multihead never calls ``torch.load`` on them. Convert them once in a trusted
     environment (e.g. ``safetensors.torch.save_file``).
@@ -35,43 +43,110 @@ def load_safetensors(path: str | os.PathLike[str], *, device: str | torch.device
 
     Raises:
         ValueError: a pickle suffix (``.bin``, ``.pt``, ``.pth``, ``.pkl``, ``.ckpt``), a
-            folder with only pickled weights, another suffix, or a corrupt file (named).
+            folder with only pickled weights, another suffix, not a regular file, a
+            corrupt file, or an index that is malformed, names a shard outside the
+            folder or disagrees with its shards (the file and the key named).
         FileNotFoundError: nothing at ``path``.
     """
-    import json
-
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     path = Path(path)
     if path.suffix in PICKLE_SUFFIXES:
         raise ValueError(f"{path}: pickled checkpoints ({', '.join(PICKLE_SUFFIXES)}) are refused: unpickling "
                          "can run arbitrary code, so multihead never unpickles; convert the file to .safetensors")
     if path.is_dir():
-        index = path / "model.safetensors.index.json"
+        index = path / INDEX_NAME
         if index.is_file():
-            try:
-                shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{index}: not a safetensors index ({e})") from e
-            out: dict[str, torch.Tensor] = {}
-            for shard in shards:
-                out.update(load_safetensors(path / shard, device=device))
-            return out
+            return _load_sharded(path, index, device)
         single = path / "model.safetensors"
         if not single.is_file():
             pickles = [p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES]
             why = f" (only pickled weights {pickles}, which are refused)" if pickles else ""
             raise ValueError(f"{path}: no model.safetensors{why}")
         path = single
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such file")
+    return _load_file(path, device)
+
+
+def _load_file(path: Path, device: str | torch.device) -> dict[str, torch.Tensor]:
+    """One ``.safetensors`` file, refused before it is opened unless it is a regular file
+    (a FIFO would block the reader forever, a device could be read without end)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        mode = path.stat().st_mode  # follows symlinks: what would be opened
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such file") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be read ({e})") from e
     if path.suffix != ".safetensors":
         raise ValueError(f"{path}: expected a .safetensors file, got suffix {path.suffix!r}")
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{path}: not a regular file ({_file_kind(mode)}); refusing to open it")
     try:
         return load_file(str(path), device=str(device))
     except (SafetensorError, OSError, ValueError) as e:
         raise ValueError(f"{path}: not a readable safetensors file ({e})") from e
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "not a plain file")
+
+
+def _read_index(folder: Path, index: Path) -> dict[str, str]:
+    """``weight_map`` of a sharded checkpoint's index: ``{tensor name: shard file name}``,
+    every shard a ``.safetensors`` file directly inside ``folder``.
+
+    Raises:
+        ValueError: malformed JSON, a missing or malformed ``weight_map``, a tensor listed
+            twice, or a shard name that is absolute, has a folder part or ``..``, or leaves
+            the folder (naming the index file and the key).
+    """
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in seen:
+                raise ValueError(f"{index}: key {key!r} is listed twice")
+            seen[key] = value
+        return seen
+
+    if not stat.S_ISREG(index.stat().st_mode):
+        raise ValueError(f"{index}: not a regular file; refusing to open it")
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"), object_pairs_hook=no_duplicates)
+    except (OSError, UnicodeDecodeError, RecursionError, json.JSONDecodeError) as e:
+        raise ValueError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index}: 'weight_map' must be a non-empty object {{tensor name: shard file}}, "
+                         f"got {type(weight_map).__name__}")
+    root = folder.resolve()
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard.endswith(".safetensors"):
+            raise ValueError(f"{index}: weight_map[{name!r}] must be a .safetensors file name, got {shard!r}")
+        if Path(shard).name != shard or shard in (".", "..") or (root / shard).resolve().parent != root:
+            raise ValueError(f"{index}: weight_map[{name!r}] = {shard!r} is not a file inside {folder} "
+                             "(shard names may not be absolute, have folder parts or '..', or link outside)")
+    return weight_map
+
+
+def _load_sharded(folder: Path, index: Path, device: str | torch.device) -> dict[str, torch.Tensor]:
+    """Every shard the index names, each holding exactly the tensors the index puts in it."""
+    weight_map = _read_index(folder, index)
+    out: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        tensors = _load_file(folder / shard, device)
+        listed = {name for name, where in weight_map.items() if where == shard}
+        stray = sorted(set(tensors) - listed)
+        if stray:
+            other = weight_map.get(stray[0])
+            where = f"the index puts it in {other!r}" if other else "the index does not list it"
+            raise ValueError(f"{folder / shard}: holds tensor {stray[0]!r} but {where} ({index})")
+        absent = sorted(listed - set(tensors))
+        if absent:
+            raise ValueError(f"{folder / shard}: lacks tensor {absent[0]!r}, which {index} puts there")
+        out.update(tensors)
+    return out
 
 
 def load_state(

@@ -63,17 +63,15 @@ def attention_forward(
         scaling: logit scale; default 1/√D.
         dropout: attention-probability dropout (HF passes 0 in eval).
         **kwargs: ``is_causal`` (else ``module.is_causal``), ``sliding_window``,
-            ``output_attentions`` (then weights are returned); ``softcap`` and
-            ``position_bias`` are refused.
+            ``output_attentions`` (then weights are returned), ``softcap`` (Gemma 2/3),
+            ``s_aux`` (gpt-oss's sinks, (H,)); ``position_bias`` is refused.
 
     Returns:
         (attn_output (B, S, H, D), weights (B, H, S, Sk) or None), as HF expects.
 
     Raises:
-        ValueError: soft-capping, a position bias, or an additive mask with real bias values.
+        ValueError: a position bias, or an additive mask with real bias values.
     """
-    if kwargs.get("softcap") is not None:
-        raise ValueError("softcap (logit soft-capping) is not supported by the multihead kernel")
     if kwargs.get("position_bias") is not None:
         raise ValueError("position_bias (additive attention bias, T5 style) is not supported by the multihead kernel")
     sq, sk = query.shape[2], key.shape[2]
@@ -88,7 +86,8 @@ def attention_forward(
         key, value = key[:, :, :sq], value[:, :, :sq]
     want_weights = bool(kwargs.get("output_attentions", False))
     result = attention(query, key, value, causal=causal, mask=mask, window=window, scale=scaling,
-                       dropout_p=dropout, return_weights=want_weights)
+                       dropout_p=dropout, return_weights=want_weights, softcap=kwargs.get("softcap"),
+                       sinks=kwargs.get("s_aux"))
     out, weights = result if isinstance(result, tuple) else (result, None)  # (B, H, S, D); a tuple iff want_weights
     return out.transpose(1, 2).contiguous(), weights  # (B, S, H, D)
 

@@ -5,9 +5,10 @@ heads, D head_dim.
 
 Two ways in, for two needs:
 
-* :func:`patch` swaps every supported attention *module* of a model (BertAttention,
-  GPT2Attention, LlamaAttention / MistralAttention / Qwen2Attention, see
-  :func:`multihead.interop.hf_family`) for a wrapper around a converted
+* :func:`patch` swaps every supported attention *module* of a model (the classes of
+  :data:`multihead.interop.hf_registry.REGISTRY`, exact or refused: a class that is not
+  listed, or carries something its description does not cover, is refused by name)
+  for a wrapper around a converted
   :class:`~multihead.MultiHeadAttention`: our projections, split, RoPE, attention, concat
   and o_proj run; the wrapper keeps the HF module's forward signature and return value
   ``(attn_output (B, S, E), None)``, so the model runs unchanged. :func:`unpatch` puts the
@@ -22,9 +23,12 @@ format, which :func:`register` asks for) or additive float (``"eager"``: 0 or
 ``finfo.min``); or None when the mask is purely causal or absent, with causality in
 ``module.is_causal``. :func:`multihead.masks.from_additive` turns float masks into ours.
 
-Limits: while patched, ``output_attentions`` yields no weights from patched modules and
-their state_dict keys differ (unpatch before saving); weights trained while patched stay
-in the wrappers (copy them back with :func:`multihead.interop.to_hf`). During generation
+Limits: while patched, ``output_attentions`` yields no weights from patched modules.
+A wrapper's ``state_dict`` is the original module's (names and layout), holding the
+wrapper's current weights, so ``save_pretrained`` writes a checkpoint the unpatched class
+loads; loading a state dict *into* a patched model is refused (unpatch first). Weights
+trained while patched stay in the wrappers until saved or copied back with
+:func:`multihead.interop.to_hf`. During generation
 HF's own cache object is kept: the wrapper then runs the layer's modules step by step
 around ``cache.update`` (see :meth:`PatchedAttention.attend`). Cross-attention modules and
 RoPE scaling other than the default are refused.
@@ -34,6 +38,9 @@ This module imports transformers lazily: ``import multihead`` never imports it.
 
 from __future__ import annotations
 
+import re
+import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -43,6 +50,7 @@ from torch import nn
 from .. import interop
 from ..functional import attention
 from ..module import MultiHeadAttention, merge_heads, split_heads
+from . import hf_registry
 from .hf_kernel import NAME, attention_forward, bool_mask, register
 
 __all__ = ["patch", "unpatch", "is_patched", "register", "attention_forward", "PatchedAttention", "NAME"]
@@ -57,6 +65,8 @@ class PatchedAttention(nn.Module):
     convention; all return ``(attn_output (B, S, E), None)``.
     """
 
+    original: Any  # the HF module (kept in __dict__, outside the module tree)
+
     def __init__(self, original: nn.Module, mh: MultiHeadAttention) -> None:
         super().__init__()
         self.mh = mh
@@ -64,6 +74,28 @@ class PatchedAttention(nn.Module):
         self.layer_idx = getattr(original, "layer_idx", getattr(getattr(original, "self", None), "layer_idx", None))
         self.is_causal = mh.causal
         self.train(original.training)
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        """The original module's state dict (its names and layout) with this wrapper's weights.
+
+        So ``save_pretrained`` on a patched model writes what the unpatched class loads.
+        """
+        if args:
+            raise TypeError("PatchedAttention.state_dict takes keyword arguments only")
+        original = self._synced_original()
+        return original.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def _synced_original(self) -> nn.Module:
+        """The original, moved to our device/dtype/mode, holding our current weights."""
+        weight = self.mh.q_proj.weight
+        original = self.original.to(device=weight.device, dtype=weight.dtype).train(self.training)
+        with torch.no_grad():
+            interop.to_hf(self.mh, original)
+        return original
+
+    def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str, *args: Any) -> None:
+        raise ValueError(f"cannot load a state dict into a patched {type(self.original).__name__} at "
+                         f"{prefix!r}: call multihead.hf.unpatch(model) first, load, then patch again")
 
     def attend(
         self,
@@ -91,9 +123,14 @@ class PatchedAttention(nn.Module):
     ) -> torch.Tensor:
         # The HF cache stores (B, Hkv, Sk, D) keys after RoPE, as our KVCache does.
         layer = self.mh
-        q = split_heads(layer.q_proj(x), layer.num_heads)  # (B, H, S, D)
-        k = split_heads(layer.k_proj(x), layer.num_kv_heads)  # (B, Hkv, S, D)
+        q, k = layer.q_proj(x), layer.k_proj(x)  # (B, S, H·D), (B, S, Hkv·D)
+        if layer.qk_norm == "proj":
+            q, k = layer.q_norm(q), layer.k_norm(k)
+        q = split_heads(q, layer.num_heads)  # (B, H, S, D)
+        k = split_heads(k, layer.num_kv_heads)  # (B, Hkv, S, D)
         v = split_heads(layer.v_proj(x), layer.num_kv_heads)  # (B, Hkv, S, D)
+        if layer.qk_norm == "head":
+            q, k = layer.q_norm(q), layer.k_norm(k)
         if layer.rope is not None:
             q, k = layer.rope(q, positions), layer.rope(k, positions)
         k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)  # (B, Hkv, Sk, D)
@@ -105,7 +142,8 @@ class PatchedAttention(nn.Module):
             # keys past S are unwritten slots, which HF's own kernels slice off too.
             k, v = k[:, :, :sq], v[:, :, :sq]
         heads = attention(q, k, v, causal=layer.causal, mask=mask, window=layer.window, scale=layer.scale,
-                          dropout_p=layer.dropout if self.training else 0.0, backend=layer.backend)
+                          dropout_p=layer.dropout if self.training else 0.0, backend=layer.backend,
+                          softcap=layer.softcap, alibi_slopes=layer.alibi_slopes, sinks=layer.sinks)
         return layer.o_proj(merge_heads(heads))  # (B, S, E)
 
 
@@ -124,18 +162,39 @@ def _positions(x: torch.Tensor, position_ids: torch.Tensor | None, cache: Any | 
 
 
 class _LlamaWrapper(PatchedAttention):
+    """Llama-style classes: ``forward(hidden_states, position_embeddings, attention_mask, cache)``.
+
+    HF's cos/sin are ignored: our RoPE, built from the same config, computes them from the
+    positions. A dropout after o_proj (Starcoder2's ``residual_dropout``) is applied too.
+    """
+
+    def __init__(self, original: nn.Module, mh: MultiHeadAttention) -> None:
+        super().__init__(original, mh)
+        key = hf_registry.require_spec(original).resid_dropout
+        self.resid_dropout = float(getattr(original, key)) if key else 0.0
+
     def forward(self, hidden_states: torch.Tensor, position_embeddings: Any = None,
                 attention_mask: torch.Tensor | None = None, cache: Any | None = None,
                 **kwargs: Any) -> tuple[torch.Tensor, None]:
         cache = _hf_cache(cache, kwargs)
         positions = _positions(hidden_states, kwargs.get("position_ids"), cache, self.layer_idx)
-        return self.attend(hidden_states, attention_mask, positions, cache, kwargs), None
+        y = self.attend(hidden_states, attention_mask, positions, cache, kwargs)
+        return F.dropout(y, self.resid_dropout, self.training), None
+
+
+class _ViTWrapper(PatchedAttention):
+    """ViT-style classes: ``forward(hidden_states, attention_mask=None, **kwargs)``, no positions."""
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                **kwargs: Any) -> tuple[torch.Tensor, None]:
+        return self.attend(hidden_states, attention_mask, None, None, kwargs), None
 
 
 class _GPT2Wrapper(PatchedAttention):
     def __init__(self, original: nn.Module, mh: MultiHeadAttention) -> None:
         super().__init__(original, mh)
-        self.resid_dropout = float(original.resid_dropout.p)
+        hf: Any = original  # transformers' module: its attributes are not typed here
+        self.resid_dropout = float(hf.resid_dropout.p)
 
     def forward(self, hidden_states: torch.Tensor, cache: Any | None = None,
                 attention_mask: torch.Tensor | None = None, encoder_hidden_states: torch.Tensor | None = None,
@@ -154,8 +213,9 @@ class _BertWrapper(PatchedAttention):
 
     def __init__(self, original: nn.Module, mh: MultiHeadAttention) -> None:
         super().__init__(original, mh)
-        self.LayerNorm = original.output.LayerNorm  # shared, not copied: not part of attention
-        self.hidden_dropout = float(original.output.dropout.p)
+        hf: Any = original  # transformers' module: its attributes are not typed here
+        self.LayerNorm = hf.output.LayerNorm  # shared, not copied: not part of attention
+        self.hidden_dropout = float(hf.output.dropout.p)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 encoder_hidden_states: torch.Tensor | None = None,
@@ -172,11 +232,18 @@ class _BertWrapper(PatchedAttention):
         return self.LayerNorm(y + hidden_states), None
 
 
-_WRAPPERS = {"bert": _BertWrapper, "gpt2": _GPT2Wrapper, "llama": _LlamaWrapper}
+_WRAPPERS = {"bert": _BertWrapper, "gpt2": _GPT2Wrapper, "llama": _LlamaWrapper, "vit": _ViTWrapper}
+
+
+_ATTENTION_NAME = re.compile(r"Attention|Attn|SelfAttn", re.IGNORECASE)
 
 
 def _candidates(model: nn.Module, *, include_patched: bool = False) -> list[tuple[str, nn.Module]]:
-    """Top-most attention modules (supported or not; wrappers too if asked), in model order."""
+    """Top-most attention modules (supported or not; wrappers too if asked), in model order.
+
+    A registered class is always a candidate; any other module whose class name says
+    attention is one (to be refused by name) unless a registered class sits inside it.
+    """
     found: list[tuple[str, nn.Module]] = []
     taken: list[str] = []
     for name, module in model.named_modules():
@@ -188,23 +255,44 @@ def _candidates(model: nn.Module, *, include_patched: bool = False) -> list[tupl
                 found.append((name, module))
         elif isinstance(module, MultiHeadAttention):
             taken.append(name)  # ours already
-        elif interop.hf_family(module) is not None or (name and type(module).__name__.endswith("Attention")):
+        elif hf_registry.spec_of(module) is not None or (
+                _ATTENTION_NAME.search(type(module).__name__) and not _holds_registered(module)):
             taken.append(name)
             found.append((name, module))
     return found
 
 
+def _holds_registered(module: nn.Module) -> bool:
+    return any(hf_registry.spec_of(m) is not None or isinstance(m, PatchedAttention)
+               for _, m in module.named_modules() if m is not module)
+
+
+def _wrap(module: nn.Module, overrides: dict[str, Any]) -> PatchedAttention:
+    """The wrapper for one candidate; ValueError naming the class and the reason otherwise."""
+    spec = hf_registry.require_spec(module)
+    if spec.call is None:
+        raise ValueError(f"{spec.name} is converted with multihead.MultiHeadAttention.from_hf but not patched "
+                         "alone; patch the model that holds its parent attention module")
+    return _WRAPPERS[spec.call](module, interop.from_hf(module, **overrides))
+
+
 def patch(model: nn.Module, *, strict: bool = True, backend: str | None = None) -> nn.Module:
     """Replace every supported attention module of ``model`` by multihead's, in place.
 
+    Exact or refused: a module is patched only if its class is in
+    :data:`multihead.interop.hf_registry.REGISTRY` and its description covers it (see
+    :func:`multihead.interop.hf_registry.why_not`).
+
     Args:
         model: a transformers model (e.g. BertModel, GPT2Model, LlamaForCausalLM).
-        strict: raise on an attention module that cannot be converted; False leaves
-            such modules as they are.
+        strict: raise on an attention module that cannot be converted exactly; False leaves
+            such modules as they are, with one warning that lists them and why.
         backend: multihead backend for the converted layers (default: the library's).
 
     Returns:
-        ``model`` (patched in place; weights are copied, mode and dtype kept).
+        ``model`` (patched in place; weights are copied, mode and dtype kept). Patching a
+        model that is already patched, with nothing left to patch, changes nothing and
+        warns so.
 
     Raises:
         TypeError: ``model`` is not an nn.Module.
@@ -214,25 +302,30 @@ def patch(model: nn.Module, *, strict: bool = True, backend: str | None = None) 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     overrides = {} if backend is None else {"backend": backend}
-    plan: list[tuple[str, PatchedAttention]] = []
     candidates = _candidates(model)
     if any(name == "" for name, _ in candidates):
         raise ValueError(f"model is itself an attention module ({type(model).__name__}): patch the model that "
                          "contains it, or convert it with multihead.MultiHeadAttention.from_hf")
+    plan: list[tuple[str, PatchedAttention]] = []
+    skipped: list[str] = []
     for name, module in candidates:
-        family = interop.hf_family(module)
         try:
-            if family not in _WRAPPERS:
-                raise ValueError(f"{type(module).__name__} is not a supported attention layout")
-            wrapper = _WRAPPERS[family](module, interop.from_hf(module, **overrides))
+            plan.append((name, _wrap(module, overrides)))
         except ValueError as e:
             if strict:
                 raise ValueError(f"cannot patch {name} ({type(module).__name__}): {e}; "
                                  "pass strict=False to leave it unpatched") from e
-            continue
-        plan.append((name, wrapper))
+            skipped.append(f"{name} ({e})")
+    already = is_patched(model)
+    if not plan and not already:
+        why = f": {'; '.join(skipped[:3])}" if skipped else ""
+        raise ValueError(f"model {type(model).__name__} has no supported attention module to patch{why}")
+    if skipped:
+        warnings.warn(f"multihead.hf.patch left {len(skipped)} attention module(s) unpatched: "
+                      + "; ".join(skipped), stacklevel=2)
     if not plan:
-        raise ValueError(f"model {type(model).__name__} has no supported attention module to patch")
+        warnings.warn(f"model {type(model).__name__} is already patched; nothing left to patch, "
+                      "nothing changed", stacklevel=2)
     for name, wrapper in plan:  # only now, so that a failure above leaves the model untouched
         _set_submodule(model, name, wrapper)
     return model

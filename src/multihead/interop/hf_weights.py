@@ -2,12 +2,16 @@
 
 Notation: B batch, S tokens, E embed_dim, H query heads, Hkv key/value heads, D head_dim.
 
+Only the classes of :mod:`multihead.interop.hf_registry` are converted, each by its
+description (never guessed from weight names); config facts (RoPE base, windows) are read
+by :mod:`multihead.interop.hf_config`. The weight layouts:
+
 * BERT family (BertAttention): ``self.query/key/value``; W_o is ``output.dense``, followed
   by dropout, the residual and a LayerNorm.
 * GPT-2 family (GPT2Attention): fused ``c_attn`` and ``c_proj`` Conv1D, stored ``[in, out]``,
   the transpose of nn.Linear.
-* Llama family (Llama, Mistral, Qwen2, ...): ``q_proj/k_proj/v_proj/o_proj`` nn.Linear,
-  our names and layout; RoPE rotate-half.
+* q_proj classes (Llama, Mistral, Qwen2, ViT, Cohere, ...): ``q_proj/k_proj/v_proj/o_proj``
+  nn.Linear, our names and layout; RoPE as each class's registry entry says.
 
 transformers is never imported here at module level.
 """
@@ -24,6 +28,7 @@ from torch import nn
 from ..module import MultiHeadAttention
 from .checkpoint import load_state
 from ..rope import RoPE
+from . import hf_config, hf_registry
 
 __all__ = ["from_hf", "to_hf", "hf_family", "state_from_hf", "state_to_hf", "OVERRIDABLE", "ROPE_TABLE_POSITIONS"]
 
@@ -44,29 +49,16 @@ class _Link:
 
 
 def hf_family(module: nn.Module) -> str | None:
-    """Which supported Hugging Face layout ``module`` has, recognised by its attributes.
+    """The weight layout of ``module``'s registered class, or None if the class is not registered.
 
     Returns:
         ``"bert"`` (BertAttention: ``.self`` + ``.output.dense``), ``"bert-self"``
         (BertSelfAttention: query/key/value, no W_o), ``"gpt2"`` (``c_attn`` + ``c_proj``),
-        ``"llama"`` (q_proj/k_proj/v_proj/o_proj nn.Linear: Llama, Mistral, Qwen2, ...),
-        or None for anything else.
+        ``"q_proj"`` (q_proj/k_proj/v_proj/o_proj nn.Linear), or None. A registered class
+        may still be refused for its configuration: see :func:`hf_registry.why_not`.
     """
-    inner = getattr(module, "self", None)
-    dense = getattr(getattr(module, "output", None), "dense", None)
-    if isinstance(inner, nn.Module) and _has_linears(inner, "query", "key", "value") and isinstance(dense, nn.Linear):
-        return "bert"
-    if _has_linears(module, "query", "key", "value") and hasattr(module, "num_attention_heads"):
-        return "bert-self"
-    if hasattr(module, "c_attn") and hasattr(module, "c_proj") and hasattr(module, "head_dim"):
-        return "gpt2"
-    if _has_linears(module, "q_proj", "k_proj", "v_proj", "o_proj") and hasattr(module, "head_dim"):
-        return "llama"
-    return None
-
-
-def _has_linears(module: nn.Module, *names: str) -> bool:
-    return all(isinstance(getattr(module, n, None), nn.Linear) for n in names)
+    spec = hf_registry.spec_of(module)
+    return None if spec is None else spec.layout
 
 
 def _links(module: nn.Module, family: str) -> list[_Link]:
@@ -77,28 +69,32 @@ def _links(module: nn.Module, family: str) -> list[_Link]:
         if family == "bert":
             links += [_Link("o_proj.weight", "output.dense.weight"), _Link("o_proj.bias", "output.dense.bias")]
     elif family == "gpt2":
-        e = module.c_proj.weight.shape[1]  # Conv1D weight is [in, out]
+        c_proj: Any = module.c_proj
+        e = c_proj.weight.shape[1]  # Conv1D weight is [in, out]
         links = [_Link(f"{o}.weight", "c_attn.weight", slice(i * e, (i + 1) * e), transpose=True)
                  for i, o in enumerate(("q_proj", "k_proj", "v_proj"))]
         links += [_Link(f"{o}.bias", "c_attn.bias", slice(i * e, (i + 1) * e))
                   for i, o in enumerate(("q_proj", "k_proj", "v_proj"))]
         links += [_Link("o_proj.weight", "c_proj.weight", transpose=True), _Link("o_proj.bias", "c_proj.bias")]
+    elif family == "phi3":  # fused qkv_proj: rows [q (H·D) | k (Hkv·D) | v (Hkv·D)]
+        q_rows = module.config.num_attention_heads * module.head_dim
+        kv_rows = module.num_key_value_heads * module.head_dim
+        cuts = (slice(0, q_rows), slice(q_rows, q_rows + kv_rows), slice(q_rows + kv_rows, q_rows + 2 * kv_rows))
+        links = [_Link(f"{o}.{p}", f"qkv_proj.{p}", rows) for o, rows in zip(("q_proj", "k_proj", "v_proj"), cuts)
+                 for p in ("weight", "bias")]
+        links += [_Link(f"o_proj.{p}", f"o_proj.{p}") for p in ("weight", "bias")]
     else:
         links = [_Link(f"{n}.{p}", f"{n}.{p}") for n in ("q_proj", "k_proj", "v_proj", "o_proj")
                  for p in ("weight", "bias")]
+        links += [_Link(n, n) for n in ("q_norm.weight", "k_norm.weight", "sinks")]  # where the class has them
     params = dict(module.named_parameters())
     return [link for link in links if params.get(link.theirs) is not None]
 
 
-def _family_or_raise(module: nn.Module) -> str:
+def _family_or_raise(module: nn.Module, config: Any | None = None) -> str:
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    family = hf_family(module)
-    if family is None:
-        raise ValueError(f"module {type(module).__name__} is not a supported Hugging Face attention layout "
-                         "(BertAttention/BertSelfAttention, GPT2Attention, or q_proj/k_proj/v_proj/o_proj "
-                         "like LlamaAttention, MistralAttention, Qwen2Attention)")
-    return family
+    return hf_registry.require_spec(module, config).layout
 
 
 def state_from_hf(module: nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -179,13 +175,14 @@ def to_hf(layer: MultiHeadAttention, module: nn.Module) -> nn.Module:
 def from_hf(module: nn.Module, config: Any | None = None, **overrides: Any) -> MultiHeadAttention:
     """Convert a Hugging Face attention module, copying its weights.
 
-    Supported layouts (see :func:`hf_family`): BertAttention (W_o = ``output.dense``; the
-    dropout + residual + LayerNorm after it is *not* part of the result), BertSelfAttention
-    (no W_o: ``o_proj`` is the identity, without bias), GPT2Attention (fused Conv1D,
-    transposed), and the q_proj/k_proj/v_proj/o_proj family (Llama, Mistral with its
-    sliding window, Qwen2 with q/k/v bias and no o bias). Heads, KV heads (GQA), bias,
-    causal, the logit scale (``module.scaling``: GPT-2's ``scale_attn_weights=False`` and
-    ``scale_attn_by_inverse_layer_idx`` included) and RoPE (base, from the config) carry over.
+    Only the classes of :data:`multihead.interop.hf_registry.REGISTRY` are converted, each
+    by its description: BertAttention (W_o = ``output.dense``; the dropout + residual +
+    LayerNorm after it is *not* part of the result), BertSelfAttention (no W_o: ``o_proj``
+    is the identity, without bias), GPT2Attention (fused Conv1D, transposed), and the
+    q_proj/k_proj/v_proj/o_proj classes (Llama, Mistral, Qwen2, ViT without RoPE, Cohere
+    with interleaved RoPE, ...). Heads, KV heads (GQA), bias, causal (``is_causal``), the
+    logit scale (``scaling``), the window where the class has one, and RoPE (base from the
+    config via :mod:`multihead.interop.hf_config`) carry over.
 
     Args:
         module: the HF attention module (eval mode recommended; dropout carries over).
@@ -197,16 +194,19 @@ def from_hf(module: nn.Module, config: Any | None = None, **overrides: Any) -> M
 
     Raises:
         TypeError: ``module`` is not an nn.Module.
-        ValueError: an unsupported layout or feature (cross-attention, relative position
-            embeddings, q/k norms, logit soft-capping, RoPE scaling other than the default
-            or partial rotary in the Llama family), naming it.
+        ValueError: a class that is not registered, a submodule or attribute its
+            description does not cover (q/k norms, gates, sinks...), cross-attention, a
+            config value it does not cover (RoPE scaling other than the default, partial
+            rotary, OLMo's clip_qkv...), naming the class and the reason.
     """
-    family = _family_or_raise(module)
-    config = config if config is not None else getattr(module, "config", None)
+    family = _family_or_raise(module, config)
+    spec = hf_registry.require_spec(module, config)
+    config = config if config is not None else hf_registry._config_of(module)
     state = state_from_hf(module)  # our names and layout
     w = state["q_proj.weight"]  # (H·D, E)
-    read = {"bert": _bert_settings, "bert-self": _bert_settings, "gpt2": _gpt2_settings, "llama": _llama_settings}
-    settings, sizes = read[family](module, config, state)
+    read = {"bert": _bert_settings, "bert-self": _bert_settings, "gpt2": _gpt2_settings, "q_proj": _q_proj_settings,
+            "phi3": _q_proj_settings}
+    settings, sizes = read[family](module, config, state, spec)
     head_dim = sizes.pop("head_dim")
     layer = MultiHeadAttention(
         w.shape[1], w.shape[0] // head_dim, num_kv_heads=state["k_proj.weight"].shape[0] // head_dim,
@@ -218,14 +218,9 @@ def from_hf(module: nn.Module, config: Any | None = None, **overrides: Any) -> M
 
 
 # Each reader returns (settings, sizes) and may complete ``state`` (BertSelfAttention's W_o).
-def _bert_settings(module: nn.Module, config: Any, state: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+def _bert_settings(module: Any, config: Any, state: dict[str, torch.Tensor],
+                   spec: hf_registry.AttentionSpec) -> tuple[dict, dict]:
     inner = getattr(module, "self", module)  # BertAttention.self, or a BertSelfAttention itself
-    if getattr(module, "is_cross_attention", False) or "CrossAttention" in type(inner).__name__:
-        raise ValueError(f"module {type(module).__name__} is a cross-attention: not supported")
-    kind = getattr(inner, "position_embedding_type", None) or getattr(config, "position_embedding_type", None)
-    if kind not in (None, "absolute"):
-        raise ValueError(f"position_embedding_type={kind!r} (relative position scores) is not supported; "
-                         "only 'absolute'")
     w = state["q_proj.weight"]
     head_dim = w.shape[0] // inner.num_attention_heads
     sizes: dict[str, Any] = {"head_dim": head_dim}
@@ -233,63 +228,50 @@ def _bert_settings(module: nn.Module, config: Any, state: dict[str, torch.Tensor
         state["o_proj.weight"] = torch.eye(w.shape[0], dtype=w.dtype, device=w.device)
         sizes["o_bias"] = False
     settings = {"causal": bool(getattr(inner, "is_causal", False)),
-                "scale": float(getattr(inner, "scaling", head_dim ** -0.5)), "dropout": float(inner.dropout.p)}
+                "scale": float(inner.scaling), "dropout": float(inner.dropout.p)}
     return settings, sizes
 
 
-def _gpt2_settings(module: nn.Module, config: Any, state: dict[str, torch.Tensor]) -> tuple[dict, dict]:
-    if getattr(module, "is_cross_attention", False) or hasattr(module, "q_attn"):
-        raise ValueError("module is a GPT-2 cross-attention (is_cross_attention=True): not supported")
-    if hasattr(module, "scaling"):  # transformers folds scale_attn_weights and the layer-index option in
-        scale = float(module.scaling)
-    else:
-        scale = module.head_dim ** -0.5 if getattr(module, "scale_attn_weights", True) else 1.0
-        if getattr(module, "scale_attn_by_inverse_layer_idx", False):
-            scale /= float(module.layer_idx + 1)
-    settings = {"causal": bool(getattr(module, "is_causal", True)), "scale": scale,
+def _gpt2_settings(module: Any, config: Any, state: dict[str, torch.Tensor],
+                   spec: hf_registry.AttentionSpec) -> tuple[dict, dict]:
+    # transformers folds scale_attn_weights and scale_attn_by_inverse_layer_idx into .scaling
+    settings = {"causal": bool(module.is_causal), "scale": float(module.scaling),
                 "dropout": float(module.attn_dropout.p)}
     return settings, {"head_dim": int(module.head_dim)}
 
 
-def _llama_settings(module: nn.Module, config: Any, state: dict[str, torch.Tensor]) -> tuple[dict, dict]:
-    if getattr(module, "is_cross_attention", False):
-        raise ValueError(f"module {type(module).__name__} is a cross-attention: not supported")
-    for name in ("q_norm", "k_norm"):
-        if getattr(module, name, None) is not None:
-            raise ValueError(f"module has {name} (per-head q/k normalisation, Qwen3/OLMo 2 style): not supported")
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        raise ValueError("config.attn_logit_softcapping is set: logit soft-capping is not supported")
+def _q_proj_settings(module: Any, config: Any, state: dict[str, torch.Tensor],
+                     spec: hf_registry.AttentionSpec) -> tuple[dict, dict]:
+    """q/k/v/o_proj classes: every setting from the description, the module and hf_config."""
     head_dim = int(module.head_dim)
+    src = f"{spec.name} config"
+    window = {None: None, "module": getattr(module, "sliding_window", None),
+              "config": hf_config.module_window(config, src) if config is not None else None}[spec.window]
     settings: dict[str, Any] = {
-        "causal": bool(getattr(module, "is_causal", True)),
-        "scale": float(getattr(module, "scaling", head_dim ** -0.5)),
-        "dropout": float(getattr(module, "attention_dropout", 0.0) or 0.0),
-        "window": module.sliding_window if hasattr(module, "sliding_window")
-        else getattr(config, "sliding_window", None),
-        "rope": _hf_rope(config, head_dim),
+        "causal": bool(module.is_causal), "scale": float(module.scaling),
+        "dropout": float(module.attention_dropout or 0.0), "window": window, "rope": _rope(module, config, spec),
     }
-    num_heads = state["q_proj.weight"].shape[0] // head_dim
-    heads = getattr(config, "num_attention_heads", None)
-    if heads is not None and heads != num_heads:
-        raise ValueError(f"config.num_attention_heads={heads} contradicts q_proj ({num_heads} heads "
-                         f"of head_dim {head_dim})")
+    if spec.qk_norm is not None:
+        norm = module.q_norm
+        settings.update(qk_norm=spec.qk_norm, norm_offset=spec.norm_offset,
+                        norm_eps=float(getattr(norm, "variance_epsilon", getattr(norm, "eps", None))))
+    if spec.softcap and module.attn_logit_softcapping is not None:
+        settings["softcap"] = float(module.attn_logit_softcapping)
+    if "sinks" in spec.params:
+        settings["sinks"] = True
     return settings, {"head_dim": head_dim}
 
 
-def _hf_rope(config: Any, head_dim: int) -> RoPE:
-    """Our RoPE for a Llama-family config: default rope type only, full rotary."""
-    if config is None:
-        raise ValueError("config is required for a Llama-family module (RoPE settings); pass config=")
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"config rope_parameters rope_type={rope_type!r} is not supported; only 'default'")
-    base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
-    if factor != 1.0:
-        raise ValueError(f"config partial_rotary_factor={factor} is not supported for this family; only 1.0")
-    positions = getattr(config, "max_position_embeddings", None) or ROPE_TABLE_POSITIONS
-    return RoPE(head_dim, float(base), max_positions=min(int(positions), ROPE_TABLE_POSITIONS))
+def _rope(module: Any, config: Any, spec: hf_registry.AttentionSpec) -> RoPE | None:
+    if spec.rope is None:
+        return None
+    src = f"{spec.name} config"
+    base, scaling, factor = hf_config.module_rope(config, getattr(module, "layer_type", None), src,
+                                                  partial=spec.partial_rotary)
+    positions = hf_config.module_max_positions(config) or ROPE_TABLE_POSITIONS
+    head_dim = int(module.head_dim)
+    return RoPE(head_dim, base, interleaved=spec.rope == "interleaved", rotary_dim=int(head_dim * factor),
+                max_positions=min(int(positions), ROPE_TABLE_POSITIONS), scaling=scaling)
 
 
 def _settings(defaults: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:

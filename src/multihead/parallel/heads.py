@@ -96,6 +96,9 @@ class HeadParallelAttention(nn.Module):
         super().__init__()
         if not isinstance(layer, MultiHeadAttention):
             raise TypeError(f"layer must be a multihead.MultiHeadAttention, got {type(layer).__name__}")
+        if layer.per_head_extras or layer.softcap is not None or layer.qk_norm is not None:
+            raise ValueError(f"shard_heads does not carry QK-norm, soft-capping or per-head state "
+                             f"{layer.per_head_extras} yet; got a layer with them")
         self.group = resolve_group(group)
         p, r = world_and_rank(self.group)
         self.world_size, self.rank = p, r

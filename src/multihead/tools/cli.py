@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 # The seed's worked example (section 7).
-from .explain import SEED_EMBED_DIM, SEED_NUM_HEADS, SEED_SEQ_LEN, explain_seed  # noqa: F401  (public names)
+from .explain import SEED_EMBED_DIM, SEED_NUM_HEADS, SEED_SEQ_LEN, explain_seed, max_seq_len  # noqa: F401
 
 
 def _emit(args: argparse.Namespace, payload: dict[str, Any], text: str) -> None:
@@ -45,7 +45,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _explain_config(args: argparse.Namespace) -> int:
-    from .explain import explain_config
+    from .explain import explain_config, format_layer_kinds
 
     info = explain_config(args.config, args.seq)
     c = info["config"]
@@ -58,6 +58,9 @@ def _explain_config(args: argparse.Namespace) -> int:
         info["table_text"],
         "",
         f"parameters per layer: {info['parameters_per_layer']:,}",
+        "",
+        "layer kinds (the table above is layer 0's):",
+        format_layer_kinds(info["layer_kinds"]),
     ])
     _emit(args, {k: v for k, v in info.items() if k != "table_text"}, text)
     return 0
@@ -67,7 +70,7 @@ def cmd_cost(args: argparse.Namespace) -> int:
     from .cost import cost
 
     result = cost(args.config, args.seq, batch=args.batch, dtype=args.dtype)
-    _emit(args, result.to_dict(), result.format())
+    _emit(args, result.to_dict(), result.format(per_layer=args.per_layer))
     return 0
 
 
@@ -130,7 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("explain", help="the seed's section-7 table, observed while running a layer")
     p.add_argument("config", nargs="?", default=None, metavar="CONFIG|DIR",
                    help="a config.json or checkpoint folder (default: the seed's example)")
-    p.add_argument("--seq", type=int, default=SEED_SEQ_LEN, help="tokens S (default %(default)s)")
+    p.add_argument("--seq", type=int, default=SEED_SEQ_LEN,
+                   help=f"tokens S (default %(default)s; at most {max_seq_len(None)} for the seed's example, "
+                        f"{max_seq_len('config')} for a config)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_explain)
 
@@ -139,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=SEED_SEQ_LEN, help="tokens S (default %(default)s)")
     p.add_argument("--batch", type=int, default=1, help="sequences B (default %(default)s)")
     p.add_argument("--dtype", default="float32", help="K/V element type (default %(default)s)")
+    p.add_argument("--per-layer", action="store_true", help="a row per layer (heads, window, FLOPs, cache)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_cost)
 
@@ -169,17 +175,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``multihead`` command."""
+    """Entry point of the ``multihead`` command.
+
+    A refused argument, config, checkpoint or text exits with status 2 and one line on
+    stderr (``multihead: error: ...``), before any work where the check allows.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     for flag in ("seq", "batch"):
         if getattr(args, flag, 1) < 1:
-            parser.error(f"--{flag} must be a positive integer, got {getattr(args, flag)}")
+            _refuse(parser, f"--{flag} must be a positive integer, got {getattr(args, flag)}")
+    if args.command == "explain" and args.seq > max_seq_len(args.config):  # before any work
+        what = "a config is explained (shapes only)" if args.config else "the seed's example runs (for real)"
+        _refuse(parser, f"--seq must be at most {max_seq_len(args.config)} when {what}, got {args.seq}")
     try:
         return int(args.func(args))
     except (ValueError, TypeError, FileNotFoundError) as e:  # bad configs, checkpoints, texts
-        parser.error(str(e))
-        return 2  # pragma: no cover (parser.error exits)
+        _refuse(parser, str(e))
+        return 2  # pragma: no cover (_refuse exits)
+
+
+def _refuse(parser: argparse.ArgumentParser, message: str) -> None:
+    """Exit with status 2 and the message on one line of stderr (no usage, no traceback)."""
+    parser.exit(2, f"{parser.prog}: error: {' '.join(message.split())}\n")
 
 
 if __name__ == "__main__":  # pragma: no cover

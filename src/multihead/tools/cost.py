@@ -3,7 +3,8 @@
 Notation: B batch, S tokens, E embed_dim, H query heads, Hkv key/value heads, D head_dim,
 L layers, W sliding window, K = min(S, W) keys per query (K = S without a window).
 
-Counting rules, per layer, summed over the L layers (per-layer H honoured):
+Counting rules, per layer, summed over the L layers (each layer's own H, Hkv, D and window,
+from ``config.layer(i)``: Gemma's sliding and full layers, OpenELM's per-layer heads):
 
     params        q: E·H·D (+H·D bias)   k, v: E·Hkv·D (+Hkv·D bias) each   o: H·D·E (+E bias)
     FLOPs proj    2·B·S·(E·H·D + 2·E·Hkv·D + H·D·E)        a multiply-add is 2 FLOPs
@@ -19,13 +20,24 @@ whose triangle is again counted as half. Biases, softmax, scaling, masking and R
 lower-order terms and not counted. GQA does not change the attention FLOPs (every query
 head still scores every key), only the K/V projections and the cache. The cache is
 counted for all S tokens; a rolling buffer for a sliding window would hold K of them.
+
+Multi-head latent attention (DeepSeek, ``config.latent``; Dq = qk_nope + qk_rope head dims,
+Dv = v_head_dim, r = kv_lora_rank, rq = q_lora_rank, Dr = qk_rope_head_dim):
+
+    params        q: E·rq + rq·H·Dq (or E·H·Dq)   kv_a: E·(r + Dr)   kv_b: r·H·(Dq - Dr + Dv)   o: H·Dv·E
+    FLOPs attn    2·B·H·(Dq + Dv)·P
+    KV cache      (r + Dr)·itemsize bytes per token per layer (the latent and the rotary key);
+                  "MHA" is the decompressed cache H·(Dq + Dv)·itemsize
+
+Layers whose width changes by stage (Swin) have stage-dependent token counts, so their
+FLOPs are not a function of one ``seq_len``: :func:`cost` refuses them.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -63,6 +75,7 @@ class Cost:
     flops_attention: int
     kv_cache_bytes_per_token: int
     mha_kv_cache_bytes_per_token: int
+    layers: tuple[LayerCost, ...] = ()
 
     @property
     def flops_total(self) -> int:
@@ -89,10 +102,11 @@ class Cost:
         names = ("seq_len", "batch", "dtype", "bytes_per_element", "params_per_layer", "params_total",
                  "flops_projections", "flops_attention", "flops_total", "kv_cache_bytes_per_token",
                  "kv_cache_bytes", "mha_kv_cache_bytes_per_token", "mha_kv_cache_bytes", "gqa_saving")
-        return {"config": self.config.to_dict(), **{n: getattr(self, n) for n in names}}
+        return {"config": self.config.to_dict(), **{n: getattr(self, n) for n in names},
+                "layers": [asdict(lc) for lc in self.layers]}
 
-    def format(self) -> str:
-        """A human-readable table (returned, never printed)."""
+    def format(self, per_layer: bool = False) -> str:
+        """A human-readable table (returned, never printed); ``per_layer`` adds one row per layer."""
         c = self.config
         heads = f"H={c.num_heads}" if c.layer_num_heads is None else f"H={list(c.layer_num_heads)}"
         mask = "causal" if c.causal else "bidirectional"
@@ -118,7 +132,30 @@ class Cost:
             "",
         ]
         body = [f"{name:<{width}}  {value:>{value_width}}  {note}".rstrip() for name, value, note in rows]
+        if per_layer:
+            body += ["", f"{'layer':>5}  {'kind':<28} {'H':>4} {'Hkv':>4} {'D':>4} {'window':>7} {'params':>14} "
+                     f"{'FLOPs attention':>18} {'KV B/token':>11}"]
+            body += [f"{lc.index:>5}  {lc.kind:<28} {lc.num_heads:>4} {lc.num_kv_heads:>4} {lc.head_dim:>4} "
+                     f"{lc.window if lc.window is not None else '-':>7} {lc.params:>14,} {lc.flops_attention:>18,} "
+                     f"{lc.kv_cache_bytes_per_token:>11,}" for lc in self.layers]
         return "\n".join(head + body)
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer's share of a :class:`Cost`."""
+
+    index: int
+    kind: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    window: int | None
+    params: int
+    flops_projections: int
+    flops_attention: int
+    kv_cache_bytes_per_token: int
+    mha_kv_cache_bytes_per_token: int
 
 
 def cost(
@@ -155,31 +192,57 @@ def cost(
     check_int("batch", batch, maximum=MAX_TOKENS)
     dtype_name, itemsize = _dtype_bytes(dtype)
 
-    e, d, s, b = config.embed_dim, config.head_dim, seq_len, batch
-    k = s if config.window is None else min(s, config.window)
-    params_total = flops_proj = flops_attn = kv_token = mha_token = 0
-    for layer in range(config.num_layers):
-        h, hkv = config.heads_in_layer(layer)
-        params_total += _layer_params(config, h, hkv)
-        flops_proj += 2 * b * s * (e * h * d + 2 * e * hkv * d + h * d * e)
-        # 4·B·H·D·P with P = S·K (− K²/2 when causal); 2·B·H·D·K² keeps it an integer.
-        flops_attn += 4 * b * h * d * s * k - (2 * b * h * d * k * k if config.causal else 0)
-        kv_token += 2 * hkv * d * itemsize
-        mha_token += 2 * h * d * itemsize
+    widths = {config.layer(i).embed_dim for i in range(config.num_layers)} - {None, config.embed_dim}
+    if widths:
+        raise ValueError(f"config has layers of other widths {sorted(widths)} than embed_dim={config.embed_dim} "
+                         "(stages, as in Swin): their token counts differ by stage, so a cost for one seq_len "
+                         "would be wrong; read config.layers instead")
+    layers = tuple(_layer_cost(config, i, seq_len, batch, itemsize) for i in range(config.num_layers))
     return Cost(
         config=config, seq_len=seq_len, batch=batch, dtype=dtype_name, bytes_per_element=itemsize,
-        params_per_layer=_layer_params(config, config.num_heads, config.num_kv_heads),
-        params_total=params_total, flops_projections=flops_proj, flops_attention=flops_attn,
-        kv_cache_bytes_per_token=kv_token, mha_kv_cache_bytes_per_token=mha_token,
+        params_per_layer=_layer_params(config, config.num_heads, config.num_kv_heads, config.head_dim),
+        params_total=sum(lc.params for lc in layers), flops_projections=sum(lc.flops_projections for lc in layers),
+        flops_attention=sum(lc.flops_attention for lc in layers),
+        kv_cache_bytes_per_token=sum(lc.kv_cache_bytes_per_token for lc in layers),
+        mha_kv_cache_bytes_per_token=sum(lc.mha_kv_cache_bytes_per_token for lc in layers), layers=layers,
     )
 
 
-def _layer_params(config: AttentionConfig, h: int, hkv: int) -> int:
-    """Weights and biases of q_proj, k_proj, v_proj and o_proj for H = h, Hkv = hkv."""
-    e, d = config.embed_dim, config.head_dim
+def _layer_cost(config: AttentionConfig, index: int, s: int, b: int, itemsize: int) -> LayerCost:
+    lay = config.layer(index)
+    h, hkv, d = lay.num_heads, lay.num_kv_heads, lay.head_dim
+    k = s if lay.window is None else min(s, lay.window)
+    pairs2 = 2 * s * k - (k * k if config.causal else 0)  # 2·P with P = S·K (− K²/2 when causal): an integer
+    if config.latent:
+        dv, dr, r = config.v_head_dim, config.qk_rope_head_dim, config.kv_lora_rank
+        params = _latent_params(config, h)
+        flops_attn = b * h * (d + dv) * pairs2  # 2·B·H·(Dq + Dv)·P
+        kv, mha = (r + dr) * itemsize, h * (d + dv) * itemsize
+    else:
+        params = _layer_params(config, h, hkv, d)
+        flops_attn = 2 * b * h * d * pairs2  # 4·B·H·D·P
+        kv, mha = 2 * hkv * d * itemsize, 2 * h * d * itemsize
+    e = config.embed_dim
+    weights = _latent_params(config, h, biases=False) if config.latent else e * h * d + 2 * e * hkv * d + h * d * e
+    return LayerCost(index, lay.kind, h, hkv, d, lay.window, params, 2 * b * s * weights, flops_attn, kv, mha)
+
+
+def _layer_params(config: AttentionConfig, h: int, hkv: int, d: int) -> int:
+    """Weights and biases of q_proj, k_proj, v_proj and o_proj for H = h, Hkv = hkv, D = d."""
+    e = config.embed_dim
     weights = e * h * d + 2 * e * hkv * d + h * d * e
     biases = ((h + 2 * hkv) * d if config.bias else 0) + (e if config.effective_o_bias else 0)
     return weights + biases
+
+
+def _latent_params(config: AttentionConfig, h: int, *, biases: bool = True) -> int:
+    """Weights (and biases) of latent attention's projections (see the module docstring)."""
+    e, dq, dv = config.embed_dim, config.head_dim, config.v_head_dim
+    r, dr, rq = config.kv_lora_rank, config.qk_rope_head_dim, config.q_lora_rank
+    q = e * h * dq if rq is None else e * rq + rq * h * dq
+    weights = q + e * (r + dr) + r * h * (dq - dr + dv) + h * dv * e
+    extra = ((h * dq if rq is None else rq) + r + dr) if config.bias else 0
+    return weights + (extra if biases else 0)
 
 
 def _dtype_bytes(dtype: object) -> tuple[str, int]:

@@ -13,20 +13,42 @@ import torch
 from ..module import MultiHeadAttention
 from .trace import trace
 
-__all__ = ["explain_seed", "explain_config", "SEED_EMBED_DIM", "SEED_NUM_HEADS", "SEED_SEQ_LEN"]
+__all__ = ["explain_seed", "explain_config", "max_seq_len", "SEED_EMBED_DIM", "SEED_NUM_HEADS", "SEED_SEQ_LEN",
+           "SEED_MAX_SEQ_LEN", "MAX_SEQ_LEN"]
 
 SEED_EMBED_DIM = 768
 SEED_NUM_HEADS = 12
 SEED_SEQ_LEN = 1024
+#: The most tokens the seed's example runs with. It computes for real, with the float64
+#: reference beside it, in O(S²) memory: 4096 tokens take about 3 GB and under a minute.
+SEED_MAX_SEQ_LEN = 4096
+#: The most tokens a config is explained at (meta tensors: shapes only, nothing computed).
+MAX_SEQ_LEN = 1 << 20
+
+
+def max_seq_len(config: object | None) -> int:
+    """The bound on ``seq_len``: :data:`SEED_MAX_SEQ_LEN` for the seed's example (``config``
+    None), :data:`MAX_SEQ_LEN` for a config. The one place the command's ``--seq`` is bounded."""
+    return SEED_MAX_SEQ_LEN if config is None else MAX_SEQ_LEN
 
 
 def explain_seed(seq_len: int = SEED_SEQ_LEN, seed: int = 0) -> dict[str, Any]:
     """Run the seed's example layer, trace it, and check it against the float64 reference.
 
+    Args:
+        seq_len: S, 1 to :data:`SEED_MAX_SEQ_LEN`.
+        seed: of the random weights and input.
+
     Returns:
         a dict with the trace rows, the parameter count and the reference check.
+
+    Raises:
+        TypeError, ValueError: ``seq_len`` not an int in range (before any work).
     """
     from .. import reference
+    from .._checks import check_int
+
+    check_int("seq_len", seq_len, maximum=max_seq_len(None))
     from ..rope import RoPE
 
     d, h = SEED_EMBED_DIM, SEED_NUM_HEADS
@@ -66,7 +88,7 @@ def explain_config(config: Any, seq_len: int = 1024, *, batch: int = 1) -> dict[
     Args:
         config: an :class:`~multihead.AttentionConfig` or what ``AttentionConfig.from_hf``
             reads (a config.json path, a checkpoint folder, a dict).
-        seq_len: S.
+        seq_len: S, 1 to :data:`MAX_SEQ_LEN`.
         batch: B.
 
     Returns:
@@ -80,10 +102,10 @@ def explain_config(config: Any, seq_len: int = 1024, *, batch: int = 1) -> dict[
     from .._checks import check_int
     from ..config import AttentionConfig
 
+    check_int("seq_len", seq_len, maximum=max_seq_len(config))  # before the config is read
+    check_int("batch", batch)
     if not isinstance(config, AttentionConfig):
         config = AttentionConfig.from_hf(config)
-    check_int("seq_len", seq_len)
-    check_int("batch", batch)
     # Meta tensors have shapes and no data: nothing is allocated or computed.
     dtype = torch.float32
     layer = MultiHeadAttention.from_config(config, device="meta", dtype=dtype)
@@ -95,4 +117,30 @@ def explain_config(config: Any, seq_len: int = 1024, *, batch: int = 1) -> dict[
         "head_dim": config.head_dim, "seq_len": seq_len, "batch": batch,
         "parameters_per_layer": sum(p.numel() for p in layer.parameters()),
         "table": tr.to_dict(), "table_text": tr.format(),
+        "layer_kinds": layer_kinds(config),
     }
+
+
+def layer_kinds(config: Any) -> list[dict[str, Any]]:
+    """Each distinct kind of attention layer in ``config`` and the layers that have it (JSON-ready)."""
+    out = []
+    for lay, indices in config.layer_kinds().items():
+        scaling = lay.rope_scaling
+        out.append({"kind": lay.kind, "layers": indices, "num_heads": lay.num_heads, "num_kv_heads": lay.num_kv_heads,
+                    "head_dim": lay.head_dim, "embed_dim": lay.embed_dim or config.embed_dim, "window": lay.window,
+                    "rope_base": lay.rope_base, "rope_type": None if scaling is None else scaling.rope_type})
+    return out
+
+
+def format_layer_kinds(kinds: list[dict[str, Any]]) -> str:
+    """One line per distinct layer kind: which layers, heads, head_dim, window, RoPE."""
+    lines = []
+    for k in kinds:
+        idx = k["layers"]
+        where = f"layers {idx[0]}..{idx[-1]}" if idx == list(range(idx[0], idx[-1] + 1)) else f"layers {idx}"
+        rope = "no RoPE" if k["rope_base"] is None else f"RoPE θ={k['rope_base']:g}" + (
+            f" ({k['rope_type']})" if k["rope_type"] else "")
+        window = "full" if k["window"] is None else f"window {k['window']}"
+        lines.append(f"{len(idx):>3} × {k['kind']}: E={k['embed_dim']}, h={k['num_heads']}, h_kv={k['num_kv_heads']}, "
+                     f"d_head={k['head_dim']}, {window}, {rope} — {where}")
+    return "\n".join(lines)

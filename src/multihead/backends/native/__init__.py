@@ -12,7 +12,10 @@ compiled on first use by :mod:`._build` and called through the signature table o
 Without a C++ compiler (``$CXX``, ``g++`` or ``c++``), or with ``MULTIHEAD_NATIVE=0``,
 :func:`available` is False and the ``"auto"`` backend uses its torch paths; the reason
 is in :func:`status`. The library is written with ``-fopenmp`` and loaded after torch,
-so its threads come from torch's own OpenMP runtime (no second thread pool).
+so its threads come from torch's own OpenMP runtime (no second thread pool). Results
+do not depend on the thread count (bitwise). Forking a process after torch has used its
+OpenMP threads can hang the child in any torch operation (ours or not): call
+``torch.set_num_threads(1)`` in the child first, or use the ``spawn`` start method.
 """
 
 from __future__ import annotations
@@ -146,8 +149,9 @@ def decode_f32(
     """As :func:`attention_f32`, for few query rows per K/V head (G·Sq, e.g. decoding).
 
     K and V are streamed once, in place (no packing); work items are (batch, K/V head,
-    key split), the keys being split (and the parts merged by their log-sum-exp, as in
-    flash-decoding) only when there are fewer K/V heads than threads.
+    key split): long key ranges are split into parts of at least 512 keys, merged by
+    their log-sum-exp (as in flash-decoding). The parts depend on the problem alone,
+    never on the thread count, so results are bitwise the same with any number of threads.
     """
     return _run("mh_decode_f32", q, k, v, scale, causal, window, mask, return_lse)
 

@@ -93,6 +93,16 @@ void merge_splits(const Problem& P, const float* part, int64_t splits, int64_t b
     }
 }
 
+// Key splits of each (b, K/V head): enough items (SPLIT_ITEMS) to feed the threads of a large
+// machine, each split keeping at least 512 keys. The splits fix the summation order, so they
+// depend on the problem only, never on the thread count: results are bitwise the same with
+// any number of threads (as the prefill kernel's).
+constexpr int64_t SPLIT_ITEMS = 64;
+inline int64_t key_splits(int64_t heads, int64_t keys) {
+    return std::clamp<int64_t>(std::min<int64_t>((SPLIT_ITEMS + heads - 1) / std::max<int64_t>(heads, 1), keys / 512),
+                               1, 64);
+}
+
 }  // namespace
 
 // As mh_attention_f32, for few query rows per K/V head (G·Sq): see decode_item.
@@ -102,9 +112,7 @@ extern "C" int mh_decode_f32(const float* q, const float* k, const float* v, flo
     const Problem P = make_problem(q, k, v, out, lse, mask, dims, strides, scale, causal, window);
     if (!valid(P)) return -2;
     const int64_t G = P.H / P.Hkv, rows = G * P.Sq, heads = P.B * P.Hkv;
-    // Enough items for every thread, each split keeping at least 512 keys.
-    const int64_t splits = std::clamp<int64_t>(std::min<int64_t>((2 * threads + heads - 1) / std::max<int64_t>(heads, 1),
-                                                                 P.Sk / 512), 1, 64);
+    const int64_t splits = key_splits(heads, P.Sk);
     const int64_t per = (P.Sk + splits - 1) / splits, items = heads * splits;
     float* part = nullptr;
     if (splits > 1 && !(part = alloc(items * rows * (P.Dv + 2)))) return -1;
@@ -239,8 +247,7 @@ extern "C" int mh_decode_step_f32(
     int64_t longest = 0;
     for (int64_t b = 0; b < B; ++b) longest = std::max(longest, lengths[b] + 1);
     const int64_t heads_b = B * Hkv;
-    const int64_t splits = std::clamp<int64_t>(
-        std::min<int64_t>((2 * threads + heads_b - 1) / heads_b, longest / 512), 1, 64);
+    const int64_t splits = key_splits(heads_b, longest);
     const int64_t per = (longest + splits - 1) / splits, items = heads_b * splits, rows = G;
     float* part = splits > 1 ? alloc(items * rows * (D + 2)) : nullptr;
     if (!qkv || !heads || (splits > 1 && !part)) {

@@ -1,0 +1,253 @@
+"""Which Hugging Face attention classes multihead converts, each described in full.
+
+Notation: E embed_dim, H query heads, Hkv key/value heads, D head_dim.
+
+Exact or refused: a module is converted (and patched) only when its class is listed
+here **and** it has no submodule and no attribute that its description does not account
+for. Nothing is inferred from weight names: a class that looks like Llama (``q_proj`` ...
+``o_proj``) but is not listed is refused by name, since it may add RoPE where there is
+none (ViT), pair RoPE differently (Cohere), normalise q/k, gate, clip, soft-cap, add
+sinks or relative positions.
+
+Each :class:`AttentionSpec` states, for one class (by its qualified name, so transformers
+is never imported here):
+
+* ``layout``: where the weights are (``"q_proj"``: q/k/v/o_proj nn.Linear, our layout;
+  ``"bert"``: ``self.query/key/value`` + ``output.dense``; ``"bert-self"``: query/key/value
+  without W_o; ``"gpt2"``: fused transposed Conv1D ``c_attn`` + ``c_proj``; ``"phi3"``: fused
+  ``qkv_proj`` rows [q | k | v] + ``o_proj``). ``partial_rotary``: the class rotates the first
+  ``int(D · partial_rotary_factor)`` dims (Phi-3).
+* ``call``: the forward signature the patch wrapper imitates (``"llama"``, ``"vit"``,
+  ``"bert"``, ``"gpt2"``; ``None``: converted by ``from_hf`` but never patched alone).
+* ``parts``: every submodule path and its class name, exactly; ``attrs``: the plain
+  attributes the class may set (a new attribute in a later transformers means new
+  behaviour, so it is refused until someone reads the code).
+* ``rope``: ``None`` (no position encoding inside attention), ``"half"`` (rotate-half,
+  HF Llama) or ``"interleaved"`` (pairs (2p, 2p+1), Cohere); base and scaling are read by
+  :mod:`multihead.interop.hf_config` (only ``rope_type="default"``, full rotary).
+* ``window``: ``None`` (never a window), ``"module"`` (``module.sliding_window``, per layer)
+  or ``"config"`` (``config.sliding_window``, what the class's forward passes to HF's kernel).
+* ``config_must``: config keys whose other values change the computation, with the value
+  this description covers (e.g. OLMo's ``clip_qkv`` must be None).
+* ``resid_dropout``: a config key of a dropout the module applies after o_proj (Starcoder2).
+* ``qk_norm``: ``"head"`` (RMSNorm ``q_norm``/``k_norm`` over D, Qwen3, Gemma 3) or
+  ``"proj"`` (over the whole projection, OLMo 2); ``norm_offset``: the weight is stored as
+  ``w - 1`` (Gemma). ``softcap``: the module's ``attn_logit_softcapping`` is applied
+  (Gemma 2/3). ``params``: the module's own parameters besides its submodules' (gpt-oss's
+  ``sinks``); any other is refused. RoPE scaling (``rope_type`` linear, dynamic, llama3,
+  yarn, longrope) is read from the config for every RoPE class.
+* ``model_types``: the config model types the class is verified with (the zoo test
+  compares each); the class with any other config class is refused, since another config
+  may name its RoPE or window keys differently.
+
+Causality comes from the module's ``is_causal``, the scale from its ``scaling``, biases
+and head counts from the weights, for every entry.
+
+Adding a family: check the class's ``__init__`` and ``forward`` line by line, add one
+entry below (or to ``_Q_PROJ`` / ``_BERT``), add its model type to the zoo test's tiny
+configs (``tests/interop/test_zoo.py``) and regenerate the README table with
+``python -m multihead.interop.hf_registry``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from . import hf_config  # the one reader of config facts
+
+__all__ = ["AttentionSpec", "REGISTRY", "spec_of", "require_spec", "why_not", "qualified_name", "markdown_table"]
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """The complete semantics of one Hugging Face attention class (see the module docstring)."""
+
+    cls: str
+    model_types: tuple[str, ...]
+    layout: str
+    call: str | None
+    parts: Mapping[str, str]
+    attrs: Mapping[str, frozenset[str]]
+    rope: str | None = None
+    window: str | None = None
+    config_must: Mapping[str, Any] = field(default_factory=dict)
+    resid_dropout: str | None = None
+    qk_norm: str | None = None
+    norm_offset: bool = False
+    partial_rotary: bool = False
+    softcap: bool = False
+    params: frozenset[str] = frozenset()
+
+    @property
+    def name(self) -> str:
+        """The class name without its module."""
+        return self.cls.rpartition(".")[2]
+
+
+_LINEARS = {n: "Linear" for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+_LLAMA_ATTRS = frozenset({"attention_dropout", "config", "head_dim", "is_causal", "layer_idx",
+                          "num_key_value_groups", "scaling"})
+
+
+def _q_proj(model_type: str, cls: str, *, also: tuple[str, ...] = (), rope: str | None = "half",
+            window: str | None = None, extra_attrs: frozenset[str] = frozenset(), call: str = "llama",
+            norm: str | None = None, module: str | None = None, **kw: Any) -> AttentionSpec:
+    module = module or model_type.replace("-", "_")
+    parts = _LINEARS if norm is None else {**_LINEARS, "q_norm": norm, "k_norm": norm}
+    return AttentionSpec(f"transformers.models.{module}.modeling_{module}.{cls}", (model_type, *also), "q_proj", call,
+                         parts, {"": _LLAMA_ATTRS | extra_attrs}, rope=rope, window=window, **kw)
+
+
+_LAYER_TYPED = frozenset({"layer_type", "sliding_window"})
+
+
+def _bert(model_type: str, prefix: str, also: tuple[str, ...] = ()) -> list[AttentionSpec]:
+    module = model_type.replace("-", "_")
+    path = f"transformers.models.{module}.modeling_{module}."
+    self_parts = {"query": "Linear", "key": "Linear", "value": "Linear", "dropout": "Dropout"}
+    self_attrs = frozenset({"all_head_size", "attention_head_size", "config", "is_causal", "is_decoder",
+                            "layer_idx", "num_attention_heads", "scaling"})
+    parts = {"self": f"{prefix}SelfAttention", **{f"self.{k}": v for k, v in self_parts.items()},
+             "output": f"{prefix}SelfOutput", "output.dense": "Linear", "output.LayerNorm": "LayerNorm",
+             "output.dropout": "Dropout"}
+    return [
+        AttentionSpec(path + f"{prefix}Attention", (model_type, *also), "bert", "bert", parts,
+                      {"": frozenset({"is_cross_attention"}), "self": self_attrs, "output": frozenset()}),
+        AttentionSpec(path + f"{prefix}SelfAttention", (model_type, *also), "bert-self", None, self_parts,
+                      {"": self_attrs}),
+    ]
+
+
+_GPT2 = AttentionSpec(
+    "transformers.models.gpt2.modeling_gpt2.GPT2Attention", ("gpt2",), "gpt2", "gpt2",
+    {"c_attn": "Conv1D", "c_proj": "Conv1D", "attn_dropout": "Dropout", "resid_dropout": "Dropout"},
+    {"": frozenset({"config", "embed_dim", "head_dim", "is_causal", "is_cross_attention", "layer_idx", "num_heads",
+                    "reorder_and_upcast_attn", "scale_attn_by_inverse_layer_idx", "scale_attn_weights",
+                    "scaling", "split_size"})},
+)
+
+#: Every supported class, keyed by its qualified name.
+REGISTRY: Mapping[str, AttentionSpec] = {s.cls: s for s in [
+    _q_proj("llama", "LlamaAttention", also=("exaone", "internlm3", "iquestcoder")),  # their models are Llama
+    _q_proj("mistral", "MistralAttention", window="config"),
+    _q_proj("mixtral", "MixtralAttention", window="config"),
+    _q_proj("qwen2", "Qwen2Attention", window="module", extra_attrs=frozenset({"layer_type", "sliding_window"})),
+    _q_proj("gemma", "GemmaAttention"),
+    _q_proj("granite", "GraniteAttention"),
+    _q_proj("olmo", "OlmoAttention", config_must={"clip_qkv": None}),
+    _q_proj("starcoder2", "Starcoder2Attention", window="config", extra_attrs=frozenset({"residual_dropout"}),
+            resid_dropout="residual_dropout"),
+    _q_proj("cohere", "CohereAttention", rope="interleaved", extra_attrs=frozenset({"use_qk_norm"}),
+            config_must={"use_qk_norm": False}),
+    _q_proj("qwen3", "Qwen3Attention", window="module", extra_attrs=_LAYER_TYPED, norm="Qwen3RMSNorm",
+            qk_norm="head"),
+    _q_proj("olmo2", "Olmo2Attention", norm="Olmo2RMSNorm", qk_norm="proj"),
+    _q_proj("gemma2", "Gemma2Attention", window="module", softcap=True,
+            extra_attrs=_LAYER_TYPED | {"attn_logit_softcapping"}),
+    _q_proj("gemma3_text", "Gemma3Attention", module="gemma3", window="module", softcap=True,
+            extra_attrs=_LAYER_TYPED | {"attn_logit_softcapping", "is_sliding"}, norm="Gemma3RMSNorm",
+            qk_norm="head", norm_offset=True, config_must={"use_bidirectional_attention": False}),
+    AttentionSpec("transformers.models.phi3.modeling_phi3.Phi3Attention", ("phi3",), "phi3", "llama",
+                  {"qkv_proj": "Linear", "o_proj": "Linear"},
+                  {"": _LLAMA_ATTRS | {"num_key_value_heads"}}, rope="half", window="config", partial_rotary=True),
+    _q_proj("gpt_oss", "GptOssAttention", window="module", extra_attrs=_LAYER_TYPED, params=frozenset({"sinks"})),
+    AttentionSpec("transformers.models.vit.modeling_vit.ViTAttention", ("vit",), "q_proj", "vit", _LINEARS,
+                  {"": frozenset({"attention_dropout", "config", "head_dim", "is_causal", "num_attention_heads",
+                                  "scaling"})}),
+    _GPT2,
+    *_bert("bert", "Bert", also=("dpr",)), *_bert("roberta", "Roberta"), *_bert("xlm-roberta", "XLMRoberta"),
+    *_bert("electra", "Electra"),
+]}
+
+
+def qualified_name(module: nn.Module) -> str:
+    """``module``'s class as ``package.module.Class`` (the registry's key)."""
+    cls = type(module)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def spec_of(module: nn.Module) -> AttentionSpec | None:
+    """The registry entry of ``module``'s exact class, or None (subclasses are not entries)."""
+    return REGISTRY.get(qualified_name(module))
+
+
+def require_spec(module: nn.Module, config: Any | None = None) -> AttentionSpec:
+    """``module``'s description when it covers the module; ValueError with :func:`why_not`'s reason."""
+    reason = why_not(module, config)
+    spec = spec_of(module)
+    if reason is not None or spec is None:
+        raise ValueError(reason)
+    return spec
+
+
+def why_not(module: nn.Module, config: Any | None = None) -> str | None:
+    """Why ``module`` cannot be converted exactly, or None when its description covers it.
+
+    Checks, in order: the class is registered; its submodules are exactly the described
+    ones (paths and classes); every plain attribute is described; cross-attention is off;
+    the config keys in ``config_must`` hold the covered values.
+    """
+    spec = spec_of(module)
+    if spec is None:
+        return (f"{type(module).__name__} is not a supported attention class ({qualified_name(module)}); "
+                f"supported: {', '.join(sorted(s.name for s in REGISTRY.values()))}")
+    if getattr(module, "is_cross_attention", False):
+        return f"{spec.name} is a cross-attention (is_cross_attention=True): not supported"
+    parts = {name: type(m).__name__ for name, m in module.named_modules() if name}
+    extra = sorted(f"{n} ({c})" for n, c in parts.items() if spec.parts.get(n) != c)
+    missing = sorted(set(spec.parts) - set(parts))
+    if extra or missing:
+        return (f"{spec.name} has submodules its description does not account for: "
+                f"{', '.join(extra) or 'none'}; missing: {', '.join(missing) or 'none'}")
+    own = sorted(set(module._parameters) - spec.params)
+    if own:
+        return f"{spec.name} has parameters of its own its description does not cover: {own}"
+    for path, allowed in spec.attrs.items():
+        owner = module.get_submodule(path) if path else module
+        unknown = sorted(k for k in vars(owner) if not k.startswith("_") and k != "training" and k not in allowed)
+        if unknown:
+            return f"{spec.name}{'.' + path if path else ''} has attributes its description does not cover: {unknown}"
+    config = config if config is not None else _config_of(module)
+    model_type = hf_config.field(config, "model_type") if config is not None else None
+    if model_type not in spec.model_types:
+        # Another config class may hold other keys (RoPE, windows) under other names.
+        return (f"{spec.name} with a config of model_type={model_type!r} is not verified; "
+                f"verified: {', '.join(spec.model_types)}")
+    for key, want in spec.config_must.items():
+        got = hf_config.field(config, key) if config is not None else None
+        if got != want:
+            return f"{spec.name} with config.{key}={got!r} is not supported (only {want!r})"
+    return None
+
+
+def _config_of(module: nn.Module) -> Any | None:
+    config = getattr(module, "config", None)
+    inner = getattr(module, "self", None)
+    return config if config is not None else getattr(inner, "config", None)
+
+
+def markdown_table() -> str:
+    """The README's table of supported families, generated from :data:`REGISTRY`."""
+    rows = ["| model type | attention class | layout | position encoding | window | also |",
+            "|---|---|---|---|---|---|"]
+    for spec in sorted(REGISTRY.values(), key=lambda s: (s.model_types, s.name)):
+        if spec.call is None:
+            continue  # converted by from_hf as part of its parent's entry
+        rope = {None: "none", "half": "RoPE, rotate-half (+ scaling)",
+                "interleaved": "RoPE, interleaved (+ scaling)"}[spec.rope]
+        window = {None: "none", "module": "per layer (`module.sliding_window`)",
+                  "config": "`config.sliding_window`"}[spec.window]
+        also = [f"QK-norm ({spec.qk_norm})"] if spec.qk_norm else []
+        also += ["soft-capping"] if spec.softcap else []
+        also += ["sinks"] if "sinks" in spec.params else []
+        rows.append(f"| {', '.join(spec.model_types)} | `{spec.name}` | {spec.layout} | {rope} | {window} | "
+                    f"{', '.join(also) or '-'} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":  # pragma: no cover - prints the README table
+    print(markdown_table())  # noqa: T201

@@ -1,0 +1,63 @@
+"""What happens to the logits between ``q kᵀ · scale`` and the softmax: soft-capping, ALiBi, sinks.
+
+Notation: B batch, H query heads, Sq queries, Sk keys.
+
+In order, for row i (query) and column j (key) of head h::
+
+    s = scale · q_i · k_j
+    s = cap · tanh(s / cap)                      soft-capping (Gemma 2, flash-attn ``softcap``)
+    s = s - slope_h · |i + Sk - Sq - j|          ALiBi (BLOOM, MPT; flash-attn ``alibi_slopes``)
+    s = -inf where the mask forbids j            masking (causal, window, mask, packed sequences)
+    p = softmax over the row's keys and, with sinks, one more logit ``sink_h``
+        whose probability is dropped (gpt-oss: the sink takes mass from the keys)
+
+ALiBi's distance uses flash-attn's alignment (query i sits at ``i + Sk - Sq``, as for
+causal masks); under a causal mask ``|·|`` is ``i + Sk - Sq - j``, and BLOOM's bias
+``slope · j`` differs from it by a per-row constant, which the softmax ignores. A row
+with no visible key gives zeros, sinks or not.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._checks import check_int
+
+__all__ = ["alibi_slopes", "alibi_bias", "soft_cap", "sink_column"]
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """(H,) float32: the standard ALiBi slopes (Press et al.; BLOOM's ``build_alibi_tensor``).
+
+    For H a power of two, ``2^(-8(h+1)/H)``; otherwise the slopes of the closest smaller
+    power of two P, then every other slope of 2P for the remaining H - P heads.
+    """
+    check_int("num_heads", num_heads)
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = torch.tensor(2 ** (-(2 ** -(math.log2(closest) - 3))), dtype=torch.float32)
+    slopes = torch.pow(base, torch.arange(1, 1 + closest, dtype=torch.int32))
+    if closest != num_heads:
+        extra_base = torch.tensor(2 ** (-(2 ** -(math.log2(2 * closest) - 3))), dtype=torch.float32)
+        extra = min(closest, num_heads - closest)
+        powers = torch.arange(1, 1 + 2 * extra, 2, dtype=torch.int32)
+        slopes = torch.cat([slopes, torch.pow(extra_base, powers)], dim=0)
+    return slopes
+
+
+def alibi_bias(slopes: torch.Tensor, sq: int, sk: int, dtype: torch.dtype) -> torch.Tensor:
+    """(H, Sq, Sk) ``-slope_h · |i + Sk - Sq - j|`` in ``dtype``, on the slopes' device."""
+    rows = torch.arange(sq, device=slopes.device, dtype=dtype)[:, None] + (sk - sq)  # (Sq, 1)
+    distance = (rows - torch.arange(sk, device=slopes.device, dtype=dtype)[None, :]).abs()  # (Sq, Sk)
+    return -slopes.to(dtype)[:, None, None] * distance  # (H, Sq, Sk)
+
+
+def soft_cap(scores: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap · tanh(scores / cap)``: logits bounded in (-cap, cap), nearly unchanged when small."""
+    return torch.tanh(scores / cap) * cap
+
+
+def sink_column(sinks: torch.Tensor, batch: int, sq: int, dtype: torch.dtype) -> torch.Tensor:
+    """(B, H, Sq, 1): the sink logit of each head, one column to join every row's softmax."""
+    return sinks.to(dtype)[None, :, None, None].expand(batch, -1, sq, 1)

@@ -1,0 +1,69 @@
+"""Decoding results do not depend on the thread count: bitwise equal with 1, 2 and 3 threads.
+
+Notation: B batch, H query heads, Hkv key/value heads, Sq queries, Sk keys, D head dim.
+
+The decoding kernels split long key ranges into parts merged by their log-sum-exp
+(flash-decoding). The parts fix the summation order, so they are chosen from the problem
+alone, never from the thread count (before, 1, 2 and 3 threads split 5,000 keys of one
+K/V head into 2, 4 and 6 parts and differed by up to 2.4e-7).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import multihead as mh
+from multihead import decode, native
+
+
+def with_threads(fn: Callable[[], torch.Tensor]) -> list[torch.Tensor]:
+    """``fn()`` run with 1, 2 and 3 torch threads (the count restored after)."""
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(fn())
+        return outs
+    finally:
+        torch.set_num_threads(before)
+
+
+def assert_bitwise_equal(outs: list[torch.Tensor]) -> None:
+    for n, out in zip((2, 3), outs[1:]):
+        assert torch.equal(outs[0], out), f"{n} threads differ from 1 by {float((out - outs[0]).abs().max()):.2e}"
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("b, h, hkv, sq, sk", [(1, 8, 1, 1, 5000), (2, 4, 2, 1, 3000), (1, 4, 1, 3, 1700),
+                                               (3, 8, 8, 1, 1300)])
+def test_the_decoding_kernel_gives_the_same_bits_for_any_thread_count(b, h, hkv, sq, sk) -> None:
+    torch.manual_seed(sk)
+    q, k, v = torch.randn(b, h, sq, 64), torch.randn(b, hkv, sk, 64), torch.randn(b, hkv, sk, 64)
+    assert_bitwise_equal(with_threads(lambda: native.decode_f32(q, k, v, scale=0.125, causal=True)))
+    # auto's decoding path (few query rows per K/V head), through the public function
+    assert_bitwise_equal(with_threads(lambda: mh.attention(q, k, v, causal=True)))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_a_decoding_step_gives_the_same_bits_for_any_thread_count(kv_heads: int) -> None:
+    """The fused native step where it applies (AVX-512), else the layer's unfused path."""
+    torch.manual_seed(kv_heads)
+    layer = mh.MultiHeadAttention(256, 8, num_kv_heads=kv_heads, causal=True, bias=False,
+                                  rope=mh.RoPE(32, max_positions=4096)).eval()
+    prompt, token = torch.randn(1, 2500, 256), torch.randn(1, 1, 256)
+
+    def step() -> torch.Tensor:
+        cache = layer.new_cache(1, 2600)
+        layer(prompt, cache=cache)
+        return torch.cat([layer(token, cache=cache) for _ in range(2)], dim=1)  # (1, 2, E)
+
+    cache = layer.new_cache(1, 2600)
+    layer(prompt, cache=cache)
+    fused = decode.why_not_fused(layer, token, cache) is None
+    assert fused == (native.vector_bits() >= 512)
+    assert_bitwise_equal(with_threads(step))

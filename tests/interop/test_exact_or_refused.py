@@ -1,0 +1,166 @@
+"""Exact or refused, cause by cause (issue #16): each family the old name-based guess got
+wrong is now exact or refused by name, and none crashes with anything but a ValueError.
+
+Models are built on the ``meta`` device (no memory, no weights) from the zoo's tiny
+configs, except where numbers are compared (tiny, CPU). Runtime: about 10 s.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModel, CohereConfig, LlamaConfig, Qwen2Config
+from transformers.models.cohere.modeling_cohere import CohereAttention
+from transformers.models.llama.modeling_llama import LlamaAttention
+from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
+from transformers.models.vit.modeling_vit import ViTAttention
+
+import multihead as mh
+from multihead.interop import hf_config, hf_registry
+
+from test_zoo import compare, tiny_config  # same folder (pytest puts it on sys.path)
+
+SMALL = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+         "intermediate_size": 128, "vocab_size": 100}
+
+
+def _meta_model(model_type: str, **extra: Any) -> nn.Module:
+    with warnings.catch_warnings(), torch.device("meta"):
+        warnings.simplefilter("ignore")
+        return AutoModel.from_config(tiny_config(model_type, **extra))
+
+
+def _refused(model_type: str, **extra: Any) -> str:
+    """The ValueError message of patching ``model_type`` (any other exception fails the test)."""
+    model = _meta_model(model_type, **extra)
+    with pytest.raises(ValueError) as e:
+        mh.hf.patch(model)
+    with pytest.raises(ValueError, match="no supported attention module to patch") as lenient:
+        mh.hf.patch(model, strict=False)  # lenient, but nothing at all could be patched
+    assert type(model).__name__ in str(lenient.value)
+    return str(e.value)
+
+
+# ---- 1. RoPE where there is none ----------------------------------------------------------------
+def test_vit_is_converted_without_rope_and_exact() -> None:
+    from transformers import ViTConfig
+    assert mh.MultiHeadAttention.from_hf(ViTAttention(ViTConfig(hidden_size=64, num_attention_heads=4))).rope is None
+    assert compare("vit") == "exact"
+
+
+@pytest.mark.parametrize("model_type, cls", [("deit", "DeiTAttention"), ("dinov2", "Dinov2Attention"),
+                                             ("ijepa", "IJepaAttention"), ("nemotron_h", "NemotronHAttention")])
+def test_vit_like_classes_not_described_are_refused_by_name(model_type: str, cls: str) -> None:
+    assert f"{cls} is not a supported attention class" in _refused(model_type)
+
+
+# ---- 2. interleaved RoPE ------------------------------------------------------------------------
+def test_cohere_rope_is_interleaved_and_exact() -> None:
+    layer = mh.MultiHeadAttention.from_hf(CohereAttention(CohereConfig(**SMALL), layer_idx=0))
+    assert layer.rope.interleaved
+    assert compare("cohere") == "exact"
+
+
+def test_cohere_with_qk_norm_is_refused_naming_it() -> None:
+    module = CohereAttention(CohereConfig(use_qk_norm=True, **SMALL), layer_idx=0)
+    with pytest.raises(ValueError, match="q_norm"):
+        mh.MultiHeadAttention.from_hf(module)
+
+
+def test_cohere2_is_refused_by_name() -> None:
+    assert "Cohere2Attention" in _refused("cohere2")
+
+
+# ---- 3. RoPE parameters per layer type ----------------------------------------------------------
+def test_per_layer_type_rope_bases_are_read_per_layer() -> None:
+    cfg = {"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                               "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}}}
+    assert hf_config.module_rope_base(cfg, "sliding_attention", "c") == 10_000.0
+    assert hf_config.module_rope_base(cfg, "full_attention", "c") == 1_000_000.0
+    with pytest.raises(ValueError, match="per layer type"):
+        hf_config.module_rope_base(cfg, None, "c")
+
+
+def test_a_class_without_layer_types_given_nested_rope_parameters_is_refused() -> None:
+    config = LlamaConfig(**SMALL)
+    config.rope_parameters = {"sliding_attention": {"rope_theta": 1.0}, "full_attention": {"rope_theta": 2.0}}
+    with pytest.raises(ValueError, match="per layer type"):
+        mh.MultiHeadAttention.from_hf(LlamaAttention(config, layer_idx=0))
+
+
+def test_ultrabert_is_refused_by_name() -> None:
+    assert "UltrabertAttention" in _refused("ultrabert")
+
+
+# ---- 4. windows only where the module has one -----------------------------------------------------
+def test_qwen2_window_follows_each_layers_type() -> None:
+    config = Qwen2Config(layer_types=["full_attention", "sliding_attention"], use_sliding_window=True,
+                         sliding_window=6, **SMALL)
+    windows = [mh.MultiHeadAttention.from_hf(Qwen2Attention(config, layer_idx=i)).window for i in range(2)]
+    assert windows == [None, 6]
+    assert compare("qwen2") == "exact"
+
+
+def test_llama_ignores_a_sliding_window_its_class_never_uses() -> None:
+    config = LlamaConfig(sliding_window=3, **SMALL)
+    assert mh.MultiHeadAttention.from_hf(LlamaAttention(config, layer_idx=0)).window is None
+
+
+# ---- 5. q/k normalisation under any name -----------------------------------------------------------
+@pytest.mark.parametrize("model_type, cls", [
+    ("hunyuan_v1_dense", "HunYuanDenseV1Attention"),  # query_layernorm / key_layernorm
+    ("llama4_text", "Llama4TextAttention"),  # qk_norm, NoPE layers, chunked attention
+])  # (Qwen3 and OLMo 2's q_norm / k_norm are described in the registry since issue #15: see the zoo)
+def test_qk_norm_families_are_refused_by_name(model_type: str, cls: str) -> None:
+    extra = {"head_dim": 16} if "hunyuan" in model_type else {}
+    assert cls in _refused(model_type, **extra)
+
+
+# ---- 6-8. extra computation, relative positions, not plain softmax attention -------------------------
+@pytest.mark.parametrize("model_type, cls", [
+    ("bitnet", "BitNetAttention"), ("diffllama", "DiffLlamaAttention"), ("granite_swa", "GraniteSWAAttention"),
+    ("parakeet_encoder", "ParakeetEncoderAttention"),
+    ("roformer", "RoFormerAttention"), ("nystromformer", "NystromformerAttention"),
+    ("bridgetower", "BridgeTowerResidualAttention"),
+])
+def test_extra_computation_and_relative_positions_are_refused_by_name(model_type: str, cls: str) -> None:
+    assert cls in _refused(model_type)
+
+
+def test_olmo_clip_qkv_is_refused_naming_the_key() -> None:
+    assert "clip_qkv" in _refused("olmo", clip_qkv=8.0)
+
+
+# ---- 9. multi-axis RoPE ------------------------------------------------------------------------------
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_vl_text"])
+def test_multi_axis_rope_is_refused_by_name(model_type: str) -> None:
+    assert "is not a supported attention class" in _refused(model_type)
+
+
+# ---- the crashes of the old converter ------------------------------------------------------------------
+@pytest.mark.parametrize("model_type", [
+    "megatron-bert", "roberta-prelayernorm", "xlm-roberta-xl", "clap", "esm", "gpt_bigcode", "big_bird",
+    "longformer", "align", "altclip", "bros", "git", "layoutlm", "splinter", "canine", "mra", "yoso",
+    "markuplm", "luke",
+])
+def test_families_that_crashed_are_refused_with_a_value_error(model_type: str) -> None:
+    assert "is not a supported attention class" in _refused(model_type)
+
+
+def test_a_subclass_of_a_registered_class_is_not_accepted() -> None:
+    class Mine(LlamaAttention):
+        pass
+
+    reason = hf_registry.why_not(Mine(LlamaConfig(**SMALL), layer_idx=0))
+    assert reason is not None and "Mine is not a supported attention class" in reason
+
+
+def test_an_undescribed_attribute_is_refused() -> None:
+    module = LlamaAttention(LlamaConfig(**SMALL), layer_idx=0)
+    module.attn_temperature = 0.5  # behaviour a later transformers might add
+    with pytest.raises(ValueError, match="attn_temperature"):
+        mh.MultiHeadAttention.from_hf(module)

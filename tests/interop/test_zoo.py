@@ -1,0 +1,239 @@
+"""The zoo: every model type of the installed transformers is patched exactly or refused.
+
+Two passes, because patching decides by class (``hf_registry.REGISTRY``):
+
+* **every model type** (822 in transformers 5.24): its modeling module is imported and the
+  registered attention classes it holds are listed. A type holding none is refused by
+  construction (``patch`` only wraps registered classes); a type holding one must be in
+  ``ZOO`` below, so that it is compared. Types whose modeling module does not import are
+  counted and listed.
+* **every accepted type** (``ZOO``): built from a tiny config (E=64, H=4, Hkv=2 where the
+  class has GQA, 2 layers, windows shrunk to 6 with 9 tokens, every 2-D weight ×4 so that
+  attention is far from uniform), run on a right-padded and a left-padded batch, patched,
+  run again:
+  relative difference ≤ 1e-5 on real tokens, and the same greedy tokens for generators.
+
+``test_zoo_catches_rope_planted_in_vit`` plants the mistake this file exists to catch
+(RoPE added to ViT) and requires the comparison to report it.
+
+Runtime: about 25 s on 2 shared cores (14 s of it importing every modeling module).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import multihead as mh
+from multihead.interop import hf_registry
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoModel, AutoModelForCausalLM  # noqa: E402
+from transformers.models.auto.configuration_auto import (CONFIG_MAPPING, CONFIG_MAPPING_NAMES,  # noqa: E402
+                                                          model_type_to_module_name)
+
+B, S, VOCAB, RTOL = 2, 9, 100, 1e-5
+TINY = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+        "intermediate_size": 128, "vocab_size": VOCAB, "max_position_embeddings": 64, "n_embd": 64, "n_head": 4,
+        "n_layer": 2, "image_size": 32, "patch_size": 8, "num_channels": 3, "sliding_window": 6,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+
+#: Accepted model types: (extra config fields, generator?). Their classes are registered.
+ZOO: dict[str, tuple[dict[str, Any], bool]] = {
+    "llama": ({"attention_bias": True}, True),
+    "exaone": ({}, True), "internlm3": ({}, True), "iquestcoder": ({}, True),  # LlamaAttention, own configs
+    "mistral": ({}, True),
+    "mixtral": ({"num_local_experts": 2}, True),
+    "qwen2": ({"layer_types": ["full_attention", "sliding_attention"], "use_sliding_window": True}, True),
+    "gemma": ({"head_dim": 16}, True),
+    "granite": ({"attention_multiplier": 0.3}, True),
+    "olmo": ({}, True),
+    "starcoder2": ({}, True),
+    "cohere": ({}, True),
+    "qwen3": ({"head_dim": 16, "layer_types": ["full_attention", "sliding_attention"], "use_sliding_window": True},
+              True),
+    "olmo2": ({}, True),
+    "phi3": ({"partial_rotary_factor": 0.5, "original_max_position_embeddings": 4, "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+        "long_factor": [1.0, 1.5, 2.0, 2.5], "short_factor": [1.0, 1.1, 1.2, 1.3],
+        "original_max_position_embeddings": 4}}, True),
+    "gemma2": ({"head_dim": 16, "query_pre_attn_scalar": 12, "attn_logit_softcapping": 3.0}, True),
+    "gemma3_text": ({"head_dim": 16, "query_pre_attn_scalar": 12, "layer_types": ["sliding_attention",
+                     "full_attention"], "rope_parameters": {
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}}, True),
+    "gpt_oss": ({"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2}, True),
+    "gpt2": ({}, True),
+    "bert": ({}, False),
+    "dpr": ({}, False),  # BertAttention inside DPRQuestionEncoder
+    "roberta": ({}, False),
+    "xlm-roberta": ({}, False),
+    "electra": ({"embedding_size": 64}, False),
+    "vit": ({}, False),
+}
+
+
+def tiny_config(model_type: str, **extra: Any) -> Any:
+    """The model type's config class at tiny sizes (only fields the class has)."""
+    cls = CONFIG_MAPPING[model_type]
+    default = cls()
+    fields = {k: v for k, v in {**TINY, **extra}.items() if hasattr(default, k) or k in extra}
+    return cls(**fields)
+
+
+def _build(model_type: str, spec_override: Any = None) -> tuple[nn.Module, bool]:
+    extra, generator = ZOO[model_type]
+    torch.manual_seed(0)
+    auto = AutoModelForCausalLM if generator else AutoModel
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = auto.from_config(tiny_config(model_type, **extra), attn_implementation="eager").eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4)  # far from uniform attention
+    return model, generator
+
+
+def _inputs(model_type: str, side: str = "right") -> dict[str, torch.Tensor]:
+    """A batch of two where the second row has 3 padding tokens on ``side``."""
+    g = torch.Generator().manual_seed(1)
+    if model_type == "vit":
+        return {"pixel_values": torch.randn(B, 3, 32, 32, generator=g)}
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[1, S - 3:] = 0 if side == "right" else 1
+    mask[1, :3] = 0 if side == "left" else 1
+    return {"input_ids": torch.randint(3, VOCAB, (B, S), generator=g), "attention_mask": mask}
+
+
+def _out(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(**inputs)
+    for name in ("logits", "last_hidden_state", "pooler_output"):
+        if getattr(out, name, None) is not None:
+            return out[name]
+    raise AssertionError(f"no output to compare in {type(out).__name__}")
+
+
+def compare(model_type: str) -> str:
+    """``"exact"``, or what differs (``"wrong: ..."``) after patching ``model_type``'s tiny model."""
+    model, generator = _build(model_type)
+    batches = [_inputs(model_type, side) for side in ("right", "left")]
+    wants = [_out(model, inputs) for inputs in batches]
+    prompt = batches[0].get("input_ids", torch.zeros(1, 1, dtype=torch.long))[:1]
+    greedy = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    tokens = model.generate(prompt, **greedy) if generator else None
+    mh.hf.patch(model)
+    for side, inputs, want in zip(("right", "left"), batches, wants):
+        got = _out(model, inputs)
+        real = inputs["attention_mask"].bool() if want.dim() == 3 and "attention_mask" in inputs else ...
+        rel = ((got[real] - want[real]).abs().max() / want[real].abs().max()).item()
+        if not rel <= RTOL:
+            return f"wrong: relative difference {rel:.2e} on real tokens ({side} padding)"
+    if generator and not torch.equal(model.generate(prompt, **greedy), tokens):
+        return "wrong: different greedy tokens"
+    return "exact"
+
+
+@pytest.mark.parametrize("model_type", list(ZOO))
+def test_accepted_model_type_is_exact(model_type: str) -> None:
+    assert compare(model_type) == "exact"
+
+
+def _modeling_modules(model_type: str) -> list[Any]:
+    """The modeling modules of ``model_type``'s package (data2vec has three, donut one named donut_swin)."""
+    name = model_type_to_module_name(model_type)
+    try:
+        package = importlib.import_module(f"transformers.models.{name}")
+    except ImportError:
+        return []
+    names = [m.name for m in pkgutil.iter_modules(package.__path__) if m.name.startswith("modeling_")
+             and not m.name.startswith(("modeling_tf_", "modeling_flax_"))]
+    modules = []
+    for n in names:
+        try:
+            modules.append(importlib.import_module(f"{package.__name__}.{n}"))
+        except ImportError:  # an optional dependency (torchaudio) is missing: listed as unimportable
+            pass
+    return modules
+
+
+def test_every_registered_class_is_in_the_zoo() -> None:
+    covered = {t for spec in hf_registry.REGISTRY.values() for t in spec.model_types}
+    assert covered == set(ZOO)
+
+
+def _may_hold_registered(modules: list[Any]) -> bool:
+    """Whether a model of these modeling modules could contain a registered class: it holds
+    one, or reaches into another model package (its classes, its module, or an Auto class)."""
+    if not modules:
+        return True  # no modeling module of its own: its config maps to another package's models
+    own = {m.__name__.rpartition(".")[0] for m in modules}
+    for module in modules:
+        for value in vars(module).values():
+            where = getattr(value, "__module__", None) if isinstance(value, type) else getattr(value, "__name__", None)
+            if not isinstance(where, str):
+                continue
+            if where.startswith("transformers.models.") and where.rpartition(".")[0] not in own:
+                return True  # another model's class or module, or transformers.models.auto
+            if isinstance(value, type) and f"{value.__module__}.{value.__qualname__}" in hf_registry.REGISTRY:
+                return True
+    return False
+
+
+def _patch_on_meta(model_type: str) -> str:
+    """``"patched"``, ``"refused"``, ``"no attention"`` or ``"unbuildable"``; anything else raises."""
+    try:
+        with warnings.catch_warnings(), torch.device("meta"):
+            warnings.simplefilter("ignore")
+            model = AutoModel.from_config(tiny_config(model_type))
+    except Exception:  # noqa: BLE001 - a config the tiny recipe cannot build is not our failure
+        return "unbuildable"
+    try:
+        mh.hf.patch(model)
+    except ValueError as e:
+        return "refused" if "cannot patch" in str(e) else "no attention"
+    for m in model.modules():
+        if isinstance(m, mh.hf.PatchedAttention):
+            config_type = hf_registry._config_of(m.original).model_type
+            assert config_type in ZOO, f"{model_type}: patched {type(m.original).__name__} with a {config_type} config"
+    return "patched"
+
+
+def test_every_model_type_is_exact_or_refused(capsys: pytest.CaptureFixture) -> None:
+    """All model types: patched only where a verified (class, config type) pair is inside,
+    refused by name otherwise, never another exception."""
+    outcome: dict[str, list[str]] = {}
+    for model_type in sorted(CONFIG_MAPPING_NAMES):
+        modules = _modeling_modules(model_type)
+        kind = _patch_on_meta(model_type) if _may_hold_registered(modules) else "refused (no registered class)"
+        outcome.setdefault(kind, []).append(model_type)
+    with capsys.disabled():
+        print(f"\nzoo: {len(CONFIG_MAPPING_NAMES)} model types: "
+              + ", ".join(f"{len(v)} {k}" for k, v in sorted(outcome.items()))
+              + f"; patched: {', '.join(outcome.get('patched', []))}")
+    assert len(CONFIG_MAPPING_NAMES) > 800  # the whole zoo was enumerated
+    assert set(ZOO) <= set(outcome["patched"])  # every verified type is found and patched
+
+
+def test_zoo_catches_rope_planted_in_vit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The comparison fails when the registry is wrong: ViT described with RoPE (cause 1)."""
+    key = "transformers.models.vit.modeling_vit.ViTAttention"
+    planted = dataclasses.replace(hf_registry.REGISTRY[key], rope="half")
+    monkeypatch.setitem(hf_registry.REGISTRY, key, planted)
+    assert compare("vit").startswith("wrong")
+
+
+def test_readme_table_is_the_registry() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    start, end = "<!-- registry-table -->\n", "\n<!-- /registry-table -->"
+    table = readme[readme.index(start) + len(start):readme.index(end)]
+    assert table == hf_registry.markdown_table()
