@@ -115,8 +115,10 @@ def fused_step(layer: MultiHeadAttention, x: torch.Tensor, cache: KVCache) -> to
         rope.cos, rope.sin, rope.rotary_dim, rope.interleaved)
     projs = _projections(layer)
     # The slots the step writes (row i's next one), saved: a failure leaves the cache bitwise as it was.
-    slots = [(cache.k[i, :, n], cache.v[i, :, n]) for i, n in enumerate(cache.host_lengths())]  # (Hkv, D) views
-    saved = [(k.clone(), v.clone()) for k, v in slots]
+    # Indexed by the device lengths, not the host mirror's ints, so a compiled step is one graph for
+    # every length (ints would be specialised on, one recompilation per token).
+    rows = torch.arange(b, device=cache.lengths.device)
+    saved = (cache.k[rows, :, cache.lengths], cache.v[rows, :, cache.lengths])  # (B, Hkv, D) copies
     try:
         # The operator (not the ctypes call) so that torch.compile sees one opaque node that writes the cache.
         y = torch.ops.multihead.decode_step(
@@ -125,8 +127,7 @@ def fused_step(layer: MultiHeadAttention, x: torch.Tensor, cache: KVCache) -> to
             float(layer.scale))  # (B, E); K/V written at each row's next slot
         cache.commit([1] * b)
     except BaseException:
-        for (k, v), (k0, v0) in zip(slots, saved):
-            k.copy_(k0)
-            v.copy_(v0)
+        cache.k[rows, :, cache.lengths] = saved[0]
+        cache.v[rows, :, cache.lengths] = saved[1]
         raise
     return y.view(b, 1, e)
