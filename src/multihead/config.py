@@ -249,13 +249,13 @@ class AttentionConfig:
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name))
         if self.kv_lora_rank is not None:
-            missing = [n for n in latent[2:] if getattr(self, n) is None]
-            if missing:
+            nope, rope_dim = self.qk_nope_head_dim, self.qk_rope_head_dim
+            if nope is None or rope_dim is None or self.v_head_dim is None:
+                missing = [n for n in latent[2:] if getattr(self, n) is None]
                 raise ValueError(f"kv_lora_rank (latent attention) needs {', '.join(missing)}, got None")
-            if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
+            if self.head_dim != nope + rope_dim:
                 raise ValueError(f"head_dim must be qk_nope_head_dim + qk_rope_head_dim = "
-                                 f"{self.qk_nope_head_dim + self.qk_rope_head_dim} for latent attention, "
-                                 f"got {self.head_dim}")
+                                 f"{nope + rope_dim} for latent attention, got {self.head_dim}")
 
     @property
     def latent(self) -> bool:

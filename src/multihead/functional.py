@@ -195,10 +195,10 @@ def _validate_features(q: torch.Tensor, k: torch.Tensor, softcap: object, alibi_
     if softcap is not None:
         features["softcap"] = check_float("softcap", softcap, low=0.0, high=math.inf, low_inclusive=False,
                                           high_inclusive=False)
-    for name, value in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
-        if value is None:
+    for name, given in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if given is None:
             continue
-        check_tensor(name, value, ndim=1)
+        value = check_tensor(name, given, ndim=1)
         if not value.dtype.is_floating_point:
             raise TypeError(f"{name} must be a floating tensor [H], got dtype {value.dtype}")
         if value.shape[0] != h:

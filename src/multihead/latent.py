@@ -142,10 +142,10 @@ class MultiHeadLatentAttention(nn.Module):
             self.q_proj = nn.Linear(embed_dim, q_out, bias=False, **f)
         else:
             self.q_a_proj = nn.Linear(embed_dim, q_lora_rank, bias=bias, **f)
-            self.q_a_layernorm = RMSNorm(q_lora_rank, eps=norm_eps, **f)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, eps=norm_eps, device=device, dtype=dtype)
             self.q_b_proj = nn.Linear(q_lora_rank, q_out, bias=False, **f)
         self.kv_a_proj_with_mqa = nn.Linear(embed_dim, kv_lora_rank + qk_rope_head_dim, bias=bias, **f)
-        self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps=norm_eps, **f)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps=norm_eps, device=device, dtype=dtype)
         self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False, **f)
         self.o_proj = nn.Linear(num_heads * v_head_dim, embed_dim, bias=bias, **f)
         self.rope = RoPE(qk_rope_head_dim, rope_base, interleaved=rope_interleaved, max_positions=max_positions,
@@ -167,12 +167,13 @@ class MultiHeadLatentAttention(nn.Module):
         """Convert transformers' ``DeepseekV3Attention`` / ``DeepseekV2Attention`` (weights copied)."""
         from .config import AttentionConfig
 
-        hf_cfg = module.config
+        hf: Any = module  # transformers' module: its attributes are not typed here
+        hf_cfg = hf.config
         config = AttentionConfig.from_hf({**hf_cfg.to_dict(), "model_type": "deepseek_v3"})
-        eps = module.kv_a_layernorm.variance_epsilon
+        eps = hf.kv_a_layernorm.variance_epsilon
         layer = cls.from_config(config, norm_eps=eps, rope_interleaved=bool(getattr(hf_cfg, "rope_interleave", True)),
-                                scale=module.scaling, device=module.o_proj.weight.device,
-                                dtype=module.o_proj.weight.dtype, **kwargs)
+                                scale=hf.scaling, device=hf.o_proj.weight.device,
+                                dtype=hf.o_proj.weight.dtype, **kwargs)
         missing, unexpected = layer.load_state_dict(module.state_dict(), strict=False)
         if unexpected or missing:
             raise ValueError(f"{type(module).__name__}: weights do not match (missing {missing}, "
@@ -261,5 +262,7 @@ def _yarn_mscale_squared(scaling: RopeScaling | None) -> float:
     if scaling is None or scaling.rope_type == "default" or not scaling.mscale_all_dim:
         return 1.0
     factor = scaling.factor
+    if factor is None:  # transformers reads rope_scaling["factor"] here: refused, as there
+        raise ValueError(f"rope_scaling with mscale_all_dim needs factor, got None ({scaling.rope_type!r})")
     m = 1.0 if factor <= 1 else 0.1 * scaling.mscale_all_dim * math.log(factor) + 1.0
     return m * m

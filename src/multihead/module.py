@@ -178,17 +178,18 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(vdim, num_kv_heads * head_dim, bias=bias, **factory)
         self.o_proj = nn.Linear(num_heads * head_dim, embed_dim, bias=o_bias, **factory)
         self.rope = rope
-        self.qk_norm = qk_norm
+        self.qk_norm: str | None = qk_norm
         if qk_norm is not None:
             q_width, k_width = (head_dim, head_dim) if qk_norm == "head" else (num_heads * head_dim,
                                                                               num_kv_heads * head_dim)
-            self.q_norm = RMSNorm(q_width, eps=norm_eps, offset=norm_offset, **factory)
-            self.k_norm = RMSNorm(k_width, eps=norm_eps, offset=norm_offset, **factory)
-        self.softcap = softcap
+            self.q_norm = RMSNorm(q_width, eps=norm_eps, offset=norm_offset, device=device, dtype=dtype)
+            self.k_norm = RMSNorm(k_width, eps=norm_eps, offset=norm_offset, device=device, dtype=dtype)
+        self.softcap: float | None = softcap
         self.alibi_slopes: torch.Tensor | None
         self.register_buffer("alibi_slopes", alibi_slopes(num_heads).to(device) if alibi else None,
                              persistent=False)  # (H,) float32
-        self.sinks = nn.Parameter(torch.zeros(num_heads, **factory)) if sinks else None  # (H,)
+        self.sinks: nn.Parameter | None = (nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype))
+                                           if sinks else None)  # (H,)
 
     @classmethod
     def from_config(

@@ -94,6 +94,8 @@ class RoPE(nn.Module):
         if s is None or not s.length_dependent:
             return self.max_positions
         edge = s.max_positions if s.rope_type == "dynamic" else s.original_max_positions
+        if edge is None:  # RopeScaling refuses a length-dependent type without its edge
+            raise ValueError(f"rope_type={s.rope_type!r} needs its length edge, got None")
         return min(self.max_positions, edge)
 
     def inv_freq_for(self, length: int) -> torch.Tensor:
@@ -148,7 +150,8 @@ class RoPE(nn.Module):
                 exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float64, device=positions.device)
                 inv_freq = 1.0 / (self.base ** (exponents / self.rotary_dim))  # (R/2,)
             else:  # the scaled frequencies are defined in float32; only the angles widen
-                inv_freq = self.inv_freq_for(bound).to(device=positions.device, dtype=torch.float64)
+                # bound is None only for a length-independent scaling (refused above otherwise)
+                inv_freq = self.inv_freq_for(bound or 0).to(device=positions.device, dtype=torch.float64)
             angles = positions.to(torch.float64)[..., None] * inv_freq
             return self._scaled(angles.cos()), self._scaled(angles.sin())
         if bound is not None and bound <= self.table_limit:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -48,6 +48,7 @@ _NEEDS = {
 }
 _SCALARS = ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "mscale",
             "mscale_all_dim", "attention_factor")
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,6 +147,21 @@ def _factor_list(name: str, value: object) -> tuple[float, ...]:
     return tuple(out)
 
 
+def _needed(s: RopeScaling, name: str, value: _T | None) -> _T:
+    """``value`` (the field ``name`` of ``s``), which ``s.rope_type`` needs; checked, not assumed."""
+    if value is None:  # __post_init__ refuses this; kept so the type is narrowed by a check
+        raise ValueError(f"rope_type={s.rope_type!r} needs {name}, got None")
+    return value
+
+
+def _extension_factor(s: RopeScaling) -> float:
+    """yarn/longrope's factor: ``factor``, or ``max_positions / original_max_positions``."""
+    if s.factor is not None:
+        return s.factor
+    return _needed(s, "max_positions", s.max_positions) / _needed(s, "original_max_positions",
+                                                                  s.original_max_positions)
+
+
 def rope_frequencies(rotary_dim: int, base: float, scaling: RopeScaling | None = None, *,
                      seq_len: int | None = None) -> tuple[torch.Tensor, float]:
     """(inv_freq (R/2,) float32, attention_factor) for RoPE over R dims, as transformers computes them.
@@ -166,7 +182,7 @@ def rope_frequencies(rotary_dim: int, base: float, scaling: RopeScaling | None =
     if s.rope_type in ("default", "linear", "llama3"):
         inv_freq = 1.0 / (base ** exponents)
         if s.rope_type == "linear":
-            inv_freq /= s.factor
+            inv_freq /= _needed(s, "factor", s.factor)
         elif s.rope_type == "llama3":
             inv_freq = _llama3(inv_freq, s)
         return inv_freq, 1.0
@@ -178,7 +194,9 @@ def rope_frequencies(rotary_dim: int, base: float, scaling: RopeScaling | None =
 
 
 def _llama3(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
-    factor, low, high, old = s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_positions
+    factor, low = _needed(s, "factor", s.factor), _needed(s, "low_freq_factor", s.low_freq_factor)
+    high = _needed(s, "high_freq_factor", s.high_freq_factor)
+    old = _needed(s, "original_max_positions", s.original_max_positions)
     low_wavelen, high_wavelen = old / low, old / high
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
@@ -189,18 +207,18 @@ def _llama3(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 
 
 def _dynamic(dim: int, base: float, exponents: torch.Tensor, s: RopeScaling, seq_len: int | None) -> torch.Tensor:
-    m = s.max_positions
+    m, factor = _needed(s, "max_positions", s.max_positions), _needed(s, "factor", s.factor)
     if seq_len is None or seq_len <= m:  # transformers' initial table, kept up to M
-        grown: float | torch.Tensor = base * ((s.factor * m / m) - (s.factor - 1)) ** (dim / (dim - 2))
+        grown: float | torch.Tensor = base * ((factor * m / m) - (factor - 1)) ** (dim / (dim - 2))
     else:  # its forward pass recomputes with L as a tensor (float32 arithmetic)
         length = torch.tensor(seq_len)
-        grown = base * ((s.factor * length / m) - (s.factor - 1)) ** (dim / (dim - 2))
+        grown = base * ((factor * length / m) - (factor - 1)) ** (dim / (dim - 2))
     return 1.0 / (grown ** exponents)
 
 
 def _yarn(dim: int, base: float, s: RopeScaling) -> tuple[torch.Tensor, float]:
-    original = s.original_max_positions
-    factor = s.factor if s.factor is not None else s.max_positions / original
+    original = _needed(s, "original_max_positions", s.original_max_positions)
+    factor = _extension_factor(s)
 
     def mscale_of(scale: float, mscale: float = 1) -> float:
         return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
@@ -229,13 +247,13 @@ def _yarn(dim: int, base: float, s: RopeScaling) -> tuple[torch.Tensor, float]:
 
 def _longrope(dim: int, base: float, exponents: torch.Tensor, s: RopeScaling, seq_len: int | None
               ) -> tuple[torch.Tensor, float]:
-    original = s.original_max_positions
-    factor = s.factor if s.factor is not None else s.max_positions / original
+    original = _needed(s, "original_max_positions", s.original_max_positions)
+    factor = _extension_factor(s)
     attention = s.attention_factor
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    chosen = s.long_factor if seq_len is not None and seq_len > original else s.short_factor
-    name = "long_factor" if chosen is s.long_factor else "short_factor"
+    name = "long_factor" if seq_len is not None and seq_len > original else "short_factor"
+    chosen = _needed(s, name, s.long_factor if name == "long_factor" else s.short_factor)
     if len(chosen) != dim // 2:
         raise ValueError(f"{name} must have rotary_dim/2 = {dim // 2} entries, got {len(chosen)}")
     ext = torch.tensor(chosen, dtype=torch.float32)

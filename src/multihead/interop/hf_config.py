@@ -60,7 +60,8 @@ def parse(cfg: Mapping[str, Any], src: str) -> AttentionConfig:
     model_type = cfg.get("model_type")
     if model_type is not None and not isinstance(model_type, str):
         raise TypeError(f"{src}: model_type must be a str, got {type(model_type).__name__} {model_type!r}")
-    if model_type in hf_layers.SPECIAL:  # per-layer head lists, latent attention: keys of their own
+    # per-layer head lists, latent attention: keys of their own
+    if model_type is not None and model_type in hf_layers.SPECIAL:
         return hf_layers.SPECIAL[model_type](cfg, src)
 
     width_key, width = _required(cfg, _KEYS_WIDTH, src)

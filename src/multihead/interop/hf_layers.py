@@ -60,7 +60,7 @@ def extend(base: AttentionConfig, cfg: Mapping[str, Any], model_type: str | None
     features: dict[str, Any] = {}
     if base.rope_base is not None:
         features["rope_scaling"] = rope_scaling(cfg, h.rope_parameters(cfg, "full_attention", src), src)
-    features["qk_norm"] = QK_NORM.get(model_type)
+    features["qk_norm"] = QK_NORM.get(model_type) if model_type is not None else None
     softcap = h._optional_number(cfg, "attn_logit_softcapping", src)
     features["softcap"] = softcap
     features["alibi"] = model_type == "bloom" or bool(h._optional_bool(cfg, "alibi", src))
@@ -146,14 +146,19 @@ def _openelm(cfg: Mapping[str, Any], src: str) -> AttentionConfig:
                            layers=tuple(per_layer))
 
 
+def _stage_list(cfg: Mapping[str, Any], key: str, src: str) -> list[Any]:
+    """``cfg[key]``, checked to be a non-empty list (one entry per stage)."""
+    value = cfg.get(key)
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{src}: {key} must be a non-empty list (one entry per stage), got {value!r:.60}")
+    return value
+
+
 def _swin(cfg: Mapping[str, Any], src: str) -> AttentionConfig:
     """Swin: ``num_heads`` per stage, ``depths`` layers per stage, the width doubling by stage."""
     h = _hf()
     width = h._as_int(cfg.get("embed_dim"), "embed_dim", src)
-    depths, heads = cfg.get("depths"), cfg.get("num_heads")
-    for key, value in (("depths", depths), ("num_heads", heads)):
-        if not isinstance(value, list) or not value:
-            raise ValueError(f"{src}: {key} must be a non-empty list (one entry per stage), got {value!r:.60}")
+    depths, heads = _stage_list(cfg, "depths", src), _stage_list(cfg, "num_heads", src)
     if len(depths) != len(heads):
         raise ValueError(f"{src}: depths and num_heads must have one entry per stage, got {len(depths)} and "
                          f"{len(heads)}")

@@ -77,8 +77,9 @@ def _links(module: nn.Module, family: str) -> list[_Link]:
                   for i, o in enumerate(("q_proj", "k_proj", "v_proj"))]
         links += [_Link("o_proj.weight", "c_proj.weight", transpose=True), _Link("o_proj.bias", "c_proj.bias")]
     elif family == "phi3":  # fused qkv_proj: rows [q (H·D) | k (Hkv·D) | v (Hkv·D)]
-        q_rows = module.config.num_attention_heads * module.head_dim
-        kv_rows = module.num_key_value_heads * module.head_dim
+        phi3: Any = module  # transformers' module: its attributes are not typed here
+        q_rows = phi3.config.num_attention_heads * phi3.head_dim
+        kv_rows = phi3.num_key_value_heads * phi3.head_dim
         cuts = (slice(0, q_rows), slice(q_rows, q_rows + kv_rows), slice(q_rows + kv_rows, q_rows + 2 * kv_rows))
         links = [_Link(f"{o}.{p}", f"qkv_proj.{p}", rows) for o, rows in zip(("q_proj", "k_proj", "v_proj"), cuts)
                  for p in ("weight", "bias")]
@@ -253,8 +254,10 @@ def _q_proj_settings(module: Any, config: Any, state: dict[str, torch.Tensor],
     }
     if spec.qk_norm is not None:
         norm = module.q_norm
-        settings.update(qk_norm=spec.qk_norm, norm_offset=spec.norm_offset,
-                        norm_eps=float(getattr(norm, "variance_epsilon", getattr(norm, "eps", None))))
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+        if eps is None:
+            raise TypeError(f"{spec.name}: q_norm must have variance_epsilon or eps, got {type(norm).__name__}")
+        settings.update(qk_norm=spec.qk_norm, norm_offset=spec.norm_offset, norm_eps=float(eps))
     if spec.softcap and module.attn_logit_softcapping is not None:
         settings["softcap"] = float(module.attn_logit_softcapping)
     if "sinks" in spec.params:

@@ -192,7 +192,8 @@ def cost(
     check_int("batch", batch, maximum=MAX_TOKENS)
     dtype_name, itemsize = _dtype_bytes(dtype)
 
-    widths = {config.layer(i).embed_dim for i in range(config.num_layers)} - {None, config.embed_dim}
+    widths = {w for i in range(config.num_layers)
+              if (w := config.layer(i).embed_dim) is not None and w != config.embed_dim}
     if widths:
         raise ValueError(f"config has layers of other widths {sorted(widths)} than embed_dim={config.embed_dim} "
                          "(stages, as in Swin): their token counts differ by stage, so a cost for one seq_len "
@@ -214,7 +215,7 @@ def _layer_cost(config: AttentionConfig, index: int, s: int, b: int, itemsize: i
     k = s if lay.window is None else min(s, lay.window)
     pairs2 = 2 * s * k - (k * k if config.causal else 0)  # 2·P with P = S·K (− K²/2 when causal): an integer
     if config.latent:
-        dv, dr, r = config.v_head_dim, config.qk_rope_head_dim, config.kv_lora_rank
+        dv, dr, r = _latent_dims(config)
         params = _latent_params(config, h)
         flops_attn = b * h * (d + dv) * pairs2  # 2·B·H·(Dq + Dv)·P
         kv, mha = (r + dr) * itemsize, h * (d + dv) * itemsize
@@ -237,12 +238,20 @@ def _layer_params(config: AttentionConfig, h: int, hkv: int, d: int) -> int:
 
 def _latent_params(config: AttentionConfig, h: int, *, biases: bool = True) -> int:
     """Weights (and biases) of latent attention's projections (see the module docstring)."""
-    e, dq, dv = config.embed_dim, config.head_dim, config.v_head_dim
-    r, dr, rq = config.kv_lora_rank, config.qk_rope_head_dim, config.q_lora_rank
+    (dv, dr, r), e, dq, rq = _latent_dims(config), config.embed_dim, config.head_dim, config.q_lora_rank
     q = e * h * dq if rq is None else e * rq + rq * h * dq
     weights = q + e * (r + dr) + r * h * (dq - dr + dv) + h * dv * e
     extra = ((h * dq if rq is None else rq) + r + dr) if config.bias else 0
     return weights + (extra if biases else 0)
+
+
+def _latent_dims(config: AttentionConfig) -> tuple[int, int, int]:
+    """(Dv, Dr, r): ``v_head_dim``, ``qk_rope_head_dim``, ``kv_lora_rank`` of a latent config."""
+    dv, dr, r = config.v_head_dim, config.qk_rope_head_dim, config.kv_lora_rank
+    if dv is None or dr is None or r is None:  # AttentionConfig refuses kv_lora_rank without the others
+        raise ValueError(f"config must describe latent attention, got v_head_dim={dv}, "
+                         f"qk_rope_head_dim={dr}, kv_lora_rank={r}")
+    return dv, dr, r
 
 
 def _dtype_bytes(dtype: object) -> tuple[str, int]:
