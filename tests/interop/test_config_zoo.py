@@ -112,7 +112,16 @@ def test_tiny_config_matches_the_model_and_its_kv_cache(model_type: str) -> None
         assert held == mh.cost(cfg, S, dtype=torch.float32).kv_cache_bytes_per_token
 
 
-@pytest.mark.parametrize("model_type", sorted(DECODERS))
+# Latent attention's cache is not K/V per head: its reading is checked against the published
+# architecture and transformers' DeepSeek-V3 attention in these files instead.
+CHECKED_ELSEWHERE = {"deepseek_v3": "tests/interop/test_modern_configs.py, tests/core/test_latent.py"}
+
+# gpt_oss's model cannot be built on the meta device (its MoE router calls torch.nonzero
+# while building); its config reading is checked at tiny size above.
+META_UNBUILDABLE = {"gpt_oss"}
+
+
+@pytest.mark.parametrize("model_type", sorted(set(DECODERS) - META_UNBUILDABLE))
 def test_default_size_config_matches_the_kv_cache_on_meta(model_type: str) -> None:
     config = CONFIG_MAPPING[model_type]()
     cfg = _read_or_none(config)
@@ -166,7 +175,8 @@ def test_every_model_type_is_read_as_a_checked_type_or_refused(capsys: pytest.Ca
         except (ValueError, TypeError):
             refused.append(model_type)
             continue
-        assert cfg.model_type in ACCEPTED, f"{model_type} read as unchecked model_type={cfg.model_type!r}"
+        assert cfg.model_type in ACCEPTED or cfg.model_type in CHECKED_ELSEWHERE, \
+            f"{model_type} read as unchecked model_type={cfg.model_type!r}"
         read.append(model_type)
     with capsys.disabled():
         print(f"\nconfig zoo: {len(CONFIG_MAPPING_NAMES)} model types: {len(read)} read (as one of "

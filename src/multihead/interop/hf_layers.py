@@ -205,5 +205,5 @@ def _deepseek(cfg: Mapping[str, Any], src: str) -> AttentionConfig:
 
 #: Families read by their own function (their files use keys of their own).
 SPECIAL: Mapping[str, Callable[[Mapping[str, Any], str], AttentionConfig]] = {
-    "openelm": _openelm, "swin": _swin, "deepseek_v2": _deepseek, "deepseek_v3": _deepseek,
+    "openelm": _openelm, "swin": _swin, "deepseek_v3": _deepseek,  # deepseek_v2: not checked, refused
 }
