@@ -112,9 +112,11 @@ def test_tiny_config_matches_the_model_and_its_kv_cache(model_type: str) -> None
         assert held == mh.cost(cfg, S, dtype=torch.float32).kv_cache_bytes_per_token
 
 
-# Latent attention's cache is not K/V per head: its reading is checked against the published
+# Read by per-layer rules (latent attention, per-stage or per-layer heads): checked against the published
 # architecture and transformers' DeepSeek-V3 attention in these files instead.
-CHECKED_ELSEWHERE = {"deepseek_v3": "tests/interop/test_modern_configs.py, tests/core/test_latent.py"}
+CHECKED_ELSEWHERE = {"deepseek_v3": "tests/interop/test_modern_configs.py, tests/core/test_latent.py",
+                     "swin": "tests/interop/test_modern_configs.py (per-stage heads)",
+                     "openelm": "tests/interop/test_modern_configs.py (per-layer heads)"}
 
 # gpt_oss's model cannot be built on the meta device (its MoE router calls torch.nonzero
 # while building); its config reading is checked at tiny size above.
