@@ -156,10 +156,10 @@ def decode_f32(
     return _run("mh_decode_f32", q, k, v, scale, causal, window, mask, return_lse)
 
 
-def _check_qkv(q: object, k: object, v: object, mask: object, window: object) -> None:
+def _check_qkv(q_in: object, k_in: object, v_in: object, mask_in: object, window: object) -> None:
     """The kernel reads raw memory: shapes, dtypes and devices are checked first."""
+    q, k, v = (check_tensor(name, t, ndim=4) for name, t in (("q", q_in), ("k", k_in), ("v", v_in)))
     for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(name, t, ndim=4)
         if t.dtype != torch.float32 or t.device.type != "cpu":
             raise TypeError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
     b, h, sq, d = q.shape
@@ -170,8 +170,8 @@ def _check_qkv(q: object, k: object, v: object, mask: object, window: object) ->
         raise ValueError(f"k must have head dim {d} like q, got shape {list(k.shape)}")
     if k.shape[1] == 0 or h % k.shape[1] or 0 in (d, v.shape[-1]):
         raise ValueError(f"q's heads ({h}) must be a positive multiple of k's ({k.shape[1]}), head dims > 0")
-    if mask is not None:
-        check_tensor("mask", mask, ndim=(0, 1, 2, 3, 4))
+    if mask_in is not None:
+        mask = check_tensor("mask", mask_in, ndim=(0, 1, 2, 3, 4))
         if mask.dtype != torch.bool:
             raise TypeError(f"mask must be a bool tensor (True = may attend), got dtype {mask.dtype}")
         try:
@@ -207,7 +207,9 @@ def _run(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         raise MemoryError("the native attention kernel could not allocate its buffers")
     if code != 0:
         raise RuntimeError(f"the native attention kernel refused the problem (code {code})")
-    return (out, lse) if return_lse else out
+    if lse is not None:
+        return out, lse
+    return out
 
 
 def linear_few_rows(
