@@ -27,7 +27,7 @@ from torch import nn
 
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-from . import decode
+from . import _call_checks, decode
 from . import linear as _linear
 from ._checks import check_finite as _check_finite
 from ._checks import check_bool_mask, check_float, check_int, check_tensor
@@ -37,7 +37,7 @@ from .cache import Append, KVCache
 from .decode import plain_linear as _plain
 from .functional import default_backend
 from .logits import alibi_slopes
-from .masks import Structure, key_padding_mask, segments_from_positions
+from .masks import Structure, segments_from_positions
 from .qk_norm import QK_NORMS, RMSNorm
 from .rope import RoPE, check_positions
 
@@ -508,99 +508,8 @@ class MultiHeadAttention(nn.Module):
     def _validate(self, x: torch.Tensor, context: torch.Tensor | None, mask: torch.Tensor | None,
                   key_mask: torch.Tensor | None, positions: torch.Tensor | None, cache: KVCache | None,
                   ) -> tuple[list[int] | None, torch.Tensor | None]:
-        """Every check of a call, once, before any work: (real tokens per row with a cache,
-        the combined 4-D bool mask or None)."""
-        real = self._check_cache(x, context, mask, key_mask, cache) if cache is not None else None
-        attn_mask = self._check_inputs(x, context, mask, None if cache is not None else key_mask, positions)
-        if attn_mask is not None:
-            attn_mask = attn_mask[(None,) * (4 - attn_mask.dim())]  # (B|1, H|1, S|1, Sk|1)
-        return real, attn_mask
-
-    def _check_cache(
-        self,
-        x: torch.Tensor,
-        context: torch.Tensor | None,
-        mask: torch.Tensor | None,
-        key_mask: torch.Tensor | None,
-        cache: KVCache,
-    ) -> list[int] | None:
-        """Validate a cached call before anything is written; return real tokens per row."""
-        if not isinstance(cache, KVCache):
-            raise TypeError(f"cache must be a multihead.KVCache (from layer.new_cache), got {type(cache).__name__}")
-        if context is not None:
-            raise ValueError("cache with context is not supported: a cache holds a sequence's own keys")
-        if mask is not None:
-            raise ValueError("mask is not supported with a cache (the cache builds the causal mask); "
-                             "mark padding with key_mask")
-        if hasattr(self.q_proj.weight, "device_mesh"):
-            raise ValueError("cache= is not supported under parallelize_module (the cache would hold every K/V "
-                             "head); use multihead.parallel.shard_heads(layer, group).new_cache")
-        check_tensor("x", x, ndim=3)
-        _check_matches_weight("x", x, self.q_proj.weight, self.embed_dim, "[B, S, E]")
-        if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
-            raise ValueError("cache= is for inference: call the layer under torch.no_grad() or "
-                             "torch.inference_mode() (cached K/V keep no autograd history)")
-        b, s, _ = x.shape
-        real = None
-        if key_mask is not None:
-            _check_key_mask(key_mask, b, s, x.device)
-            real = key_mask.sum(dim=1).tolist()
-            right_padded = torch.arange(s, device=key_mask.device)[None, :] < key_mask.sum(dim=1, keepdim=True)
-            if not torch.equal(right_padded, key_mask):
-                raise ValueError("key_mask with a cache must be right-padded (each row's real tokens first, "
-                                 "then padding); left padding would leave holes in the cache")
-        if self.alibi_slopes is not None and cache.ring:
-            raise ValueError("a ring cache with alibi is not supported: ALiBi's distances need the keys in "
-                             "position order; use new_cache(..., ring=False)")
-        cache.check_append(b, self.num_kv_heads, self.head_dim, x.dtype, x.device, s)
-        cache.claim(self)  # another layer's cache is refused
-        return real
-
-    def _check_inputs(
-        self,
-        x: torch.Tensor,
-        context: torch.Tensor | None,
-        mask: torch.Tensor | None,
-        key_mask: torch.Tensor | None,
-        positions: torch.Tensor | None,
-    ) -> torch.Tensor | None:
-        """Validate everything before computing; return the combined bool mask or None."""
-        weight = self.q_proj.weight
-        check_tensor("x", x, ndim=3)
-        _check_matches_weight("x", x, weight, self.embed_dim, "[B, S, E]")
-        b, s, _ = x.shape
-        sk = s
-        if context is None and self.kdim != self.embed_dim:
-            raise ValueError(f"the layer has kdim={self.kdim} != embed_dim={self.embed_dim}: "
-                             "it attends to a context, so pass context")
-        if context is not None:
-            if self.causal:
-                raise ValueError("context was given to a causal layer: cross-attention is not causal; "
-                                 "build the cross-attention layer with causal=False")
-            if self.rope is not None:
-                raise ValueError("context was given to a layer with rope: queries and keys of two "
-                                 "sequences share no positions; build the cross-attention layer with rope=None")
-            check_tensor("context", context, ndim=3)
-            _check_matches_weight("context", context, weight, self.kdim, "[B, Sk, kdim]")
-            if context.shape[0] != b:
-                raise ValueError(f"context must have batch size {b} like x, got {context.shape[0]}")
-            sk = context.shape[1]
-        if positions is not None:
-            if self.rope is None:
-                raise ValueError("positions were given but the layer has no rope to apply them")
-            positions = check_positions(positions, b, s)
-            if positions.device != x.device:
-                raise ValueError(f"positions must be on device {x.device} like x, got {positions.device}")
-        combined = None
-        if mask is not None:
-            combined = check_bool_mask("mask", mask, (b, self.num_heads, s, sk), "[B, H, S, Sk]")
-            if mask.device != x.device:
-                raise ValueError(f"mask must be on device {x.device} like x, got {mask.device}")
-        if key_mask is not None:
-            _check_key_mask(key_mask, b, sk, x.device)
-            padding = key_padding_mask(key_mask)  # (B, 1, 1, Sk)
-            combined = padding if combined is None else combined & padding
-        return combined
+        """Every check of a call, once, before any work (:func:`multihead._call_checks.validate_call`)."""
+        return _call_checks.validate_call(self, x, context, mask, key_mask, positions, cache)
 
 
 def _no_tap(name: str, t: torch.Tensor) -> None:
@@ -614,23 +523,3 @@ def _apply_linear(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return _linear.linear(x, linear.weight, linear.bias)
     out: torch.Tensor = linear(x)
     return out
-
-
-def _check_key_mask(key_mask_in: object, b: int, sk: int, device: torch.device) -> None:
-    """key_mask: bool (B, Sk), True = real token, on x's device."""
-    key_mask = check_tensor("key_mask", key_mask_in, ndim=2)
-    if key_mask.dtype != torch.bool:
-        raise TypeError(f"key_mask must be a bool tensor (True = real token), got dtype {key_mask.dtype}")
-    if tuple(key_mask.shape) != (b, sk):
-        raise ValueError(f"key_mask must have shape [B, Sk] = [{b}, {sk}], got {list(key_mask.shape)}")
-    if key_mask.device != device:
-        raise ValueError(f"key_mask must be on device {device} like x, got {key_mask.device}")
-
-
-def _check_matches_weight(name: str, t: torch.Tensor, weight: torch.Tensor, width: int, legend: str) -> None:
-    if t.shape[-1] != width:
-        raise ValueError(f"{name} must have last dim {width} in {legend}, got shape {list(t.shape)}")
-    if t.dtype != weight.dtype:
-        raise TypeError(f"{name} must have dtype {weight.dtype} like the layer's weights, got {t.dtype}")
-    if t.device != weight.device:
-        raise ValueError(f"{name} must be on device {weight.device} like the layer's weights, got {t.device}")

@@ -3,10 +3,14 @@ and the head-parallel layer's time, each world spawned fresh on 127.0.0.1 (gloo)
 
 Notation: B batch (1), H heads, S tokens, D head dim, P ranks, E embed dim.
 
-* ring: causal, zigzag, float32, B=1, H=Hkv=8, D=64, S in (16384, 32768), P in (1, 2, 4):
+* ring: causal, zigzag, float32, B=1, H=Hkv=8, D=64, S in (16384, 32768), P in (1, 2, 4, 8):
   each rank's peak RSS increase during one forward call (its own shard of q, k, v
   allocated inside the measured region, as a rank would hold them), its time, and the
-  bytes it sends around the ring against the theory: (P-1)/P of K and V.
+  bytes it sends around the ring against the theory: (P-1)/P of K and V. The peak is
+  compared with what the design holds (:func:`ring_model_bytes`): q, k, v and the output
+  of S/P tokens, plus the foreign K/V shards in flight — one at P = 2 (one exchange), two
+  from P = 3 on (the shard in use and the one arriving, which is what lets the transfer
+  overlap the compute); at P = 1 the ring is not used (plain attention: q, k, v, out).
 * heads: a layer E=1024, H=16, S=2048, float32 forward, P in (1, 2).
 
 With fewer cores than ranks the times measure the scheduler, not the algorithm
@@ -28,7 +32,19 @@ import torch
 
 from ..tools.bench import _rss
 
-__all__ = ["run", "format_report"]
+__all__ = ["run", "format_report", "ring_model_bytes"]
+
+
+def ring_model_bytes(seq: int, world: int, heads: int, head_dim: int, itemsize: int = 4) -> int:
+    """The bytes a rank of ring attention holds by design (no temporaries), B = 1, H = Hkv.
+
+    ``(4 + 2·min(P - 1, 2)) · (S / P) · H · D · itemsize``: this rank's q, k, v and output,
+    plus K and V of ``min(P - 1, 2)`` foreign shards in flight. Per rank it falls as 1/P once
+    the number of buffers in flight is constant (P >= 3); from P = 1 to 2 and 2 to 3 it
+    falls less, since the ring adds one buffer each time.
+    """
+    shard = -(-seq // world) * heads * head_dim * itemsize
+    return (4 + 2 * min(world - 1, 2)) * shard
 
 
 def _ring_rank(rank: int, p: int, seq: int, heads: int, head_dim: int) -> dict[str, Any]:
@@ -147,7 +163,7 @@ def _spawn(p: int, job: tuple, timeout_s: float = 900.0) -> list[dict[str, Any]]
     return [got[r] for r in range(p)]
 
 
-def run(*, seqs: tuple[int, ...] = (16384, 32768), worlds: tuple[int, ...] = (1, 2, 4), heads: int = 8,
+def run(*, seqs: tuple[int, ...] = (16384, 32768), worlds: tuple[int, ...] = (1, 2, 4, 8), heads: int = 8,
         head_dim: int = 64, head_worlds: tuple[int, ...] = (1, 2), progress: Any = None) -> dict[str, Any]:
     """Run the parallel cases; returns ``{"machine", "ring": [...], "heads": [...]}`` (rows per rank)."""
     from ..tools.bench import machine_info
@@ -161,15 +177,16 @@ def run(*, seqs: tuple[int, ...] = (16384, 32768), worlds: tuple[int, ...] = (1,
     for p in head_worlds:
         say(f"heads P={p}")
         head_rows += _spawn(p, ("heads", 1024, 16, 2048, 5))
-    return {"machine": machine_info(), "cores": os.cpu_count(), "ring": ring_rows, "heads": head_rows}
+    return {"machine": machine_info(), "cores": os.cpu_count(), "heads_ring": heads, "head_dim": head_dim,
+            "ring": ring_rows, "heads": head_rows}
 
 
 def format_report(result: dict[str, Any]) -> str:
     """The benchmark as text: per (S, P) the largest per-rank peak, time, bytes sent vs theory."""
     cores = result["cores"]
     lines = [f"ring attention, causal zigzag, float32, H=8, D=64 (cores: {cores})",
-             f"{'S':>6} {'P':>2} {'peak MiB/rank':>14} {'x P vs P=1':>11} {'time s':>8} {'sent MiB':>9} "
-             f"{'theory MiB':>11}"]
+             f"{'S':>6} {'P':>2} {'peak MiB/rank':>14} {'design MiB':>11} {'peak/design':>12} {'x P vs P=1':>11} "
+             f"{'time s':>8} {'sent MiB':>9} {'theory MiB':>11}"]
     rows = result["ring"]
     for seq in sorted({r["seq"] for r in rows}):
         one = max(r["peak_bytes"] for r in rows if r["seq"] == seq and r["world"] == 1)
@@ -178,7 +195,9 @@ def format_report(result: dict[str, Any]) -> str:
             peak = max(r["peak_bytes"] for r in group)
             secs = max(r["seconds"] for r in group)
             time_txt = f"{secs:8.2f}" if p <= cores else f"{'(' + format(secs, '.1f') + ')':>8}"
-            lines.append(f"{seq:>6} {p:>2} {peak / 2**20:14.1f} {peak * p / one:11.2f} {time_txt} "
+            design = ring_model_bytes(seq, p, result.get("heads_ring", 8), result.get("head_dim", 64))
+            lines.append(f"{seq:>6} {p:>2} {peak / 2**20:14.1f} {design / 2**20:11.1f} {peak / design:12.2f} "
+                         f"{peak * p / one:11.2f} {time_txt} "
                          f"{max(r['sent_bytes'] for r in group) / 2**20:9.1f} {group[0]['theory_bytes'] / 2**20:11.1f}")
     lines.append("head-parallel layer E=1024, H=16, S=2048, float32 forward")
     for p in sorted({r["world"] for r in result["heads"]}):

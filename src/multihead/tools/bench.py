@@ -445,7 +445,8 @@ def run_suite(*, quick: bool = False, progress: Callable[[str], None] | None = N
     if parallel:
         from ..parallel.bench import run as run_parallel
 
-        suite["parallel"] = run_parallel(progress=say, seqs=(1024,)) if quick else run_parallel(progress=say)
+        sizes: dict[str, Any] = {"seqs": (1024,), "worlds": (1, 2)} if quick else {}
+        suite["parallel"] = run_parallel(progress=say, **sizes)
     return suite
 
 
