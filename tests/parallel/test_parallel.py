@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from multihead import parallel as mp_
+from multihead.parallel.bench import ring_model_bytes
 from parallel_harness import COLLECTIVE_TIMEOUT_S, run_world
 
 ATOL = 1e-10
@@ -224,3 +225,10 @@ def test_ring_memory_per_rank_falls_as_one_over_p() -> None:
     peak = {p: max(r["memory/ring"]["peak"] for r in world(p)) for p in (2, 4)}
     assert all(r["memory/ring"]["finite"] for p in (2, 4) for r in world(p))
     assert peak[4] <= 0.7 * peak[2], f"per-rank peak {peak} does not fall as 1/P"
+    # And what the design holds (q, k, v, out + min(P-1, 2) foreign K/V shards), plus the
+    # blocks' temporaries: on this 2-core AVX2 VM (blocked kernel) 1.98x and 1.89x of the design
+    # at this small size (at S = 16384, H = 8 the benchmark sees 1.2-1.3x: their part is partly
+    # fixed). All-gathering K/V at P = 4 would add the design's whole size again.
+    design = {p: ring_model_bytes(8192, p, 4, 64) for p in (2, 4)}
+    ratio = {p: round(peak[p] / design[p], 3) for p in (2, 4)}
+    assert all(0.9 <= r <= 2.3 for r in ratio.values()), f"peak / design bytes per rank: {ratio}"
