@@ -200,9 +200,11 @@ def from_hf(module: nn.Module, config: Any | None = None, **overrides: Any) -> M
     LayerNorm after it is *not* part of the result), BertSelfAttention (no W_o: ``o_proj``
     is the identity, without bias), GPT2Attention (fused Conv1D, transposed), and the
     q_proj/k_proj/v_proj/o_proj classes (Llama, Mistral, Qwen2, ViT without RoPE, Cohere
-    with interleaved RoPE, ...). Heads, KV heads (GQA), bias, causal (``is_causal``), the
-    logit scale (``scaling``), the window where the class has one, and RoPE (base from the
-    config via :mod:`multihead.interop.hf_config`) carry over.
+    with interleaved RoPE, ...), and the fused ``query_key_value`` classes (GPT-NeoX with
+    partial RoPE, Falcon with RoPE, BLOOM with ALiBi; see :func:`qkv_groups`). Heads, KV
+    heads (GQA), bias, causal (``is_causal``), the logit scale (``scaling``), the window
+    where the class has one, and RoPE (base from the config via
+    :mod:`multihead.interop.hf_config`) or ALiBi carry over.
 
     Args:
         module: the HF attention module (eval mode recommended; dropout carries over).
