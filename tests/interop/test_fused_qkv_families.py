@@ -238,9 +238,10 @@ def _holey_batch() -> dict[str, torch.Tensor]:
     return batch
 
 
-def test_patched_bloom_is_exact_with_a_mask_that_has_holes() -> None:
+@pytest.mark.parametrize("use_cache", [True, False])  # through HF's cache, or our layer alone
+def test_patched_bloom_is_exact_with_a_mask_that_has_holes(use_cache: bool) -> None:
     model = _model("bloom")
-    batch = _holey_batch()
+    batch = {**_holey_batch(), "use_cache": use_cache}
     want = _hidden(model, batch)
     mh.hf.patch(model)
     assert _relative(_hidden(model, batch), want, batch["attention_mask"]) <= RTOL
@@ -319,3 +320,12 @@ def test_gpt_neox_japanese_stays_refused_by_name() -> None:
                                                        intermediate_multiple_size=2, vocab_size=VOCAB))
     with pytest.raises(ValueError, match="GPTNeoXJapaneseAttention is not a supported attention class"):
         mh.hf.patch(model)
+
+
+def test_heads_capture_records_a_patched_bloom_on_a_padded_batch_and_refuses_holes() -> None:
+    model = mh.hf.patch(_model("bloom"))
+    with mh.heads.capture(model) as cap:  # capture records forwards without HF's cache
+        _hidden(model, {**_batch("left"), "use_cache": False})
+    assert [cap.weights[name].shape for name in cap.layers] == [(B, 4, S, S)] * 2
+    with pytest.raises(ValueError, match="capture of a patched BloomAttention"), mh.heads.capture(model):
+        _hidden(model, {**_holey_batch(), "use_cache": False})

@@ -305,6 +305,13 @@ class _BloomWrapper(PatchedAttention):
         if mask is None:  # no padding: key indices are BLOOM's positions
             return super().attend(x, attention_mask, positions, cache, kwargs)
         layer = self.mh
+        if cache is None and layer.__dict__.get("_heads_tap") is not None:
+            # multihead.heads.capture records inside the layer's own forward, which cannot reorder
+            # keys: there, only masks whose unmasked keys are contiguous (left or right padding).
+            if _has_holes(mask):
+                raise ValueError("multihead.heads.capture of a patched BloomAttention with masked keys between "
+                                 "unmasked ones is not supported (BLOOM's ALiBi positions skip them)")
+            return super().attend(x, attention_mask, positions, cache, kwargs)
         q = split_heads(layer.q_proj(x), layer.num_heads)  # (B, H, S, D)
         k = split_heads(layer.k_proj(x), layer.num_kv_heads)  # (B, Hkv, S, D)
         v = split_heads(layer.v_proj(x), layer.num_kv_heads)  # (B, Hkv, S, D)
@@ -316,6 +323,16 @@ class _BloomWrapper(PatchedAttention):
         heads = attention(q, k, v, causal=False, mask=mask, scale=layer.scale, backend=layer.backend,
                           dropout_p=layer.dropout if self.training else 0.0, alibi_slopes=layer.alibi_slopes)
         return layer.o_proj(merge_heads(heads))  # (B, S, E)
+
+
+def _has_holes(mask: torch.Tensor) -> bool:
+    """Whether some row of ``mask`` (B|1, 1|H, Sq, Sk) has, for its last query, masked keys
+    between unmasked ones (reads one bool back to the host)."""
+    seen = mask[..., -1, :]  # (B|1, 1|H, Sk)
+    count = seen.sum(-1)
+    first = seen.int().argmax(-1)
+    last = seen.shape[-1] - 1 - seen.flip(-1).int().argmax(-1)
+    return bool(((count > 0) & (count != last - first + 1)).any())
 
 
 def _unmasked_keys_first(k: torch.Tensor, v: torch.Tensor,
