@@ -2,8 +2,8 @@
 
 Each variant is a tiny random model (2 layers, E=64, H=4 (BLOOM also H=6), every 2-D
 weight ×4 so that attention is far from uniform), float32: patched hidden states equal the
-unpatched ones on a right- and a left-padded batch (relative difference ≤ 1e-5 on real
-tokens), greedy generation gives the same tokens (one prompt, and the padded batch), and
+unpatched ones on a right- and a left-padded batch (within 1e-5 on real tokens, |h| ≈ 3),
+greedy generation gives the same tokens (one prompt, and the padded batch), and
 ``from_hf`` of one attention module equals the HF module called with its own signature.
 The zoo (tests/interop/test_zoo.py) compares one variant of each family again.
 
@@ -28,7 +28,7 @@ from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXAttention, GPT
 import multihead as mh
 from multihead.interop import hf_patch, hf_registry, hf_weights
 
-B, S, VOCAB, RTOL = 2, 9, 100, 1e-5
+B, S, VOCAB, RTOL, ATOL = 2, 9, 100, 1e-5, 1e-5
 SMALL = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": VOCAB,
          "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 SCALED = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4}
@@ -107,7 +107,8 @@ def test_patched_model_equals_unpatched_on_padded_batches_and_greedy_tokens(name
     mh.hf.patch(model)
     assert sum(isinstance(m, mh.hf.PatchedAttention) for m in model.modules()) == 2
     for batch, want in zip(batches, wants):
-        assert _relative(_hidden(model, batch), want, batch["attention_mask"]) <= RTOL
+        real = batch["attention_mask"].bool()
+        torch.testing.assert_close(_hidden(model, batch)[real], want[real], rtol=0, atol=ATOL)
     assert torch.equal(_greedy(model, input_ids=prompt), tokens[0])
     for batch, want_tokens in zip(batches, tokens[1:]):  # right padding: masks with holes while generating
         assert torch.equal(_greedy(model, **batch), want_tokens)
