@@ -23,7 +23,7 @@ from ..config import (_KEYS_ALL_BIAS, _KEYS_HEAD_DIM, _KEYS_HEADS, _KEYS_KV_HEAD
 MAX_TEXT_CONFIG_DEPTH = 4
 
 __all__ = ["parse", "read_json", "field", "rope_parameters", "module_rope_base", "module_window",
-           "module_max_positions"]
+           "module_max_positions", "module_flag"]
 
 
 def read_json(path: Path) -> Mapping[str, Any]:
@@ -329,3 +329,15 @@ def module_max_positions(cfg: Any) -> int | None:
     """``max_position_embeddings`` (the RoPE table length worth precomputing), or None."""
     positions = field(cfg, "max_position_embeddings")
     return positions if isinstance(positions, int) and not isinstance(positions, bool) and positions > 0 else None
+
+
+def module_flag(cfg: Any, key: str, src: str) -> bool | None:
+    """A true/false config key a class's forward depends on (Falcon's ``alibi``); None when absent.
+
+    Raises:
+        TypeError: a value that is neither a bool nor None, naming the key.
+    """
+    value = field(cfg, key) if cfg is not None else None
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{src}: {key} must be true or false, got {type(value).__name__} {value!r}")
+    return value

@@ -133,7 +133,7 @@ class PatchedAttention(nn.Module):
             q, k = layer.q_norm(q), layer.k_norm(k)
         if layer.rope is not None:
             q, k = layer.rope(q, positions), layer.rope(k, positions)
-        k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)  # (B, Hkv, Sk, D)
+        k, v = cache.update(*self._to_cache(k, v), self.layer_idx, kwargs=kwargs)  # (B, Hkv, Sk, D)
         sq, sk = q.shape[2], k.shape[2]
         if mask is not None:
             mask = mask[..., :sk]
@@ -145,6 +145,12 @@ class PatchedAttention(nn.Module):
                           dropout_p=layer.dropout if self.training else 0.0, backend=layer.backend,
                           softcap=layer.softcap, alibi_slopes=layer.alibi_slopes, sinks=layer.sinks)
         return layer.o_proj(merge_heads(heads))  # (B, S, E)
+
+
+    def _to_cache(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V (B, Hkv, S, D) as the HF class stores them in its cache (as they are, but for Falcon's
+        new architecture, which caches them repeated for every query head)."""
+        return k, v
 
 
 def _hf_cache(cache: Any | None, kwargs: dict[str, Any]) -> Any | None:
@@ -232,7 +238,116 @@ class _BertWrapper(PatchedAttention):
         return self.LayerNorm(y + hidden_states), None
 
 
-_WRAPPERS = {"bert": _BertWrapper, "gpt2": _GPT2Wrapper, "llama": _LlamaWrapper, "vit": _ViTWrapper}
+# ---- fused query_key_value families: GPT-NeoX (Pythia), Falcon, BLOOM ----------------------------------
+class _GPTNeoXWrapper(PatchedAttention):
+    """``forward(hidden_states, attention_mask, layer_past=None, position_embeddings=None, **kwargs)``;
+    GPTNeoXLayer passes ``position_ids`` among the kwargs. HF's cos/sin are ignored (our RoPE)."""
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                layer_past: Any | None = None, position_embeddings: Any = None,
+                **kwargs: Any) -> tuple[torch.Tensor, None]:
+        cache = _hf_cache(layer_past, kwargs)
+        positions = _positions(hidden_states, kwargs.get("position_ids"), cache, self.layer_idx)
+        return self.attend(hidden_states, attention_mask, positions, cache, kwargs), None
+
+
+class _FalconWrapper(PatchedAttention):
+    """``forward(hidden_states, alibi, attention_mask, position_ids=None, layer_past=None,
+    use_cache=False, output_attentions=False, position_embeddings=None, **kwargs)``, RoPE only."""
+
+    def __init__(self, original: nn.Module, mh: MultiHeadAttention) -> None:
+        super().__init__(original, mh)
+        self.cache_every_head = bool(getattr(original, "new_decoder_architecture", False))
+
+    def forward(self, hidden_states: torch.Tensor, alibi: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                layer_past: Any | None = None, use_cache: bool = False, output_attentions: bool = False,
+                position_embeddings: Any = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        if alibi is not None:
+            raise ValueError("alibi given to a patched FalconAttention: Falcon's ALiBi is not supported")
+        cache = _hf_cache(layer_past, kwargs)
+        positions = _positions(hidden_states, position_ids, cache, self.layer_idx)
+        return self.attend(hidden_states, attention_mask, positions, cache, kwargs), None
+
+    def _to_cache(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.cache_every_head:
+            return k, v
+        group = self.mh.num_heads // self.mh.num_kv_heads  # HF broadcasts K/V to every query head first
+        return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, S, D)
+
+
+class _BloomWrapper(PatchedAttention):
+    """``forward(hidden_states, residual, alibi, attention_mask, layer_past=None, use_cache=False,
+    output_attentions=False, **kwargs)`` -> ``residual + dropout(dense(attention))``.
+
+    BloomModel's ``alibi`` (B·H, 1, Sk) is ``slope_h · position``, where a key's position counts
+    the unmasked keys before it (``cumsum(attention_mask) - 1``); our ALiBi counts key indices.
+    With a mask, the keys of each row are therefore reordered, unmasked ones first (in order):
+    a key's index is then its position, and our bias differs from BLOOM's by a per-row constant,
+    which the softmax ignores. So masks with holes (generation after right padding) stay exact.
+    """
+
+    def __init__(self, original: nn.Module, mh: MultiHeadAttention) -> None:
+        super().__init__(original, mh)
+        hf: Any = original  # transformers' module: its attributes are not typed here
+        self.hidden_dropout = float(hf.hidden_dropout)
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor, alibi: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, layer_past: Any | None = None, use_cache: bool = False,
+                output_attentions: bool = False, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        cache = _hf_cache(layer_past, kwargs)
+        y = self.attend(hidden_states, attention_mask, None, cache, kwargs)
+        return residual + F.dropout(y, self.hidden_dropout, self.training), None
+
+    def attend(self, x: torch.Tensor, attention_mask: torch.Tensor | None, positions: torch.Tensor | None,
+               cache: Any | None, kwargs: dict[str, Any]) -> torch.Tensor:
+        mask = bool_mask(attention_mask, x.shape[1] if cache is None else None)
+        if mask is None:  # no padding: key indices are BLOOM's positions
+            return super().attend(x, attention_mask, positions, cache, kwargs)
+        layer = self.mh
+        if cache is None and layer.__dict__.get("_heads_tap") is not None:
+            # multihead.heads.capture records inside the layer's own forward, which cannot reorder
+            # keys: there, only masks whose unmasked keys are contiguous (left or right padding).
+            if _has_holes(mask):
+                raise ValueError("multihead.heads.capture of a patched BloomAttention with masked keys between "
+                                 "unmasked ones is not supported (BLOOM's ALiBi positions skip them)")
+            return super().attend(x, attention_mask, positions, cache, kwargs)
+        q = split_heads(layer.q_proj(x), layer.num_heads)  # (B, H, S, D)
+        k = split_heads(layer.k_proj(x), layer.num_kv_heads)  # (B, Hkv, S, D)
+        v = split_heads(layer.v_proj(x), layer.num_kv_heads)  # (B, Hkv, S, D)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)  # (B, Hkv, Sk, D)
+            mask = mask[..., :k.shape[2]]
+        k, v, mask = _unmasked_keys_first(k, v, mask)
+        # HF's mask holds the causal rule; after reordering only the mask can state it.
+        heads = attention(q, k, v, causal=False, mask=mask, scale=layer.scale, backend=layer.backend,
+                          dropout_p=layer.dropout if self.training else 0.0, alibi_slopes=layer.alibi_slopes)
+        return layer.o_proj(merge_heads(heads))  # (B, S, E)
+
+
+def _has_holes(mask: torch.Tensor) -> bool:
+    """Whether some row of ``mask`` (B|1, 1|H, Sq, Sk) has, for its last query, masked keys
+    between unmasked ones (reads one bool back to the host)."""
+    seen = mask[..., -1, :]  # (B|1, 1|H, Sk)
+    count = seen.sum(-1)
+    first = seen.int().argmax(-1)
+    last = seen.shape[-1] - 1 - seen.flip(-1).int().argmax(-1)
+    return bool(((count > 0) & (count != last - first + 1)).any())
+
+
+def _unmasked_keys_first(k: torch.Tensor, v: torch.Tensor,
+                         mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reorder each row's keys (B, Hkv, Sk, D) and mask (B|1, 1|H, Sq, Sk): the keys the last
+    query may attend (under a causal mask, every unmasked key) first, in order, then the rest."""
+    mask = mask.expand(k.shape[0], -1, -1, -1)  # (B, 1|H, Sq, Sk)
+    order = torch.sort((~mask[:, 0, -1, :]).to(torch.int8), dim=-1, stable=True).indices  # (B, Sk)
+    keys = order[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+    cols = order[:, None, None, :].expand(-1, mask.shape[1], mask.shape[2], -1)
+    return k.gather(2, keys), v.gather(2, keys), mask.gather(3, cols)
+
+
+_WRAPPERS = {"bert": _BertWrapper, "gpt2": _GPT2Wrapper, "llama": _LlamaWrapper, "vit": _ViTWrapper,
+             "gpt_neox": _GPTNeoXWrapper, "falcon": _FalconWrapper, "bloom": _BloomWrapper}
 
 
 _ATTENTION_NAME = re.compile(r"Attention|Attn|SelfAttn", re.IGNORECASE)

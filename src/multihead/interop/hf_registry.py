@@ -15,10 +15,13 @@ is never imported here):
 * ``layout``: where the weights are (``"q_proj"``: q/k/v/o_proj nn.Linear, our layout;
   ``"bert"``: ``self.query/key/value`` + ``output.dense``; ``"bert-self"``: query/key/value
   without W_o; ``"gpt2"``: fused transposed Conv1D ``c_attn`` + ``c_proj``; ``"phi3"``: fused
-  ``qkv_proj`` rows [q | k | v] + ``o_proj``). ``partial_rotary``: the class rotates the first
-  ``int(D · partial_rotary_factor)`` dims (Phi-3).
+  ``qkv_proj`` rows [q | k | v] + ``o_proj``; ``"qkv-grouped"``: fused ``query_key_value``
+  whose rows are groups of [q_1 .. q_g | k | v] heads, + ``dense``: GPT-NeoX, BLOOM and Falcon,
+  grouping in :func:`multihead.interop.hf_weights.qkv_groups`). ``partial_rotary``: the class
+  rotates the first ``int(D · partial_rotary_factor)`` dims (Phi-3, GPT-NeoX).
 * ``call``: the forward signature the patch wrapper imitates (``"llama"``, ``"vit"``,
-  ``"bert"``, ``"gpt2"``; ``None``: converted by ``from_hf`` but never patched alone).
+  ``"bert"``, ``"gpt2"``, ``"gpt_neox"``, ``"falcon"``, ``"bloom"``; ``None``: converted by
+  ``from_hf`` but never patched alone).
 * ``parts``: every submodule path and its class name, exactly; ``attrs``: the plain
   attributes the class may set (a new attribute in a later transformers means new
   behaviour, so it is refused until someone reads the code).
@@ -39,6 +42,11 @@ is never imported here):
 * ``model_types``: the config model types the class is verified with (the zoo test
   compares each); the class with any other config class is refused, since another config
   may name its RoPE or window keys differently.
+* ``alibi``: ALiBi with the standard slopes of H heads instead of RoPE (BLOOM).
+  ``config_free``: the module holds every fact it computes with and has no ``config``
+  (BLOOM); without a config it is accepted, a config given must still be of a verified type.
+  ``check``: the family's own rule on its module and config (Falcon's variants, BLOOM's
+  tensor-parallel options), raising ValueError/TypeError with the reason, naming the key.
 
 Causality comes from the module's ``is_causal``, the scale from its ``scaling``, biases
 and head counts from the weights, for every entry.
@@ -51,7 +59,7 @@ configs (``tests/interop/test_zoo.py``) and regenerate the README table with
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +89,9 @@ class AttentionSpec:
     partial_rotary: bool = False
     softcap: bool = False
     params: frozenset[str] = frozenset()
+    alibi: bool = False
+    config_free: bool = False
+    check: Callable[[Any, Any], None] | None = None
 
     @property
     def name(self) -> str:
@@ -130,6 +141,68 @@ _GPT2 = AttentionSpec(
                     "scaling", "split_size"})},
 )
 
+# ---- fused query_key_value families: GPT-NeoX (Pythia), Falcon, BLOOM (issue #15) -----------------
+def _check_gpt_neox(module: Any, config: Any) -> None:
+    """GPT-NeoX: its RoPE table must rotate what the attention rotates (``rotary_ndims``)."""
+    src = "GPTNeoXAttention config"
+    head_dim = hf_config.field(config, "head_dim")
+    if head_dim is not None and head_dim != module.head_size:
+        # GPTNeoXRotaryEmbedding sizes its table by config.head_dim, the attention by E / H.
+        raise ValueError(f"config.head_dim={head_dim!r} differs from hidden_size // num_attention_heads = "
+                         f"{module.head_size}: transformers' RoPE table and attention would disagree")
+    _, _, factor = hf_config.module_rope(config, None, src, partial=True)
+    rotary = int(module.head_size * factor)
+    if factor > 1 or rotary != module.rotary_ndims or rotary % 2:
+        raise ValueError(f"partial_rotary_factor={factor} rotates {rotary} of {module.head_size} dims (module "
+                         f"rotary_ndims={module.rotary_ndims}); only an even count <= head_dim that equals "
+                         "rotary_ndims is supported")
+
+
+def _check_falcon(module: Any, config: Any) -> None:
+    """Falcon: RoPE only (``alibi`` must be false); the fused layout must be one HF can run."""
+    if hf_config.module_flag(config, "alibi", "FalconAttention config"):
+        # build_alibi_tensor rounds slope * position to bfloat16, and the eager path adds the bias
+        # twice (in the scores and again in the mask): eager and sdpa disagree, nothing to imitate.
+        raise ValueError("config.alibi=True is not supported: transformers' Falcon ALiBi rounds slope * position "
+                         "to bfloat16 and its eager attention adds the bias twice (eager and sdpa disagree)")
+    from .hf_weights import qkv_groups  # the layout's reader (imported here: hf_weights imports us)
+
+    qkv_groups(module)  # raises on a variant transformers cannot run
+
+
+def _check_bloom(module: Any, config: Any) -> None:
+    """BLOOM: ``pretraining_tp > 1`` with ``slow_but_exact`` sums the output projection per
+    tensor-parallel slice and drops ``dense``'s bias; that computation is refused."""
+    tp, slow = module.pretraining_tp, module.slow_but_exact
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise TypeError(f"pretraining_tp must be an int >= 1, got {type(tp).__name__} {tp!r}")
+    if not isinstance(slow, bool):
+        raise TypeError(f"slow_but_exact must be true or false, got {type(slow).__name__} {slow!r}")
+    if tp > 1 and slow:
+        raise ValueError(f"pretraining_tp={tp} with slow_but_exact=True is not supported: transformers then sums "
+                         "dense per tensor-parallel slice without dense's bias")
+    if module.beta != 1.0:
+        raise ValueError(f"beta={module.beta!r} scales the ALiBi bias; only 1.0 is supported")
+
+
+_FUSED_QKV = [
+    AttentionSpec("transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXAttention", ("gpt_neox",), "qkv-grouped",
+                  "gpt_neox", {"query_key_value": "Linear", "dense": "Linear"},
+                  {"": frozenset({"attention_dropout", "config", "head_size", "is_causal", "layer_idx", "rotary_ndims",
+                                  "scaling"})}, rope="half", partial_rotary=True, check=_check_gpt_neox),
+    AttentionSpec("transformers.models.falcon.modeling_falcon.FalconAttention", ("falcon",), "qkv-grouped", "falcon",
+                  {"query_key_value": "FalconLinear", "dense": "FalconLinear", "attention_dropout": "Dropout"},
+                  {"": frozenset({"beta", "config", "head_dim", "hidden_dropout", "hidden_size", "inv_norm_factor",
+                                  "is_causal", "layer_idx", "max_position_embeddings", "multi_query",
+                                  "new_decoder_architecture", "num_heads", "num_kv_heads", "split_size"})},
+                  rope="half", check=_check_falcon),
+    AttentionSpec("transformers.models.bloom.modeling_bloom.BloomAttention", ("bloom",), "qkv-grouped", "bloom",
+                  {"query_key_value": "Linear", "dense": "Linear", "attention_dropout": "Dropout"},
+                  {"": frozenset({"beta", "head_dim", "hidden_dropout", "hidden_size", "inv_norm_factor", "layer_idx",
+                                  "num_heads", "pretraining_tp", "slow_but_exact", "split_size"})},
+                  alibi=True, config_free=True, check=_check_bloom),
+]
+
 #: Every supported class, keyed by its qualified name.
 REGISTRY: Mapping[str, AttentionSpec] = {s.cls: s for s in [
     _q_proj("llama", "LlamaAttention", also=("exaone", "internlm3", "iquestcoder")),  # their models are Llama
@@ -161,6 +234,7 @@ REGISTRY: Mapping[str, AttentionSpec] = {s.cls: s for s in [
     _GPT2,
     *_bert("bert", "Bert", also=("dpr",)), *_bert("roberta", "Roberta"), *_bert("xlm-roberta", "XLMRoberta"),
     *_bert("electra", "Electra"),
+    *_FUSED_QKV,
 ]}
 
 
@@ -213,7 +287,7 @@ def why_not(module: nn.Module, config: Any | None = None) -> str | None:
             return f"{spec.name}{'.' + path if path else ''} has attributes its description does not cover: {unknown}"
     config = config if config is not None else _config_of(module)
     model_type = hf_config.field(config, "model_type") if config is not None else None
-    if model_type not in spec.model_types:
+    if model_type not in spec.model_types and not (spec.config_free and config is None):
         # Another config class may hold other keys (RoPE, windows) under other names.
         return (f"{spec.name} with a config of model_type={model_type!r} is not verified; "
                 f"verified: {', '.join(spec.model_types)}")
@@ -221,6 +295,11 @@ def why_not(module: nn.Module, config: Any | None = None) -> str | None:
         got = hf_config.field(config, key) if config is not None else None
         if got != want:
             return f"{spec.name} with config.{key}={got!r} is not supported (only {want!r})"
+    if spec.check is not None:
+        try:
+            spec.check(module, config)
+        except (TypeError, ValueError) as e:
+            return f"{spec.name}: {e}"
     return None
 
 
@@ -239,6 +318,8 @@ def markdown_table() -> str:
             continue  # converted by from_hf as part of its parent's entry
         rope = {None: "none", "half": "RoPE, rotate-half (+ scaling)",
                 "interleaved": "RoPE, interleaved (+ scaling)"}[spec.rope]
+        rope = "ALiBi (standard slopes)" if spec.alibi else rope
+        rope += ", partial" if spec.partial_rotary else ""
         window = {None: "none", "module": "per layer (`module.sliding_window`)",
                   "config": "`config.sliding_window`"}[spec.window]
         also = [f"QK-norm ({spec.qk_norm})"] if spec.qk_norm else []

@@ -12,6 +12,9 @@ by :mod:`multihead.interop.hf_config`. The weight layouts:
   the transpose of nn.Linear.
 * q_proj classes (Llama, Mistral, Qwen2, ViT, Cohere, ...): ``q_proj/k_proj/v_proj/o_proj``
   nn.Linear, our names and layout; RoPE as each class's registry entry says.
+* fused ``query_key_value`` classes (GPT-NeoX, Falcon, BLOOM: layout ``"qkv-grouped"``): the
+  rows are G groups of [q_1 .. q_g | k | v] heads of D rows each (:func:`qkv_groups`); W_o is
+  ``dense``.
 
 transformers is never imported here at module level.
 """
@@ -30,7 +33,8 @@ from .checkpoint import load_state
 from ..rope import RoPE
 from . import hf_config, hf_registry
 
-__all__ = ["from_hf", "to_hf", "hf_family", "state_from_hf", "state_to_hf", "OVERRIDABLE", "ROPE_TABLE_POSITIONS"]
+__all__ = ["from_hf", "to_hf", "hf_family", "state_from_hf", "state_to_hf", "qkv_groups", "OVERRIDABLE",
+           "ROPE_TABLE_POSITIONS"]
 
 #: RoPE tables are precomputed up to this many positions; later ones are computed on the fly.
 ROPE_TABLE_POSITIONS = 8192
@@ -40,12 +44,17 @@ OVERRIDABLE = frozenset({"causal", "dropout", "scale", "window", "backend", "rop
 
 @dataclass(frozen=True)
 class _Link:
-    """Our tensor ``ours`` is rows ``rows`` of HF tensor ``theirs`` (transposed first if ``transpose``)."""
+    """Our tensor ``ours`` is rows ``rows`` of HF tensor ``theirs`` (transposed first if ``transpose``).
+
+    With ``groups`` G > 1, ``theirs`` is G equal blocks of rows and ``rows`` is taken from each
+    block, the results stacked (fused per-head layouts: GPT-NeoX, Falcon, BLOOM).
+    """
 
     ours: str
     theirs: str
     rows: slice | None = None
     transpose: bool = False
+    groups: int = 1
 
 
 def hf_family(module: nn.Module) -> str | None:
@@ -76,6 +85,8 @@ def _links(module: nn.Module, family: str) -> list[_Link]:
         links += [_Link(f"{o}.bias", "c_attn.bias", slice(i * e, (i + 1) * e))
                   for i, o in enumerate(("q_proj", "k_proj", "v_proj"))]
         links += [_Link("o_proj.weight", "c_proj.weight", transpose=True), _Link("o_proj.bias", "c_proj.bias")]
+    elif family == "qkv-grouped":
+        links = _qkv_grouped_links(module)
     elif family == "phi3":  # fused qkv_proj: rows [q (H·D) | k (Hkv·D) | v (Hkv·D)]
         phi3: Any = module  # transformers' module: its attributes are not typed here
         q_rows = phi3.config.num_attention_heads * phi3.head_dim
@@ -120,7 +131,10 @@ def state_from_hf(module: nn.Module, *, grads: bool = False) -> dict[str, torch.
         if t is None:
             raise ValueError(f"parameter {link.theirs} of {type(module).__name__} has no grad")
         t = t.T if link.transpose else t
-        out[link.ours] = t if link.rows is None else t[link.rows]
+        if link.groups > 1:
+            out[link.ours] = _grouped_rows(t, link).flatten(0, 1)  # (G·n, ...)
+        else:
+            out[link.ours] = t if link.rows is None else t[link.rows]
     return out
 
 
@@ -145,11 +159,16 @@ def state_to_hf(state: Mapping[str, torch.Tensor], module: nn.Module) -> dict[st
             raise ValueError(f"state has no tensor {link.ours!r} (needed for {link.theirs})")
         target = out.setdefault(link.theirs, torch.empty_like(params[link.theirs].detach()))
         view = target.T if link.transpose else target
-        view = view if link.rows is None else view[link.rows]
-        if tuple(view.shape) != tuple(state[link.ours].shape):
-            raise ValueError(f"state[{link.ours!r}] must have shape {list(view.shape)} for {link.theirs}, "
+        if link.groups > 1:  # a (G, n, ...) view into target; ours is (G·n, ...)
+            view = _grouped_rows(view, link)
+            want = [view.shape[0] * view.shape[1], *view.shape[2:]]
+        else:
+            view = view if link.rows is None else view[link.rows]
+            want = list(view.shape)
+        if list(state[link.ours].shape) != want:
+            raise ValueError(f"state[{link.ours!r}] must have shape {want} for {link.theirs}, "
                              f"got {list(state[link.ours].shape)}")
-        view.copy_(state[link.ours])
+        view.copy_(state[link.ours].reshape(view.shape))
     return out
 
 
@@ -181,9 +200,11 @@ def from_hf(module: nn.Module, config: Any | None = None, **overrides: Any) -> M
     LayerNorm after it is *not* part of the result), BertSelfAttention (no W_o: ``o_proj``
     is the identity, without bias), GPT2Attention (fused Conv1D, transposed), and the
     q_proj/k_proj/v_proj/o_proj classes (Llama, Mistral, Qwen2, ViT without RoPE, Cohere
-    with interleaved RoPE, ...). Heads, KV heads (GQA), bias, causal (``is_causal``), the
-    logit scale (``scaling``), the window where the class has one, and RoPE (base from the
-    config via :mod:`multihead.interop.hf_config`) carry over.
+    with interleaved RoPE, ...), and the fused ``query_key_value`` classes (GPT-NeoX with
+    partial RoPE, Falcon with RoPE, BLOOM with ALiBi; see :func:`qkv_groups`). Heads, KV
+    heads (GQA), bias, causal (``is_causal``), the logit scale (``scaling``), the window
+    where the class has one, and RoPE (base from the config via
+    :mod:`multihead.interop.hf_config`) or ALiBi carry over.
 
     Args:
         module: the HF attention module (eval mode recommended; dropout carries over).
@@ -206,7 +227,7 @@ def from_hf(module: nn.Module, config: Any | None = None, **overrides: Any) -> M
     state = state_from_hf(module)  # our names and layout
     w = state["q_proj.weight"]  # (H·D, E)
     read = {"bert": _bert_settings, "bert-self": _bert_settings, "gpt2": _gpt2_settings, "q_proj": _q_proj_settings,
-            "phi3": _q_proj_settings}
+            "phi3": _q_proj_settings, "qkv-grouped": _qkv_grouped_settings}
     settings, sizes = read[family](module, config, state, spec)
     head_dim = sizes.pop("head_dim")
     layer = MultiHeadAttention(
@@ -275,6 +296,96 @@ def _rope(module: Any, config: Any, spec: hf_registry.AttentionSpec) -> RoPE | N
     head_dim = int(module.head_dim)
     return RoPE(head_dim, base, interleaved=spec.rope == "interleaved", rotary_dim=int(head_dim * factor),
                 max_positions=min(int(positions), ROPE_TABLE_POSITIONS), scaling=scaling)
+
+
+# ---- fused query_key_value: GPT-NeoX (Pythia), Falcon, BLOOM -----------------------------------------
+def qkv_groups(module: Any) -> tuple[int, int, int]:
+    """(G, g, D): ``module.query_key_value``'s rows are G groups of [q_1 .. q_g | k | v], D rows a head.
+
+    As each class's forward splits them: GPT-NeoX (``view(..., H, 3·D)``, chunk) and BLOOM
+    (``view(..., H, 3, D)``) are (H, 1, D); Falcon is (Hkv, H / Hkv, D) with
+    ``new_decoder_architecture``, (1, H, D) with ``multi_query`` (one K/V head), (H, 1, D)
+    otherwise. Query head ``i·g + r`` reads K/V head ``i``: our GQA grouping.
+
+    Raises:
+        ValueError, TypeError: a Falcon variant transformers cannot run (``num_kv_heads`` that
+            does not divide the heads, or differs from them without the new architecture), or a
+            fused weight of another height, naming the attribute.
+    """
+    name = type(module).__name__
+    if name == "FalconAttention":
+        heads, head_dim = module.num_heads, module.head_dim
+        groups, per = _falcon_groups(module, heads)
+    elif name == "GPTNeoXAttention":
+        heads, head_dim = module.config.num_attention_heads, module.head_size
+        groups, per = heads, 1
+    else:  # BloomAttention
+        heads, head_dim = module.num_heads, module.head_dim
+        groups, per = heads, 1
+    rows = module.query_key_value.weight.shape[0]
+    if rows != groups * (per + 2) * head_dim:
+        raise ValueError(f"{name}.query_key_value has {rows} rows; its layout needs {groups} groups of "
+                         f"({per} + 2) heads of {head_dim} = {groups * (per + 2) * head_dim}")
+    return groups, per, head_dim
+
+
+def _falcon_groups(module: Any, heads: int) -> tuple[int, int]:
+    new, multi_query, kv = module.new_decoder_architecture, module.multi_query, module.num_kv_heads
+    for key, value in (("new_decoder_architecture", new), ("multi_query", multi_query)):
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"{key} must be true or false, got {type(value).__name__} {value!r}")
+    if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1:
+        raise TypeError(f"num_kv_heads must be an int >= 1, got {type(kv).__name__} {kv!r}")
+    if new:
+        if heads % kv:
+            raise ValueError(f"num_kv_heads={kv} must divide num_attention_heads={heads} "
+                             "(new_decoder_architecture groups the heads by K/V head)")
+        return kv, heads // kv
+    if multi_query:
+        return 1, heads
+    if kv != heads:  # FalconAttention.forward reshapes K/V of H heads into num_kv_heads heads: it fails
+        raise ValueError(f"num_kv_heads={kv} with multi_query=False and new_decoder_architecture=False: "
+                         f"transformers' FalconAttention only runs num_kv_heads=num_attention_heads={heads}")
+    return heads, 1
+
+
+def _qkv_grouped_links(module: nn.Module) -> list[_Link]:
+    groups, per, d = qkv_groups(module)
+    cuts = {"q_proj": slice(0, per * d), "k_proj": slice(per * d, (per + 1) * d),
+            "v_proj": slice((per + 1) * d, (per + 2) * d)}
+    links = [_Link(f"{o}.{p}", f"query_key_value.{p}", rows, groups=groups) for o, rows in cuts.items()
+             for p in ("weight", "bias")]
+    return links + [_Link(f"o_proj.{p}", f"dense.{p}") for p in ("weight", "bias")]
+
+
+def _grouped_rows(t: torch.Tensor, link: _Link) -> torch.Tensor:
+    """(G, n, ...) view of ``t``: rows ``link.rows`` of each of its ``link.groups`` blocks."""
+    return t.unflatten(0, (link.groups, -1))[:, link.rows]
+
+
+def _qkv_grouped_settings(module: Any, config: Any, state: dict[str, torch.Tensor],
+                          spec: hf_registry.AttentionSpec) -> tuple[dict, dict]:
+    """GPT-NeoX: RoPE on the first ``rotary_ndims`` dims, ``scaling``. Falcon (RoPE only: ALiBi is
+    refused by its registry check): scores / sqrt(D), and no attention dropout, which its RoPE
+    path never applies. BLOOM: ALiBi with the standard slopes, always causal (BloomModel's mask)."""
+    head_dim = qkv_groups(module)[2]
+    if spec.alibi:  # BLOOM: alibi · 1 (beta) + q·k · inv_norm_factor
+        settings: dict[str, Any] = {"causal": True, "scale": float(module.inv_norm_factor), "alibi": True,
+                                    "dropout": float(module.attention_dropout.p)}
+    elif spec.name == "FalconAttention":
+        settings = {"causal": bool(module.is_causal), "scale": float(module.inv_norm_factor), "dropout": 0.0,
+                    "rope": _fused_rope(config, spec, head_dim)}
+    else:  # GPTNeoXAttention
+        settings = {"causal": bool(module.is_causal), "scale": float(module.scaling),
+                    "dropout": float(module.attention_dropout or 0.0), "rope": _fused_rope(config, spec, head_dim)}
+    return settings, {"head_dim": head_dim}
+
+
+def _fused_rope(config: Any, spec: hf_registry.AttentionSpec, head_dim: int) -> RoPE:
+    base, scaling, factor = hf_config.module_rope(config, None, f"{spec.name} config", partial=spec.partial_rotary)
+    positions = hf_config.module_max_positions(config) or ROPE_TABLE_POSITIONS
+    return RoPE(head_dim, base, rotary_dim=int(head_dim * factor), max_positions=min(int(positions),
+                ROPE_TABLE_POSITIONS), scaling=scaling)
 
 
 def _settings(defaults: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
