@@ -84,6 +84,8 @@ def _links(module: nn.Module, family: str) -> list[_Link]:
         links = [_Link(f"{o}.{p}", f"qkv_proj.{p}", rows) for o, rows in zip(("q_proj", "k_proj", "v_proj"), cuts)
                  for p in ("weight", "bias")]
         links += [_Link(f"o_proj.{p}", f"o_proj.{p}") for p in ("weight", "bias")]
+    elif family in _RENAMED:
+        links = _renamed_links(family)
     else:
         links = [_Link(f"{n}.{p}", f"{n}.{p}") for n in ("q_proj", "k_proj", "v_proj", "o_proj")
                  for p in ("weight", "bias")]
@@ -206,7 +208,7 @@ def from_hf(module: nn.Module, config: Any | None = None, **overrides: Any) -> M
     state = state_from_hf(module)  # our names and layout
     w = state["q_proj.weight"]  # (H·D, E)
     read = {"bert": _bert_settings, "bert-self": _bert_settings, "gpt2": _gpt2_settings, "q_proj": _q_proj_settings,
-            "phi3": _q_proj_settings}
+            "phi3": _q_proj_settings, **{family: _renamed_settings for family in _RENAMED}}
     settings, sizes = read[family](module, config, state, spec)
     head_dim = sizes.pop("head_dim")
     layer = MultiHeadAttention(
@@ -214,6 +216,8 @@ def from_hf(module: nn.Module, config: Any | None = None, **overrides: Any) -> M
         head_dim=head_dim, bias="q_proj.bias" in state, o_bias=sizes.pop("o_bias", "o_proj.bias" in state),
         **_settings(settings, overrides), device=w.device, dtype=w.dtype,
     )
+    if "q_proj.bias" in state and "k_proj.bias" not in state:
+        layer.k_proj.register_parameter("bias", None)  # Whisper: q/v/out_proj have biases, k_proj none
     load_state(layer, state)
     return layer.train(module.training)
 
@@ -275,6 +279,29 @@ def _rope(module: Any, config: Any, spec: hf_registry.AttentionSpec) -> RoPE | N
     head_dim = int(module.head_dim)
     return RoPE(head_dim, base, interleaved=spec.rope == "interleaved", rotary_dim=int(head_dim * factor),
                 max_positions=min(int(positions), ROPE_TABLE_POSITIONS), scaling=scaling)
+
+
+# ---- out_proj and DistilBERT layouts (CLIP, SigLIP, OPT, BART, mBART, Whisper; DistilBERT) ----------------
+#: Layouts that are ours under other names: (HF name of q, k, v, o) per layout.
+_RENAMED = {"out_proj": ("q_proj", "k_proj", "v_proj", "out_proj"),
+            "distilbert": ("q_lin", "k_lin", "v_lin", "out_lin")}
+
+
+def _renamed_links(family: str) -> list[_Link]:
+    """q/k/v/o_proj weight and bias, each one HF tensor of the same shape under the layout's name."""
+    return [_Link(f"{ours}.{p}", f"{theirs}.{p}") for ours, theirs in zip(("q_proj", "k_proj", "v_proj", "o_proj"),
+                                                                          _RENAMED[family]) for p in ("weight", "bias")]
+
+
+def _renamed_settings(module: Any, config: Any, state: dict[str, torch.Tensor],
+                      spec: hf_registry.AttentionSpec) -> tuple[dict, dict]:
+    """CLIP/SigLIP (``scale``), OPT/BART/mBART/Whisper (``scaling``), DistilBERT (``scaling``, an
+    nn.Dropout): no position encoding, no window; causality from ``is_causal``."""
+    heads = int(module.n_heads if spec.layout == "distilbert" else module.num_heads)
+    scale = module.scale if spec.layout == "out_proj" and "scale" in vars(module) else module.scaling
+    dropout = module.dropout.p if isinstance(module.dropout, nn.Dropout) else module.dropout
+    settings = {"causal": bool(module.is_causal), "scale": float(scale), "dropout": float(dropout or 0.0)}
+    return settings, {"head_dim": state["q_proj.weight"].shape[0] // heads}
 
 
 def _settings(defaults: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
