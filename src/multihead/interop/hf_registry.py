@@ -16,7 +16,7 @@ is never imported here):
   ``"bert"``: ``self.query/key/value`` + ``output.dense``; ``"bert-self"``: query/key/value
   without W_o; ``"gpt2"``: fused transposed Conv1D ``c_attn`` + ``c_proj``; ``"phi3"``: fused
   ``qkv_proj`` rows [q | k | v] + ``o_proj``; ``"out_proj"``: q/k/v_proj + ``out_proj``
-  nn.Linear, CLIP, SigLIP, OPT, BART, mBART, Whisper, where a projection may lack its bias,
+  nn.Linear, CLIP, OPT, BART, mBART, Whisper, where a projection may lack its bias,
   Whisper's k_proj; ``"distilbert"``: ``q_lin/k_lin/v_lin/out_lin``). ``partial_rotary``: the
   class rotates the first ``int(D · partial_rotary_factor)`` dims (Phi-3).
 * ``call``: the forward signature the patch wrapper imitates (``"llama"``, ``"vit"``,
@@ -140,9 +140,9 @@ _GPT2 = AttentionSpec(
                     "scaling", "split_size"})},
 )
 
-# ---- out_proj and DistilBERT families (issue #15 item 8): CLIP, SigLIP, OPT, BART, mBART, Whisper ----
+# ---- out_proj and DistilBERT families (issue #15 item 8): CLIP, OPT, BART, mBART, Whisper, DistilBERT ----
 # Read in transformers 5.24: q/k/v_proj + out_proj, no position encoding inside attention.
-# CLIP and SigLIP scale by ``scale``; OPT and Whisper multiply q by ``scaling`` before q·kᵀ
+# CLIP scales by ``scale``; OPT and Whisper multiply q by ``scaling`` before q·kᵀ
 # (BART after): the same logits up to rounding, bit-equal where the scale is a power of two.
 # BART, mBART and Whisper learn at call time whether they cross-attend (``key_value_states``).
 _OUT_PROJ = {n: "Linear" for n in ("q_proj", "k_proj", "v_proj", "out_proj")}
@@ -160,8 +160,9 @@ def _out_proj(module: str, cls: str, model_types: tuple[str, ...], call: str, at
 _OUT_PROJ_FAMILIES = [
     # CLIP's text tower is causal through the is_causal=True its encoder passes (module.is_causal is False)
     _out_proj("clip", "CLIPAttention", ("clip_text_model", "clip_vision_model"), "clip", _CLIP_ATTRS),
-    # SigLIP passes is_causal=self.is_causal (False) and drops the other keywords: always bidirectional
-    _out_proj("siglip", "SiglipAttention", ("siglip_text_model", "siglip_vision_model"), "vit", _CLIP_ATTRS),
+    # Not listed: SiglipAttention (bidirectional, CLIP's layout; it drops the keywords). Its vision
+    # tower ends in SiglipMultiheadAttentionPoolingHead, a torch.nn.MultiheadAttention whose query
+    # is a learned probe, with no config to verify it by: refused, and with it the model.
     _out_proj("opt", "OPTAttention", ("opt",), "opt",
               frozenset({"config", "dropout", "embed_dim", "enable_bias", "head_dim", "is_causal", "layer_idx",
                          "num_heads", "scaling"})),

@@ -12,6 +12,9 @@ by :mod:`multihead.interop.hf_config`. The weight layouts:
   the transpose of nn.Linear.
 * q_proj classes (Llama, Mistral, Qwen2, ViT, Cohere, ...): ``q_proj/k_proj/v_proj/o_proj``
   nn.Linear, our names and layout; RoPE as each class's registry entry says.
+* out_proj classes (CLIP, OPT, BART, mBART, Whisper): ``q_proj/k_proj/v_proj/out_proj``,
+  our layout with W_o under another name; Whisper's k_proj has no bias (nor has ours then).
+* DistilBERT (DistilBertSelfAttention): ``q_lin/k_lin/v_lin/out_lin``.
 
 transformers is never imported here at module level.
 """
@@ -54,7 +57,9 @@ def hf_family(module: nn.Module) -> str | None:
     Returns:
         ``"bert"`` (BertAttention: ``.self`` + ``.output.dense``), ``"bert-self"``
         (BertSelfAttention: query/key/value, no W_o), ``"gpt2"`` (``c_attn`` + ``c_proj``),
-        ``"q_proj"`` (q_proj/k_proj/v_proj/o_proj nn.Linear), or None. A registered class
+        ``"q_proj"`` (q_proj/k_proj/v_proj/o_proj nn.Linear), ``"phi3"`` (fused ``qkv_proj``),
+        ``"out_proj"`` (q/k/v_proj + ``out_proj``), ``"distilbert"`` (``q_lin`` ... ``out_lin``),
+        or None. A registered class
         may still be refused for its configuration: see :func:`hf_registry.why_not`.
     """
     spec = hf_registry.spec_of(module)
@@ -183,7 +188,9 @@ def from_hf(module: nn.Module, config: Any | None = None, **overrides: Any) -> M
     LayerNorm after it is *not* part of the result), BertSelfAttention (no W_o: ``o_proj``
     is the identity, without bias), GPT2Attention (fused Conv1D, transposed), and the
     q_proj/k_proj/v_proj/o_proj classes (Llama, Mistral, Qwen2, ViT without RoPE, Cohere
-    with interleaved RoPE, ...). Heads, KV heads (GQA), bias, causal (``is_causal``), the
+    with interleaved RoPE, ...), the out_proj classes (CLIP, OPT, BART, mBART, Whisper: their
+    self- and cross-attention alike, a cross-attention layer being called with ``context``)
+    and DistilBERT's. Heads, KV heads (GQA), bias, causal (``is_causal``), the
     logit scale (``scaling``), the window where the class has one, and RoPE (base from the
     config via :mod:`multihead.interop.hf_config`) carry over.
 
@@ -281,7 +288,7 @@ def _rope(module: Any, config: Any, spec: hf_registry.AttentionSpec) -> RoPE | N
                 max_positions=min(int(positions), ROPE_TABLE_POSITIONS), scaling=scaling)
 
 
-# ---- out_proj and DistilBERT layouts (CLIP, SigLIP, OPT, BART, mBART, Whisper; DistilBERT) ----------------
+# ---- out_proj and DistilBERT layouts (CLIP, OPT, BART, mBART, Whisper; DistilBERT) ------------------------
 #: Layouts that are ours under other names: (HF name of q, k, v, o) per layout.
 _RENAMED = {"out_proj": ("q_proj", "k_proj", "v_proj", "out_proj"),
             "distilbert": ("q_lin", "k_lin", "v_lin", "out_lin")}
@@ -295,7 +302,7 @@ def _renamed_links(family: str) -> list[_Link]:
 
 def _renamed_settings(module: Any, config: Any, state: dict[str, torch.Tensor],
                       spec: hf_registry.AttentionSpec) -> tuple[dict, dict]:
-    """CLIP/SigLIP (``scale``), OPT/BART/mBART/Whisper (``scaling``), DistilBERT (``scaling``, an
+    """CLIP (``scale``), OPT/BART/mBART/Whisper (``scaling``), DistilBERT (``scaling``, an
     nn.Dropout): no position encoding, no window; causality from ``is_causal``."""
     heads = int(module.n_heads if spec.layout == "distilbert" else module.num_heads)
     scale = module.scale if spec.layout == "out_proj" and "scale" in vars(module) else module.scaling
