@@ -233,9 +233,11 @@ def require_spec(module: nn.Module, config: Any | None = None) -> AttentionSpec:
 def why_not(module: nn.Module, config: Any | None = None) -> str | None:
     """Why ``module`` cannot be converted exactly, or None when its description covers it.
 
-    Checks, in order: the class is registered; its submodules are exactly the described
-    ones (paths and classes); every plain attribute is described; cross-attention is off;
-    the config keys in ``config_must`` hold the covered values.
+    Checks, in order: the class is registered; its ``is_cross_attention`` attribute, where
+    it has one, is off (classes that cross-attend at call time, BART's, are described with
+    ``cross_attention``); its submodules are exactly the described ones (paths and
+    classes); every plain attribute is described; the config's model type is verified; the
+    config keys in ``config_must`` hold the covered values.
     """
     spec = spec_of(module)
     if spec is None:
