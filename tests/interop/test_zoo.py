@@ -12,11 +12,13 @@ Two passes, because patching decides by class (``hf_registry.REGISTRY``):
   attention is far from uniform), run on a right-padded and a left-padded batch, patched,
   run again:
   relative difference ≤ 1e-5 on real tokens, and the same greedy tokens for generators.
+  Encoder-decoders (BART, mBART, Whisper) compare the encoder's states and the decoder's
+  logits, cross-attention included, on padded encoder and decoder batches.
 
 ``test_zoo_catches_rope_planted_in_vit`` plants the mistake this file exists to catch
 (RoPE added to ViT) and requires the comparison to report it.
 
-Runtime: about 25 s on 2 shared cores (14 s of it importing every modeling module).
+Runtime: about 3 minutes on 2 shared cores (85 s of it building every model type on meta).
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ TINY = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "
         "intermediate_size": 128, "vocab_size": VOCAB, "max_position_embeddings": 64, "n_embd": 64, "n_head": 4,
         "n_layer": 2, "image_size": 32, "patch_size": 8, "num_channels": 3, "sliding_window": 6,
         "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+
+#: The tiny sizes under the names of BART, mBART and Whisper's configs.
+_S2S = {"d_model": 64, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
+        "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "decoder_start_token_id": 2}
 
 #: Accepted model types: (extra config fields, generator?). Their classes are registered.
 ZOO: dict[str, tuple[dict[str, Any], bool]] = {
@@ -82,7 +88,19 @@ ZOO: dict[str, tuple[dict[str, Any], bool]] = {
     "gpt_neox": ({"rotary_pct": 0.5}, True),
     "falcon": ({"new_decoder_architecture": True, "num_kv_heads": 2, "bias": True}, True),
     "bloom": ({}, True),
+    # ---- out_proj and DistilBERT families (issue #15 item 8) ----
+    "clip_text_model": ({}, False),  # causal through the is_causal=True its encoder passes
+    "clip_vision_model": ({}, False),
+    "opt": ({"ffn_dim": 128, "word_embed_proj_dim": 64}, True),
+    "bart": (_S2S, True),
+    "mbart": (_S2S, True),
+    "whisper": ({**_S2S, "num_mel_bins": 8, "max_source_positions": 16, "max_target_positions": 64}, True),
+    "distilbert": ({"dim": 64, "n_heads": 4, "n_layers": 2, "hidden_dim": 128}, False),
 }
+#: Encoder-decoders: built for generation (``AutoModelForSeq2SeqLM``, Whisper's speech class),
+#: their encoder's and decoder's outputs compared, the decoder's cross-attention included.
+SEQ2SEQ = {"bart", "mbart", "whisper"}
+VISION = {"vit", "clip_vision_model"}
 
 
 def tiny_config(model_type: str, **extra: Any) -> Any:
@@ -96,7 +114,7 @@ def tiny_config(model_type: str, **extra: Any) -> Any:
 def _build(model_type: str, spec_override: Any = None) -> tuple[nn.Module, bool]:
     extra, generator = ZOO[model_type]
     torch.manual_seed(0)
-    auto = AutoModelForCausalLM if generator else AutoModel
+    auto = _seq2seq_auto(model_type) if model_type in SEQ2SEQ else AutoModelForCausalLM if generator else AutoModel
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = auto.from_config(tiny_config(model_type, **extra), attn_implementation="eager").eval()
@@ -110,39 +128,68 @@ def _build(model_type: str, spec_override: Any = None) -> tuple[nn.Module, bool]
 def _inputs(model_type: str, side: str = "right") -> dict[str, torch.Tensor]:
     """A batch of two where the second row has 3 padding tokens on ``side``."""
     g = torch.Generator().manual_seed(1)
-    if model_type == "vit":
+    if model_type in VISION:
         return {"pixel_values": torch.randn(B, 3, 32, 32, generator=g)}
-    mask = torch.ones(B, S, dtype=torch.long)
-    mask[1, S - 3:] = 0 if side == "right" else 1
+    mask = _padding_mask(S, side)
+    inputs = {"input_ids": torch.randint(3, VOCAB, (B, S), generator=g), "attention_mask": mask}
+    if model_type == "whisper":  # log-mel features: (B, num_mel_bins, 2 · max_source_positions), no padding
+        inputs = {"input_features": torch.randn(B, 8, 32, generator=g)}
+    if model_type in SEQ2SEQ:  # the decoder's own padded batch (S - 2 tokens)
+        inputs.update(decoder_input_ids=torch.randint(3, VOCAB, (B, S - 2), generator=g),
+                      decoder_attention_mask=_padding_mask(S - 2, side))
+    return inputs
+
+
+def _padding_mask(length: int, side: str) -> torch.Tensor:
+    """(B, length): the second row has 3 padding tokens on ``side``."""
+    mask = torch.ones(B, length, dtype=torch.long)
+    mask[1, length - 3:] = 0 if side == "right" else 1
     mask[1, :3] = 0 if side == "left" else 1
-    return {"input_ids": torch.randint(3, VOCAB, (B, S), generator=g), "attention_mask": mask}
+    return mask
 
 
-def _out(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+def _outs(model: nn.Module, inputs: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, Any]]:
+    """The outputs to compare, each with the index of its real tokens (``...``: all)."""
     with torch.no_grad():
         out = model(**inputs)
+    if getattr(out, "encoder_last_hidden_state", None) is not None:  # decoder logits, encoder states
+        return [(out.logits, inputs["decoder_attention_mask"].bool()),
+                (out.encoder_last_hidden_state, inputs["attention_mask"].bool() if "attention_mask" in inputs else ...)]
     for name in ("logits", "last_hidden_state", "pooler_output"):
         if getattr(out, name, None) is not None:
-            return out[name]
+            want = out[name]
+            return [(want, inputs["attention_mask"].bool() if want.dim() == 3 and "attention_mask" in inputs else ...)]
     raise AssertionError(f"no output to compare in {type(out).__name__}")
+
+
+def _seq2seq_auto(model_type: str) -> Any:
+    from transformers import AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
+    return AutoModelForSpeechSeq2Seq if model_type == "whisper" else AutoModelForSeq2SeqLM
+
+
+def _generate(model: nn.Module, model_type: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Greedy tokens (4 new ones at least) from the first row of ``batch``."""
+    greedy = {"max_new_tokens": 4, "min_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    if model_type == "whisper":  # the plain generation loop (Whisper's own wants a real generation config)
+        from transformers import GenerationMixin
+        return GenerationMixin.generate(model, input_features=batch["input_features"][:1],
+                                        decoder_input_ids=torch.full((1, 1), 2), **greedy)
+    return model.generate(batch["input_ids"][:1], **greedy)
 
 
 def compare(model_type: str) -> str:
     """``"exact"``, or what differs (``"wrong: ..."``) after patching ``model_type``'s tiny model."""
     model, generator = _build(model_type)
     batches = [_inputs(model_type, side) for side in ("right", "left")]
-    wants = [_out(model, inputs) for inputs in batches]
-    prompt = batches[0].get("input_ids", torch.zeros(1, 1, dtype=torch.long))[:1]
-    greedy = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
-    tokens = model.generate(prompt, **greedy) if generator else None
+    wants = [_outs(model, inputs) for inputs in batches]
+    tokens = _generate(model, model_type, batches[0]) if generator else None
     mh.hf.patch(model)
     for side, inputs, want in zip(("right", "left"), batches, wants):
-        got = _out(model, inputs)
-        real = inputs["attention_mask"].bool() if want.dim() == 3 and "attention_mask" in inputs else ...
-        rel = ((got[real] - want[real]).abs().max() / want[real].abs().max()).item()
-        if not rel <= RTOL:
-            return f"wrong: relative difference {rel:.2e} on real tokens ({side} padding)"
-    if generator and not torch.equal(model.generate(prompt, **greedy), tokens):
+        for (got, _), (out, real) in zip(_outs(model, inputs), want):
+            rel = ((got[real] - out[real]).abs().max() / out[real].abs().max()).item()
+            if not rel <= RTOL:
+                return f"wrong: relative difference {rel:.2e} on real tokens ({side} padding)"
+    if generator and not torch.equal(_generate(model, model_type, batches[0]), tokens):
         return "wrong: different greedy tokens"
     return "exact"
 
@@ -198,7 +245,7 @@ def _patch_on_meta(model_type: str) -> str:
     try:
         with warnings.catch_warnings(), torch.device("meta"):
             warnings.simplefilter("ignore")
-            model = AutoModel.from_config(tiny_config(model_type))
+            model = AutoModel.from_config(tiny_config(model_type, **ZOO.get(model_type, ({}, False))[0]))
     except Exception:  # noqa: BLE001 - a config the tiny recipe cannot build is not our failure
         return "unbuildable"
     try:

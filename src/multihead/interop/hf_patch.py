@@ -30,8 +30,9 @@ loads; loading a state dict *into* a patched model is refused (unpatch first). W
 trained while patched stay in the wrappers until saved or copied back with
 :func:`multihead.interop.to_hf`. During generation
 HF's own cache object is kept: the wrapper then runs the layer's modules step by step
-around ``cache.update`` (see :meth:`PatchedAttention.attend`). Cross-attention modules and
-RoPE scaling other than the default are refused.
+around ``cache.update`` (see :meth:`PatchedAttention.attend`); BART, mBART and Whisper's
+cross-attention fills and reads HF's ``EncoderDecoderCache`` as those classes do. Other
+cross-attention modules (GPT-2's, BERT's) are refused.
 
 This module imports transformers lazily: ``import multihead`` never imports it.
 """
@@ -346,8 +347,94 @@ def _unmasked_keys_first(k: torch.Tensor, v: torch.Tensor,
     return k.gather(2, keys), v.gather(2, keys), mask.gather(3, cols)
 
 
+# ---- CLIP / DistilBERT, OPT, BART / mBART / Whisper (issue #15 item 8) -------------------------------
+class _ClipWrapper(PatchedAttention):
+    """``forward(hidden_states, attention_mask=None, **kwargs)`` whose keywords reach HF's kernel
+    (CLIP, DistilBERT).
+
+    CLIP's text encoder passes ``is_causal=True`` to a module whose ``is_causal`` is False:
+    HF's kernels obey it only where no mask is given (``sdpa`` with a causal mask skipped; a
+    given mask already holds causality, and ``eager`` always gets one), and so does this.
+    """
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                **kwargs: Any) -> tuple[torch.Tensor, None]:
+        s = hidden_states.shape[1]
+        if attention_mask is None and kwargs.get("is_causal") and not self.mh.causal and s > 1:
+            attention_mask = torch.ones(s, s, dtype=torch.bool, device=hidden_states.device).tril()[None, None]
+        elif kwargs.get("is_causal") is False and self.mh.causal:
+            raise ValueError(f"is_causal=False given to a patched causal {type(self.original).__name__}: "
+                             "not supported")
+        return self.attend(hidden_states, attention_mask, None, None, kwargs), None
+
+
+class _OptWrapper(PatchedAttention):
+    """OPT: ``forward(hidden_states, cache=None, attention_mask=None, output_attentions=False, **kwargs)``."""
+
+    def forward(self, hidden_states: torch.Tensor, cache: Any | None = None,
+                attention_mask: torch.Tensor | None = None, output_attentions: bool = False,
+                **kwargs: Any) -> tuple[torch.Tensor, None]:
+        cache = _hf_cache(cache, kwargs)
+        return self.attend(hidden_states, attention_mask, None, cache, kwargs), None
+
+
+class _Seq2SeqWrapper(PatchedAttention):
+    """BART, mBART, Whisper: ``forward(hidden_states, key_value_states=None, cache=None,
+    attention_mask=None, **kwargs)``.
+
+    Self-attention without ``key_value_states`` (the encoder's, bidirectional; the
+    decoder's, causal through ``self_attention_cache``); cross-attention with them: keys and
+    values are projected from the encoder output once and stored in
+    ``cross_attention_cache``, then read back at every later step (``is_updated``), exactly
+    as the HF classes do, so that generation continues on HF's cache.
+    """
+
+    def forward(self, hidden_states: torch.Tensor, key_value_states: torch.Tensor | None = None,
+                cache: Any | None = None, attention_mask: torch.Tensor | None = None,
+                **kwargs: Any) -> tuple[torch.Tensor, None]:
+        from transformers.cache_utils import EncoderDecoderCache
+
+        cache = _hf_cache(cache, kwargs)
+        kwargs.pop("output_attentions", None)  # no weights from patched modules (see the module docstring)
+        if key_value_states is None:
+            if isinstance(cache, EncoderDecoderCache):
+                cache = cache.self_attention_cache
+            return self.attend(hidden_states, attention_mask, None, cache, kwargs), None
+        if key_value_states.shape[0] != hidden_states.shape[0]:
+            raise ValueError(f"key_value_states must have the batch size of hidden_states "
+                             f"({hidden_states.shape[0]}), got shape {list(key_value_states.shape)}")
+        return self._cross(hidden_states, key_value_states, bool_mask(attention_mask), cache, kwargs), None
+
+    def _cross(self, x: torch.Tensor, context: torch.Tensor, mask: torch.Tensor | None, cache: Any,
+               kwargs: dict[str, Any]) -> torch.Tensor:
+        """x (B, S, E) attends to context (B, Sk, E); mask bool (B|1, 1, S, Sk) or None -> (B, S, E)."""
+        from transformers.cache_utils import EncoderDecoderCache
+
+        layer, idx = self.mh, self.layer_idx
+        if cache is None:
+            return layer(x, context, mask=mask)
+        if idx is None:
+            raise ValueError(f"a patched {type(self.original).__name__} without layer_idx cannot use a cache")
+        store, updated = cache, False
+        if isinstance(cache, EncoderDecoderCache):
+            store, updated = cache.cross_attention_cache, bool(cache.is_updated.get(idx))
+        if updated:  # the encoder's keys and values, projected at the first step
+            k, v = store.layers[idx].keys, store.layers[idx].values  # (B, Hkv, Sk, D)
+        else:
+            k = split_heads(layer.k_proj(context), layer.num_kv_heads)  # (B, Hkv, Sk, D)
+            v = split_heads(layer.v_proj(context), layer.num_kv_heads)
+            k, v = store.update(k, v, idx, kwargs=kwargs)
+            if isinstance(cache, EncoderDecoderCache):
+                cache.is_updated[idx] = True
+        q = split_heads(layer.q_proj(x), layer.num_heads)  # (B, H, S, D)
+        heads = attention(q, k, v, mask=mask, scale=layer.scale, dropout_p=layer.dropout if self.training else 0.0,
+                          backend=layer.backend)  # (B, H, S, D)
+        return layer.o_proj(merge_heads(heads))  # (B, S, E)
+
+
 _WRAPPERS = {"bert": _BertWrapper, "gpt2": _GPT2Wrapper, "llama": _LlamaWrapper, "vit": _ViTWrapper,
-             "gpt_neox": _GPTNeoXWrapper, "falcon": _FalconWrapper, "bloom": _BloomWrapper}
+             "gpt_neox": _GPTNeoXWrapper, "falcon": _FalconWrapper, "bloom": _BloomWrapper,
+             "clip": _ClipWrapper, "opt": _OptWrapper, "bart": _Seq2SeqWrapper}
 
 
 _ATTENTION_NAME = re.compile(r"Attention|Attn|SelfAttn", re.IGNORECASE)

@@ -17,11 +17,19 @@ is never imported here):
   without W_o; ``"gpt2"``: fused transposed Conv1D ``c_attn`` + ``c_proj``; ``"phi3"``: fused
   ``qkv_proj`` rows [q | k | v] + ``o_proj``; ``"qkv-grouped"``: fused ``query_key_value``
   whose rows are groups of [q_1 .. q_g | k | v] heads, + ``dense``: GPT-NeoX, BLOOM and Falcon,
-  grouping in :func:`multihead.interop.hf_weights.qkv_groups`). ``partial_rotary``: the class
-  rotates the first ``int(D · partial_rotary_factor)`` dims (Phi-3, GPT-NeoX).
+  grouping in :func:`multihead.interop.hf_weights.qkv_groups`; ``"out_proj"``: q/k/v_proj +
+  ``out_proj`` nn.Linear, CLIP, OPT, BART, mBART, Whisper, where a projection may lack its
+  bias, Whisper's k_proj; ``"distilbert"``: ``q_lin/k_lin/v_lin/out_lin``). ``partial_rotary``:
+  the class rotates the first ``int(D · partial_rotary_factor)`` dims (Phi-3, GPT-NeoX).
 * ``call``: the forward signature the patch wrapper imitates (``"llama"``, ``"vit"``,
-  ``"bert"``, ``"gpt2"``, ``"gpt_neox"``, ``"falcon"``, ``"bloom"``; ``None``: converted by
-  ``from_hf`` but never patched alone).
+  ``"bert"``, ``"gpt2"``, ``"gpt_neox"``, ``"falcon"``, ``"bloom"``, ``"clip"`` (ViT's, with
+  the ``is_causal`` keyword HF's kernels obey), ``"opt"``, ``"bart"`` (``hidden_states,
+  key_value_states, cache, attention_mask``, filling HF's ``EncoderDecoderCache`` as the class
+  does); ``None``: converted by ``from_hf`` but never patched alone).
+* ``cross_attention``: the class attends to another sequence when its forward is given
+  one (``key_value_states``: BART, mBART, Whisper decoders); the wrapper does the same,
+  caching the encoder's keys and values once as HF does. A module whose
+  ``is_cross_attention`` attribute is set is refused whatever its class.
 * ``parts``: every submodule path and its class name, exactly; ``attrs``: the plain
   attributes the class may set (a new attribute in a later transformers means new
   behaviour, so it is refused until someone reads the code).
@@ -92,6 +100,7 @@ class AttentionSpec:
     alibi: bool = False
     config_free: bool = False
     check: Callable[[Any, Any], None] | None = None
+    cross_attention: bool = False
 
     @property
     def name(self) -> str:
@@ -203,6 +212,42 @@ _FUSED_QKV = [
                   alibi=True, config_free=True, check=_check_bloom),
 ]
 
+
+# ---- out_proj and DistilBERT families (issue #15 item 8): CLIP, OPT, BART, mBART, Whisper, DistilBERT ----
+# Read in transformers 5.24: q/k/v_proj + out_proj, no position encoding inside attention.
+# CLIP scales by ``scale``; OPT and Whisper multiply q by ``scaling`` before q·kᵀ
+# (BART after): the same logits up to rounding, bit-equal where the scale is a power of two.
+# BART, mBART and Whisper learn at call time whether they cross-attend (``key_value_states``).
+_OUT_PROJ = {n: "Linear" for n in ("q_proj", "k_proj", "v_proj", "out_proj")}
+_CLIP_ATTRS = frozenset({"config", "dropout", "embed_dim", "head_dim", "is_causal", "num_heads", "scale"})
+_SEQ2SEQ_ATTRS = frozenset({"config", "dropout", "embed_dim", "head_dim", "is_causal", "is_decoder", "layer_idx",
+                            "num_heads", "scaling"})
+
+
+def _out_proj(module: str, cls: str, model_types: tuple[str, ...], call: str, attrs: frozenset[str],
+              **kw: Any) -> AttentionSpec:
+    return AttentionSpec(f"transformers.models.{module}.modeling_{module}.{cls}", model_types, "out_proj", call,
+                         _OUT_PROJ, {"": attrs}, **kw)
+
+
+_OUT_PROJ_FAMILIES = [
+    # CLIP's text tower is causal through the is_causal=True its encoder passes (module.is_causal is False)
+    _out_proj("clip", "CLIPAttention", ("clip_text_model", "clip_vision_model"), "clip", _CLIP_ATTRS),
+    # Not listed: SiglipAttention (bidirectional, CLIP's layout; it drops the keywords). Its vision
+    # tower ends in SiglipMultiheadAttentionPoolingHead, a torch.nn.MultiheadAttention whose query
+    # is a learned probe, with no config to verify it by: refused, and with it the model.
+    _out_proj("opt", "OPTAttention", ("opt",), "opt",
+              frozenset({"config", "dropout", "embed_dim", "enable_bias", "head_dim", "is_causal", "layer_idx",
+                         "num_heads", "scaling"})),
+    _out_proj("bart", "BartAttention", ("bart",), "bart", _SEQ2SEQ_ATTRS, cross_attention=True),
+    _out_proj("mbart", "MBartAttention", ("mbart",), "bart", _SEQ2SEQ_ATTRS, cross_attention=True),
+    _out_proj("whisper", "WhisperAttention", ("whisper",), "bart", _SEQ2SEQ_ATTRS, cross_attention=True),
+    AttentionSpec("transformers.models.distilbert.modeling_distilbert.DistilBertSelfAttention", ("distilbert",),
+                  "distilbert", "clip",
+                  {"q_lin": "Linear", "k_lin": "Linear", "v_lin": "Linear", "out_lin": "Linear", "dropout": "Dropout"},
+                  {"": frozenset({"attention_head_size", "config", "dim", "is_causal", "n_heads", "scaling"})}),
+]
+
 #: Every supported class, keyed by its qualified name.
 REGISTRY: Mapping[str, AttentionSpec] = {s.cls: s for s in [
     _q_proj("llama", "LlamaAttention", also=("exaone", "internlm3", "iquestcoder")),  # their models are Llama
@@ -235,6 +280,7 @@ REGISTRY: Mapping[str, AttentionSpec] = {s.cls: s for s in [
     *_bert("bert", "Bert", also=("dpr",)), *_bert("roberta", "Roberta"), *_bert("xlm-roberta", "XLMRoberta"),
     *_bert("electra", "Electra"),
     *_FUSED_QKV,
+    *_OUT_PROJ_FAMILIES,
 ]}
 
 
@@ -261,9 +307,11 @@ def require_spec(module: nn.Module, config: Any | None = None) -> AttentionSpec:
 def why_not(module: nn.Module, config: Any | None = None) -> str | None:
     """Why ``module`` cannot be converted exactly, or None when its description covers it.
 
-    Checks, in order: the class is registered; its submodules are exactly the described
-    ones (paths and classes); every plain attribute is described; cross-attention is off;
-    the config keys in ``config_must`` hold the covered values.
+    Checks, in order: the class is registered; its ``is_cross_attention`` attribute, where
+    it has one, is off (classes that cross-attend at call time, BART's, are described with
+    ``cross_attention``); its submodules are exactly the described ones (paths and
+    classes); every plain attribute is described; the config's model type is verified; the
+    config keys in ``config_must`` hold the covered values.
     """
     spec = spec_of(module)
     if spec is None:
@@ -325,6 +373,7 @@ def markdown_table() -> str:
         also = [f"QK-norm ({spec.qk_norm})"] if spec.qk_norm else []
         also += ["soft-capping"] if spec.softcap else []
         also += ["sinks"] if "sinks" in spec.params else []
+        also += ["cross-attention (encoder-decoder cache)"] if spec.cross_attention else []
         rows.append(f"| {', '.join(spec.model_types)} | `{spec.name}` | {spec.layout} | {rope} | {window} | "
                     f"{', '.join(also) or '-'} |")
     return "\n".join(rows)

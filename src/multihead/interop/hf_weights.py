@@ -15,6 +15,9 @@ by :mod:`multihead.interop.hf_config`. The weight layouts:
 * fused ``query_key_value`` classes (GPT-NeoX, Falcon, BLOOM: layout ``"qkv-grouped"``): the
   rows are G groups of [q_1 .. q_g | k | v] heads of D rows each (:func:`qkv_groups`); W_o is
   ``dense``.
+* out_proj classes (CLIP, OPT, BART, mBART, Whisper): ``q_proj/k_proj/v_proj/out_proj``,
+  our layout with W_o under another name; Whisper's k_proj has no bias (nor has ours then).
+* DistilBERT (DistilBertSelfAttention): ``q_lin/k_lin/v_lin/out_lin``.
 
 transformers is never imported here at module level.
 """
@@ -63,7 +66,9 @@ def hf_family(module: nn.Module) -> str | None:
     Returns:
         ``"bert"`` (BertAttention: ``.self`` + ``.output.dense``), ``"bert-self"``
         (BertSelfAttention: query/key/value, no W_o), ``"gpt2"`` (``c_attn`` + ``c_proj``),
-        ``"q_proj"`` (q_proj/k_proj/v_proj/o_proj nn.Linear), or None. A registered class
+        ``"q_proj"`` (q_proj/k_proj/v_proj/o_proj nn.Linear), ``"phi3"`` (fused ``qkv_proj``),
+        ``"out_proj"`` (q/k/v_proj + ``out_proj``), ``"distilbert"`` (``q_lin`` ... ``out_lin``),
+        or None. A registered class
         may still be refused for its configuration: see :func:`hf_registry.why_not`.
     """
     spec = hf_registry.spec_of(module)
@@ -95,6 +100,8 @@ def _links(module: nn.Module, family: str) -> list[_Link]:
         links = [_Link(f"{o}.{p}", f"qkv_proj.{p}", rows) for o, rows in zip(("q_proj", "k_proj", "v_proj"), cuts)
                  for p in ("weight", "bias")]
         links += [_Link(f"o_proj.{p}", f"o_proj.{p}") for p in ("weight", "bias")]
+    elif family in _RENAMED:
+        links = _renamed_links(family)
     else:
         links = [_Link(f"{n}.{p}", f"{n}.{p}") for n in ("q_proj", "k_proj", "v_proj", "o_proj")
                  for p in ("weight", "bias")]
@@ -200,11 +207,13 @@ def from_hf(module: nn.Module, config: Any | None = None, **overrides: Any) -> M
     LayerNorm after it is *not* part of the result), BertSelfAttention (no W_o: ``o_proj``
     is the identity, without bias), GPT2Attention (fused Conv1D, transposed), and the
     q_proj/k_proj/v_proj/o_proj classes (Llama, Mistral, Qwen2, ViT without RoPE, Cohere
-    with interleaved RoPE, ...), and the fused ``query_key_value`` classes (GPT-NeoX with
-    partial RoPE, Falcon with RoPE, BLOOM with ALiBi; see :func:`qkv_groups`). Heads, KV
-    heads (GQA), bias, causal (``is_causal``), the logit scale (``scaling``), the window
-    where the class has one, and RoPE (base from the config via
-    :mod:`multihead.interop.hf_config`) or ALiBi carry over.
+    with interleaved RoPE, ...), the fused ``query_key_value`` classes (GPT-NeoX with
+    partial RoPE, Falcon with RoPE, BLOOM with ALiBi; see :func:`qkv_groups`), the out_proj
+    classes (CLIP, OPT, BART, mBART, Whisper: their self- and cross-attention alike, a
+    cross-attention layer being called with ``context``) and DistilBERT's. Heads, KV heads
+    (GQA), bias, causal (``is_causal``), the logit scale (``scaling``), the window where the
+    class has one, and RoPE (base from the config via :mod:`multihead.interop.hf_config`) or
+    ALiBi carry over.
 
     Args:
         module: the HF attention module (eval mode recommended; dropout carries over).
@@ -227,7 +236,8 @@ def from_hf(module: nn.Module, config: Any | None = None, **overrides: Any) -> M
     state = state_from_hf(module)  # our names and layout
     w = state["q_proj.weight"]  # (H·D, E)
     read = {"bert": _bert_settings, "bert-self": _bert_settings, "gpt2": _gpt2_settings, "q_proj": _q_proj_settings,
-            "phi3": _q_proj_settings, "qkv-grouped": _qkv_grouped_settings}
+            "phi3": _q_proj_settings, "qkv-grouped": _qkv_grouped_settings,
+            **{family: _renamed_settings for family in _RENAMED}}
     settings, sizes = read[family](module, config, state, spec)
     head_dim = sizes.pop("head_dim")
     layer = MultiHeadAttention(
@@ -235,6 +245,8 @@ def from_hf(module: nn.Module, config: Any | None = None, **overrides: Any) -> M
         head_dim=head_dim, bias="q_proj.bias" in state, o_bias=sizes.pop("o_bias", "o_proj.bias" in state),
         **_settings(settings, overrides), device=w.device, dtype=w.dtype,
     )
+    if "q_proj.bias" in state and "k_proj.bias" not in state:
+        layer.k_proj.register_parameter("bias", None)  # Whisper: q/v/out_proj have biases, k_proj none
     load_state(layer, state)
     return layer.train(module.training)
 
@@ -386,6 +398,27 @@ def _fused_rope(config: Any, spec: hf_registry.AttentionSpec, head_dim: int) -> 
     positions = hf_config.module_max_positions(config) or ROPE_TABLE_POSITIONS
     return RoPE(head_dim, base, rotary_dim=int(head_dim * factor), max_positions=min(int(positions),
                 ROPE_TABLE_POSITIONS), scaling=scaling)
+# ---- out_proj and DistilBERT layouts (CLIP, OPT, BART, mBART, Whisper; DistilBERT) ------------------------
+#: Layouts that are ours under other names: (HF name of q, k, v, o) per layout.
+_RENAMED = {"out_proj": ("q_proj", "k_proj", "v_proj", "out_proj"),
+            "distilbert": ("q_lin", "k_lin", "v_lin", "out_lin")}
+
+
+def _renamed_links(family: str) -> list[_Link]:
+    """q/k/v/o_proj weight and bias, each one HF tensor of the same shape under the layout's name."""
+    return [_Link(f"{ours}.{p}", f"{theirs}.{p}") for ours, theirs in zip(("q_proj", "k_proj", "v_proj", "o_proj"),
+                                                                          _RENAMED[family]) for p in ("weight", "bias")]
+
+
+def _renamed_settings(module: Any, config: Any, state: dict[str, torch.Tensor],
+                      spec: hf_registry.AttentionSpec) -> tuple[dict, dict]:
+    """CLIP (``scale``), OPT/BART/mBART/Whisper (``scaling``), DistilBERT (``scaling``, an
+    nn.Dropout): no position encoding, no window; causality from ``is_causal``."""
+    heads = int(module.n_heads if spec.layout == "distilbert" else module.num_heads)
+    scale = module.scale if spec.layout == "out_proj" and "scale" in vars(module) else module.scaling
+    dropout = module.dropout.p if isinstance(module.dropout, nn.Dropout) else module.dropout
+    settings = {"causal": bool(module.is_causal), "scale": float(scale), "dropout": float(dropout or 0.0)}
+    return settings, {"head_dim": state["q_proj.weight"].shape[0] // heads}
 
 
 def _settings(defaults: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
