@@ -46,6 +46,15 @@ TINY = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "
         "n_layer": 2, "image_size": 32, "patch_size": 8, "num_channels": 3, "sliding_window": 6,
         "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 
+#: DeepSeek (issue #15): latent attention needs num_key_value_heads == num_attention_heads; a
+#: small MoE (from layer 1); yarn with mscale / mscale_all_dim (the softmax scale changes).
+#: More settings are compared in tests/interop/test_deepseek.py.
+DEEPSEEK = {"num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_nope_head_dim": 12,
+            "qk_rope_head_dim": 8, "v_head_dim": 10, "n_routed_experts": 8, "n_group": 2, "topk_group": 1,
+            "num_experts_per_tok": 2, "first_k_dense_replace": 1, "moe_intermediate_size": 32,
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                "original_max_position_embeddings": 16, "mscale": 1.0, "mscale_all_dim": 0.8}}
+
 #: Accepted model types: (extra config fields, generator?). Their classes are registered.
 ZOO: dict[str, tuple[dict[str, Any], bool]] = {
     "llama": ({"attention_bias": True}, True),
@@ -78,6 +87,8 @@ ZOO: dict[str, tuple[dict[str, Any], bool]] = {
     "xlm-roberta": ({}, False),
     "electra": ({"embedding_size": 64}, False),
     "vit": ({}, False),
+    "deepseek_v3": ({**DEEPSEEK, "rope_interleave": True}, True),
+    "deepseek_v2": (DEEPSEEK, True),  # always interleaved RoPE
 }
 
 
@@ -194,7 +205,7 @@ def _patch_on_meta(model_type: str) -> str:
     try:
         with warnings.catch_warnings(), torch.device("meta"):
             warnings.simplefilter("ignore")
-            model = AutoModel.from_config(tiny_config(model_type))
+            model = AutoModel.from_config(tiny_config(model_type, **ZOO.get(model_type, ({}, False))[0]))
     except Exception:  # noqa: BLE001 - a config the tiny recipe cannot build is not our failure
         return "unbuildable"
     try:
