@@ -53,7 +53,7 @@ from .. import interop
 from ..functional import attention
 from ..latent import MultiHeadLatentAttention
 from ..module import MultiHeadAttention, merge_heads, split_heads
-from . import hf_registry
+from . import hf_cache, hf_registry
 from .hf_kernel import NAME, attention_forward, bool_mask, register
 
 __all__ = ["patch", "unpatch", "is_patched", "register", "attention_forward", "PatchedAttention", "NAME"]
@@ -110,14 +110,19 @@ class PatchedAttention(nn.Module):
     ) -> torch.Tensor:
         """Our layer on ``x`` (B, S, E) -> (B, S, E).
 
-        With an HF cache (generation), our KVCache cannot stand in for HF's (HF's grows and
-        is shared by the model), so the layer's own modules run step by step around
+        With an HF cache (generation), the layer's own modules run step by step around
         ``cache.update``: q/k/v_proj, split, RoPE, HF cache, :func:`multihead.attention`,
-        concat, o_proj.
+        concat, o_proj. With :class:`multihead.hf.KVCacheAdapter` (our KVCache in HF's
+        ``Cache`` API) a call without mask at the cache's own positions runs our layer's
+        cached call instead (:func:`multihead.interop.hf_cache.own_step`).
         """
         mask = bool_mask(attention_mask, x.shape[1] if cache is None else None)
         if cache is None:
             return self.mh(x, mask=mask, positions=positions if self.mh.rope is not None else None)
+        if hf_cache.is_adapter(cache):  # issue #13: our own cached call (fused when it can) where HF's call allows
+            y = hf_cache.own_step(self.mh, self.layer_idx, cache, x, mask, positions)
+            if y is not None:
+                return y
         return self._attend_with_cache(x, mask, positions, cache, kwargs)
 
     def _attend_with_cache(
