@@ -71,12 +71,22 @@ def test_llama_gqa_left_padded_batch_generates_hf_tokens(impl: str) -> None:
     assert cache.get_seq_length() == S + NEW - 1  # the last token is never fed back
 
 
-def test_unpadded_batch_takes_our_layers_cached_call() -> None:
-    """No mask (sdpa, no padding): ``layer(x, cache=kv)``, fused where the native step applies."""
+def test_unpadded_batch_takes_the_fused_step_or_says_why_not() -> None:
+    """No mask (sdpa, no padding): the fused native step where it applies, else update with its reason."""
     cache = _same_tokens_as_hf(_model(), _prompts(padded=False))
     for path, layer in zip(cache.paths, cache.slots):
-        assert path == "fused" or path in NOT_FUSED_REASONS, path
+        assert path == "fused" or path.removeprefix("update (not fused: ").removesuffix(")") in NOT_FUSED_REASONS, path
         assert layer.kv.host_lengths() == [S + NEW - 1] * 2
+
+
+def test_the_layers_own_cached_call_generates_hf_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The branch a CPU with AVX-512 takes (``layer(x, cache=kv)``), forced here: where the
+    fused step cannot run, the module's own cached call runs it, in place, and must agree."""
+    from multihead.interop import hf_cache
+
+    monkeypatch.setattr(hf_cache, "why_not_fused", lambda layer, x, kv: None)
+    cache = _same_tokens_as_hf(_model(), _prompts(padded=False))
+    assert cache.paths == ["fused", "fused"] and cache.get_seq_length() == S + NEW - 1
 
 
 @pytest.mark.parametrize("padded", [True, False])

@@ -20,7 +20,8 @@ def test_quick_run_reports_prefill_and_decoding_three_ways() -> None:
         assert list(result[phase]) == list(bench_hf.WAYS)
         assert result[phase]["HF"]["vs_hf"] == 1.0
         assert all(st["tokens_per_s"] > 0 for st in result[phase].values())
-    assert len(result["paths"]) == bench_hf.QUICK["layers"] and "update" not in result["paths"]
+    assert len(result["paths"]) == bench_hf.QUICK["layers"]
+    assert all(path == "fused" or path.startswith("update (not fused: ") for path in result["paths"])
     text = bench_hf.format_hf_generate(result)
     assert "prefill:" in text and "decode:" in text and "patched + KVCacheAdapter" in text
 

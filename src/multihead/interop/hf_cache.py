@@ -14,16 +14,16 @@ Pass it to ``generate`` (``cache=``, or the older ``past_key_values=``)::
 
 Each layer call takes one of two paths, recorded in :attr:`KVCacheAdapter.paths`:
 
-* **own step**: a patched layer (:func:`multihead.hf.patch`) whose call HF makes with no
-  mask (``attn_implementation="sdpa"``, the default, and no padding in the batch) and at
-  the cache's own positions runs ``layer(x, cache=kv)``: our module's cached call, which
-  takes the fused native decode step when :func:`multihead.decode.why_not_fused` allows
-  (one token per row, B ≤ 4, float32 on a CPU with AVX-512, ...), and otherwise appends in
-  place with rollback on failure. The path records ``"fused"`` or the reason it is not.
-* **update**: anything else (a mask — padding, eager attention — other positions, or an
-  unpatched layer) calls :meth:`~transformers.Cache.update`, which writes the new K/V in
-  place and returns views of the held ones (B, Hkv, L, D); HF's mask then covers padding
-  (left padding works: its slots are held and masked, as in HF's own caches).
+* **fused**: a patched layer (:func:`multihead.hf.patch`) whose call HF makes with no mask
+  (``attn_implementation="sdpa"``, the default, and no padding in the batch), at the
+  cache's own positions, runs ``layer(x, cache=kv)`` when that takes the fused native
+  decode step (:func:`multihead.decode.why_not_fused`: one token per row, B ≤ 4, float32
+  on a CPU with AVX-512, ...); the step writes K/V into the cache itself.
+* **update**: anything else (a mask — padding, eager attention — other positions, an
+  unpatched layer, or the fused step not applying, whose reason is recorded) calls
+  :meth:`~transformers.Cache.update`, which writes the new K/V in place and returns views
+  of the held ones (B, Hkv, L, D); HF's mask then covers padding (left padding works: its
+  slots are held and masked, as in HF's own caches).
 
 Supported: greedy and sampling, batches with padding, beam search (``reorder_cache``
 reorders the buffers in place), ``crop`` (assisted decoding's roll-back). Refused, by name:
@@ -62,11 +62,15 @@ def is_adapter(cache: object) -> bool:
 
 def own_step(layer: MultiHeadAttention, layer_idx: int | None, cache: Any, x: torch.Tensor, mask: torch.Tensor | None,
              positions: torch.Tensor | None) -> torch.Tensor | None:
-    """``layer(x, cache=kv)`` on the adapter's KVCache of ``layer_idx`` when HF's call allows it, else None.
+    """The fused native step ``layer(x, cache=kv)`` on the adapter's KVCache of ``layer_idx``, or None.
 
-    It allows it when HF gives no mask (purely causal, no padding) and ``positions`` are the
-    cache's own (each row's length onwards): then our module's cached call computes what
-    HF's would. Otherwise the caller goes through ``cache.update``.
+    Taken when HF gives no mask (purely causal, no padding), ``positions`` are the cache's
+    own (each row's length onwards) — then our module's cached call computes what HF's
+    would — and :func:`~multihead.decode.why_not_fused` allows the fused step. Otherwise
+    the caller goes through ``cache.update`` (in place too; the reason is recorded in
+    :attr:`KVCacheAdapter.paths`): unfused, the wrapper's step around ``update`` runs
+    ``nn.Linear`` projections, which were as fast or faster than the module's cached call
+    on the CPUs measured (``multihead bench --hf-generate``).
 
     Args:
         layer: the patched layer's :class:`~multihead.MultiHeadAttention`.
@@ -83,8 +87,11 @@ def own_step(layer: MultiHeadAttention, layer_idx: int | None, cache: Any, x: to
     kv = slot.kv_for(layer, x)
     slot.check_room(x.shape[1])
     reason = why_not_fused(layer, x, kv)
+    if reason is not None:  # the wrapper's own step around update (in place) is as fast or faster then
+        slot.not_fused = reason  # recorded by the update that follows
+        return None
     y = layer(x, cache=kv)
-    slot.record("fused" if reason is None else reason)
+    slot.record("fused")
     return y
 
 
@@ -105,6 +112,7 @@ def _adapter_class() -> Any:
             self.max_len, self.layer_idx = max_len, layer_idx
             self.kv: KVCache | None = None
             self.path: str | None = None  # how the last call went (see KVCacheAdapter.paths)
+            self.not_fused: str | None = None  # set by own_step when the fused step does not apply
 
         def __repr__(self) -> str:
             return f"KVCacheLayer(max_len={self.max_len}, kv={self.kv!r})"
@@ -161,7 +169,8 @@ def _adapter_class() -> Any:
             self.kv.check_append(b, hkv, d, key_states.dtype, key_states.device, s)
             step = self.kv.append(key_states, value_states, None, structure=Structure())  # in place
             self.kv.commit(step)
-            self.record(UPDATE)
+            self.record(UPDATE if self.not_fused is None else f"{UPDATE} (not fused: {self.not_fused})")
+            self.not_fused = None
             return step.keys, step.values
 
         def record(self, path: str) -> None:
@@ -231,8 +240,9 @@ def _adapter_class() -> Any:
 
         Attributes:
             paths: per layer, how its last call went: ``"fused"`` (the native decode step),
-                the reason it was not fused (our module's in-place cached call), or
-                ``"update"`` (through :meth:`update`, in place), None before any call.
+                ``"update"`` (through :meth:`update`, in place), or ``"update (not fused:
+                <reason>)"`` when only the fused step's own conditions failed; None before
+                any call.
 
         Raises:
             TypeError: ``model`` is neither a model with a config nor a config.

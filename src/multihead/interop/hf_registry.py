@@ -149,9 +149,11 @@ _GPT2 = AttentionSpec(
 # (2p, 2p+1) in float32 (interleaved, always); V3 applies interleaved pairs when
 # config.rope_interleave is true and rotate-half otherwise (False or None). The attention kernel
 # repeats K/V by num_attention_heads // num_key_value_heads although kv_b_proj already gives H
-# heads: the two must be equal (else HF's eager path fails, sdpa silently drops the repeat).
-# scaling = Dq^-0.5 · mscale(factor, mscale_all_dim)² for a non-default rope_type (read from the
-# module); the rotary attention factor (yarn's mscale / mscale_all_dim) is in our RoPE tables.
+# heads: the two must be equal (else HF's eager path fails on the shapes, and its sdpa path works
+# only where it skips the repeat). scaling = Dq^-0.5 · mscale(factor, mscale_all_dim)² for a
+# non-default rope_type (read from the module); the rotary attention factor (yarn's mscale /
+# mscale_all_dim) is in our RoPE tables. The pairing is read with the sizes by
+# hf_layers._deepseek (AttentionConfig.rope_interleaved); `rope` below describes it.
 _DEEPSEEK_NORM_ATTRS = frozenset({"variance_epsilon"})
 _DEEPSEEK_Q = ({"q_proj": "Linear"},
                {"q_a_proj": "Linear", "q_a_layernorm": "{v}RMSNorm", "q_b_proj": "Linear"})

@@ -9,8 +9,9 @@ vocab 32000, MLP 2816; float32, ``attn_implementation="sdpa"``) on a P=1536 prom
 * ``patched + DynamicCache``: :func:`multihead.hf.patch`, the same cache (our layers run
   around ``cache.update``; the cache concatenates every step);
 * ``patched + KVCacheAdapter``: :class:`multihead.hf.KVCacheAdapter`, our KVCache written
-  in place; the decoding step is our layers' own cached call (the fused native step where
-  :func:`multihead.decode.why_not_fused` allows; its reason otherwise is reported).
+  in place; the decoding step is the fused native step where
+  :func:`multihead.decode.why_not_fused` allows (else the reason is reported and the
+  wrapper's step writes in place through ``update``).
 
 Timed: the prefill (a fresh cache each call, ``logits_to_keep=1``) and one decoding step
 after the prompt (rolled back with ``crop(-1)`` between calls), interleaved round-robin
