@@ -189,3 +189,13 @@ def test_plain_converter_points_to_the_latent_layer() -> None:
 def test_deepseek_v2_config_reads_as_latent_attention_with_interleaved_rope() -> None:
     config = mh.AttentionConfig.from_hf({**_config("deepseek_v2").to_dict(), "rope_interleave": False})
     assert config.latent and config.rope_interleaved and config.kv_lora_rank == 16
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3"])
+def test_config_cost_is_what_transformers_caches(model_type: str) -> None:
+    """The KV-cache bytes per token that mh.cost reads from the config are what the unpatched model holds."""
+    config = _config(model_type)
+    with torch.no_grad():
+        cache = _model(config)(**_batch("right"), use_cache=True).past_key_values
+    held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers) // (B * S)
+    assert held == mh.cost(mh.AttentionConfig.from_hf(config.to_dict()), S).kv_cache_bytes_per_token == 2 * 24 * 4
