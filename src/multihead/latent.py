@@ -112,6 +112,7 @@ class MultiHeadLatentAttention(nn.Module):
             as transformers' DeepSeek does.
         norm_eps: the RMSNorms' epsilon.
         max_positions: RoPE table size.
+        dropout: attention-probability dropout in training (transformers' ``attention_dropout``).
         backend: attention backend for :func:`multihead.attention`.
         device, dtype: of the parameters.
 
@@ -123,7 +124,7 @@ class MultiHeadLatentAttention(nn.Module):
                  qk_rope_head_dim: int, v_head_dim: int, q_lora_rank: int | None = None, bias: bool = False,
                  rope_base: float = 10000.0, rope_scaling: RopeScaling | None = None, rope_interleaved: bool = True,
                  scale: float | None = None, norm_eps: float = 1e-6, max_positions: int = 4096,
-                 backend: str | None = None, device: torch.device | str | None = None,
+                 dropout: float = 0.0, backend: str | None = None, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads), ("kv_lora_rank", kv_lora_rank),
@@ -132,9 +133,12 @@ class MultiHeadLatentAttention(nn.Module):
             check_int(name, value)
         if q_lora_rank is not None:
             check_int("q_lora_rank", q_lora_rank)
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be a number in [0, 1), got {dropout!r}")
         self.embed_dim, self.num_heads, self.kv_lora_rank = embed_dim, num_heads, kv_lora_rank
         self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
-        self.q_lora_rank, self.backend = q_lora_rank, backend
+        self.q_lora_rank, self.backend, self.dropout = q_lora_rank, backend, float(dropout)
+        self.causal = True  # DeepSeek's latent attention is always causal
         self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
         f = {"device": device, "dtype": dtype}
         q_out = num_heads * self.qk_head_dim
@@ -160,25 +164,50 @@ class MultiHeadLatentAttention(nn.Module):
         return cls(config.embed_dim, config.num_heads, kv_lora_rank=config.kv_lora_rank,
                    qk_nope_head_dim=config.qk_nope_head_dim, qk_rope_head_dim=config.qk_rope_head_dim,
                    v_head_dim=config.v_head_dim, q_lora_rank=config.q_lora_rank, bias=config.bias,
-                   rope_base=config.rope_base, rope_scaling=config.rope_scaling, **kwargs)
+                   rope_base=config.rope_base, rope_scaling=config.rope_scaling,
+                   rope_interleaved=config.rope_interleaved, **kwargs)
 
     @classmethod
     def from_hf(cls, module: nn.Module, **kwargs: Any) -> MultiHeadLatentAttention:
-        """Convert transformers' ``DeepseekV3Attention`` / ``DeepseekV2Attention`` (weights copied)."""
-        from .config import AttentionConfig
+        """Convert transformers' ``DeepseekV3Attention`` / ``DeepseekV2Attention`` (weights copied).
 
+        Exact or refused: the class must be described in
+        :data:`multihead.interop.hf_registry.REGISTRY` and the description must cover the
+        module (submodules, attributes, config). Sizes, bias, RoPE (base, scaling, pairing:
+        V2 always interleaved, V3 as ``config.rope_interleave``) come from the config
+        through :meth:`AttentionConfig.from_hf`; the logit scale is the module's
+        ``scaling`` (yarn's ``mscale(factor, mscale_all_dim)²`` included), the dropout its
+        ``attention_dropout``, the norms' epsilon their ``variance_epsilon``.
+
+        Args:
+            module: the HF attention module.
+            **kwargs: ``backend``.
+
+        Raises:
+            ValueError: a class or configuration the registry refuses, norms of different
+                epsilons, or weights that do not load, naming the reason.
+        """
+        from .config import AttentionConfig
+        from .interop import hf_registry
+
+        spec = hf_registry.require_spec(module)
+        if spec.layout != "latent":
+            raise ValueError(f"{spec.name} is not latent attention: convert it with "
+                             "multihead.MultiHeadAttention.from_hf")
         hf: Any = module  # transformers' module: its attributes are not typed here
-        hf_cfg = hf.config
-        config = AttentionConfig.from_hf({**hf_cfg.to_dict(), "model_type": "deepseek_v3"})
-        eps = hf.kv_a_layernorm.variance_epsilon
-        layer = cls.from_config(config, norm_eps=eps, rope_interleaved=bool(getattr(hf_cfg, "rope_interleave", True)),
-                                scale=hf.scaling, device=hf.o_proj.weight.device,
+        config = AttentionConfig.from_hf(hf.config.to_dict())
+        eps = {float(hf.kv_a_layernorm.variance_epsilon)}
+        if hf.q_lora_rank is not None:
+            eps.add(float(hf.q_a_layernorm.variance_epsilon))
+        if len(eps) != 1:
+            raise ValueError(f"{spec.name}: q_a_layernorm and kv_a_layernorm have different epsilons {sorted(eps)}")
+        layer = cls.from_config(config, norm_eps=eps.pop(), scale=float(hf.scaling),
+                                dropout=float(hf.attention_dropout or 0.0), device=hf.o_proj.weight.device,
                                 dtype=hf.o_proj.weight.dtype, **kwargs)
         missing, unexpected = layer.load_state_dict(module.state_dict(), strict=False)
         if unexpected or missing:
-            raise ValueError(f"{type(module).__name__}: weights do not match (missing {missing}, "
-                             f"unexpected {unexpected})")
-        return layer
+            raise ValueError(f"{spec.name}: weights do not match (missing {missing}, unexpected {unexpected})")
+        return layer.train(module.training)
 
     def new_cache(self, batch_size: int, max_len: int) -> LatentCache:
         """A :class:`LatentCache` of ``r + dr`` numbers per token, in the layer's dtype and device."""
@@ -186,36 +215,49 @@ class MultiHeadLatentAttention(nn.Module):
         return LatentCache(batch_size, max_len, self.kv_lora_rank, self.qk_rope_head_dim, dtype=w.dtype,
                            device=w.device)
 
-    def forward(self, x: torch.Tensor, *, key_mask: torch.Tensor | None = None,
+    def forward(self, x: torch.Tensor, *, key_mask: torch.Tensor | None = None, mask: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, cache: LatentCache | None = None) -> torch.Tensor:
         """Causal latent attention of ``x`` (B, S, E) -> (B, S, E).
 
         Args:
             key_mask: (B, S) bool, True = real token (no cache).
+            mask: (B|1, 1|H, S, S) bool, True = may attend (no cache); combined with
+                causality and ``key_mask`` by logical and. A fully masked row gives zeros.
             positions: (S,) or (B, S) RoPE positions; default 0..S-1, or the cache's length onwards.
             cache: a :class:`LatentCache`: the new tokens' latents are appended and the heads
                 attend through the absorbed up-projections (no decompression).
+
+        Raises:
+            ValueError: ``x`` of the wrong width or dtype, a mask with a cache, or a cache
+                too small (left unchanged).
         """
         check_tensor("x", x, ndim=3)
         if x.shape[-1] != self.embed_dim or x.dtype != self.o_proj.weight.dtype:
             raise ValueError(f"x must be [B, S, {self.embed_dim}] of dtype {self.o_proj.weight.dtype}, "
                              f"got {list(x.shape)} {x.dtype}")
-        if cache is not None and key_mask is not None:
-            raise ValueError("key_mask with a LatentCache is not supported: every row holds the same tokens")
-        b, s, _ = x.shape
+        if cache is not None and (key_mask is not None or mask is not None):
+            raise ValueError("key_mask or mask with a LatentCache is not supported: every row holds the same tokens")
+        s = x.shape[1]
         start = 0 if cache is None else cache.length
         if positions is None:
             positions = torch.arange(start, start + s, device=x.device)
-        q_nope, q_rot, latent, k_rot = self._project(x, positions)
+        q_nope, q_rot, entries = self.project(x, positions)
         if cache is None:
-            out = self._decompressed(q_nope, q_rot, latent, k_rot, key_mask)  # (B, H, S, dv)
-        else:
-            out = self._absorbed(q_nope, q_rot, latent, k_rot, cache)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.v_head_dim))  # (B, S, E)
+            if key_mask is not None:
+                padding = key_padding_mask(key_mask)  # (B, 1, 1, S)
+                mask = padding if mask is None else mask & padding
+            return self.output(self.attend_decompressed(q_nope, q_rot, entries, mask))
+        out = self.attend_absorbed(q_nope, q_rot, cache.stage(entries), None)
+        cache.commit(s)
+        return self.output(out)
 
-    def _project(self, x: torch.Tensor, positions: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q_nope (B, H, S, dn), rotated q_rot (B, H, S, dr), latent (B, S, r), rotated k_rot (B, 1, S, dr)."""
+    # ---- the steps, public for wrappers that keep the cache elsewhere (transformers' Cache) ----
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q_nope (B, H, S, dn), rotated q_rot (B, H, S, dr), cache entries ``[c | k_rot]`` (B, S, r + dr).
+
+        ``c`` is the normalised latent, ``k_rot`` the rotated shared rotary key, in this
+        layer's RoPE pairing (what a cache of this layer holds).
+        """
         b, s, _ = x.shape
         q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(b, s, self.num_heads, self.qk_head_dim).transpose(1, 2)  # (B, H, S, Dq)
@@ -223,38 +265,49 @@ class MultiHeadLatentAttention(nn.Module):
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)  # (B, S, r)
         q_rot, k_rot = self.rope.rotate((q_rot.contiguous(), k_rot[:, None].contiguous()), positions)
-        return q_nope, q_rot, latent, k_rot
+        return q_nope, q_rot, torch.cat((latent, k_rot[:, 0]), dim=-1)  # ..., (B, S, r + dr)
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs (B, H, S, dv) concatenated and through o_proj: (B, S, E)."""
+        b, _, s, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.v_head_dim))  # (B, S, E)
 
     def _up(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_uk (H, dn, r) and W_uv (H, dv, r): kv_b_proj's rows by head."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
 
-    def _decompressed(self, q_nope: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
-                      key_mask: torch.Tensor | None) -> torch.Tensor:
-        """The keys and values of every head computed from the latents (transformers' way)."""
-        b, s, _ = latent.shape
-        kv = self.kv_b_proj(latent).view(b, s, self.num_heads, -1).transpose(1, 2)  # (B, H, S, dn + dv)
-        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-        k = torch.cat((k_nope, k_rot.expand(-1, self.num_heads, -1, -1)), dim=-1)  # (B, H, S, Dq)
-        q = torch.cat((q_nope, q_rot), dim=-1)  # (B, H, S, Dq)
-        mask = None if key_mask is None else key_padding_mask(key_mask)
-        return attention(q, k, v, causal=True, mask=mask, scale=self.scale, backend=self.backend)
+    def attend_decompressed(self, q_nope: torch.Tensor, q_rot: torch.Tensor, held: torch.Tensor,
+                            mask: torch.Tensor | None) -> torch.Tensor:
+        """Every head's keys and values computed from the entries (transformers' way): (B, H, S, dv).
 
-    def _absorbed(self, q_nope: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
-                  cache: LatentCache) -> torch.Tensor:
-        """MQA over the cache's ``[c | k_rot]`` with ``q_lat = q_nope·W_uk``; W_uv after the weighted sum."""
-        s = latent.shape[1]
+        Args:
+            q_nope, q_rot: from :meth:`project`.
+            held: (B, Sk, r + dr) entries of every key (the S new ones last).
+            mask: (B|1, 1|H, S, Sk) bool or None; causality (bottom-right) is always applied.
+        """
+        b, sk, _ = held.shape
+        latent, k_rot = held[:, None].split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)  # (B, 1, Sk, .)
+        kv = self.kv_b_proj(latent[:, 0]).view(b, sk, self.num_heads, -1).transpose(1, 2)  # (B, H, Sk, dn + dv)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k = torch.cat((k_nope, k_rot.expand(-1, self.num_heads, -1, -1)), dim=-1)  # (B, H, Sk, Dq)
+        q = torch.cat((q_nope, q_rot), dim=-1)  # (B, H, S, Dq)
+        return attention(q, k, v, causal=True, mask=mask, scale=self.scale, backend=self.backend,
+                         dropout_p=self.dropout if self.training else 0.0)
+
+    def attend_absorbed(self, q_nope: torch.Tensor, q_rot: torch.Tensor, held: torch.Tensor,
+                        mask: torch.Tensor | None) -> torch.Tensor:
+        """MQA over the entries ``[c | k_rot]`` with ``q_lat = q_nope·W_uk``; W_uv after the weighted sum.
+
+        Args and result as :meth:`attend_decompressed`; no key or value is decompressed.
+        """
         w_uk, w_uv = self._up()
-        entries = torch.cat((latent, k_rot[:, 0]), dim=-1)  # (B, S, r + dr)
-        held = cache.stage(entries)[:, None]  # (B, 1, C + S, r + dr): one shared K/V head
         q_lat = torch.einsum("bhsd,hdr->bhsr", q_nope, w_uk)  # (B, H, S, r)
         q = torch.cat((q_lat, q_rot), dim=-1)  # (B, H, S, r + dr)
-        out_lat = attention(q, held, held[..., : self.kv_lora_rank], causal=True, scale=self.scale,
-                            backend=self.backend)  # (B, H, S, r)
-        out = torch.einsum("bhsr,hvr->bhsv", out_lat, w_uv)  # (B, H, S, dv)
-        cache.commit(s)
-        return out
+        kv = held[:, None]  # (B, 1, Sk, r + dr): one shared K/V head
+        out_lat = attention(q, kv, kv[..., : self.kv_lora_rank], causal=True, mask=mask, scale=self.scale,
+                            backend=self.backend, dropout_p=self.dropout if self.training else 0.0)  # (B, H, S, r)
+        return torch.einsum("bhsr,hvr->bhsv", out_lat, w_uv)  # (B, H, S, dv)
 
 
 def _yarn_mscale_squared(scaling: RopeScaling | None) -> float:

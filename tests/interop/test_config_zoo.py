@@ -115,6 +115,7 @@ def test_tiny_config_matches_the_model_and_its_kv_cache(model_type: str) -> None
 # Read by per-layer rules (latent attention, per-stage or per-layer heads): checked against the published
 # architecture and transformers' DeepSeek-V3 attention in these files instead.
 CHECKED_ELSEWHERE = {"deepseek_v3": "tests/interop/test_modern_configs.py, tests/core/test_latent.py",
+                     "deepseek_v2": "tests/interop/test_deepseek.py (whole models, the cache's bytes)",
                      "swin": "tests/interop/test_modern_configs.py (per-stage heads)",
                      "openelm": "tests/interop/test_modern_configs.py (per-layer heads)"}
 

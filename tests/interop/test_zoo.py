@@ -51,6 +51,14 @@ TINY = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "
 #: The tiny sizes under the names of BART, mBART and Whisper's configs.
 _S2S = {"d_model": 64, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
         "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "decoder_start_token_id": 2}
+#: DeepSeek (issue #15): latent attention needs num_key_value_heads == num_attention_heads; a
+#: small MoE (from layer 1); yarn with mscale / mscale_all_dim (the softmax scale changes).
+#: More settings are compared in tests/interop/test_deepseek.py.
+DEEPSEEK = {"num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_nope_head_dim": 12,
+            "qk_rope_head_dim": 8, "v_head_dim": 10, "n_routed_experts": 8, "n_group": 2, "topk_group": 1,
+            "num_experts_per_tok": 2, "first_k_dense_replace": 1, "moe_intermediate_size": 32,
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                "original_max_position_embeddings": 16, "mscale": 1.0, "mscale_all_dim": 0.8}}
 
 #: Accepted model types: (extra config fields, generator?). Their classes are registered.
 ZOO: dict[str, tuple[dict[str, Any], bool]] = {
@@ -96,6 +104,8 @@ ZOO: dict[str, tuple[dict[str, Any], bool]] = {
     "mbart": (_S2S, True),
     "whisper": ({**_S2S, "num_mel_bins": 8, "max_source_positions": 16, "max_target_positions": 64}, True),
     "distilbert": ({"dim": 64, "n_heads": 4, "n_layers": 2, "hidden_dim": 128}, False),
+    "deepseek_v3": ({**DEEPSEEK, "rope_interleave": True}, True),
+    "deepseek_v2": (DEEPSEEK, True),  # always interleaved RoPE
 }
 #: Encoder-decoders: built for generation (``AutoModelForSeq2SeqLM``, Whisper's speech class),
 #: their encoder's and decoder's outputs compared, the decoder's cross-attention included.

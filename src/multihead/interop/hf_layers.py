@@ -179,7 +179,12 @@ def _swin(cfg: Mapping[str, Any], src: str) -> AttentionConfig:
 
 
 def _deepseek(cfg: Mapping[str, Any], src: str) -> AttentionConfig:
-    """DeepSeek-V2/V3: multi-head latent attention sizes under their own names."""
+    """DeepSeek-V2/V3: multi-head latent attention sizes under their own names.
+
+    RoPE pairing: V2 always interleaved (complex pairs (2p, 2p+1)); V3 interleaved when
+    ``rope_interleave`` is true (its default when absent), rotate-half when false or null,
+    as transformers' ``if self.config.rope_interleave``.
+    """
     h = _hf()
     sizes = {key: h._as_int(cfg.get(key), key, src)
              for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "kv_lora_rank",
@@ -196,6 +201,7 @@ def _deepseek(cfg: Mapping[str, Any], src: str) -> AttentionConfig:
             head_dim=sizes["qk_nope_head_dim"] + sizes["qk_rope_head_dim"], num_layers=sizes["num_hidden_layers"],
             causal=True, bias=bool(h._optional_bool(cfg, "attention_bias", src)), o_bias=False, rope_base=base,
             rotary_dim=sizes["qk_rope_head_dim"], max_positions=h._optional_int(cfg, h._KEYS_POSITIONS, src),
+            rope_interleaved=cfg.get("model_type") == "deepseek_v2" or bool(cfg.get("rope_interleave", True)),
             model_type=cfg.get("model_type"), rope_scaling=rope_scaling(cfg, params, src),
             kv_lora_rank=sizes["kv_lora_rank"], q_lora_rank=q_rank, qk_nope_head_dim=sizes["qk_nope_head_dim"],
             qk_rope_head_dim=sizes["qk_rope_head_dim"], v_head_dim=sizes["v_head_dim"])
@@ -205,5 +211,6 @@ def _deepseek(cfg: Mapping[str, Any], src: str) -> AttentionConfig:
 
 #: Families read by their own function (their files use keys of their own).
 SPECIAL: Mapping[str, Callable[[Mapping[str, Any], str], AttentionConfig]] = {
-    "openelm": _openelm, "swin": _swin, "deepseek_v3": _deepseek,  # deepseek_v2: not checked, refused
+    "openelm": _openelm, "swin": _swin, "deepseek_v3": _deepseek,
+    "deepseek_v2": _deepseek,  # V3's keys and computation, RoPE always interleaved (tests/interop/test_deepseek.py)
 }

@@ -12,7 +12,9 @@ Two ways in, for two needs:
   :class:`~multihead.MultiHeadAttention`: our projections, split, RoPE, attention, concat
   and o_proj run; the wrapper keeps the HF module's forward signature and return value
   ``(attn_output (B, S, E), None)``, so the model runs unchanged. :func:`unpatch` puts the
-  original module objects back.
+  original module objects back. DeepSeek-V2/V3's latent attention is wrapped around a
+  :class:`~multihead.MultiHeadLatentAttention` instead (HF's cache then holds the latent and
+  the rotary key, and decoding attends through the absorbed up-projections).
 * :func:`register` adds multihead's attention *kernel* to transformers'
   ``AttentionInterface`` under ``"multihead"``; then ``attn_implementation="multihead"``
   works for any model that dispatches through that registry (HF keeps its own
@@ -50,8 +52,9 @@ from torch import nn
 
 from .. import interop
 from ..functional import attention
+from ..latent import MultiHeadLatentAttention
 from ..module import MultiHeadAttention, merge_heads, split_heads
-from . import hf_registry
+from . import hf_cache, hf_registry
 from .hf_kernel import NAME, attention_forward, bool_mask, register
 
 __all__ = ["patch", "unpatch", "is_patched", "register", "attention_forward", "PatchedAttention", "NAME"]
@@ -108,14 +111,19 @@ class PatchedAttention(nn.Module):
     ) -> torch.Tensor:
         """Our layer on ``x`` (B, S, E) -> (B, S, E).
 
-        With an HF cache (generation), our KVCache cannot stand in for HF's (HF's grows and
-        is shared by the model), so the layer's own modules run step by step around
+        With an HF cache (generation), the layer's own modules run step by step around
         ``cache.update``: q/k/v_proj, split, RoPE, HF cache, :func:`multihead.attention`,
-        concat, o_proj.
+        concat, o_proj. With :class:`multihead.hf.KVCacheAdapter` (our KVCache in HF's
+        ``Cache`` API) a call without mask at the cache's own positions runs our layer's
+        cached call instead (:func:`multihead.interop.hf_cache.own_step`).
         """
         mask = bool_mask(attention_mask, x.shape[1] if cache is None else None)
         if cache is None:
             return self.mh(x, mask=mask, positions=positions if self.mh.rope is not None else None)
+        if hf_cache.is_adapter(cache):  # issue #13: our own cached call (fused when it can) where HF's call allows
+            y = hf_cache.own_step(self.mh, self.layer_idx, cache, x, mask, positions)
+            if y is not None:
+                return y
         return self._attend_with_cache(x, mask, positions, cache, kwargs)
 
     def _attend_with_cache(
@@ -432,6 +440,61 @@ class _Seq2SeqWrapper(PatchedAttention):
         return layer.o_proj(merge_heads(heads))  # (B, S, E)
 
 
+
+# ---- DeepSeek-V2/V3: multi-head latent attention (issue #15) ---------------------------------
+class _LatentWrapper(PatchedAttention):
+    """DeepSeek's latent attention on :class:`~multihead.MultiHeadLatentAttention` (``self.mh``).
+
+    ``forward(hidden_states, *, position_embeddings, attention_mask, cache, position_ids)``:
+    V3's parameters, keyword-only because V2 orders them differently (both decoder layers
+    pass them by keyword). HF's cos/sin are ignored: our RoPE, built from the same config,
+    computes them from ``position_ids``. Without a cache the keys and values of every head
+    are decompressed, as transformers computes them. With HF's cache the layer writes what
+    transformers' class writes, the normalised latent (B, 1, S, r) and the rotated shared
+    key (B, 1, S, dr) (in our RoPE pairing: only this layer reads them), and the heads
+    attend through the absorbed up-projections: nothing held is decompressed.
+    """
+
+    def __init__(self, original: nn.Module, mla: MultiHeadLatentAttention) -> None:
+        layer: Any = mla  # the base types self.mh as MultiHeadAttention; here it is latent
+        super().__init__(original, layer)
+
+    @property
+    def latent(self) -> MultiHeadLatentAttention:
+        layer: Any = self.mh
+        return layer
+
+    def _synced_original(self) -> nn.Module:
+        weight = self.latent.o_proj.weight
+        original = self.original.to(device=weight.device, dtype=weight.dtype).train(self.training)
+        with torch.no_grad():
+            original.load_state_dict(self.latent.state_dict())  # the same names (from_hf checked them)
+        return original
+
+    def forward(self, hidden_states: torch.Tensor, *, position_embeddings: Any = None,
+                attention_mask: torch.Tensor | None = None, cache: Any | None = None,
+                **kwargs: Any) -> tuple[torch.Tensor, None]:
+        layer = self.latent
+        cache = _hf_cache(cache, kwargs)
+        positions = _positions(hidden_states, kwargs.get("position_ids"), cache, self.layer_idx)
+        q_nope, q_rot, entries = layer.project(hidden_states, positions)  # entries (B, S, r + dr)
+        if cache is None:
+            mask = bool_mask(attention_mask, hidden_states.shape[1])
+            return layer.output(layer.attend_decompressed(q_nope, q_rot, entries, mask)), None
+        r = layer.kv_lora_rank
+        latent, k_rot = cache.update(entries[:, None, :, :r], entries[:, None, :, r:], self.layer_idx,
+                                     kwargs=kwargs)  # (B, 1, Sk, r), (B, 1, Sk, dr)
+        held = torch.cat((latent, k_rot), dim=-1)[:, 0]  # (B, Sk, r + dr)
+        mask = bool_mask(attention_mask)
+        s, sk = hidden_states.shape[1], held.shape[1]
+        if mask is not None:
+            mask = mask[..., :sk]
+        elif 1 < s < sk:
+            held = held[:, :s]  # prefill of an empty static cache: the slots past S are unwritten
+        return layer.output(layer.attend_absorbed(q_nope, q_rot, held, mask)), None
+# ---- end DeepSeek ------------------------------------------------------------------------------
+
+
 _WRAPPERS = {"bert": _BertWrapper, "gpt2": _GPT2Wrapper, "llama": _LlamaWrapper, "vit": _ViTWrapper,
              "gpt_neox": _GPTNeoXWrapper, "falcon": _FalconWrapper, "bloom": _BloomWrapper,
              "clip": _ClipWrapper, "opt": _OptWrapper, "bart": _Seq2SeqWrapper}
@@ -455,7 +518,7 @@ def _candidates(model: nn.Module, *, include_patched: bool = False) -> list[tupl
             taken.append(name)
             if include_patched:
                 found.append((name, module))
-        elif isinstance(module, MultiHeadAttention):
+        elif isinstance(module, (MultiHeadAttention, MultiHeadLatentAttention)):
             taken.append(name)  # ours already
         elif hf_registry.spec_of(module) is not None or (
                 _ATTENTION_NAME.search(type(module).__name__) and not _holds_registered(module)):
@@ -475,6 +538,8 @@ def _wrap(module: nn.Module, overrides: dict[str, Any]) -> PatchedAttention:
     if spec.call is None:
         raise ValueError(f"{spec.name} is converted with multihead.MultiHeadAttention.from_hf but not patched "
                          "alone; patch the model that holds its parent attention module")
+    if spec.layout == "latent":  # DeepSeek (issue #15)
+        return _LatentWrapper(module, MultiHeadLatentAttention.from_hf(module, **overrides))
     return _WRAPPERS[spec.call](module, interop.from_hf(module, **overrides))
 
 
@@ -548,7 +613,7 @@ def unpatch(model: nn.Module) -> nn.Module:
             original = module.original
             # The original sat outside the module tree while patched: bring it to the
             # mode, dtype and device the model was moved to meanwhile.
-            weight = module.mh.q_proj.weight
+            weight = module.mh.o_proj.weight  # every layer class has o_proj (latent ones may lack q_proj)
             original.to(device=weight.device, dtype=weight.dtype).train(module.training)
             _set_submodule(model, name, original)
     return model

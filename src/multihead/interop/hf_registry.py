@@ -19,27 +19,36 @@ is never imported here):
   whose rows are groups of [q_1 .. q_g | k | v] heads, + ``dense``: GPT-NeoX, BLOOM and Falcon,
   grouping in :func:`multihead.interop.hf_weights.qkv_groups`; ``"out_proj"``: q/k/v_proj +
   ``out_proj`` nn.Linear, CLIP, OPT, BART, mBART, Whisper, where a projection may lack its
-  bias, Whisper's k_proj; ``"distilbert"``: ``q_lin/k_lin/v_lin/out_lin``). ``partial_rotary``:
+  bias, Whisper's k_proj; ``"distilbert"``: ``q_lin/k_lin/v_lin/out_lin``; ``"latent"``:
+  DeepSeek's multi-head latent attention, converted to
+  :class:`~multihead.MultiHeadLatentAttention`, its own names). ``partial_rotary``:
   the class rotates the first ``int(D · partial_rotary_factor)`` dims (Phi-3, GPT-NeoX).
 * ``call``: the forward signature the patch wrapper imitates (``"llama"``, ``"vit"``,
   ``"bert"``, ``"gpt2"``, ``"gpt_neox"``, ``"falcon"``, ``"bloom"``, ``"clip"`` (ViT's, with
   the ``is_causal`` keyword HF's kernels obey), ``"opt"``, ``"bart"`` (``hidden_states,
   key_value_states, cache, attention_mask``, filling HF's ``EncoderDecoderCache`` as the class
-  does); ``None``: converted by ``from_hf`` but never patched alone).
+  does), ``"latent"``; ``None``: converted by ``from_hf`` but never patched alone).
 * ``cross_attention``: the class attends to another sequence when its forward is given
   one (``key_value_states``: BART, mBART, Whisper decoders); the wrapper does the same,
   caching the encoder's keys and values once as HF does. A module whose
   ``is_cross_attention`` attribute is set is refused whatever its class.
 * ``parts``: every submodule path and its class name, exactly; ``attrs``: the plain
   attributes the class may set (a new attribute in a later transformers means new
-  behaviour, so it is refused until someone reads the code).
+  behaviour, so it is refused until someone reads the code). ``alternatives``: groups of
+  submodules of which exactly one is present besides ``parts`` (DeepSeek: ``q_proj``, or
+  ``q_a_proj`` + ``q_a_layernorm`` + ``q_b_proj`` when ``q_lora_rank`` is set); an
+  ``attrs`` path that is absent is not read.
 * ``rope``: ``None`` (no position encoding inside attention), ``"half"`` (rotate-half,
-  HF Llama) or ``"interleaved"`` (pairs (2p, 2p+1), Cohere); base and scaling are read by
+  HF Llama), ``"interleaved"`` (pairs (2p, 2p+1), Cohere) or ``"rope_interleave"``
+  (interleaved when ``config.rope_interleave`` is true, rotate-half otherwise, DeepSeek-V3);
+  base and scaling are read by
   :mod:`multihead.interop.hf_config` (only ``rope_type="default"``, full rotary).
 * ``window``: ``None`` (never a window), ``"module"`` (``module.sliding_window``, per layer)
   or ``"config"`` (``config.sliding_window``, what the class's forward passes to HF's kernel).
 * ``config_must``: config keys whose other values change the computation, with the value
-  this description covers (e.g. OLMo's ``clip_qkv`` must be None).
+  this description covers (e.g. OLMo's ``clip_qkv`` must be None). ``config_equal``: pairs
+  of config keys that must hold equal values (DeepSeek: ``num_key_value_heads`` and
+  ``num_attention_heads``).
 * ``resid_dropout``: a config key of a dropout the module applies after o_proj (Starcoder2).
 * ``qk_norm``: ``"head"`` (RMSNorm ``q_norm``/``k_norm`` over D, Qwen3, Gemma 3) or
   ``"proj"`` (over the whole projection, OLMo 2); ``norm_offset``: the weight is stored as
@@ -101,6 +110,8 @@ class AttentionSpec:
     config_free: bool = False
     check: Callable[[Any, Any], None] | None = None
     cross_attention: bool = False
+    alternatives: tuple[Mapping[str, str], ...] = ()
+    config_equal: tuple[tuple[str, str], ...] = ()
 
     @property
     def name(self) -> str:
@@ -248,6 +259,45 @@ _OUT_PROJ_FAMILIES = [
                   {"": frozenset({"attention_head_size", "config", "dim", "is_causal", "n_heads", "scaling"})}),
 ]
 
+# ---- DeepSeek-V2/V3: multi-head latent attention (issue #15) -------------------------------
+# transformers 5.24, modeling_deepseek_v{2,3}.py, read line by line. Both classes compute the
+# same thing: q = q_proj(x) or q_b_proj(RMSNorm(q_a_proj(x))); [c | k_rot] = kv_a_proj_with_mqa(x),
+# c = RMSNorm(c) (eps fixed at 1e-6, not config.rms_norm_eps); RoPE on q_rot and k_rot; the cache
+# holds (c, k_rot); keys [kv_b_proj(c)_nope | k_rot] and values kv_b_proj(c)_v for all H heads;
+# softmax(scaling · q·k + mask) v; o_proj. They differ in RoPE only: V2 multiplies complex pairs
+# (2p, 2p+1) in float32 (interleaved, always); V3 applies interleaved pairs when
+# config.rope_interleave is true and rotate-half otherwise (False or None). The attention kernel
+# repeats K/V by num_attention_heads // num_key_value_heads although kv_b_proj already gives H
+# heads: the two must be equal (else HF's eager path fails on the shapes, and its sdpa path works
+# only where it skips the repeat). scaling = Dq^-0.5 · mscale(factor, mscale_all_dim)² for a
+# non-default rope_type (read from the module); the rotary attention factor (yarn's mscale /
+# mscale_all_dim) is in our RoPE tables. The pairing is read with the sizes by
+# hf_layers._deepseek (AttentionConfig.rope_interleaved); `rope` below describes it.
+_DEEPSEEK_NORM_ATTRS = frozenset({"variance_epsilon"})
+_DEEPSEEK_Q = ({"q_proj": "Linear"},
+               {"q_a_proj": "Linear", "q_a_layernorm": "{v}RMSNorm", "q_b_proj": "Linear"})
+_DEEPSEEK_ATTRS = frozenset({"attention_dropout", "config", "hidden_size", "is_causal", "kv_lora_rank", "layer_idx",
+                             "num_heads", "num_key_value_groups", "q_lora_rank", "qk_head_dim", "qk_nope_head_dim",
+                             "qk_rope_head_dim", "scaling", "v_head_dim",
+                             # the query path not taken is set to None (a plain attribute)
+                             "q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj"})
+
+
+def _deepseek(version: int, rope: str) -> AttentionSpec:
+    v = f"DeepseekV{version}"
+    return AttentionSpec(
+        f"transformers.models.deepseek_v{version}.modeling_deepseek_v{version}.{v}Attention",
+        (f"deepseek_v{version}",), "latent", "latent",
+        {"kv_a_proj_with_mqa": "Linear", "kv_a_layernorm": f"{v}RMSNorm", "kv_b_proj": "Linear", "o_proj": "Linear"},
+        {"": _DEEPSEEK_ATTRS, "kv_a_layernorm": _DEEPSEEK_NORM_ATTRS, "q_a_layernorm": _DEEPSEEK_NORM_ATTRS},
+        rope=rope, alternatives=tuple({k: c.format(v=v) for k, c in alt.items()} for alt in _DEEPSEEK_Q),
+        config_equal=(("num_key_value_heads", "num_attention_heads"),))
+
+
+_DEEPSEEK = [_deepseek(2, "interleaved"), _deepseek(3, "rope_interleave")]
+# ---- end DeepSeek ------------------------------------------------------------------------
+
+
 #: Every supported class, keyed by its qualified name.
 REGISTRY: Mapping[str, AttentionSpec] = {s.cls: s for s in [
     _q_proj("llama", "LlamaAttention", also=("exaone", "internlm3", "iquestcoder")),  # their models are Llama
@@ -281,6 +331,7 @@ REGISTRY: Mapping[str, AttentionSpec] = {s.cls: s for s in [
     *_bert("electra", "Electra"),
     *_FUSED_QKV,
     *_OUT_PROJ_FAMILIES,
+    *_DEEPSEEK,
 ]}
 
 
@@ -320,8 +371,9 @@ def why_not(module: nn.Module, config: Any | None = None) -> str | None:
     if getattr(module, "is_cross_attention", False):
         return f"{spec.name} is a cross-attention (is_cross_attention=True): not supported"
     parts = {name: type(m).__name__ for name, m in module.named_modules() if name}
-    extra = sorted(f"{n} ({c})" for n, c in parts.items() if spec.parts.get(n) != c)
-    missing = sorted(set(spec.parts) - set(parts))
+    described = _described_parts(spec, parts)
+    extra = sorted(f"{n} ({c})" for n, c in parts.items() if described.get(n) != c)
+    missing = sorted(set(described) - set(parts))
     if extra or missing:
         return (f"{spec.name} has submodules its description does not account for: "
                 f"{', '.join(extra) or 'none'}; missing: {', '.join(missing) or 'none'}")
@@ -329,6 +381,8 @@ def why_not(module: nn.Module, config: Any | None = None) -> str | None:
     if own:
         return f"{spec.name} has parameters of its own its description does not cover: {own}"
     for path, allowed in spec.attrs.items():
+        if path and path not in parts:
+            continue  # an alternative part that is absent (checked above)
         owner = module.get_submodule(path) if path else module
         unknown = sorted(k for k in vars(owner) if not k.startswith("_") and k != "training" and k not in allowed)
         if unknown:
@@ -348,7 +402,19 @@ def why_not(module: nn.Module, config: Any | None = None) -> str | None:
             spec.check(module, config)
         except (TypeError, ValueError) as e:
             return f"{spec.name}: {e}"
+    for key, other in spec.config_equal:
+        got, want = (hf_config.field(config, k) if config is not None else None for k in (key, other))
+        if got != want:
+            return f"{spec.name} with config.{key}={got!r} != config.{other}={want!r} is not supported"
     return None
+
+
+def _described_parts(spec: AttentionSpec, parts: Mapping[str, str]) -> Mapping[str, str]:
+    """``spec.parts`` plus the alternative group the module holds (the first whose first part it has)."""
+    for group in spec.alternatives:
+        if next(iter(group)) in parts:
+            return {**spec.parts, **group}
+    return {**spec.parts, **spec.alternatives[0]} if spec.alternatives else spec.parts
 
 
 def _config_of(module: nn.Module) -> Any | None:
@@ -365,7 +431,8 @@ def markdown_table() -> str:
         if spec.call is None:
             continue  # converted by from_hf as part of its parent's entry
         rope = {None: "none", "half": "RoPE, rotate-half (+ scaling)",
-                "interleaved": "RoPE, interleaved (+ scaling)"}[spec.rope]
+                "interleaved": "RoPE, interleaved (+ scaling)",
+                "rope_interleave": "RoPE, as `rope_interleave` (+ scaling)"}[spec.rope]
         rope = "ALiBi (standard slopes)" if spec.alibi else rope
         rope += ", partial" if spec.partial_rotary else ""
         window = {None: "none", "module": "per layer (`module.sliding_window`)",
@@ -374,6 +441,7 @@ def markdown_table() -> str:
         also += ["soft-capping"] if spec.softcap else []
         also += ["sinks"] if "sinks" in spec.params else []
         also += ["cross-attention (encoder-decoder cache)"] if spec.cross_attention else []
+        also += ["latent KV (MLA)"] if spec.layout == "latent" else []
         rows.append(f"| {', '.join(spec.model_types)} | `{spec.name}` | {spec.layout} | {rope} | {window} | "
                     f"{', '.join(also) or '-'} |")
     return "\n".join(rows)

@@ -113,7 +113,11 @@ def _links(module: nn.Module, family: str) -> list[_Link]:
 def _family_or_raise(module: nn.Module, config: Any | None = None) -> str:
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    return hf_registry.require_spec(module, config).layout
+    layout = hf_registry.require_spec(module, config).layout
+    if layout == "latent":  # DeepSeek (issue #15): another layer class, its own weight names
+        raise ValueError(f"{type(module).__name__} is multi-head latent attention: convert it with "
+                         "multihead.MultiHeadLatentAttention.from_hf")
+    return layout
 
 
 def state_from_hf(module: nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor]:

@@ -113,6 +113,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise ValueError(f"--threads must be a positive integer, got {args.threads}")
         torch.set_num_threads(args.threads)
     print(f"torch threads: {torch.get_num_threads()}", file=sys.stderr, flush=True)
+    if args.hf_generate:
+        return _bench_hf_generate(args)
     suite = bench.run_suite(quick=args.quick,
                             progress=lambda line: print(f"  running {line}", file=sys.stderr, flush=True))
     out = Path(args.out)
@@ -122,6 +124,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except ImportError:  # matplotlib is the optional [bench] extra
         pass
     _emit(args, suite, bench.format_report(suite) + "\n\nwrote " + " and ".join(written))
+    return 0
+
+
+def _bench_hf_generate(args: argparse.Namespace) -> int:
+    """``bench --hf-generate``: a whole transformers model, unpatched vs patched vs KVCacheAdapter."""
+
+    from . import bench_hf
+
+    result = bench_hf.run_hf_generate(quick=args.quick,
+                                      progress=lambda line: print(f"  running {line}", file=sys.stderr, flush=True))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "hf_generate.json"
+    path.write_text(json.dumps(result, indent=2), encoding="utf-8")
+    _emit(args, result, bench_hf.format_hf_generate(result) + f"\n\nwrote {path}")
     return 0
 
 
@@ -161,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where to write bench.json and bench.png (default %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
+    p.add_argument("--hf-generate", action="store_true",
+                   help="instead of the suite: a transformers Llama's prefill and decoding step, unpatched vs "
+                        "patched vs patched + mh.hf.KVCacheAdapter (minutes; --quick: seconds)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("heads", help="what each head does: metrics and labels, a page, a picture, importance")

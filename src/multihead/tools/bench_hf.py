@@ -1,0 +1,132 @@
+"""``multihead bench --hf-generate``: a whole transformers model's prefill and decoding step, three ways.
+
+Notation: B batch (1), P prompt tokens, L layers, E embed_dim, H heads, Hkv key/value heads.
+
+A Llama-architecture ``LlamaForCausalLM`` with random weights (L=8, E=1024, H=16, Hkv=4,
+vocab 32000, MLP 2816; float32, ``attn_implementation="sdpa"``) on a P=1536 prompt:
+
+* ``HF``: unpatched, transformers' ``DynamicCache`` (its default in ``generate``);
+* ``patched + DynamicCache``: :func:`multihead.hf.patch`, the same cache (our layers run
+  around ``cache.update``; the cache concatenates every step);
+* ``patched + KVCacheAdapter``: :class:`multihead.hf.KVCacheAdapter`, our KVCache written
+  in place; the decoding step is the fused native step where
+  :func:`multihead.decode.why_not_fused` allows (else the reason is reported and the
+  wrapper's step writes in place through ``update``).
+
+Timed: the prefill (a fresh cache each call, ``logits_to_keep=1``) and one decoding step
+after the prompt (rolled back with ``crop(-1)`` between calls), interleaved round-robin
+with :func:`multihead.tools.bench.time_interleaved`, so machine noise hits all three alike;
+medians, tokens/s and ratios to ``HF`` are reported. It takes minutes at full size (hence
+its own flag, outside the suite); ``quick`` runs tiny sizes in seconds.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .bench import Fn, time_interleaved
+
+__all__ = ["run_hf_generate", "format_hf_generate", "FULL", "QUICK"]
+
+#: Model and prompt sizes: (layers, embed_dim, heads, kv_heads, vocab, intermediate, prompt).
+FULL = {"layers": 8, "embed_dim": 1024, "heads": 16, "kv_heads": 4, "vocab": 32000, "intermediate": 2816,
+        "prompt": 1536}
+QUICK = {"layers": 2, "embed_dim": 64, "heads": 4, "kv_heads": 2, "vocab": 128, "intermediate": 128, "prompt": 32}
+WAYS = ("HF", "patched + DynamicCache", "patched + KVCacheAdapter")
+
+
+def _models(sizes: dict[str, int]) -> tuple[Any, Any]:
+    """(unpatched, patched) LlamaForCausalLM with the same random weights."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from ..interop.hf_patch import patch
+
+    config = LlamaConfig(hidden_size=sizes["embed_dim"], num_attention_heads=sizes["heads"],
+                         num_key_value_heads=sizes["kv_heads"], num_hidden_layers=sizes["layers"],
+                         vocab_size=sizes["vocab"], intermediate_size=sizes["intermediate"],
+                         max_position_embeddings=max(4096, 2 * sizes["prompt"]))
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    return hf, patch(copy.deepcopy(hf))
+
+
+def run_hf_generate(*, quick: bool = False, reps: int | None = None,
+                    progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Time prefill and one decoding step three ways; return plain dicts (see the module docstring).
+
+    Args:
+        quick: :data:`QUICK` sizes instead of :data:`FULL`.
+        reps: timed repetitions of each (default 3 for prefill and 15 for a step; quick: 2, 3).
+        progress: called with a short line before each phase.
+
+    Returns:
+        ``{"sizes", "paths", "prefill": {way: stats}, "decode": {way: stats}, "same_logits"}``,
+        stats as :func:`time_interleaved`'s plus ``tokens_per_s`` and ``vs_hf`` (time ratio).
+    """
+    from transformers import DynamicCache
+
+    from ..interop import hf_cache
+
+    adapter = hf_cache.KVCacheAdapter
+    say = progress or (lambda line: None)
+    sizes = QUICK if quick else FULL
+    p = sizes["prompt"]
+    say(f"building two Llama models ({sizes['layers']} layers, E={sizes['embed_dim']})")
+    hf, patched = _models(sizes)
+    ids = torch.randint(0, sizes["vocab"], (1, p), generator=torch.Generator().manual_seed(1))
+    step_ids = ids[:, -1:]
+    models = dict(zip(WAYS, (hf, patched, patched)))
+
+    def new_cache(way: str) -> Any:
+        return adapter(patched, max_len=p + 1) if way == WAYS[2] else DynamicCache(config=hf.config)
+
+    def prefill(way: str, cache: Any) -> Any:
+        return models[way](input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+
+    with torch.no_grad():
+        caches = {way: new_cache(way) for way in WAYS}
+        logits = {way: prefill(way, caches[way]) for way in WAYS}
+        say(f"prefill P={p}, interleaved")
+        prefill_fns: dict[str, Fn] = {way: functools.partial(lambda w: prefill(w, new_cache(w)), way)
+                                      for way in WAYS}
+        pre = time_interleaved(prefill_fns, reps=reps or (2 if quick else 3), warmup=0)
+        say("decoding step after the prompt, interleaved")
+        step_fns: dict[str, Fn] = {way: functools.partial(models[way], input_ids=step_ids, cache=caches[way],
+                                                          use_cache=True) for way in WAYS}
+        resets: dict[str, Fn] = {way: functools.partial(_roll_back, caches[way], p) for way in WAYS}
+        dec = time_interleaved(step_fns, reps=reps or (3 if quick else 15), warmup=1, resets=resets)
+    same = all(torch.allclose(logits[w], logits["HF"], rtol=1e-4, atol=1e-4) for w in WAYS)
+    return {"sizes": dict(sizes), "threads": torch.get_num_threads(), "paths": caches[WAYS[2]].paths,
+            "same_logits": same, "prefill": _rated(pre, p), "decode": _rated(dec, 1)}
+
+
+def _roll_back(cache: Any, held: int) -> None:
+    """Back to ``held`` tokens (a step appended one)."""
+    extra = cache.get_seq_length() - held
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def _rated(stats: dict[str, dict[str, Any]], tokens: int) -> dict[str, dict[str, Any]]:
+    base = stats["HF"]["median_s"]
+    return {way: {"median_s": st["median_s"], "min_s": st["min_s"], "tokens_per_s": tokens / st["median_s"],
+                  "vs_hf": st["median_s"] / base} for way, st in stats.items()}
+
+
+def format_hf_generate(result: dict[str, Any]) -> str:
+    """The two tables (prefill, decoding step) as text."""
+    s = result["sizes"]
+    lines = [f"LlamaForCausalLM, random weights: L={s['layers']} E={s['embed_dim']} H={s['heads']} "
+             f"Hkv={s['kv_heads']} vocab={s['vocab']} MLP={s['intermediate']}; prompt P={s['prompt']}; "
+             f"float32, {result['threads']} threads; first logits agree: {result['same_logits']}",
+             f"adapter's decoding path per layer: {sorted(set(map(str, result['paths'])))}"]
+    for phase, unit in (("prefill", "prompt tokens/s"), ("decode", "tokens/s")):
+        lines += ["", f"{phase}:", f"  {'way':<28}{'median ms':>12}{unit:>18}{'time vs HF':>12}"]
+        for way, st in result[phase].items():
+            lines.append(f"  {way:<28}{st['median_s'] * 1e3:>12.2f}{st['tokens_per_s']:>18.1f}{st['vs_hf']:>12.3f}")
+    return "\n".join(lines)

@@ -1,0 +1,185 @@
+"""``mh.hf.KVCacheAdapter``: transformers' ``generate`` on multihead's in-place KVCache (issue #13).
+
+Notation: B batch, S tokens, Hkv key/value heads, D head_dim.
+
+Oracle: the unpatched transformers model generating with its default cache (DynamicCache).
+Small models (E=64, H=4, Hkv=2: GQA with RoPE) with random weights ×4 (far from uniform
+attention); greedy tokens must be identical.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import multihead as mh
+from multihead import decode
+
+transformers = pytest.importorskip("transformers")
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM  # noqa: E402
+
+VOCAB, S, NEW = 100, 9, 6
+TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=128,
+            vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+GREEDY = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+NOT_FUSED_REASONS = {reason for reason, _ in decode.FUSED_CONDITIONS}
+
+
+def _model(model_type: str = "llama", impl: str = "sdpa", **extra: Any) -> nn.Module:
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(CONFIG_MAPPING[model_type](**{**TINY, **extra}),
+                                                 attn_implementation=impl).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4)
+    return model
+
+
+def _prompts(padded: bool) -> dict[str, torch.Tensor]:
+    """Two prompts; with ``padded`` the second has 3 padding tokens on the left (as HF pads for generation)."""
+    g = torch.Generator().manual_seed(1)
+    mask = torch.ones(2, S, dtype=torch.long)
+    if padded:
+        mask[1, :3] = 0
+    return {"input_ids": torch.randint(3, VOCAB, (2, S), generator=g), "attention_mask": mask}
+
+
+def _same_tokens_as_hf(model: nn.Module, prompts: dict[str, torch.Tensor], **kw: Any) -> Any:
+    """Generate unpatched (HF's default cache), patch, generate with the adapter: same tokens; the adapter."""
+    with torch.no_grad():
+        want = model.generate(**prompts, **GREEDY, **kw)
+    if not mh.hf.is_patched(model):
+        mh.hf.patch(model)
+    cache = mh.hf.KVCacheAdapter(model, max_len=S + NEW)
+    with torch.no_grad():
+        got = model.generate(**prompts, **GREEDY, cache=cache, **kw)
+    assert torch.equal(got, want)
+    return cache
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_llama_gqa_left_padded_batch_generates_hf_tokens(impl: str) -> None:
+    cache = _same_tokens_as_hf(_model(impl=impl), _prompts(padded=True))
+    assert cache.paths == ["update", "update"]  # HF's mask covers the padding: written in place by update
+    assert cache.get_seq_length() == S + NEW - 1  # the last token is never fed back
+
+
+def test_unpadded_batch_takes_the_fused_step_or_says_why_not() -> None:
+    """No mask (sdpa, no padding): the fused native step where it applies, else update with its reason."""
+    cache = _same_tokens_as_hf(_model(), _prompts(padded=False))
+    for path, layer in zip(cache.paths, cache.slots):
+        assert path == "fused" or path.removeprefix("update (not fused: ").removesuffix(")") in NOT_FUSED_REASONS, path
+        assert layer.kv.host_lengths() == [S + NEW - 1] * 2
+
+
+def test_the_layers_own_cached_call_generates_hf_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The branch a CPU with AVX-512 takes (``layer(x, cache=kv)``), forced here: where the
+    fused step cannot run, the module's own cached call runs it, in place, and must agree."""
+    from multihead.interop import hf_cache
+
+    monkeypatch.setattr(hf_cache, "why_not_fused", lambda layer, x, kv: None)
+    cache = _same_tokens_as_hf(_model(), _prompts(padded=False))
+    assert cache.paths == ["fused", "fused"] and cache.get_seq_length() == S + NEW - 1
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_qwen3_gqa_rope_qk_norm_generates_hf_tokens(padded: bool) -> None:
+    _same_tokens_as_hf(_model("qwen3", head_dim=16), _prompts(padded))
+
+
+def test_beam_search_reorders_the_buffers_in_place() -> None:
+    _same_tokens_as_hf(_model(), _prompts(padded=True), num_beams=2)
+
+
+def test_unpatched_model_writes_in_place_through_update() -> None:
+    model = _model()
+    with torch.no_grad():
+        want = model.generate(**_prompts(padded=True), **GREEDY)
+        cache = mh.hf.KVCacheAdapter(model, max_len=S + NEW)
+        assert torch.equal(model.generate(**_prompts(padded=True), **GREEDY, cache=cache), want)
+    assert cache.paths == ["update", "update"]
+
+
+def test_decoding_writes_the_preallocated_buffers_in_place() -> None:
+    model = mh.hf.patch(_model())
+    prompts = _prompts(padded=True)
+    cache = mh.hf.KVCacheAdapter(model, max_len=16)
+    with torch.no_grad():
+        out = model(**prompts, cache=cache, use_cache=True)
+        buffers = [(slot.kv.k.data_ptr(), slot.kv.v.data_ptr()) for slot in cache.slots]
+        mask = prompts["attention_mask"]
+        for _ in range(3):
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
+            out = model(input_ids=out.logits[:, -1:].argmax(-1), attention_mask=mask, cache=cache, use_cache=True)
+    assert [(slot.kv.k.data_ptr(), slot.kv.v.data_ptr()) for slot in cache.slots] == buffers
+    assert cache.slots[0].kv.k.shape == (2, 2, 16, 16)  # (B, Hkv, max_len, D), allocated once
+    assert cache.get_seq_length() == S + 3 and cache.nbytes == 2 * 2 * (2 * 2 * 16 * 16 * 4)
+
+
+def test_more_new_tokens_than_preallocated_are_refused_before_writing() -> None:
+    model = mh.hf.patch(_model())
+    cache = mh.hf.KVCacheAdapter(model, max_len=S + 2)
+    with pytest.raises(ValueError, match=r"holds 11 of max_len=11 tokens per row: 1 more do not fit; "
+                                         r"make max_len >= prompt length \+ max_new_tokens"):
+        with torch.no_grad():
+            model.generate(**_prompts(padded=False), **GREEDY, cache=cache)
+    assert cache.get_seq_length() == S + 2 and [s.kv.host_lengths() for s in cache.slots] == [[11, 11]] * 2
+
+
+def test_crop_removes_the_last_tokens() -> None:
+    model = mh.hf.patch(_model())
+    cache = mh.hf.KVCacheAdapter(model, max_len=16)
+    with torch.no_grad():
+        model(**_prompts(padded=False), cache=cache, use_cache=True)
+    cache.crop(-4)
+    assert cache.get_seq_length() == S - 4 and cache.slots[1].keys.shape[2] == S - 4
+    with pytest.raises(ValueError, match="negative count"):
+        cache.crop(3)
+
+
+def test_batch_changes_on_a_filled_cache_are_refused() -> None:
+    model = mh.hf.patch(_model())
+    cache = mh.hf.KVCacheAdapter(model, max_len=16)
+    cache.batch_repeat_interleave(2)  # empty: nothing to change
+    with torch.no_grad():
+        model(**_prompts(padded=False), cache=cache, use_cache=True)
+    with pytest.raises(ValueError, match="cannot batch_repeat_interleave: its buffers are preallocated"):
+        cache.batch_repeat_interleave(2)
+
+
+def test_latent_attention_is_refused_by_name() -> None:
+    model = mh.hf.patch(_model("deepseek_v3", kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=12,
+                               qk_rope_head_dim=8, v_head_dim=10, num_key_value_heads=4, first_k_dense_replace=2))
+    cache = mh.hf.KVCacheAdapter(model, max_len=16)
+    with pytest.raises(ValueError, match="DeepSeek's latent attention caches the latent and the rotary key"):
+        with torch.no_grad():
+            model(**_prompts(padded=False), cache=cache, use_cache=True)
+
+
+def test_training_through_the_adapter_is_refused() -> None:
+    model = _model()
+    cache = mh.hf.KVCacheAdapter(model, max_len=16)
+    with pytest.raises(ValueError, match="KVCacheAdapter is for inference"):
+        model(**_prompts(padded=False), cache=cache, use_cache=True)
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="max_len must be a positive int"):
+        mh.hf.KVCacheAdapter(_model(), max_len=0)
+    with pytest.raises(TypeError, match="model must be a transformers model or config"):
+        mh.hf.KVCacheAdapter(object(), max_len=8)
+
+
+def test_the_adapter_is_a_transformers_cache() -> None:
+    from transformers import Cache
+
+    cache = mh.hf.KVCacheAdapter(_model().config, max_len=8)
+    assert isinstance(cache, Cache) and isinstance(cache, mh.hf.KVCacheAdapter)
+    assert cache.get_max_length() == 8 and cache.get_seq_length() == 0 and not cache.is_compileable
