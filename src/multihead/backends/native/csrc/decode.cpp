@@ -34,12 +34,12 @@ void decode_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t
     const float* kb = P.k + b * P.ks[0] + kvh * P.ks[1];
     const float* vb = P.v + b * P.vs[0] + kvh * P.vs[1];
     for (int64_t c0 = lo; c0 < hi; c0 += KD) {
-        const int64_t n = std::min(KD, hi - c0), width = (n + 15) / 16 * 16;
+        const int64_t n = std::min(KD, hi - c0), width = (n + W - 1) / W * W;
         int64_t j = 0;
-        if (D % 16 == 0)  // 16 keys at a time, their 16 sums reduced together
-            for (; j + 16 <= n; j += 16)
+        if (D % W == 0)  // W keys at a time, their W sums reduced together
+            for (; j + W <= n; j += W)
                 for (int64_t r = 0; r < rows; ++r)
-                    store(buf.s + r * KD + j, dot16(buf.qbuf + r * D, kb + (c0 + j) * P.ks[2], P.ks[2], D));
+                    store(buf.s + r * KD + j, dot_w(buf.qbuf + r * D, kb + (c0 + j) * P.ks[2], P.ks[2], D));
         for (; j < n; ++j) {
             const float* kr = kb + (c0 + j) * P.ks[2];
             for (int64_t r = 0; r < rows; ++r) buf.s[r * KD + j] = dot(buf.qbuf + r * D, kr, D);
@@ -152,30 +152,36 @@ extern "C" int mh_decode_f32(const float* q, const float* k, const float* v, flo
 
 namespace {
 
+// Weight rows multiplied per pass: R·M accumulators (AVX-512: at most 16 of 32 registers;
+// AVX2: at most 8 of 16).
+template <int M>
+constexpr int gemv_block() { return W == 16 || M <= 2 ? 4 : 2; }
+
 template <int M>
 void gemv_rows(const float* __restrict x, int64_t K, const float* __restrict w, int64_t rows, const float* bias,
                float* __restrict out, int64_t ldo) {
+    constexpr int R = gemv_block<M>();
     int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) {
+    for (; r + R <= rows; r += R) {
         const float* w0 = w + r * K;
-        v16 acc[4][M];
+        vf acc[R][M];
 #pragma GCC unroll 4
-        for (int i = 0; i < 4; ++i)
+        for (int i = 0; i < R; ++i)
 #pragma GCC unroll 4
-            for (int m = 0; m < M; ++m) acc[i][m] = (v16){};
+            for (int m = 0; m < M; ++m) acc[i][m] = (vf){};
         int64_t t = 0;
-        for (; t + 16 <= K; t += 16) {
-            v16 wv[4];
+        for (; t + W <= K; t += W) {
+            vf wv[R];
 #pragma GCC unroll 4
-            for (int i = 0; i < 4; ++i) wv[i] = load(w0 + i * K + t);
+            for (int i = 0; i < R; ++i) wv[i] = load(w0 + i * K + t);
 #pragma GCC unroll 4
             for (int m = 0; m < M; ++m) {
-                v16 xm = load(x + m * K + t);
+                vf xm = load(x + m * K + t);
 #pragma GCC unroll 4
-                for (int i = 0; i < 4; ++i) acc[i][m] += wv[i] * xm;
+                for (int i = 0; i < R; ++i) acc[i][m] += wv[i] * xm;
             }
         }
-        for (int i = 0; i < 4; ++i)
+        for (int i = 0; i < R; ++i)
             for (int m = 0; m < M; ++m) {
                 float s = hsum(acc[i][m]);
                 for (int64_t u = t; u < K; ++u) s += w0[i * K + u] * x[m * K + u];
