@@ -125,10 +125,20 @@ inline vf dot_w(const float* __restrict q, const float* __restrict k, int64_t ld
     vf acc[W];
 #pragma GCC unroll 16
     for (int s = 0; s < W; ++s) acc[s] = (vf){};
+#if MH_VECTOR_FLOATS == 16
     // Key by key, each row read front to back: the order the hardware prefetcher follows.
 #pragma GCC unroll 16
     for (int s = 0; s < W; ++s)
         for (int64_t t = 0; t < d; t += W) acc[s] += load(q + t) * load(k + s * ldk + t);
+#else
+    // The W keys side by side: W independent sums per step (one key at a time, each sum
+    // would be a chain of d / W dependent additions).
+    for (int64_t t = 0; t < d; t += W) {
+        const vf qt = load(q + t);
+#pragma GCC unroll 8
+        for (int s = 0; s < W; ++s) acc[s] += qt * load(k + s * ldk + t);
+    }
+#endif
     return reduce_w(acc);
 }
 
@@ -169,22 +179,22 @@ inline void pv_tile(const float* __restrict p, int64_t ldp, int64_t n, const flo
     vf acc[ROWS][NV];
 #pragma GCC unroll 6
     for (int i = 0; i < ROWS; ++i)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int t = 0; t < NV; ++t) acc[i][t] = load(o + i * ldo + W * t);
     for (int64_t j = 0; j < n; ++j) {
         vf vj[NV];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int t = 0; t < NV; ++t) vj[t] = load(v + j * ldv + W * t);
 #pragma GCC unroll 6
         for (int i = 0; i < ROWS; ++i) {
             vf pij = splat(p[i * ldp + j]);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
             for (int t = 0; t < NV; ++t) acc[i][t] += pij * vj[t];
         }
     }
 #pragma GCC unroll 6
     for (int i = 0; i < ROWS; ++i)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int t = 0; t < NV; ++t) store(o + i * ldo + W * t, acc[i][t]);
 }
 

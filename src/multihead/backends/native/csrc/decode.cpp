@@ -13,6 +13,40 @@ namespace {
 
 using namespace mh;
 
+#if MH_VECTOR_FLOATS == 8
+// o (rows × dv) += p (rows × n) · v (n × dv) for decoding (AVX2), V streamed from memory:
+// one row of o at a time, whole rows of V (up to 8 vectors) per key, so V is read front to
+// back (the hardware prefetcher's order) by the first row and from L1 by the others, in
+// blocks of PV_KEYS keys. (The prefill's 6 × 16 tiles would read every V row in four
+// strided passes.)
+inline void pv_stream(const float* p, int64_t ldp, int64_t rows, int64_t n, const float* v, int64_t ldv, float* o,
+                      int64_t ldo, int64_t dv) {
+    for (int64_t j = 0; j < n; j += PV_KEYS) {
+        const int64_t nj = std::min(PV_KEYS, n - j);
+        for (int64_t r = 0; r < rows; ++r) {
+            const float* pr = p + r * ldp + j;
+            const float* vj = v + j * ldv;
+            float* orow = o + r * ldo;
+            int64_t c = 0;
+            for (; c + 8 * W <= dv; c += 8 * W) pv_tile<1, 8>(pr, ldp, nj, vj + c, ldv, orow + c, ldo);
+            switch ((dv - c) / W) {
+                case 7: pv_tile<1, 7>(pr, ldp, nj, vj + c, ldv, orow + c, ldo); break;
+                case 6: pv_tile<1, 6>(pr, ldp, nj, vj + c, ldv, orow + c, ldo); break;
+                case 5: pv_tile<1, 5>(pr, ldp, nj, vj + c, ldv, orow + c, ldo); break;
+                case 4: pv_tile<1, 4>(pr, ldp, nj, vj + c, ldv, orow + c, ldo); break;
+                case 3: pv_tile<1, 3>(pr, ldp, nj, vj + c, ldv, orow + c, ldo); break;
+                case 2: pv_tile<1, 2>(pr, ldp, nj, vj + c, ldv, orow + c, ldo); break;
+                case 1: pv_tile<1, 1>(pr, ldp, nj, vj + c, ldv, orow + c, ldo); break;
+                default: break;
+            }
+            c += (dv - c) / W * W;
+            for (int64_t jj = 0; jj < nj; ++jj)  // the last dv % W columns, plainly
+                for (int64_t t = c; t < dv; ++t) orow[t] += pr[jj] * vj[jj * ldv + t];
+        }
+    }
+}
+#endif
+
 // Decoding: few query rows per K/V head (G heads × Sq queries), so K and V are streamed
 // once, in place, with no packing: scores are dot products along D. An item is
 // (b, K/V head, key split); with fewer heads than threads the keys are split and the
@@ -49,9 +83,13 @@ void decode_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t
             const uint8_t* mrow = P.mask ? P.mask + b * P.ms[0] + (kvh * G + g) * P.ms[1] + i * P.ms[2] : nullptr;
             row_update(P, buf.s + r * KD, width, n, c0, i + off, mrow, buf.m[r], buf.l[r], buf.o + r * Dv);
         }
+#if MH_VECTOR_FLOATS == 16
         for (int64_t r0 = 0; r0 < rows; r0 += MR)
             pv(buf.s + r0 * KD, KD, std::min<int64_t>(MR, rows - r0), n, vb + c0 * P.vs[2], P.vs[2],
                buf.o + r0 * Dv, Dv, Dv);
+#else
+        pv_stream(buf.s, KD, rows, n, vb + c0 * P.vs[2], P.vs[2], buf.o, Dv, Dv);
+#endif
     }
     if (part) {  // (rows, Dv + 2): o unnormalised, then m and l, merged by the caller
         for (int64_t r = 0; r < rows; ++r) {
