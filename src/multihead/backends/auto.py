@@ -40,19 +40,20 @@ BLOCKED_MIN_HEAD_DIM = 64
 #: (:func:`native.vector_bits`; a width not listed never takes them: its tiles are not
 #: measured). Below, their fixed cost (ctypes, an OpenMP region, buffers) exceeds SDPA's.
 #: AVX-512 (2-core AMD EPYC): from 2^14 scores, and 2^11 for decoding.
-#: AVX2 (2-core AMD EPYC, Zen 3, 1 thread, H=12, D=64; vs SDPA): the FlashAttention loop
-#: is at parity without a mask (S=384 0.9×, S=512..2048 1.0-1.06×) and ahead with a causal
-#: one (S=384 1.65×, S=512 1.7×), ahead of "blocked" (1.25×) everywhere; below 2^20 scores
-#: SDPA is ahead without a mask (S=128..256 0.8-0.9×), so from 2^20. Decoding (Sq=1): from
-#: 2^14 scores it ties or beats both SDPA and the torch-only decoding path (GQA 32/8
-#: heads: 512 keys 1.0×, 4096 keys 1.5× the torch path, 2.2× SDPA); below, their fixed
-#: cost is lower (64..512 keys: 0.8×).
+#: AVX2 (2-core AMD EPYC, Zen 3, H=12, D=64; vs SDPA, medians at 1 and 2 threads): the
+#: FlashAttention loop is ahead with a causal mask (S=384 1.6×, S=512 1.5×/1.05×, S=1024
+#: 1.2×/1.1×, S=4096 1.15×/1.26×) and near parity without one (S=384 1.0×, S=1024
+#: 0.87×/0.9×, S=2048..4096 0.9-1.1×), ahead of "blocked" everywhere (1.2-1.5× at 1 thread).
+#: Below 2^20 scores SDPA's lower fixed cost wins without a mask (S=128..256: 0.9×), so from
+#: 2^20 (the rules see shapes, not the mask). Decoding (Sq=1): from 2^14 scores it ties or
+#: beats both SDPA and the torch-only decoding path (GQA 32/8 heads: 512 keys 1.0×, 4096
+#: keys 1.5× the torch path, 2× SDPA); below, their fixed cost is lower (64..512 keys: 0.8×).
 NATIVE_MIN_SCORES: dict[int, int] = {512: 1 << 14, 256: 1 << 20}
 NATIVE_MIN_DECODE_SCORES: dict[int, int] = {512: 1 << 11, 256: 1 << 14}
 #: Gradients with the log-sum-exp (ring attention's blocks): the native backward from this
 #: many scores; 'explicit' materialises S×S (measured on a 2-core AMD EPYC, causal, H=12,
 #: D=64, forward+backward: S=1024 native 271 ms vs explicit 1929 ms; S=256 112 vs 47 ms;
-#: AVX2, 1 thread: S=1024 native 0.9× SDPA's forward+backward).
+#: AVX2, 1 thread: S=1024 native 174 ms vs explicit 1425 ms).
 NATIVE_MIN_GRAD_LSE_SCORES: dict[int, int] = {512: 1 << 22, 256: 1 << 22}
 
 
