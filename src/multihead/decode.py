@@ -77,7 +77,7 @@ FUSED_CONDITIONS: tuple[tuple[str, Check], ...] = (
                              and (p.bias is None or p.bias.is_contiguous()) for p in _projections(layer))),
     ("the RoPE is not a plain multihead.RoPE whose CPU table covers the positions",
      lambda layer, x, c, kw: _plain_rope(layer, c)),
-    ("the native kernel is not compiled here for AVX-512", lambda layer, x, c, kw: native.vector_bits() >= 512),
+    ("the native kernel is not compiled here for AVX-512 or AVX2", lambda layer, x, c, kw: native.vector_bits() >= 256),
 )
 
 

@@ -51,7 +51,7 @@ def test_the_decoding_kernel_gives_the_same_bits_for_any_thread_count(b, h, hkv,
 @torch.no_grad()
 @pytest.mark.parametrize("kv_heads", [1, 2])
 def test_a_decoding_step_gives_the_same_bits_for_any_thread_count(kv_heads: int) -> None:
-    """The fused native step where it applies (AVX-512), else the layer's unfused path."""
+    """The fused native step where it applies (AVX-512 or AVX2), else the layer's unfused path."""
     torch.manual_seed(kv_heads)
     layer = mh.MultiHeadAttention(256, 8, num_kv_heads=kv_heads, causal=True, bias=False,
                                   rope=mh.RoPE(32, max_positions=4096)).eval()
@@ -65,5 +65,5 @@ def test_a_decoding_step_gives_the_same_bits_for_any_thread_count(kv_heads: int)
     cache = layer.new_cache(1, 2600)
     layer(prompt, cache=cache)
     fused = decode.why_not_fused(layer, token, cache) is None
-    assert fused == (native.vector_bits() >= 512)
+    assert fused == (native.vector_bits() >= 256)
     assert_bitwise_equal(with_threads(step))

@@ -83,15 +83,16 @@ def _no_breaks(fn: object, *args: object, **kwargs: object) -> None:
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("kind", ["causal-gqa-rope", "bidirectional", "cross"])
 def test_compiled_prefill_matches_eager_with_no_graph_break(kind: str, padded: bool) -> None:
-    """S = 160, 8 heads: "auto" takes the native FlashAttention loop (≥ 2^14 scores)."""
+    """S = 256, 8 heads: "auto" takes the native FlashAttention loop (2^20 scores: at
+    the threshold of AVX2 builds, above that of AVX-512 builds)."""
     layer = _layer() if kind == "causal-gqa-rope" else mh.MultiHeadAttention(128, 8).eval()
-    x = torch.randn(2, 160, 128)
-    kw: dict = {"key_mask": _key_mask(2, 160)} if padded else {}
+    x = torch.randn(2, 256, 128)
+    kw: dict = {"key_mask": _key_mask(2, 256)} if padded else {}
     if kind == "cross":
-        kw["context"] = torch.randn(2, 160, 128)
+        kw["context"] = torch.randn(2, 256, 128)
     with torch.no_grad():
-        kv = torch.empty(2, layer.num_kv_heads, 160, 16)
-        assert auto_path(torch.empty(2, 8, 160, 16), kv, kv) == "native"
+        kv = torch.empty(2, layer.num_kv_heads, 256, 16)
+        assert auto_path(torch.empty(2, 8, 256, 16), kv, kv) == "native"
         want = layer(x, **kw)
         got = torch.compile(layer, fullgraph=True)(x, **kw)
         _no_breaks(layer, x, **kw)
@@ -142,16 +143,18 @@ def test_compiled_cached_decoding_matches_eager_and_compiles_twice() -> None:
 @pytest.mark.parametrize("padded", [False, True])
 def test_export_with_a_dynamic_sequence_length_runs_at_two_lengths(padded: bool) -> None:
     layer = _layer()
-    s = Dim("s", min=64, max=1024)
-    x = torch.randn(2, 128, 128)
+    # From 256 positions (2^20 scores): native for the whole range with AVX-512 and AVX2 builds
+    # alike (their thresholds, 2^14 and 2^20, become guards on the symbolic length).
+    s = Dim("s", min=256, max=1024)
+    x = torch.randn(2, 256, 128)
     args: tuple = (x,)
-    kwargs = {"key_mask": _key_mask(2, 128)} if padded else {}
+    kwargs = {"key_mask": _key_mask(2, 256)} if padded else {}
     shapes = {"x": {1: s}, "key_mask": {1: s}} if padded else {"x": {1: s}}
     with torch.no_grad():
         program = torch.export.export(layer, args, kwargs, dynamic_shapes=shapes)
         ops = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
         assert "multihead.attention.default" in ops
-        for length in (96, 200):
+        for length in (300, 417):
             x = torch.randn(2, length, 128)
             kw = {"key_mask": _key_mask(2, length)} if padded else {}
             got = program.module()(x, **kw)

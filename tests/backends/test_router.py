@@ -14,9 +14,6 @@ import multihead as mh
 from multihead.backends import auto, blocked, native
 from multihead.backends.registry import get_spec, missing_capability
 
-NATIVE = native.vector_bits() >= 512
-
-
 def _qkv(b: int, h: int, hkv: int, sq: int, sk: int, d: int = 64, dtype=torch.float32, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, h, sq, d, generator=g).to(dtype)
@@ -47,22 +44,43 @@ def test_gradients_and_dropout_take_sdpa_and_with_lse_explicit() -> None:
         assert mh.kernels.auto_path(q.clone().requires_grad_(), k, v) != "sdpa (gradients)"
 
 
-@pytest.mark.skipif(not NATIVE, reason=f"the native kernel is not built for AVX-512 here ({native.status()})")
-def test_native_rules_where_the_kernel_is_built() -> None:
+@pytest.mark.parametrize("bits", [512, 256], ids=["AVX-512", "AVX2"])
+def test_native_rules_per_vector_width(monkeypatch, bits: int) -> None:
+    """Each width's thresholds (measured with its own tiles), asserted at their edges: the
+    rules read the build's width only, so both are checked on any machine."""
+    monkeypatch.setattr(native, "vector_bits", lambda: bits)
+    least, decode_least = auto.NATIVE_MIN_SCORES[bits], auto.NATIVE_MIN_DECODE_SCORES[bits]
+    assert (least, decode_least) == {512: (1 << 14, 1 << 11), 256: (1 << 20, 1 << 14)}[bits]
+    s = int(least ** 0.5) // 2  # (1, 4, 4, s, s): exactly `least` scores
+    assert mh.kernels.auto_path(*_qkv(1, 4, 4, s, s)) == "native"
+    assert mh.kernels.auto_path(*_qkv(1, 4, 4, s - 1, s)) == ("blocked" if _blocked_fits(s - 1, s) else "sdpa")
     assert mh.kernels.auto_path(*_qkv(1, 4, 4, 8, 8)) == "sdpa"  # 256 scores: below both thresholds
-    assert mh.kernels.auto_path(*_qkv(1, 4, 4, 64, 64)) == "native"  # 2^14 scores
-    assert mh.kernels.auto_path(*_qkv(1, 8, 2, 1, 300)) == "native decode"  # Sq·G = 4 rows
-    assert mh.kernels.auto_path(*_qkv(1, 4, 4, 64, 64, d=40)) != "native"  # Dv not a multiple of 16
-    assert mh.kernels.auto_path(*_qkv(1, 4, 4, 64, 64, dtype=torch.bfloat16)) == "native"
-    assert mh.kernels.auto_path(*_qkv(1, 4, 4, 64, 64, dtype=torch.float64)) == "sdpa"
+    assert mh.kernels.auto_path(*_qkv(1, 4, 4, s, s, d=40)) != "native"  # Dv not a multiple of 16
+    assert mh.kernels.auto_path(*_qkv(1, 4, 4, s, s, dtype=torch.bfloat16)) == "native"
+    assert mh.kernels.auto_path(*_qkv(1, 4, 4, s, s, dtype=torch.float64)) == "sdpa"
+    keys = decode_least // 8  # (1, 8, 2, 1, keys): Sq·G = 4 rows, exactly `decode_least` scores
+    assert mh.kernels.auto_path(*_qkv(1, 8, 2, 1, keys)) == "native decode"
+    assert mh.kernels.auto_path(*_qkv(1, 8, 8, 1, keys)) == "native decode"  # MHA too
+    below = mh.kernels.auto_path(*_qkv(1, 8, 2, 1, keys - 1))
+    assert below == ("decode" if keys - 1 >= auto.DECODE_MIN_KEYS else "sdpa")
+    assert mh.kernels.auto_path(*_qkv(1, 8, 8, 1, keys - 1)) == "sdpa"  # MHA below: SDPA
     big = _qkv(1, 4, 4, 1024, 1024)  # 2^22 scores
     assert mh.kernels.auto_path(big[0].clone().requires_grad_(), *big[1:], return_lse=True) == "native (gradients, lse)"
+    small = _qkv(1, 4, 4, 1023, 1024)
+    assert mh.kernels.auto_path(small[0].clone().requires_grad_(), *small[1:], return_lse=True) \
+        == "explicit (gradients, lse)"
     assert mh.kernels.auto_path(*big, return_lse=True, dropout_p=0.1) == "explicit (gradients, lse)"
     assert mh.kernels.auto_path(*big) == "native"
 
 
-@pytest.mark.parametrize("bits", [0, 256], ids=["no kernel", "no AVX-512"])
+def _blocked_fits(sq: int, sk: int) -> bool:
+    return min(sq, sk) >= auto.BLOCKED_MIN_SEQ and mh.kernels.onednn_available()
+
+
+@pytest.mark.parametrize("bits", [0, 128], ids=["no kernel", "no AVX2"])
 def test_torch_rules_without_the_native_kernel(monkeypatch, bits: int) -> None:
+    """Without the kernel, or built for a width whose tiles are not measured (128-bit
+    vectors: the AVX2 tiles split), "auto" keeps to torch's paths."""
     monkeypatch.setattr(native, "vector_bits", lambda: bits)
     assert mh.kernels.auto_path(*_qkv(1, 8, 2, 1, 300)) == "decode"  # GQA, long cache
     assert mh.kernels.auto_path(*_qkv(1, 8, 8, 1, 300)) == "sdpa"  # MHA decoding: SDPA
@@ -70,10 +88,20 @@ def test_torch_rules_without_the_native_kernel(monkeypatch, bits: int) -> None:
     long = _qkv(1, 2, 2, 512, 512)
     assert mh.kernels.auto_path(*long) == ("blocked" if mh.kernels.onednn_available() else "sdpa")
     assert mh.kernels.auto_path(*_qkv(1, 2, 2, 512, 512, d=32)) == "sdpa"  # D < 64
+    assert mh.kernels.auto_path(*_qkv(1, 12, 12, 2048, 2048)) != "native"
+
+
+def test_the_machine_s_width_is_one_the_rules_know_or_none() -> None:
+    """The rules above are keyed by width: this machine's build must be one of them (or
+    take no native path at all), so the per-width tests cover what runs here."""
+    bits = native.vector_bits()
+    assert bits in (0, 128, 256, 512)
+    path = mh.kernels.auto_path(*_qkv(1, 4, 4, 1024, 1024))
+    assert (path == "native") == (bits in auto.NATIVE_MIN_SCORES), (bits, path)
 
 
 def test_lse_rules_never_pick_a_path_without_lse(monkeypatch) -> None:
-    for bits in (0, 512):
+    for bits in (0, 256, 512):
         monkeypatch.setattr(native, "vector_bits", lambda b=bits: b)
         for shape in ((1, 4, 4, 8, 8), (1, 8, 8, 1, 300), (1, 4, 4, 64, 64)):
             path = mh.kernels.auto_path(*_qkv(*shape), return_lse=True)

@@ -36,14 +36,25 @@ DECODE_MIN_KEYS = 256
 #: too small for oneDNN's fixed costs (at S=128 it takes 2-3× SDPA's time).
 BLOCKED_MIN_SEQ = 512
 BLOCKED_MIN_HEAD_DIM = 64
-#: The native loops from this many scores (B·H·Sq·Sk): below, their fixed cost (ctypes,
-#: an OpenMP region, buffers) exceeds SDPA's.
-NATIVE_MIN_SCORES = 1 << 14
-NATIVE_MIN_DECODE_SCORES = 1 << 11
+#: The native loops from this many scores (B·H·Sq·Sk), per vector width of their build
+#: (:func:`native.vector_bits`; a width not listed never takes them: its tiles are not
+#: measured). Below, their fixed cost (ctypes, an OpenMP region, buffers) exceeds SDPA's.
+#: AVX-512 (2-core AMD EPYC): from 2^14 scores, and 2^11 for decoding.
+#: AVX2 (2-core AMD EPYC, Zen 3, H=12, D=64; vs SDPA, medians at 1 and 2 threads): the
+#: FlashAttention loop is ahead with a causal mask (S=384 1.6×, S=512 1.5×/1.05×, S=1024
+#: 1.2×/1.1×, S=4096 1.15×/1.26×) and near parity without one (S=384 1.0×, S=1024
+#: 0.87×/0.9×, S=2048..4096 0.9-1.1×), ahead of "blocked" everywhere (1.2-1.5× at 1 thread).
+#: Below 2^20 scores SDPA's lower fixed cost wins without a mask (S=128..256: 0.9×), so from
+#: 2^20 (the rules see shapes, not the mask). Decoding (Sq=1): from 2^14 scores it ties or
+#: beats both SDPA and the torch-only decoding path (GQA 32/8 heads: 512 keys 1.0×, 4096
+#: keys 1.5× the torch path, 2× SDPA); below, their fixed cost is lower (64..512 keys: 0.8×).
+NATIVE_MIN_SCORES: dict[int, int] = {512: 1 << 14, 256: 1 << 20}
+NATIVE_MIN_DECODE_SCORES: dict[int, int] = {512: 1 << 11, 256: 1 << 14}
 #: Gradients with the log-sum-exp (ring attention's blocks): the native backward from this
 #: many scores; 'explicit' materialises S×S (measured on a 2-core AMD EPYC, causal, H=12,
-#: D=64, forward+backward: S=1024 native 271 ms vs explicit 1929 ms; S=256 112 vs 47 ms).
-NATIVE_MIN_GRAD_LSE_SCORES = 1 << 22
+#: D=64, forward+backward: S=1024 native 271 ms vs explicit 1929 ms; S=256 112 vs 47 ms;
+#: AVX2, 1 thread: S=1024 native 174 ms vs explicit 1425 ms).
+NATIVE_MIN_GRAD_LSE_SCORES: dict[int, int] = {512: 1 << 22, 256: 1 << 22}
 
 
 @dataclass(frozen=True)
@@ -74,10 +85,14 @@ class Call:
         q = self.q
         return q.shape[0] * q.shape[1] * q.shape[2] * self.k.shape[2]
 
-    def native_fits(self, min_scores: int) -> bool:
-        """The native kernel takes these tensors and is compiled here for AVX-512."""
-        return (self.q.dtype in native.DTYPES and self.v.shape[-1] % 16 == 0 and self.scores >= min_scores
-                and native.vector_bits() >= 512)
+    def native_fits(self, min_scores: dict[int, int]) -> bool:
+        """The native kernel takes these tensors, is compiled here for a vector width with
+        measured tiles (a key of ``min_scores``: AVX-512 or AVX2), and the problem has at
+        least that width's number of scores."""
+        if self.q.dtype not in native.DTYPES or self.v.shape[-1] % 16 or self.scores < min(min_scores.values()):
+            return False  # decided without the kernel: a small problem never builds it
+        least = min_scores.get(native.vector_bits())
+        return least is not None and self.scores >= least
 
 
 Runner = Callable[..., tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
@@ -120,6 +135,12 @@ def _backend(fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None, torch.Te
     return run
 
 
+def _widths(least: dict[int, int]) -> str:
+    """A threshold per vector width, for the reasons: "2^14 (AVX-512), 2^20 (AVX2)"."""
+    names = {512: "AVX-512", 256: "AVX2"}
+    return ", ".join(f"2^{n.bit_length() - 1} ({names.get(bits, f'{bits}-bit')})" for bits, n in least.items())
+
+
 def _blocked_fits(c: Call) -> bool:
     return (c.q.dtype == torch.float32 and onednn_available() and min(c.q.shape[2], c.k.shape[2]) >= BLOCKED_MIN_SEQ
             and c.q.shape[3] >= BLOCKED_MIN_HEAD_DIM)
@@ -138,23 +159,25 @@ AUTO_RULES: tuple[Rule, ...] = (
     Rule("sdpa (gradients)", "gradients or dropout are needed (or the tensors are not on the CPU): "
          "SDPA is differentiable", lambda c: c.differentiable and not c.return_lse, _backend(sdpa_attention)),
     Rule("native (gradients, lse)", f"gradients and the log-sum-exp on the CPU, no dropout, from "
-         f"{NATIVE_MIN_GRAD_LSE_SCORES} scores: the native kernel with its FlashAttention-2 backward (O(S) "
+         f"{_widths(NATIVE_MIN_GRAD_LSE_SCORES)} scores: the native kernel with its FlashAttention-2 backward (O(S) "
          "memory; 'explicit' would hold S×S)",
          lambda c: (c.differentiable and c.dropout_p == 0 and c.q.device.type == "cpu"
                     and c.native_fits(NATIVE_MIN_GRAD_LSE_SCORES)), _native(decode=False)),
     Rule("explicit (gradients, lse)", "gradients or dropout and the log-sum-exp: 'explicit' is differentiable "
          "and returns it", lambda c: c.differentiable, _backend(explicit_attention)),
     Rule("native decode", f"few query rows per K/V head (Sq·G ≤ {DECODE_ROWS}), from "
-         f"{NATIVE_MIN_DECODE_SCORES} scores: the native loop that streams K and V once",
+         f"{_widths(NATIVE_MIN_DECODE_SCORES)} scores: the native loop that streams K and V once",
          lambda c: c.few_rows and c.native_fits(NATIVE_MIN_DECODE_SCORES), _native(decode=True)),
-    Rule("decode", f"few query rows per K/V head, GQA, ≥ {DECODE_MIN_KEYS} keys, no native kernel: "
-         "batched matmuls per K/V head", lambda c: c.few_rows and c.q.shape[1] > c.k.shape[1]
-         and c.k.shape[2] >= DECODE_MIN_KEYS, _torch_kernel(decode_attention)),
-    Rule("native", f"from {NATIVE_MIN_SCORES} scores: the native FlashAttention loop (compiled here for "
-         "AVX-512; float32, half precision computed in float32)",
+    Rule("decode", f"few query rows per K/V head, GQA, ≥ {DECODE_MIN_KEYS} keys, below the native "
+         "decoding threshold (or no native kernel): batched matmuls per K/V head",
+         lambda c: c.few_rows and c.q.shape[1] > c.k.shape[1] and c.k.shape[2] >= DECODE_MIN_KEYS,
+         _torch_kernel(decode_attention)),
+    Rule("native", f"from {_widths(NATIVE_MIN_SCORES)} scores: the native FlashAttention loop (compiled here "
+         "for AVX-512 or AVX2; float32, half precision computed in float32)",
          lambda c: c.native_fits(NATIVE_MIN_SCORES), _native(decode=False)),
-    Rule("blocked", f"float32, Sq and Sk ≥ {BLOCKED_MIN_SEQ}, D ≥ {BLOCKED_MIN_HEAD_DIM}, no native kernel: "
-         "the torch-only blocked kernel", _blocked_fits, _torch_kernel(blocked_attention)),
+    Rule("blocked", f"float32, Sq and Sk ≥ {BLOCKED_MIN_SEQ}, D ≥ {BLOCKED_MIN_HEAD_DIM}, not native (no "
+         "kernel, or below its threshold): the torch-only blocked kernel", _blocked_fits,
+         _torch_kernel(blocked_attention)),
     Rule("sdpa", "a problem too small for the other paths' fixed costs (or an unsupported shape): SDPA",
          lambda c: not c.return_lse, _backend(sdpa_attention)),
     Rule("explicit (lse)", "the log-sum-exp of a problem too small for the kernels: 'explicit'",

@@ -72,8 +72,11 @@ def vector_bits() -> int:
     """The SIMD width the kernels were compiled for here: 512 (AVX-512), 256 or 128; 0 if
     they are not available.
 
-    Their register tiles were designed for and measured with AVX-512; narrower vectors
-    are correct but not measured, so ``"auto"`` only picks the kernels at 512.
+    Their register tiles are chosen at compile time for the width: AVX-512 (32 zmm
+    registers) and AVX2 (16 ymm registers) each have their own, measured; narrower
+    vectors run the AVX2 tiles split by the compiler, correct but not measured, so
+    ``"auto"`` (its thresholds per width), the fused decoding step and the few-row
+    projections only use the kernels at 512 and 256.
     """
     lib = _library()
     return 0 if lib is None else int(lib.mh_vector_bits())

@@ -6,18 +6,19 @@
 //
 // Why it exists: torch's CPU SDPA does its GEMMs through MKL, which runs AVX2 code on
 // AMD CPUs, and with a causal mask computes whole 512-key blocks it then masks. Here
-// the two products run in AVX-512 register tiles (GCC vector extensions, compiled with
-// -march=native on the user's machine), key tiles of 32 above the diagonal are
-// skipped, and the softmax is fused in between, so no S×S matrix ever exists.
+// the two products run in register tiles sized for the machine's vectors (GCC vector
+// extensions, compiled with -march=native on the user's machine: see common.h), key
+// panels of NR (32 with AVX-512, 16 with AVX2) above the diagonal are skipped, and the
+// softmax is fused in between, so no S×S matrix ever exists.
 //
 // Work item = (b, K/V head, tile of QT query positions), shared out dynamically across
 // OpenMP threads (torch's own libgomp: it is loaded before this library). An item
 //
 //   packs its G heads' queries, pre-multiplied by scale·log2(e)       (G, QT, D)
 //   for each chunk of KC keys its rows may see:
-//       packs K of the chunk as panels of 32 keys, (D, 32) each         (kt)
+//       packs K of the chunk as panels of NR keys, (D, NR) each         (kt)
 //       for each head, for each MR query rows:
-//           s = q · kᵀ  over the panels some row may see (MR × 32 tiles)
+//           s = q · kᵀ  over the panels some row may see (MR × NR tiles)
 //           -inf where causal / window / the caller's mask / padding forbid
 //           online softmax (base 2): m' = max(m, max s); o *= 2^(m - m'); l *= 2^(m - m')
 //           p = 2^(s - m'); l += Σp; o += p · v      (MR_PV × Dv tiles, V read in place)
@@ -31,17 +32,17 @@ namespace {
 
 using namespace mh;
 
-// c (MR × 32, row stride ldc) = a (MR × d, rows contiguous) · panel (d × 32).
+// c (MR × NR, row stride ldc) = a (MR × d, rows contiguous) · panel (d × NR), NR = 2·W.
 inline void qk_tile(const float* __restrict a, int64_t d, const float* __restrict panel,
                     float* __restrict c, int64_t ldc) {
-    v16 c0[MR], c1[MR];
+    vf c0[MR], c1[MR];
 #pragma GCC unroll 12
-    for (int i = 0; i < MR; ++i) c0[i] = c1[i] = (v16){};
+    for (int i = 0; i < MR; ++i) c0[i] = c1[i] = (vf){};
     for (int64_t t = 0; t < d; ++t) {
-        v16 b0 = load(panel + t * NR), b1 = load(panel + t * NR + 16);
+        vf b0 = load(panel + t * NR), b1 = load(panel + t * NR + W);
 #pragma GCC unroll 12
         for (int i = 0; i < MR; ++i) {
-            v16 ai = splat(a[i * d + t]);
+            vf ai = splat(a[i * d + t]);
             c0[i] += ai * b0;
             c1[i] += ai * b1;
         }
@@ -49,9 +50,52 @@ inline void qk_tile(const float* __restrict a, int64_t d, const float* __restric
 #pragma GCC unroll 12
     for (int i = 0; i < MR; ++i) {
         store(c + i * ldc, c0[i]);
-        store(c + i * ldc + 16, c1[i]);
+        store(c + i * ldc + W, c1[i]);
     }
 }
+
+#if MH_VECTOR_FLOATS == 8 && defined(__AVX__)
+// dst[t·NR + c] = rows[c][t] for t, c < 8: an 8 × 8 transpose in registers.
+inline void transpose8(const float* const* rows, float* dst) {
+    __m256 r[8], u[8], w[8];
+    for (int c = 0; c < 8; ++c) r[c] = _mm256_loadu_ps(rows[c]);
+    for (int c = 0; c < 8; c += 2) {
+        u[c] = _mm256_unpacklo_ps(r[c], r[c + 1]);
+        u[c + 1] = _mm256_unpackhi_ps(r[c], r[c + 1]);
+    }
+    for (int c = 0; c < 8; c += 4) {
+        w[c] = _mm256_shuffle_ps(u[c], u[c + 2], 0x44);
+        w[c + 1] = _mm256_shuffle_ps(u[c], u[c + 2], 0xEE);
+        w[c + 2] = _mm256_shuffle_ps(u[c + 1], u[c + 3], 0x44);
+        w[c + 3] = _mm256_shuffle_ps(u[c + 1], u[c + 3], 0xEE);
+    }
+    for (int t = 0; t < 4; ++t) {
+        _mm256_storeu_ps(dst + t * NR, _mm256_permute2f128_ps(w[t], w[t + 4], 0x20));
+        _mm256_storeu_ps(dst + (t + 4) * NR, _mm256_permute2f128_ps(w[t], w[t + 4], 0x31));
+    }
+}
+
+// One panel (D, NR) of keys [first, first + NR) of K (rows kb, stride ks[2]): dst[t·NR + j] =
+// K[first + j][t], zero past Sk; 8 × 8 blocks transposed in registers where D allows.
+inline void pack_panel(const Problem& P, const float* kb, int64_t first, float* __restrict dst) {
+    const int64_t D = P.D;
+    if (D % 8 == 0 && first + NR <= P.Sk) {
+        for (int64_t j = 0; j < NR; j += 8) {
+            const float* rows[8];
+            for (int c = 0; c < 8; ++c) rows[c] = kb + (first + j + c) * P.ks[2];
+            for (int64_t t = 0; t < D; t += 8) {
+                for (int c = 0; c < 8; ++c) rows[c] += t ? 8 : 0;
+                transpose8(rows, dst + t * NR + j);
+            }
+        }
+        return;
+    }
+    for (int64_t j = 0; j < NR; ++j) {
+        const int64_t key = first + j;
+        for (int64_t t = 0; t < D; ++t) dst[t * NR + j] = key < P.Sk ? kb[key * P.ks[2] + t] : 0.f;
+    }
+}
+#endif
 
 void run_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t p0, int64_t p1, int64_t qt_pad) {
     const int64_t G = P.H / P.Hkv, D = P.D, Dv = P.Dv, rows = p1 - p0;
@@ -80,7 +124,10 @@ void run_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t p0
     for (int64_t c0 = lo; c0 < hi; c0 += KC) {
         const int64_t c1 = std::min(c0 + KC, hi);
         const int64_t npan = (c1 - c0 + NR - 1) / NR;
-        // Pack K[c0, c1) as panels (D, 32): kt[pan][t][j] = K[c0 + 32·pan + j][t]; zero past Sk.
+        // Pack K[c0, c1) as panels (D, NR): kt[pan][t][j] = K[c0 + NR·pan + j][t]; zero past Sk.
+#if MH_VECTOR_FLOATS == 8 && defined(__AVX__)
+        for (int64_t pan = 0; pan < npan; ++pan) pack_panel(P, kb, c0 + pan * NR, buf.kt + pan * D * NR);
+#else
         for (int64_t pan = 0; pan < npan; ++pan) {
             float* dst = buf.kt + pan * D * NR;
             for (int64_t j = 0; j < NR; ++j) {
@@ -93,6 +140,7 @@ void run_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t p0
                 }
             }
         }
+#endif
         for (int64_t g = 0; g < G; ++g) {
             const int64_t h = kvh * G + g;
             for (int64_t r0 = 0; r0 < rows; r0 += MR) {
@@ -173,7 +221,8 @@ extern "C" int mh_attention_f32(const float* q, const float* k, const float* v, 
 
 
 // The vector width the kernels were compiled for (-march=native): 512 with AVX-512,
-// where their register tiles were designed and measured.
+// 256 with AVX2 (each with its own register tiles: common.h), 128 otherwise (the AVX2
+// tiles, split by the compiler; not measured).
 extern "C" int mh_vector_bits() {
 #if defined(__AVX512F__)
     return 512;

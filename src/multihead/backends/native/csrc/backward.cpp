@@ -76,12 +76,12 @@ template <typename T>
 inline void dots(const T* __restrict x, const T* __restrict rows, int64_t n, int64_t d, T* __restrict out) {
     for (int64_t j = 0; j < n; ++j) out[j] = dot_t(x, rows + j * d, d);
 }
-// float: 16 rows at a time, their 16 sums reduced together (common.h), when d allows.
+// float: W rows at a time, their W sums reduced together (common.h), when d allows.
 inline void dots(const float* __restrict x, const float* __restrict rows, int64_t n, int64_t d,
                  float* __restrict out) {
     int64_t j = 0;
-    if (d % 16 == 0)
-        for (; j + 16 <= n; j += 16) store(out + j, dot16(x, rows + j * d, d, d));
+    if (d % W == 0)
+        for (; j + W <= n; j += W) store(out + j, dot_w(x, rows + j * d, d, d));
     for (; j < n; ++j) out[j] = dot_t(x, rows + j * d, d);
 }
 
@@ -89,12 +89,12 @@ inline void dots(const float* __restrict x, const float* __restrict rows, int64_
 // common.h (its relative error is below float32 rounding); double: std::exp.
 inline void exp_shift(float* x, int64_t n, float c) {
     const float log2e = 1.4426950408889634f;
-    const v16 cv = splat(c * log2e);
+    const vf cv = splat(c * log2e);
     int64_t j = 0;
-    for (; j + 16 <= n; j += 16) store(x + j, exp2v(load(x + j) * log2e - cv));
+    for (; j + W <= n; j += W) store(x + j, exp2v(load(x + j) * log2e - cv));
     if (j < n) {
-        alignas(64) float tail[16];
-        for (int64_t t = 0; t < 16; ++t) tail[t] = j + t < n ? x[j + t] : NEG_INF;
+        alignas(64) float tail[W];
+        for (int64_t t = 0; t < W; ++t) tail[t] = j + t < n ? x[j + t] : NEG_INF;
         store(tail, exp2v(load(tail) * log2e - cv));
         for (int64_t t = 0; j + t < n; ++t) x[j + t] = tail[t];
     }
@@ -169,23 +169,23 @@ inline void combine(T* __restrict y, const T* __restrict c, const T* __restrict 
     for (int64_t j = 0; j < n; ++j)
         if (c[j] != T(0)) axpy(c[j], rows + j * d, y, d);
 }
-// float, d = 16·NV: y kept in NV registers across the n rows.
+// float, d = W·NV: y kept in NV registers across the n rows.
 template <int NV>
 inline void combine_v(float* __restrict y, const float* __restrict c, const float* __restrict rows, int64_t n) {
-    v16 acc[NV];
+    vf acc[NV];
 #pragma GCC unroll 8
-    for (int t = 0; t < NV; ++t) acc[t] = load(y + 16 * t);
+    for (int t = 0; t < NV; ++t) acc[t] = load(y + W * t);
     for (int64_t j = 0; j < n; ++j) {
-        const v16 cj = splat(c[j]);
+        const vf cj = splat(c[j]);
 #pragma GCC unroll 8
-        for (int t = 0; t < NV; ++t) acc[t] += cj * load(rows + j * 16 * NV + 16 * t);
+        for (int t = 0; t < NV; ++t) acc[t] += cj * load(rows + j * W * NV + W * t);
     }
 #pragma GCC unroll 8
-    for (int t = 0; t < NV; ++t) store(y + 16 * t, acc[t]);
+    for (int t = 0; t < NV; ++t) store(y + W * t, acc[t]);
 }
 inline void combine(float* __restrict y, const float* __restrict c, const float* __restrict rows, int64_t n,
                     int64_t d) {
-    switch (d % 16 ? 0 : d / 16) {
+    switch (d % W ? 0 : d / W) {
         case 1: return combine_v<1>(y, c, rows, n);
         case 2: return combine_v<2>(y, c, rows, n);
         case 3: return combine_v<3>(y, c, rows, n);

@@ -1,12 +1,18 @@
-// Shared by the native kernels (attention.cpp, decode.cpp): vector helpers, the base-2
-// exponential, the p·v tiles, the problem description and the per-row online softmax.
+// Shared by the native kernels (attention.cpp, decode.cpp, backward.cpp): vector helpers,
+// the base-2 exponential, the p·v tiles, the problem description and the per-row online
+// softmax.
 //
 // Notation: B batch, H query heads, Hkv key/value heads, G = H / Hkv query heads per
 // K/V head, Sq queries, Sk keys, D head dim, Dv value head dim. Query i sits at key
 // position i + (Sk - Sq) (bottom-right alignment, as everywhere in multihead).
 //
-// The vectors are GCC vector extensions of 16 floats: compiled with -march=native on an
-// AVX-512 machine they are zmm registers; elsewhere the compiler splits them.
+// The vectors are GCC vector extensions of W floats, W fixed at compile time
+// (-march=native) by the machine's widest vector registers:
+//   * AVX-512 (32 zmm registers): W = 16, q·kᵀ tiles of 12 rows × 32 keys (24
+//     accumulators), p·v tiles of 6 rows × 64 columns (24 accumulators);
+//   * otherwise (AVX2: 16 ymm registers): W = 8, q·kᵀ tiles of 6 rows × 16 keys (12
+//     accumulators, as BLIS's Haswell kernel), p·v tiles of 6 rows × 16 columns.
+// Every tile keeps its accumulators, its loaded vectors and one broadcast in registers.
 
 #pragma once
 
@@ -16,49 +22,73 @@
 #include <algorithm>
 #include <cmath>
 #include <omp.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX__)
 #include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__)
+#define MH_VECTOR_FLOATS 16
+#else
+#define MH_VECTOR_FLOATS 8
 #endif
 
 namespace mh {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));  // unaligned access
-typedef int32_t i16 __attribute__((vector_size(64)));
+constexpr int W = MH_VECTOR_FLOATS;  // floats per vector
+typedef float vf __attribute__((vector_size(4 * MH_VECTOR_FLOATS)));
+typedef float vfu __attribute__((vector_size(4 * MH_VECTOR_FLOATS), aligned(4)));  // unaligned access
+typedef int32_t vi __attribute__((vector_size(4 * MH_VECTOR_FLOATS)));
 
-constexpr int64_t NR = 32;   // keys per panel: two vectors
-constexpr int MR = 12;       // query rows of a q·kᵀ tile (24 accumulators)
-constexpr int MR_PV = 6;     // query rows of a p·v tile (6 × 4 = 24 accumulators)
+#if MH_VECTOR_FLOATS == 16
+constexpr int MR = 12;       // query rows of a q·kᵀ tile (12 × 2 = 24 accumulators)
+constexpr int PV_NV = 4;     // vectors of columns of a p·v tile (6 × 4 = 24 accumulators)
+#else
+constexpr int MR = 6;        // query rows of a q·kᵀ tile (6 × 2 = 12 accumulators)
+constexpr int PV_NV = 2;     // vectors of columns of a p·v tile (6 × 2 = 12 accumulators)
+#endif
+constexpr int64_t NR = 2 * W;  // keys per panel: two vectors
+constexpr int MR_PV = 6;     // query rows of a p·v tile
 constexpr int64_t KC = 512;  // keys per chunk (a packed chunk of D = 64 is 128 KiB, L2)
 constexpr int64_t KD = 2048;  // keys per chunk of the decoding loop (one long K stream, then V)
 constexpr float NEG_INF = -__builtin_inff();
 constexpr int64_t MAX_STEP_ROWS = 4;  // most rows of x for the few-row GEMV and the decoding step
 
-inline v16 load(const float* p) { return *(const v16u*)p; }
-inline void store(float* p, v16 x) { *(v16u*)p = x; }
-inline v16 splat(float x) { return (v16){} + x; }
-inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
+inline vf load(const float* p) { return *(const vfu*)p; }
+inline void store(float* p, vf x) { *(vfu*)p = x; }
+#if MH_VECTOR_FLOATS == 8 && defined(__AVX__)
+// A broadcast (from memory: a load, no arithmetic; `(vf){} + x` would cost an add and a
+// shuffle on the FMA ports).
+inline vf splat(float x) { return (vf)_mm256_set1_ps(x); }
+#else
+inline vf splat(float x) { return (vf){} + x; }
+#endif
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 
-inline float hmax(v16 x) {
+inline float hmax(vf x) {
     float m = x[0];
-    for (int i = 1; i < 16; ++i) m = std::max(m, x[i]);
+    for (int i = 1; i < W; ++i) m = std::max(m, x[i]);
     return m;
 }
 
-inline float hsum(v16 x) {
-#ifdef __AVX512F__
+inline float hsum(vf x) {
+#if defined(__AVX512F__)
     return _mm512_reduce_add_ps((__m512)x);
+#elif defined(__AVX__)
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128((__m256)x), _mm256_extractf128_ps((__m256)x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 #else
     float s = 0.f;
-    for (int i = 0; i < 16; ++i) s += x[i];
+    for (int i = 0; i < W; ++i) s += x[i];
     return s;
 #endif
 }
 
-// 16 vectors -> one whose lane p is the sum of x[p]'s lanes: four levels of shuffles and
-// adds (15 adds) and one permutation, instead of 16 horizontal sums.
-inline v16 reduce16(const v16* x) {
-#ifdef __AVX512F__
+// W vectors -> one whose lane p is the sum of x[p]'s lanes, with shuffles and adds
+// instead of W horizontal sums.
+inline vf reduce_w(const vf* x) {
+#if defined(__AVX512F__)
+    // Four levels of shuffles and adds (15 adds) and one permutation.
     __m512 b[8], c[4], d[2];
     for (int m = 0; m < 8; ++m) {  // 256-bit halves folded: lanes (x.L0+x.L2, x.L1+x.L3, y.L0+y.L2, y.L1+y.L3)
         __m512 x0 = (__m512)x[2 * m], x1 = (__m512)x[2 * m + 1];
@@ -75,31 +105,48 @@ inline v16 reduce16(const v16* x) {
     const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
     // Lane q holds the sum of x[q / 4 + 4·(q % 4)]: put x[p]'s sum in lane p.
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    return (v16)_mm512_permutexvar_ps(order, r);
+    return (vf)_mm512_permutexvar_ps(order, r);
+#elif defined(__AVX__)
+    // Pairwise horizontal adds within 128-bit halves (6), then the halves added (1).
+    const __m256 t0 = _mm256_hadd_ps((__m256)x[0], (__m256)x[1]), t1 = _mm256_hadd_ps((__m256)x[2], (__m256)x[3]);
+    const __m256 t2 = _mm256_hadd_ps((__m256)x[4], (__m256)x[5]), t3 = _mm256_hadd_ps((__m256)x[6], (__m256)x[7]);
+    // u0: lanes (x0, x1, x2, x3) of the low halves, then of the high halves; u1: x4..x7.
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return (vf)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 #else
-    v16 r;
-    for (int p = 0; p < 16; ++p) r[p] = hsum(x[p]);
+    vf r;
+    for (int p = 0; p < W; ++p) r[p] = hsum(x[p]);
     return r;
 #endif
 }
 
-// The 16 dot products of q (D) with keys k[0..15] (row stride ldk), D a multiple of 16.
-inline v16 dot16(const float* __restrict q, const float* __restrict k, int64_t ldk, int64_t d) {
-    v16 acc[16];
+// The W dot products of q (D) with keys k[0..W-1] (row stride ldk), D a multiple of W.
+inline vf dot_w(const float* __restrict q, const float* __restrict k, int64_t ldk, int64_t d) {
+    vf acc[W];
 #pragma GCC unroll 16
-    for (int s = 0; s < 16; ++s) acc[s] = (v16){};
+    for (int s = 0; s < W; ++s) acc[s] = (vf){};
+#if MH_VECTOR_FLOATS == 16
     // Key by key, each row read front to back: the order the hardware prefetcher follows.
 #pragma GCC unroll 16
-    for (int s = 0; s < 16; ++s)
-        for (int64_t t = 0; t < d; t += 16) acc[s] += load(q + t) * load(k + s * ldk + t);
-    return reduce16(acc);
+    for (int s = 0; s < W; ++s)
+        for (int64_t t = 0; t < d; t += W) acc[s] += load(q + t) * load(k + s * ldk + t);
+#else
+    // The W keys side by side: W independent sums per step (one key at a time, each sum
+    // would be a chain of d / W dependent additions).
+    for (int64_t t = 0; t < d; t += W) {
+        const vf qt = load(q + t);
+#pragma GCC unroll 8
+        for (int s = 0; s < W; ++s) acc[s] += qt * load(k + s * ldk + t);
+    }
+#endif
+    return reduce_w(acc);
 }
 
 // Σ a[t]·b[t], vectorised along t.
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t d) {
-    v16 acc = (v16){};
+    vf acc = (vf){};
     int64_t t = 0;
-    for (; t + 16 <= d; t += 16) acc += load(a + t) * load(b + t);
+    for (; t + W <= d; t += W) acc += load(a + t) * load(b + t);
     float s = hsum(acc);
     for (; t < d; ++t) s += a[t] * b[t];
     return s;
@@ -108,12 +155,12 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t d
 // 2^x for x <= 0 (scores minus their row maximum); exactly 0 for x <= -127, so -inf
 // (masked) gives 0. 2^x = 2^n · 2^f, n = round(x), f in [-1/2, 1/2], 2^f by its Taylor
 // series to degree 7 (relative error < 1e-8, below float32 rounding). NaN stays NaN.
-inline v16 exp2v(v16 x) {
+inline vf exp2v(vf x) {
     x = x < -127.f ? splat(-127.f) : x;
     const float round = 12582912.f;  // 1.5 · 2^23: adding it rounds to an integer
-    v16 n = (x + round) - round;
-    v16 f = x - n;
-    v16 p = splat(1.525273e-5f);
+    vf n = (x + round) - round;
+    vf f = x - n;
+    vf p = splat(1.525273e-5f);
     p = p * f + 1.540353e-4f;
     p = p * f + 1.333355e-3f;
     p = p * f + 9.618129e-3f;
@@ -121,51 +168,66 @@ inline v16 exp2v(v16 x) {
     p = p * f + 2.402265e-1f;
     p = p * f + 6.931472e-1f;
     p = p * f + 1.f;
-    i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;  // 2^n; n = -127 gives +0
-    return p * (v16)bits;
+    vi bits = (__builtin_convertvector(n, vi) + 127) << 23;  // 2^n; n = -127 gives +0
+    return p * (vf)bits;
 }
 
-// o (rows × 16·NV, row stride ldo) += p (rows × n, row stride ldp) · v (n × 16·NV, row stride ldv).
+// o (rows × W·NV, row stride ldo) += p (rows × n, row stride ldp) · v (n × W·NV, row stride ldv).
 template <int ROWS, int NV>
 inline void pv_tile(const float* __restrict p, int64_t ldp, int64_t n, const float* __restrict v,
                     int64_t ldv, float* __restrict o, int64_t ldo) {
-    v16 acc[ROWS][NV];
+    vf acc[ROWS][NV];
 #pragma GCC unroll 6
     for (int i = 0; i < ROWS; ++i)
-#pragma GCC unroll 4
-        for (int t = 0; t < NV; ++t) acc[i][t] = load(o + i * ldo + 16 * t);
+#pragma GCC unroll 8
+        for (int t = 0; t < NV; ++t) acc[i][t] = load(o + i * ldo + W * t);
     for (int64_t j = 0; j < n; ++j) {
-        v16 vj[NV];
-#pragma GCC unroll 4
-        for (int t = 0; t < NV; ++t) vj[t] = load(v + j * ldv + 16 * t);
+        vf vj[NV];
+#pragma GCC unroll 8
+        for (int t = 0; t < NV; ++t) vj[t] = load(v + j * ldv + W * t);
 #pragma GCC unroll 6
         for (int i = 0; i < ROWS; ++i) {
-            v16 pij = splat(p[i * ldp + j]);
-#pragma GCC unroll 4
+            vf pij = splat(p[i * ldp + j]);
+#pragma GCC unroll 8
             for (int t = 0; t < NV; ++t) acc[i][t] += pij * vj[t];
         }
     }
 #pragma GCC unroll 6
     for (int i = 0; i < ROWS; ++i)
-#pragma GCC unroll 4
-        for (int t = 0; t < NV; ++t) store(o + i * ldo + 16 * t, acc[i][t]);
+#pragma GCC unroll 8
+        for (int t = 0; t < NV; ++t) store(o + i * ldo + W * t, acc[i][t]);
 }
 
 template <int ROWS>
-inline void pv_rows(const float* p, int64_t ldp, int64_t n, const float* v, int64_t ldv, float* o, int64_t ldo,
+inline void pv_cols(const float* p, int64_t ldp, int64_t n, const float* v, int64_t ldv, float* o, int64_t ldo,
              int64_t dv) {
     int64_t c = 0;
-    for (; c + 64 <= dv; c += 64) pv_tile<ROWS, 4>(p, ldp, n, v + c, ldv, o + c, ldo);
-    switch ((dv - c) / 16) {
+    for (; c + W * PV_NV <= dv; c += W * PV_NV) pv_tile<ROWS, PV_NV>(p, ldp, n, v + c, ldv, o + c, ldo);
+    switch ((dv - c) / W) {  // fewer than PV_NV vectors left
         case 3: pv_tile<ROWS, 3>(p, ldp, n, v + c, ldv, o + c, ldo); break;
         case 2: pv_tile<ROWS, 2>(p, ldp, n, v + c, ldv, o + c, ldo); break;
         case 1: pv_tile<ROWS, 1>(p, ldp, n, v + c, ldv, o + c, ldo); break;
         default: break;
     }
-    c += (dv - c) / 16 * 16;
-    for (int i = 0; i < ROWS; ++i)  // the last dv % 16 columns, plainly
+    c += (dv - c) / W * W;
+    for (int i = 0; i < ROWS; ++i)  // the last dv % W columns, plainly
         for (int64_t j = 0; j < n; ++j)
             for (int64_t t = c; t < dv; ++t) o[i * ldo + t] += p[i * ldp + j] * v[j * ldv + t];
+}
+
+// Keys per block of the AVX2 p·v: its tiles are narrower (PV_NV·W = 16 columns) than a
+// row of V, so V is walked once per tile; in blocks of PV_KEYS keys the rows stay in L1.
+constexpr int64_t PV_KEYS = 64;
+
+template <int ROWS>
+inline void pv_rows(const float* p, int64_t ldp, int64_t n, const float* v, int64_t ldv, float* o, int64_t ldo,
+             int64_t dv) {
+    if constexpr (W == 16) {
+        pv_cols<ROWS>(p, ldp, n, v, ldv, o, ldo, dv);
+    } else {
+        for (int64_t j = 0; j < n; j += PV_KEYS)
+            pv_cols<ROWS>(p + j, ldp, std::min(PV_KEYS, n - j), v + j * ldv, ldv, o, ldo, dv);
+    }
 }
 
 // o (rows × dv) += p (rows × n) · v (n × dv), rows <= MR.
@@ -232,7 +294,7 @@ inline void key_range(const Problem& P, int64_t p0, int64_t p1, int64_t& lo, int
     hi = std::max(hi, lo);
 }
 // One query row of a chunk: mask its scores si[0, width) (keys j0 + j; width a
-// multiple of 16; columns from `valid` on are not keys), then the online softmax
+// multiple of W; columns from `valid` on are not keys), then the online softmax
 // (base 2): m' = max(m, max si), o *= 2^(m - m'), l = l·2^(m - m') + Σ 2^(si - m'),
 // leaving the probabilities 2^(si - m') in si for p · v.
 inline void row_update(const Problem& P, float* __restrict si, int64_t width, int64_t valid, int64_t j0,
@@ -247,16 +309,16 @@ inline void row_update(const Problem& P, float* __restrict si, int64_t width, in
     if (mrow)
         for (int64_t j = a; j < e; ++j)
             if (!mrow[(j0 + j) * P.ms[3]]) si[j] = NEG_INF;
-    v16 mx = splat(NEG_INF);
-    for (int64_t j = 0; j < width; j += 16) mx = vmax(mx, load(si + j));
+    vf mx = splat(NEG_INF);
+    for (int64_t j = 0; j < width; j += W) mx = vmax(mx, load(si + j));
     const float m_new = std::max(m, hmax(mx));
     // No allowed key yet: keep probabilities 0 (2^-inf) without NaN.
     const float m_use = m_new == NEG_INF ? 0.f : m_new;
     const float alpha = exp2v(splat(m - m_use))[0];
-    v16 sum = (v16){};
-    const v16 mv = splat(m_use);
-    for (int64_t j = 0; j < width; j += 16) {
-        v16 pj = exp2v(load(si + j) - mv);
+    vf sum = (vf){};
+    const vf mv = splat(m_use);
+    for (int64_t j = 0; j < width; j += W) {
+        vf pj = exp2v(load(si + j) - mv);
         store(si + j, pj);
         sum += pj;
     }

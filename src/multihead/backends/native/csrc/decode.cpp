@@ -13,6 +13,40 @@ namespace {
 
 using namespace mh;
 
+#if MH_VECTOR_FLOATS == 8
+// o (rows × dv) += p (rows × n) · v (n × dv) for decoding (AVX2), V streamed from memory:
+// one row of o at a time, whole rows of V (up to 8 vectors) per key, so V is read front to
+// back (the hardware prefetcher's order) by the first row and from L1 by the others, in
+// blocks of PV_KEYS keys. (The prefill's 6 × 16 tiles would read every V row in four
+// strided passes.)
+inline void pv_stream(const float* p, int64_t ldp, int64_t rows, int64_t n, const float* v, int64_t ldv, float* o,
+                      int64_t ldo, int64_t dv) {
+    for (int64_t j = 0; j < n; j += PV_KEYS) {
+        const int64_t nj = std::min(PV_KEYS, n - j);
+        for (int64_t r = 0; r < rows; ++r) {
+            const float* pr = p + r * ldp + j;
+            const float* vj = v + j * ldv;
+            float* orow = o + r * ldo;
+            int64_t c = 0;
+            for (; c + 8 * W <= dv; c += 8 * W) pv_tile<1, 8>(pr, ldp, nj, vj + c, ldv, orow + c, ldo);
+            switch ((dv - c) / W) {
+                case 7: pv_tile<1, 7>(pr, ldp, nj, vj + c, ldv, orow + c, ldo); break;
+                case 6: pv_tile<1, 6>(pr, ldp, nj, vj + c, ldv, orow + c, ldo); break;
+                case 5: pv_tile<1, 5>(pr, ldp, nj, vj + c, ldv, orow + c, ldo); break;
+                case 4: pv_tile<1, 4>(pr, ldp, nj, vj + c, ldv, orow + c, ldo); break;
+                case 3: pv_tile<1, 3>(pr, ldp, nj, vj + c, ldv, orow + c, ldo); break;
+                case 2: pv_tile<1, 2>(pr, ldp, nj, vj + c, ldv, orow + c, ldo); break;
+                case 1: pv_tile<1, 1>(pr, ldp, nj, vj + c, ldv, orow + c, ldo); break;
+                default: break;
+            }
+            c += (dv - c) / W * W;
+            for (int64_t jj = 0; jj < nj; ++jj)  // the last dv % W columns, plainly
+                for (int64_t t = c; t < dv; ++t) orow[t] += pr[jj] * vj[jj * ldv + t];
+        }
+    }
+}
+#endif
+
 // Decoding: few query rows per K/V head (G heads × Sq queries), so K and V are streamed
 // once, in place, with no packing: scores are dot products along D. An item is
 // (b, K/V head, key split); with fewer heads than threads the keys are split and the
@@ -34,12 +68,12 @@ void decode_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t
     const float* kb = P.k + b * P.ks[0] + kvh * P.ks[1];
     const float* vb = P.v + b * P.vs[0] + kvh * P.vs[1];
     for (int64_t c0 = lo; c0 < hi; c0 += KD) {
-        const int64_t n = std::min(KD, hi - c0), width = (n + 15) / 16 * 16;
+        const int64_t n = std::min(KD, hi - c0), width = (n + W - 1) / W * W;
         int64_t j = 0;
-        if (D % 16 == 0)  // 16 keys at a time, their 16 sums reduced together
-            for (; j + 16 <= n; j += 16)
+        if (D % W == 0)  // W keys at a time, their W sums reduced together
+            for (; j + W <= n; j += W)
                 for (int64_t r = 0; r < rows; ++r)
-                    store(buf.s + r * KD + j, dot16(buf.qbuf + r * D, kb + (c0 + j) * P.ks[2], P.ks[2], D));
+                    store(buf.s + r * KD + j, dot_w(buf.qbuf + r * D, kb + (c0 + j) * P.ks[2], P.ks[2], D));
         for (; j < n; ++j) {
             const float* kr = kb + (c0 + j) * P.ks[2];
             for (int64_t r = 0; r < rows; ++r) buf.s[r * KD + j] = dot(buf.qbuf + r * D, kr, D);
@@ -49,9 +83,13 @@ void decode_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t
             const uint8_t* mrow = P.mask ? P.mask + b * P.ms[0] + (kvh * G + g) * P.ms[1] + i * P.ms[2] : nullptr;
             row_update(P, buf.s + r * KD, width, n, c0, i + off, mrow, buf.m[r], buf.l[r], buf.o + r * Dv);
         }
+#if MH_VECTOR_FLOATS == 16
         for (int64_t r0 = 0; r0 < rows; r0 += MR)
             pv(buf.s + r0 * KD, KD, std::min<int64_t>(MR, rows - r0), n, vb + c0 * P.vs[2], P.vs[2],
                buf.o + r0 * Dv, Dv, Dv);
+#else
+        pv_stream(buf.s, KD, rows, n, vb + c0 * P.vs[2], P.vs[2], buf.o, Dv, Dv);
+#endif
     }
     if (part) {  // (rows, Dv + 2): o unnormalised, then m and l, merged by the caller
         for (int64_t r = 0; r < rows; ++r) {
@@ -152,30 +190,36 @@ extern "C" int mh_decode_f32(const float* q, const float* k, const float* v, flo
 
 namespace {
 
+// Weight rows multiplied per pass: R·M accumulators (AVX-512: at most 16 of 32 registers;
+// AVX2: at most 8 of 16).
+template <int M>
+constexpr int gemv_block() { return W == 16 || M <= 2 ? 4 : 2; }
+
 template <int M>
 void gemv_rows(const float* __restrict x, int64_t K, const float* __restrict w, int64_t rows, const float* bias,
                float* __restrict out, int64_t ldo) {
+    constexpr int R = gemv_block<M>();
     int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) {
+    for (; r + R <= rows; r += R) {
         const float* w0 = w + r * K;
-        v16 acc[4][M];
+        vf acc[R][M];
 #pragma GCC unroll 4
-        for (int i = 0; i < 4; ++i)
+        for (int i = 0; i < R; ++i)
 #pragma GCC unroll 4
-            for (int m = 0; m < M; ++m) acc[i][m] = (v16){};
+            for (int m = 0; m < M; ++m) acc[i][m] = (vf){};
         int64_t t = 0;
-        for (; t + 16 <= K; t += 16) {
-            v16 wv[4];
+        for (; t + W <= K; t += W) {
+            vf wv[R];
 #pragma GCC unroll 4
-            for (int i = 0; i < 4; ++i) wv[i] = load(w0 + i * K + t);
+            for (int i = 0; i < R; ++i) wv[i] = load(w0 + i * K + t);
 #pragma GCC unroll 4
             for (int m = 0; m < M; ++m) {
-                v16 xm = load(x + m * K + t);
+                vf xm = load(x + m * K + t);
 #pragma GCC unroll 4
-                for (int i = 0; i < 4; ++i) acc[i][m] += wv[i] * xm;
+                for (int i = 0; i < R; ++i) acc[i][m] += wv[i] * xm;
             }
         }
-        for (int i = 0; i < 4; ++i)
+        for (int i = 0; i < R; ++i)
             for (int m = 0; m < M; ++m) {
                 float s = hsum(acc[i][m]);
                 for (int64_t u = t; u < K; ++u) s += w0[i * K + u] * x[m * K + u];
