@@ -1,4 +1,4 @@
-"""CLIP, OPT, BART, mBART, Whisper and DistilBERT: converted and patched exactly (issue #15 item 8).
+"""CLIP, SigLIP, OPT, BART, mBART, Whisper and DistilBERT: converted and patched exactly (issue #15 item 8).
 
 The zoo (tests/interop/test_zoo.py) compares each with ``attn_implementation="eager"``; here
 the default ``"sdpa"``, where HF drops masks that causality alone describes (CLIP's text
@@ -20,7 +20,7 @@ from torch import nn
 
 import multihead as mh
 
-from test_zoo import VOCAB, ZOO, tiny_config  # same folder (pytest puts it on sys.path)
+from test_zoo import VOCAB, ZOO, build, tiny_config  # same folder (pytest puts it on sys.path)
 
 B, S, RTOL = 2, 9, 1e-5
 SEQ2SEQ = ("bart", "mbart", "whisper")
@@ -35,7 +35,7 @@ def _model(model_type: str, impl: str = "sdpa") -> nn.Module:
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = auto.from_config(tiny_config(model_type, **ZOO[model_type][0]), attn_implementation=impl).eval()
+        model = build(model_type, tiny_config(model_type, **ZOO[model_type][0]), auto, impl).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
@@ -54,7 +54,7 @@ def _mask(length: int, side: str | None) -> torch.Tensor:
 
 def _inputs(model_type: str, side: str | None) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    if model_type == "clip_vision_model":
+    if model_type.endswith("vision_model"):
         return {"pixel_values": torch.randn(B, 3, 32, 32, generator=g)}
     if model_type == "whisper":
         inputs = {"input_features": torch.randn(B, 8, 32, generator=g)}
@@ -83,7 +83,8 @@ def _outputs(model: nn.Module, inputs: dict[str, torch.Tensor]) -> list[tuple[to
         is not None else [(out.last_hidden_state, real)]
 
 
-@pytest.mark.parametrize("model_type", ["clip_text_model", "clip_vision_model", "opt", *SEQ2SEQ, "distilbert"])
+@pytest.mark.parametrize("model_type", ["clip_text_model", "clip_vision_model", "siglip_text_model",
+                                        "siglip_vision_model", "opt", *SEQ2SEQ, "distilbert"])
 @pytest.mark.parametrize("side", ["left", None])
 def test_patched_equals_unpatched_with_sdpa(model_type: str, side: str | None) -> None:
     """sdpa: with no padding (side None) HF hands attention no mask at all, only is_causal
@@ -212,8 +213,55 @@ def test_a_cross_attention_batch_that_differs_is_refused() -> None:
         attn(torch.randn(2, 3, 64), key_value_states=torch.randn(1, 6, 64))
 
 
+def _siglip(impl: str) -> nn.Module:
+    """SiglipModel (both towers, the vision tower's pooling head) at the zoo's tiny sizes."""
+    from transformers import SiglipConfig, SiglipModel
+
+    text, vision = (tiny_config(t).to_dict() for t in ("siglip_text_model", "siglip_vision_model"))
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = SiglipModel(SiglipConfig(text_config=text, vision_config=vision)).eval()
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4)  # far from uniform attention
+    return model
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_siglip_patches_exactly_and_leaves_its_pooling_head_alone(impl: str) -> None:
+    """Both towers' SiglipAttention patched (strict); the pooling head's torch MHA, whose query
+    is a learned probe, stays torch's: the pooled image embeddings and the logits equal."""
+    model = _siglip(impl)
+    head = model.vision_model.head
+    inputs = {**_inputs("siglip_text_model", "right"), **_inputs("siglip_vision_model", None)}
+    with torch.no_grad():
+        want = model(**inputs)
+    mh.hf.patch(model)
+    assert sum(isinstance(m, mh.hf.PatchedAttention) for m in model.modules()) == 4
+    assert model.vision_model.head is head and type(head.attention) is nn.MultiheadAttention
+    with torch.no_grad():
+        got = model(**inputs)
+    for key in ("image_embeds", "text_embeds", "logits_per_image"):
+        assert _rel(got[key], want[key]) <= RTOL, key
+    assert _rel(got.vision_model_output.pooler_output, want.vision_model_output.pooler_output) <= RTOL
+    assert not torch.equal(got.text_embeds[0], got.text_embeds[1])  # not vacuous: the rows differ
+
+
+def test_siglip_text_tower_is_bidirectional() -> None:
+    """The last token changes the earlier states (CLIP's tower would not: causal)."""
+    model = mh.hf.patch(_model("siglip_text_model"))
+    ids = _inputs("siglip_text_model", None)["input_ids"]
+    other = ids.clone()
+    other[:, -1] = 3 + (ids[:, -1] - 2) % (VOCAB - 3)
+    with torch.no_grad():
+        a, b = model(input_ids=ids).last_hidden_state, model(input_ids=other).last_hidden_state
+    assert not torch.equal(a[:, 0], b[:, 0])
+
+
 @pytest.mark.parametrize("model_type, cls", [
-    ("siglip", "SiglipAttention"), ("siglip_vision_model", "SiglipAttention"),
     ("pegasus", "PegasusAttention"), ("marian", "MarianAttention"),  # BART's copies: not read, not listed
 ])
 def test_families_not_described_are_refused_by_name(model_type: str, cls: str) -> None:

@@ -99,6 +99,8 @@ ZOO: dict[str, tuple[dict[str, Any], bool]] = {
     # ---- out_proj and DistilBERT families (issue #15 item 8) ----
     "clip_text_model": ({}, False),  # causal through the is_causal=True its encoder passes
     "clip_vision_model": ({}, False),
+    "siglip_text_model": ({}, False),  # bidirectional, pooled from the last token
+    "siglip_vision_model": ({}, False),  # its pooling head (torch's MHA) left alone by name
     "opt": ({"ffn_dim": 128, "word_embed_proj_dim": 64}, True),
     "bart": (_S2S, True),
     "mbart": (_S2S, True),
@@ -110,7 +112,18 @@ ZOO: dict[str, tuple[dict[str, Any], bool]] = {
 #: Encoder-decoders: built for generation (``AutoModelForSeq2SeqLM``, Whisper's speech class),
 #: their encoder's and decoder's outputs compared, the decoder's cross-attention included.
 SEQ2SEQ = {"bart", "mbart", "whisper"}
-VISION = {"vit", "clip_vision_model"}
+VISION = {"vit", "clip_vision_model", "siglip_vision_model"}
+#: Model types AutoModel does not map: built with their own class.
+OWN_CLASS = {"siglip_text_model": "SiglipTextModel"}
+
+
+def build(model_type: str, config: Any, auto: Any, impl: str | None = None) -> nn.Module:
+    """``auto.from_config(config)``, or the model type's own class where AutoModel lacks it."""
+    kw = {} if impl is None else {"attn_implementation": impl}
+    if model_type in OWN_CLASS:
+        import transformers
+        return getattr(transformers, OWN_CLASS[model_type])._from_config(config, **kw)
+    return auto.from_config(config, **kw)
 
 
 def tiny_config(model_type: str, **extra: Any) -> Any:
@@ -127,7 +140,7 @@ def _build(model_type: str, spec_override: Any = None) -> tuple[nn.Module, bool]
     auto = _seq2seq_auto(model_type) if model_type in SEQ2SEQ else AutoModelForCausalLM if generator else AutoModel
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = auto.from_config(tiny_config(model_type, **extra), attn_implementation="eager").eval()
+        model = build(model_type, tiny_config(model_type, **extra), auto, "eager").eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
@@ -255,7 +268,7 @@ def _patch_on_meta(model_type: str) -> str:
     try:
         with warnings.catch_warnings(), torch.device("meta"):
             warnings.simplefilter("ignore")
-            model = AutoModel.from_config(tiny_config(model_type, **ZOO.get(model_type, ({}, False))[0]))
+            model = build(model_type, tiny_config(model_type, **ZOO.get(model_type, ({}, False))[0]), AutoModel)
     except Exception:  # noqa: BLE001 - a config the tiny recipe cannot build is not our failure
         return "unbuildable"
     try:

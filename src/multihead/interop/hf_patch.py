@@ -507,14 +507,18 @@ def _candidates(model: nn.Module, *, include_patched: bool = False) -> list[tupl
     """Top-most attention modules (supported or not; wrappers too if asked), in model order.
 
     A registered class is always a candidate; any other module whose class name says
-    attention is one (to be refused by name) unless a registered class sits inside it.
+    attention is one (to be refused by name) unless a registered class sits inside it, or
+    its class is in :data:`~multihead.interop.hf_registry.LEFT_ALONE` (it holds only torch's
+    own ``nn.MultiheadAttention``: left as it is, with everything inside it).
     """
     found: list[tuple[str, nn.Module]] = []
     taken: list[str] = []
     for name, module in model.named_modules():
         if any(name.startswith(f"{prefix}.") for prefix in taken):
             continue  # inside an attention module already taken (BertAttention.self, a wrapper's mh)
-        if isinstance(module, PatchedAttention):
+        if hf_registry.qualified_name(module) in hf_registry.LEFT_ALONE:
+            taken.append(name)  # outside the patch's scope, its torch MHA too
+        elif isinstance(module, PatchedAttention):
             taken.append(name)
             if include_patched:
                 found.append((name, module))

@@ -18,7 +18,7 @@ is never imported here):
   ``qkv_proj`` rows [q | k | v] + ``o_proj``; ``"qkv-grouped"``: fused ``query_key_value``
   whose rows are groups of [q_1 .. q_g | k | v] heads, + ``dense``: GPT-NeoX, BLOOM and Falcon,
   grouping in :func:`multihead.interop.hf_weights.qkv_groups`; ``"out_proj"``: q/k/v_proj +
-  ``out_proj`` nn.Linear, CLIP, OPT, BART, mBART, Whisper, where a projection may lack its
+  ``out_proj`` nn.Linear, CLIP, SigLIP, OPT, BART, mBART, Whisper, where a projection may lack its
   bias, Whisper's k_proj; ``"distilbert"``: ``q_lin/k_lin/v_lin/out_lin``; ``"latent"``:
   DeepSeek's multi-head latent attention, converted to
   :class:`~multihead.MultiHeadLatentAttention`, its own names). ``partial_rotary``:
@@ -244,9 +244,11 @@ def _out_proj(module: str, cls: str, model_types: tuple[str, ...], call: str, at
 _OUT_PROJ_FAMILIES = [
     # CLIP's text tower is causal through the is_causal=True its encoder passes (module.is_causal is False)
     _out_proj("clip", "CLIPAttention", ("clip_text_model", "clip_vision_model"), "clip", _CLIP_ATTRS),
-    # Not listed: SiglipAttention (bidirectional, CLIP's layout; it drops the keywords). Its vision
-    # tower ends in SiglipMultiheadAttentionPoolingHead, a torch.nn.MultiheadAttention whose query
-    # is a learned probe, with no config to verify it by: refused, and with it the model.
+    # SigLIP: CLIP's layout and attributes, always bidirectional (is_causal False, the text tower
+    # too); forward(hidden_states, attention_mask=None, **kwargs) drops the keywords (an is_causal
+    # among them is ignored), so it takes ViT's call, not CLIP's. Its vision tower's pooling head is
+    # left alone by name (LEFT_ALONE below).
+    _out_proj("siglip", "SiglipAttention", ("siglip_text_model", "siglip_vision_model"), "vit", _CLIP_ATTRS),
     _out_proj("opt", "OPTAttention", ("opt",), "opt",
               frozenset({"config", "dropout", "embed_dim", "enable_bias", "head_dim", "is_causal", "layer_idx",
                          "num_heads", "scaling"})),
@@ -258,6 +260,16 @@ _OUT_PROJ_FAMILIES = [
                   {"q_lin": "Linear", "k_lin": "Linear", "v_lin": "Linear", "out_lin": "Linear", "dropout": "Dropout"},
                   {"": frozenset({"attention_head_size", "config", "dim", "is_causal", "n_heads", "scaling"})}),
 ]
+
+#: Classes whose name says attention but that hold no transformers attention class, only torch's
+#: own ``nn.MultiheadAttention``: outside :func:`multihead.hf.patch`'s scope (transformers'
+#: attention classes), left as they are (computing exactly what they did), with the reason.
+#: Convert their torch module yourself with :meth:`multihead.MultiHeadAttention.from_torch`.
+LEFT_ALONE: Mapping[str, str] = {
+    "transformers.models.siglip.modeling_siglip.SiglipMultiheadAttentionPoolingHead":
+        "SigLIP's vision pooling head: a learned probe attends with torch.nn.MultiheadAttention "
+        "(torch's module, not transformers'), then LayerNorm and MLP; left unpatched",
+}
 
 # ---- DeepSeek-V2/V3: multi-head latent attention (issue #15) -------------------------------
 # transformers 5.24, modeling_deepseek_v{2,3}.py, read line by line. Both classes compute the
