@@ -34,6 +34,7 @@ def validate_call(layer: MultiHeadAttention, x: torch.Tensor, context: torch.Ten
         attn_mask = attn_mask[(None,) * (4 - attn_mask.dim())]  # (B|1, H|1, S|1, Sk|1)
     return real, attn_mask
 
+
 def _check_cache(
     layer: MultiHeadAttention,
     x: torch.Tensor,
@@ -73,6 +74,7 @@ def _check_cache(
     cache.check_append(b, layer.num_kv_heads, layer.head_dim, x.dtype, x.device, s)
     cache.claim(layer)  # another layer's cache is refused
     return real
+
 
 def _check_inputs(
     layer: MultiHeadAttention,

@@ -28,6 +28,7 @@ from multihead.interop import hf_layers, hf_registry
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, CONFIG_MAPPING  # noqa: E402
+from test_zoo import sharpen  # noqa: E402 - same folder (pytest puts it on sys.path)
 
 B, S, VOCAB, ATOL = 2, 9, 100, 1e-5
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
@@ -49,10 +50,7 @@ def _model(config: Any, impl: str = "eager") -> nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_config(config, attn_implementation=impl).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(4)  # far from uniform attention
+    sharpen(model)
     return model
 
 

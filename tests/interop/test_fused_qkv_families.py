@@ -27,6 +27,7 @@ from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXAttention, GPT
 
 import multihead as mh
 from multihead.interop import hf_patch, hf_registry, hf_weights
+from test_zoo import sharpen  # same folder (pytest puts it on sys.path)
 
 B, S, VOCAB, RTOL, ATOL = 2, 9, 100, 1e-5, 1e-5
 SMALL = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": VOCAB,
@@ -65,10 +66,7 @@ def _model(name: str) -> nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = cls._from_config(make_config(), attn_implementation=impl).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(4)  # far from uniform attention
+    sharpen(model)
     return model
 
 

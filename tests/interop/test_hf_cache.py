@@ -21,6 +21,7 @@ from multihead import decode
 
 transformers = pytest.importorskip("transformers")
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM  # noqa: E402
+from test_zoo import sharpen  # noqa: E402 - same folder (pytest puts it on sys.path)
 
 VOCAB, S, NEW = 100, 9, 6
 TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=128,
@@ -35,10 +36,7 @@ def _model(model_type: str = "llama", impl: str = "sdpa", **extra: Any) -> nn.Mo
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_config(CONFIG_MAPPING[model_type](**{**TINY, **extra}),
                                                  attn_implementation=impl).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(4)
+    sharpen(model)
     return model
 
 

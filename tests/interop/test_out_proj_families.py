@@ -20,7 +20,7 @@ from torch import nn
 
 import multihead as mh
 
-from test_zoo import VOCAB, ZOO, build, tiny_config  # same folder (pytest puts it on sys.path)
+from test_zoo import VOCAB, ZOO, build, sharpen, tiny_config  # same folder (pytest puts it on sys.path)
 
 B, S, RTOL = 2, 9, 1e-5
 SEQ2SEQ = ("bart", "mbart", "whisper")
@@ -36,10 +36,7 @@ def _model(model_type: str, impl: str = "sdpa") -> nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = build(model_type, tiny_config(model_type, **ZOO[model_type][0]), auto, impl).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(4)  # far from uniform attention
+    sharpen(model)
     return model
 
 
@@ -223,10 +220,7 @@ def _siglip(impl: str) -> nn.Module:
         warnings.simplefilter("ignore")
         model = SiglipModel(SiglipConfig(text_config=text, vision_config=vision)).eval()
     model.set_attn_implementation(impl)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(4)  # far from uniform attention
+    sharpen(model)
     return model
 
 
