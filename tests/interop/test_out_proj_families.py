@@ -1,4 +1,5 @@
-"""CLIP, SigLIP, OPT, BART, mBART, Whisper and DistilBERT: converted and patched exactly (issue #15 item 8).
+"""CLIP, SigLIP, OPT, BART, mBART, Whisper and DistilBERT: converted and patched exactly (issue #15 item 8);
+BART's verbatim copies (PEGASUS, Marian, PLBart, M2M100/NLLB, Blenderbot, Blenderbot-Small, BioGPT).
 
 The zoo (tests/interop/test_zoo.py) compares each with ``attn_implementation="eager"``; here
 the default ``"sdpa"``, where HF drops masks that causality alone describes (CLIP's text
@@ -6,7 +7,7 @@ tower is then causal only through the ``is_causal=True`` its encoder passes), ev
 greedy generation (logits, not only tokens), the encoder-decoder cache a patched model fills
 (self- and cross-attention), ``from_hf`` of single modules against their HF forward, and
 the checkpoint layout. Models: tiny configs (E=64, H=4, 2 layers), random weights ×4,
-float32. Runtime: about 40 s on 2 shared cores (generation loops, most of it).
+float32. Runtime: about 70 s on 2 shared cores (generation loops, most of it).
 """
 
 from __future__ import annotations
@@ -24,14 +25,18 @@ from test_zoo import VOCAB, ZOO, build, sharpen, tiny_config  # same folder (pyt
 
 B, S, RTOL = 2, 9, 1e-5
 SEQ2SEQ = ("bart", "mbart", "whisper")
+#: Classes that are BartAttention's source verbatim (hf_registry._BART_COPIES): the encoder-decoders,
+#: then BioGPT (decoder-only).
+BART_COPIES = ("pegasus", "marian", "plbart", "m2m_100", "blenderbot", "blenderbot-small")
+CAUSAL_LM = ("opt", "biogpt")
 
 
 def _model(model_type: str, impl: str = "sdpa") -> nn.Module:
     from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM,
                               AutoModelForSpeechSeq2Seq)
 
-    auto = {"opt": AutoModelForCausalLM, "whisper": AutoModelForSpeechSeq2Seq}.get(
-        model_type, AutoModelForSeq2SeqLM if model_type in SEQ2SEQ else AutoModel)
+    auto = {"opt": AutoModelForCausalLM, "biogpt": AutoModelForCausalLM, "whisper": AutoModelForSpeechSeq2Seq}.get(
+        model_type, AutoModelForSeq2SeqLM if model_type in SEQ2SEQ + BART_COPIES else AutoModel)
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -57,7 +62,7 @@ def _inputs(model_type: str, side: str | None) -> dict[str, torch.Tensor]:
         inputs = {"input_features": torch.randn(B, 8, 32, generator=g)}
     else:
         inputs = {"input_ids": torch.randint(3, VOCAB, (B, S), generator=g), "attention_mask": _mask(S, side)}
-    if model_type in SEQ2SEQ:
+    if model_type in SEQ2SEQ + BART_COPIES:
         inputs.update(decoder_input_ids=torch.randint(3, VOCAB, (B, S - 2), generator=g),
                       decoder_attention_mask=_mask(S - 2, side))
     return inputs
@@ -81,7 +86,8 @@ def _outputs(model: nn.Module, inputs: dict[str, torch.Tensor]) -> list[tuple[to
 
 
 @pytest.mark.parametrize("model_type", ["clip_text_model", "clip_vision_model", "siglip_text_model",
-                                        "siglip_vision_model", "opt", *SEQ2SEQ, "distilbert"])
+                                        "siglip_vision_model", "opt", *SEQ2SEQ, "distilbert", *BART_COPIES,
+                                        "biogpt"])
 @pytest.mark.parametrize("side", ["left", None])
 def test_patched_equals_unpatched_with_sdpa(model_type: str, side: str | None) -> None:
     """sdpa: with no padding (side None) HF hands attention no mask at all, only is_causal
@@ -118,7 +124,7 @@ def _generate(model: nn.Module, model_type: str) -> Any:
     return model.generate(inputs["input_ids"], attention_mask=inputs["attention_mask"], **greedy)
 
 
-@pytest.mark.parametrize("model_type", ["opt", *SEQ2SEQ])
+@pytest.mark.parametrize("model_type", ["opt", *SEQ2SEQ, *BART_COPIES, "biogpt"])
 def test_greedy_generation_gives_the_same_logits_at_every_step(model_type: str) -> None:
     """A left-padded batch of two; the decoders of BART, mBART and Whisper read the encoder's
     keys and values from the cross-attention cache after the first step (eager: the zoo)."""
@@ -129,7 +135,7 @@ def test_greedy_generation_gives_the_same_logits_at_every_step(model_type: str) 
     assert _rel(torch.stack(got.logits), torch.stack(want.logits)) <= RTOL
 
 
-@pytest.mark.parametrize("model_type", SEQ2SEQ)
+@pytest.mark.parametrize("model_type", SEQ2SEQ + BART_COPIES)
 def test_the_encoder_decoder_cache_is_filled_as_hf_fills_it(model_type: str) -> None:
     model = _model(model_type)
     inputs = _inputs(model_type, "right")
@@ -153,7 +159,7 @@ def _modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if hf_registry.spec_of(m) is not None]
 
 
-@pytest.mark.parametrize("model_type", ["clip_text_model", "opt", *SEQ2SEQ, "distilbert"])
+@pytest.mark.parametrize("model_type", ["clip_text_model", "opt", *SEQ2SEQ, "distilbert", *BART_COPIES, "biogpt"])
 def test_from_hf_equals_the_hf_module(model_type: str) -> None:
     """Each attention module alone: self-attention (causal where the class is), and the
     decoders' cross-attention to an encoder output with padding."""
@@ -256,7 +262,9 @@ def test_siglip_text_tower_is_bidirectional() -> None:
 
 
 @pytest.mark.parametrize("model_type, cls", [
-    ("pegasus", "PegasusAttention"), ("marian", "MarianAttention"),  # BART's copies: not read, not listed
+    # their decoders' class is BART's, their encoders' is not (global-local, block-sparse)
+    ("pegasus_x", "PegasusXGlobalLocalAttention"), ("bigbird_pegasus", "BigBirdPegasusEncoderAttention"),
+    ("mvp", "MvpAttention"),  # BART's layout with learned prompt keys and values: not described
 ])
 def test_families_not_described_are_refused_by_name(model_type: str, cls: str) -> None:
     with warnings.catch_warnings(), torch.device("meta"):

@@ -12,7 +12,7 @@ Two passes, because patching decides by class (``hf_registry.REGISTRY``):
   attention is far from uniform), run on a right-padded and a left-padded batch, patched,
   run again:
   relative difference ≤ 1e-5 on real tokens, and the same greedy tokens for generators.
-  Encoder-decoders (BART, mBART, Whisper) compare the encoder's states and the decoder's
+  Encoder-decoders (BART and its copies, mBART, Whisper) compare the encoder's states and the decoder's
   logits, cross-attention included, on padded encoder and decoder batches.
 
 ``test_zoo_catches_rope_planted_in_vit`` plants the mistake this file exists to catch
@@ -105,13 +105,17 @@ ZOO: dict[str, tuple[dict[str, Any], bool]] = {
     "bart": (_S2S, True),
     "mbart": (_S2S, True),
     "whisper": ({**_S2S, "num_mel_bins": 8, "max_source_positions": 16, "max_target_positions": 64}, True),
+    # BART's copies (hf_registry._BART_COPIES): more in tests/interop/test_out_proj_families.py
+    "pegasus": (_S2S, True), "marian": (_S2S, True), "plbart": (_S2S, True), "m2m_100": (_S2S, True),
+    "blenderbot": (_S2S, True), "blenderbot-small": (_S2S, True),
+    "biogpt": ({}, True),  # decoder-only, BART's attention class
     "distilbert": ({"dim": 64, "n_heads": 4, "n_layers": 2, "hidden_dim": 128}, False),
     "deepseek_v3": ({**DEEPSEEK, "rope_interleave": True}, True),
     "deepseek_v2": (DEEPSEEK, True),  # always interleaved RoPE
 }
 #: Encoder-decoders: built for generation (``AutoModelForSeq2SeqLM``, Whisper's speech class),
 #: their encoder's and decoder's outputs compared, the decoder's cross-attention included.
-SEQ2SEQ = {"bart", "mbart", "whisper"}
+SEQ2SEQ = {"bart", "mbart", "whisper", "pegasus", "marian", "plbart", "m2m_100", "blenderbot", "blenderbot-small"}
 VISION = {"vit", "clip_vision_model", "siglip_vision_model"}
 #: Model types AutoModel does not map: built with their own class.
 OWN_CLASS = {"siglip_text_model": "SiglipTextModel"}
