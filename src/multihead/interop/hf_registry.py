@@ -239,11 +239,18 @@ _SEQ2SEQ_ATTRS = frozenset({"config", "dropout", "embed_dim", "head_dim", "is_ca
 #: a decoder-only LM (causal self-attention only); M2M100's config is NLLB's too. Not here, though
 #: their decoder's class is BART's too: PEGASUS-X and BigBird-Pegasus (their encoders' global-local
 #: and block-sparse attention are not described, so the models are refused), PP-FormulaNet (its
-#: SAM-style vision attention with relative positions), Informer and the time-series transformer
-#: (not text models; not compared yet).
+#: SAM-style vision attention with relative positions).
 _BART_COPIES = [("pegasus", "Pegasus", "pegasus"), ("marian", "Marian", "marian"), ("plbart", "PLBart", "plbart"),
                 ("m2m_100", "M2M100", "m2m_100"), ("blenderbot", "Blenderbot", "blenderbot"),
-                ("blenderbot_small", "BlenderbotSmall", "blenderbot-small"), ("biogpt", "BioGpt", "biogpt")]
+                ("blenderbot_small", "BlenderbotSmall", "blenderbot-small"), ("biogpt", "BioGpt", "biogpt"),
+                # BART's computation, the source reworded: NLLB-MoE writes k/v_proj(...).view(...) on one
+                # line; Speech2Text also takes output_attentions=False and passes it on to the kernel, which
+                # ignores it (eager_attention_forward is BART's, its weights are returned either way).
+                ("nllb_moe", "NllbMoe", "nllb-moe"), ("speech_to_text", "Speech2Text", "speech_to_text"),
+                # time-series encoder-decoders, verbatim; Informer's default ProbSparse attention
+                # (attention_type="prob") is another class, not described: refused by name
+                ("time_series_transformer", "TimeSeriesTransformer", "time_series_transformer"),
+                ("informer", "Informer", "informer")]
 
 
 def _out_proj(module: str, cls: str, model_types: tuple[str, ...], call: str, attrs: frozenset[str],
