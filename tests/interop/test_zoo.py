@@ -18,7 +18,7 @@ Two passes, because patching decides by class (``hf_registry.REGISTRY``):
 ``test_zoo_catches_rope_planted_in_vit`` plants the mistake this file exists to catch
 (RoPE added to ViT) and requires the comparison to report it.
 
-Runtime: about 3 minutes on 2 shared cores (85 s of it building every model type on meta).
+Runtime: about 4 minutes on 2 shared cores (85 s of it building every model type on meta).
 """
 
 from __future__ import annotations
