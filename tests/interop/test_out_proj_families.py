@@ -1,5 +1,6 @@
 """CLIP, SigLIP, OPT, BART, mBART, Whisper and DistilBERT: converted and patched exactly (issue #15 item 8);
-BART's verbatim copies (PEGASUS, Marian, PLBart, M2M100/NLLB, Blenderbot, Blenderbot-Small, BioGPT).
+BART's copies (PEGASUS, Marian, PLBart, M2M100/NLLB, Blenderbot, Blenderbot-Small, BioGPT, NLLB-MoE and
+Speech2Text; the last two run eager only in transformers, so they are compared with eager here too).
 
 The zoo (tests/interop/test_zoo.py) compares each with ``attn_implementation="eager"``; here
 the default ``"sdpa"``, where HF drops masks that causality alone describes (CLIP's text
@@ -7,7 +8,7 @@ tower is then causal only through the ``is_causal=True`` its encoder passes), ev
 greedy generation (logits, not only tokens), the encoder-decoder cache a patched model fills
 (self- and cross-attention), ``from_hf`` of single modules against their HF forward, and
 the checkpoint layout. Models: tiny configs (E=64, H=4, 2 layers), random weights ×4,
-float32. Runtime: about 70 s on 2 shared cores (generation loops, most of it).
+float32. Runtime: about 2 minutes on 2 shared cores (generation loops, most of it).
 """
 
 from __future__ import annotations
