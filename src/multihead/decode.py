@@ -145,7 +145,7 @@ def _traced() -> bool:
     return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
 
 
-def _written_slots(cache: KVCache, b: int, traced: bool) -> tuple[object, ...]:
+def _written_slots(cache: KVCache, b: int, traced: bool) -> tuple[slice | torch.Tensor, slice, int | torch.Tensor]:
     """An index of ``cache.k`` selecting the (B, Hkv, D) slots the step writes: each row's next one.
 
     Traced: by the device lengths (advanced indexing), so a compiled step is one graph for all
