@@ -136,6 +136,32 @@ def test_compiled_prefill_runs_the_eager_kernels_and_nothing_else(causal: bool) 
     assert torch.equal(got, want)  # the same kernels on the same data: bit for bit
 
 
+def test_fused_step_is_the_operator_when_intercepted_and_the_kernel_itself_in_eager() -> None:
+    """Eager, the fused step calls the kernel without the operator's Python dispatch (the
+    profiler sees no ``multihead::decode_step``); under a dispatch mode (what tracing and fake
+    tensors use) it is the operator, seen by the mode. Same output and cache, bit for bit."""
+    from torch.profiler import profile
+
+    layer = _layer()
+    cache = layer.new_cache(2, 16)
+    x = torch.randn(2, 1, 128)
+    with torch.no_grad():
+        layer(torch.randn(2, 5, 128), cache=cache)
+        reason = mh.decode.why_not_fused(layer, x, cache)
+        assert reason in (None, "the native kernel is not compiled here for AVX-512 or AVX2")
+        with profile() as prof:
+            eager = layer(x, cache=cache)
+        written = (cache.k.clone(), cache.v.clone(), cache.slot_pos.clone())
+        cache.crop(5)
+        with _OpLog() as log:
+            intercepted = layer(x, cache=cache)
+    assert torch.equal(eager, intercepted) and cache.host_lengths() == [6, 6]
+    assert all(torch.equal(a, b) for a, b in zip(written, (cache.k, cache.v, cache.slot_pos)))
+    fused = reason is None
+    assert ("multihead.decode_step" in log.ops) == fused
+    assert not any(e.name == "multihead::decode_step" for e in prof.events())
+
+
 @pytest.mark.parametrize("backend", ["native", None])
 def test_compiled_training_matches_eager_gradients(backend: str | None) -> None:
     """Forward and backward compiled; "native" runs the native backward inside the graph."""
