@@ -326,6 +326,12 @@ class KVCache:
             if self.ring or any(c != 1 for c in counts):
                 raise ValueError("commit(counts) takes one in-order token per row of a linear cache; "
                                  "other appends go through append()")
+            held = self._host_lengths
+            if not torch.compiler.is_compiling() and all(n == held[0] for n in held):
+                self.slot_pos[:, held[0]] = held[0]  # every row's next slot holds that position (fewer ops)
+                self.lengths.add_(1)
+                self._host_lengths = [n + 1 for n in held]
+                return
             gained = torch.tensor(counts, dtype=torch.int64, device=self.device)  # (B,)
             positions = self.positions(1)  # (B, 1)
             self.slot_pos.scatter_(1, positions, positions)

@@ -114,19 +114,43 @@ def fused_step(layer: MultiHeadAttention, x: torch.Tensor, cache: KVCache) -> to
     cos, sin, rotary_dim, interleaved = (None, None, 0, False) if rope is None else (
         rope.cos, rope.sin, rope.rotary_dim, rope.interleaved)
     projs = _projections(layer)
-    # The slots the step writes (each row's next one), saved: a failure leaves the cache bitwise as it
-    # was. Indexed by the device lengths (not host ints), so a compiled step is one graph for all lengths.
-    rows = torch.arange(b, device=cache.lengths.device)
-    saved = (cache.k[rows, :, cache.lengths], cache.v[rows, :, cache.lengths])  # (B, Hkv, D) copies
+    traced = _traced()
+    slots = _written_slots(cache, b, traced)
+    saved = [t[slots] for t in (cache.k, cache.v)]  # (B, Hkv, D): a failure restores them
+    if isinstance(slots[2], int):
+        saved = [t.clone() for t in saved]  # basic indexing gave views (advanced indexing gives copies)
+    x2 = x.reshape(b, e).contiguous()
+    weights, biases = [p.weight for p in projs], [p.bias for p in projs]
     try:
-        # The operator (not the ctypes call) so that torch.compile sees one opaque node that writes the cache.
-        y = torch.ops.multihead.decode_step(
-            x.reshape(b, e).contiguous(), [p.weight for p in projs], [p.bias for p in projs], cos, sin, rotary_dim,
-            interleaved, cache.k, cache.v, cache.lengths, layer.num_heads, layer.num_kv_heads, layer.head_dim,
-            float(layer.scale))  # (B, E); K/V written at each row's next slot
+        if traced:  # the operator, so that torch.compile sees one opaque node that writes the cache
+            y = torch.ops.multihead.decode_step(x2, weights, biases, cos, sin, rotary_dim, interleaved, cache.k,
+                                                cache.v, cache.lengths, layer.num_heads, layer.num_kv_heads,
+                                                layer.head_dim, float(layer.scale))  # (B, E)
+        else:  # eager: the kernel itself (the operator's Python dispatch costs as much as a small layer's step)
+            y = native.decode_step(x2, list(zip(weights, biases)), num_heads=layer.num_heads,
+                                   num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim,
+                                   rope=None if cos is None or sin is None else (cos, sin, rotary_dim, interleaved),
+                                   cache_k=cache.k, cache_v=cache.v, lengths=cache.lengths, scale=float(layer.scale))
         cache.commit([1] * b)
     except BaseException:
-        cache.k[rows, :, cache.lengths] = saved[0]
-        cache.v[rows, :, cache.lengths] = saved[1]
+        cache.k[slots] = saved[0]
+        cache.v[slots] = saved[1]
         raise
     return y.view(b, 1, e)
+
+
+def _traced() -> bool:
+    """Whether this call is being traced or intercepted (``torch.compile``, ``torch.export``, a
+    ``TorchDispatchMode`` such as fake tensors): then the step must be the operator, not a ctypes call."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+
+
+def _written_slots(cache: KVCache, b: int, traced: bool) -> tuple[slice | torch.Tensor, slice, int | torch.Tensor]:
+    """An index of ``cache.k`` selecting the (B, Hkv, D) slots the step writes: each row's next one.
+
+    Traced: by the device lengths (advanced indexing), so a compiled step is one graph for all
+    lengths; eager with rows of one length (the usual case): basic indexing at the host length, cheaper."""
+    held = cache.host_lengths()
+    if not traced and all(n == held[0] for n in held):
+        return (slice(None), slice(None), held[0])
+    return (torch.arange(b, device=cache.lengths.device), slice(None), cache.lengths)

@@ -99,6 +99,69 @@ def test_compiled_prefill_matches_eager_with_no_graph_break(kind: str, padded: b
     assert (got - want).abs().max() <= ATOL
 
 
+class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """The operators a call dispatches (the top level only: not what runs inside them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_compiled_prefill_runs_the_eager_kernels_and_nothing_else(causal: bool) -> None:
+    """The benchmark's compiled prefill (here smaller: 2^20 scores, the native loop) is
+    the eager layer's four oneDNN GEMMs and one native attention call, on the same
+    strided views: no copy, no layout change, no kernel of Inductor's own. Compiled
+    can then only differ from eager by fixed per-call costs, not by work."""
+    from torch._inductor.utils import run_and_get_code
+
+    layer = mh.MultiHeadAttention(128, 8, causal=causal).eval()
+    x = torch.randn(2, 256, 128)
+    with torch.no_grad():
+        with _OpLog() as log:
+            want = layer(x)
+        torch._dynamo.reset()
+        got, codes = run_and_get_code(torch.compile(layer, fullgraph=True), x)
+    kernels = [op for op in log.ops if op not in ("aten.view", "aten.transpose", "aten.reshape",
+                                                  "aten._unsafe_view", "aten.permute", "aten.detach")]
+    assert kernels == ["mkldnn._linear_pointwise"] * 3 + ["multihead.attention", "mkldnn._linear_pointwise"]
+    code = "\n".join(codes)
+    assert code.count("torch.ops.multihead.linear.default(") == 4
+    assert code.count("torch.ops.multihead.attention.default(") == 1
+    assert "cpp_fused" not in code and "extern_kernels" not in code.split("def call")[1]  # nothing of Inductor's
+    assert torch.equal(got, want)  # the same kernels on the same data: bit for bit
+
+
+def test_fused_step_is_the_operator_when_intercepted_and_the_kernel_itself_in_eager() -> None:
+    """Eager, the fused step calls the kernel without the operator's Python dispatch (the
+    profiler sees no ``multihead::decode_step``); under a dispatch mode (what tracing and fake
+    tensors use) it is the operator, seen by the mode. Same output and cache, bit for bit."""
+    from torch.profiler import profile
+
+    layer = _layer()
+    cache = layer.new_cache(2, 16)
+    x = torch.randn(2, 1, 128)
+    with torch.no_grad():
+        layer(torch.randn(2, 5, 128), cache=cache)
+        reason = mh.decode.why_not_fused(layer, x, cache)
+        assert reason in (None, "the native kernel is not compiled here for AVX-512 or AVX2")
+        with profile() as prof:
+            eager = layer(x, cache=cache)
+        written = (cache.k.clone(), cache.v.clone(), cache.slot_pos.clone())
+        cache.crop(5)
+        with _OpLog() as log:
+            intercepted = layer(x, cache=cache)
+    assert torch.equal(eager, intercepted) and cache.host_lengths() == [6, 6]
+    assert all(torch.equal(a, b) for a, b in zip(written, (cache.k, cache.v, cache.slot_pos)))
+    fused = reason is None
+    assert ("multihead.decode_step" in log.ops) == fused
+    assert not any(e.name == "multihead::decode_step" for e in prof.events())
+
+
 @pytest.mark.parametrize("backend", ["native", None])
 def test_compiled_training_matches_eager_gradients(backend: str | None) -> None:
     """Forward and backward compiled; "native" runs the native backward inside the graph."""

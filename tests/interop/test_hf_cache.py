@@ -78,13 +78,29 @@ def test_unpadded_batch_takes_the_fused_step_or_says_why_not() -> None:
 
 
 def test_the_layers_own_cached_call_generates_hf_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The branch a CPU with AVX-512 takes (``layer(x, cache=kv)``), forced here: where the
-    fused step cannot run, the module's own cached call runs it, in place, and must agree."""
+    """The branch a layer with hooks takes (``layer(x, cache=kv)``), forced here for every call:
+    where the fused step cannot run, the module's own cached call runs it, in place, and must agree."""
     from multihead.interop import hf_cache
 
     monkeypatch.setattr(hf_cache, "why_not_fused", lambda layer, x, kv: None)
+    monkeypatch.setattr(hf_cache, "_bare", lambda layer: False)
     cache = _same_tokens_as_hf(_model(), _prompts(padded=False))
     assert cache.paths == ["fused", "fused"] and cache.get_seq_length() == S + NEW - 1
+
+
+def test_a_hook_on_the_layer_runs_at_every_fused_step() -> None:
+    """The adapter runs the fused step without the module call only when that call adds nothing:
+    with a forward hook on the layer, the hook still sees every decoding step, tokens unchanged."""
+    model, prompts = _model(), _prompts(padded=False)
+    with torch.no_grad():
+        want = model.generate(**prompts, **GREEDY)
+    mh.hf.patch(model)
+    seen: list[int] = []
+    model.model.layers[0].self_attn.mh.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[1]))
+    cache = mh.hf.KVCacheAdapter(model, max_len=S + NEW)
+    with torch.no_grad():
+        assert torch.equal(model.generate(**prompts, **GREEDY, cache=cache), want)
+    assert seen == ([1] * (NEW - 1) if cache.paths[0] == "fused" else [])  # prefill goes through update
 
 
 @pytest.mark.parametrize("padded", [True, False])

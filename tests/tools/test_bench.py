@@ -90,6 +90,13 @@ def test_time_interleaved_runs_resets_before_every_call() -> None:
     assert set(stats) == {"a", "b"} and len(stats["a"]["times_s"]) == 3
 
 
+def test_paired_speedup_is_the_median_of_per_round_ratios() -> None:
+    """Round 2 ran while the machine was slow for the peer only, round 3 for us only: the
+    ratio of medians (20x) follows the drift, the per-round ratios (2, 20, 0.2 -> 2x) do not."""
+    ours, peer = {"times_s": [1.0, 1.0, 10.0]}, {"times_s": [2.0, 20.0, 2.0]}
+    assert bench.paired_speedup(ours, peer) == 2.0
+
+
 def test_run_script_prints_the_report_and_writes_files(suite: dict[str, Any], tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch,
                                                        capsys: pytest.CaptureFixture[str]) -> None:

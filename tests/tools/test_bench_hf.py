@@ -18,7 +18,7 @@ def test_quick_run_reports_prefill_and_decoding_three_ways() -> None:
     assert result["same_logits"] is True
     for phase in ("prefill", "decode"):
         assert list(result[phase]) == list(bench_hf.WAYS)
-        assert result[phase]["HF"]["vs_hf"] == 1.0
+        assert result[phase]["HF"]["vs_hf"] == result[phase]["HF"]["paired_vs_hf"] == 1.0
         assert all(st["tokens_per_s"] > 0 for st in result[phase].values())
     assert len(result["paths"]) == bench_hf.QUICK["layers"]
     assert all(path == "fused" or path.startswith("update (not fused: ") for path in result["paths"])

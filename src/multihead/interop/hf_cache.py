@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 from ..cache import KVCache
-from ..decode import why_not_fused
+from ..decode import fused_step, why_not_fused
 from ..masks import Structure
 from ..module import MultiHeadAttention
 
@@ -90,9 +90,25 @@ def own_step(layer: MultiHeadAttention, layer_idx: int | None, cache: Any, x: to
     if reason is not None:  # the wrapper's own step around update (in place) is as fast or faster then
         slot.not_fused = reason  # recorded by the update that follows
         return None
-    y = layer(x, cache=kv)
+    if _bare(layer):  # what layer(x, cache=kv) runs, without asking why_not_fused twice
+        layer._validate(x, None, None, None, None, kv)
+        y = fused_step(layer, x, kv)
+    else:
+        y = layer(x, cache=kv)
     slot.record("fused")
     return y
+
+
+def _bare(layer: MultiHeadAttention) -> bool:
+    """Whether ``layer(x, cache=kv)`` is exactly its validation then :func:`~multihead.decode.fused_step`
+    (for a call :func:`~multihead.decode.why_not_fused` allowed): the class itself, no module hooks (its
+    own or global ones), no head capture attached."""
+    from torch.nn.modules import module as m
+
+    return (type(layer) is MultiHeadAttention and layer.__dict__.get("_heads_tap") is None
+            and not (layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks
+                     or layer._backward_pre_hooks or m._global_forward_hooks or m._global_forward_pre_hooks
+                     or m._global_backward_hooks or m._global_backward_pre_hooks))
 
 
 @functools.cache

@@ -33,7 +33,9 @@ The report names the CPU and its vector features, and rates each compute-bound r
 against ``torch.matmul`` (%sgemm) and against the best GEMM of the run (%best).
 
 Timing: one warm-up call each, then repetitions interleaved round-robin (alternating
-the order) so machine noise hits every implementation alike; medians are reported.
+the order) so machine noise hits every implementation alike; medians are reported, and
+per peer the "paired" speedup, the median of the per-round ratios (steadier than the
+ratio of medians when the machine drifts between rounds).
 Nothing here prints: :func:`format_report` returns the table as a string.
 """
 
@@ -57,7 +59,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["time_interleaved", "machine_limits", "machine_info", "run_suite", "format_report",
-           "write_json", "plot", "measure_memory", "memory_probe"]
+           "write_json", "plot", "measure_memory", "memory_probe", "paired_speedup"]
 
 Fn = Callable[[], object]
 Result = dict[str, Any]
@@ -509,7 +511,7 @@ def _header(case: str) -> str:
         return f"{'shape':<44} {'peer':<28} {'ours MB':>9} {'peer MB':>9} {'ours/io':>8} {'peer/io':>8}"
     unit = "%copy" if case == "layer/decode" else "%sgemm"
     best = "" if case == "layer/decode" else f" {'ours %best':>10} {'peer %best':>10}"
-    return (f"{'shape':<44} {'peer':<28} {'ours ms':>9} {'peer ms':>9} {'speedup':>8} "
+    return (f"{'shape':<44} {'peer':<28} {'ours ms':>9} {'peer ms':>9} {'speedup':>8} {'paired':>7} "
             f"{'ours ' + unit:>11} {'peer ' + unit:>11} {'ours xlim':>9}{best}")
 
 
@@ -521,8 +523,16 @@ def _row(case: str, label: str, ours: Result, peer: Result) -> str:
     best = ("" if case == "layer/decode" else  # vs the best GEMM of the run
             f" {100 * ours['frac_gemm_peak']:>9.0f}% {100 * peer['frac_gemm_peak']:>9.0f}%")
     return (f"{label:<44} {peer['impl']:<28} {ours['median_s'] * 1e3:>9.2f} {peer['median_s'] * 1e3:>9.2f} "
-            f"{peer['median_s'] / ours['median_s']:>7.2f}x {100 * ours[frac]:>10.0f}% {100 * peer[frac]:>10.0f}% "
+            f"{peer['median_s'] / ours['median_s']:>7.2f}x {paired_speedup(ours, peer):>6.2f}x "
+            f"{100 * ours[frac]:>10.0f}% {100 * peer[frac]:>10.0f}% "
             f"{ours['times_limit']:>9.2f}" + best)
+
+
+def paired_speedup(ours: Result, peer: Result) -> float:
+    """The median over rounds of peer time / our time, each pair timed back to back in one round of
+    :func:`time_interleaved`: the machine's drift between rounds (other jobs, a VM's bandwidth state)
+    cancels, so it is steadier than the ratio of the two medians ("speedup")."""
+    return statistics.median(p / o for p, o in zip(peer["times_s"], ours["times_s"]))
 
 
 def write_json(suite: dict[str, Any], path: str | os.PathLike[str]) -> Path:

@@ -16,7 +16,8 @@ vocab 32000, MLP 2816; float32, ``attn_implementation="sdpa"``) on a P=1536 prom
 Timed: the prefill (a fresh cache each call, ``logits_to_keep=1``) and one decoding step
 after the prompt (rolled back with ``crop(-1)`` between calls), interleaved round-robin
 with :func:`multihead.tools.bench.time_interleaved`, so machine noise hits all three alike;
-medians, tokens/s and ratios to ``HF`` are reported. It takes minutes at full size (hence
+medians, tokens/s and ratios to ``HF`` are reported (of the medians, and "paired": the median
+of the per-round ratios, which a machine drifting between rounds disturbs less). It takes minutes at full size (hence
 its own flag, outside the suite); ``quick`` runs tiny sizes in seconds.
 """
 
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .bench import Fn, time_interleaved
+from .bench import Fn, paired_speedup, time_interleaved
 
 __all__ = ["run_hf_generate", "format_hf_generate", "FULL", "QUICK"]
 
@@ -113,9 +114,12 @@ def _roll_back(cache: Any, held: int) -> None:
 
 
 def _rated(stats: dict[str, dict[str, Any]], tokens: int) -> dict[str, dict[str, Any]]:
-    base = stats["HF"]["median_s"]
+    """Per way: medians, tokens/s, ``vs_hf`` (ratio of medians) and ``paired_vs_hf`` (the median
+    of the per-round ratios, steadier on a drifting machine: :func:`~multihead.tools.bench.paired_speedup`)."""
+    base = stats["HF"]
     return {way: {"median_s": st["median_s"], "min_s": st["min_s"], "tokens_per_s": tokens / st["median_s"],
-                  "vs_hf": st["median_s"] / base} for way, st in stats.items()}
+                  "vs_hf": st["median_s"] / base["median_s"], "paired_vs_hf": paired_speedup(base, st)}
+            for way, st in stats.items()}
 
 
 def format_hf_generate(result: dict[str, Any]) -> str:
@@ -126,7 +130,8 @@ def format_hf_generate(result: dict[str, Any]) -> str:
              f"float32, {result['threads']} threads; first logits agree: {result['same_logits']}",
              f"adapter's decoding path per layer: {sorted(set(map(str, result['paths'])))}"]
     for phase, unit in (("prefill", "prompt tokens/s"), ("decode", "tokens/s")):
-        lines += ["", f"{phase}:", f"  {'way':<28}{'median ms':>12}{unit:>18}{'time vs HF':>12}"]
+        lines += ["", f"{phase}:", f"  {'way':<28}{'median ms':>12}{unit:>18}{'time vs HF':>12}{'paired':>8}"]
         for way, st in result[phase].items():
-            lines.append(f"  {way:<28}{st['median_s'] * 1e3:>12.2f}{st['tokens_per_s']:>18.1f}{st['vs_hf']:>12.3f}")
+            lines.append(f"  {way:<28}{st['median_s'] * 1e3:>12.2f}{st['tokens_per_s']:>18.1f}{st['vs_hf']:>12.3f}"
+                         f"{st['paired_vs_hf']:>8.3f}")
     return "\n".join(lines)
