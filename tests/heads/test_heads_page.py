@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -14,6 +15,17 @@ import multihead as mh
 from heads_helpers import minilm
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
+#: The README's pictures are these tests' own output: with MULTIHEAD_WRITE_DOCS=1 the tests
+#: copy them into docs/; otherwise they stay in pytest's temporary folder (no test run
+#: changes the working tree).
+WRITE_DOCS = os.environ.get("MULTIHEAD_WRITE_DOCS") == "1"
+
+
+def _publish(picture: Path, name: str) -> None:
+    """Copy ``picture`` to docs/``name`` when MULTIHEAD_WRITE_DOCS=1."""
+    if WRITE_DOCS:
+        DOCS.mkdir(exist_ok=True)
+        shutil.copyfile(picture, DOCS / name)
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -35,8 +47,7 @@ def test_the_png_grid_has_a_cell_per_head(tmp_path: Path) -> None:
 
     img = matplotlib.image.imread(out)
     assert img.shape[0] > 500 and img.shape[1] > 1000 and float(img[..., :3].std()) > 0.05
-    DOCS.mkdir(exist_ok=True)
-    shutil.copyfile(out, DOCS / "heads_grid.png")
+    _publish(out, "heads_grid.png")
 
 
 def test_the_page_refuses_a_token_list_of_the_wrong_length_and_long_inputs(tmp_path: Path) -> None:
@@ -105,14 +116,14 @@ def test_the_page_works_offline_in_a_real_browser(tmp_path: Path) -> None:
             "#mh-metrics tbody tr td:nth-child(4)", "ts => ts.map(t => t.textContent)")]
         assert ent == sorted(ent) and len(ent) == 72
         page.mouse.move(1, 1)
-        DOCS.mkdir(exist_ok=True)
         page.select_option("#mh-head", "2")  # layer 0, head 2: the previous-token head
         page.hover("#mh-right .mh-tok >> nth=5")  # what attends to key 5
-        page.screenshot(path=str(DOCS / "heads.png"))
+        page.screenshot(path=str(tmp_path / "shot.png"))
         browser.close()
     assert errors == []
     assert [u for u in requests if not u.startswith(("file:", "data:", "about:"))] == []
-    assert (DOCS / "heads.png").stat().st_size > 20000
+    assert (tmp_path / "shot.png").stat().st_size > 20000
+    _publish(tmp_path / "shot.png", "heads.png")
 
 
 def test_the_command_prints_every_metric_as_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
