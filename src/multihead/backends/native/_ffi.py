@@ -46,6 +46,8 @@ SIGNATURES: dict[str, list[type]] = {
     "mh_attention_backward_f64": [_vp] * 10 + [_i64p, _i64p, _f64, _int, _i64, _int],
     # q, k, v, mask (or null); out, lse; dims (7), mask strides (4); scale, causal, window, threads
     "mh_attention_forward_f64": [_vp] * 6 + [_i64p, _i64p, _f64, _int, _i64, _int],
+    # kind (0 bfloat16, 1 float16), to_half, src, dst, n: the scalar conversions (tests)
+    "mh_convert_scalar": [_int, _int, _vp, _vp, _i64],
     "mh_vector_bits": [],
     "mh_max_step_rows": [],
 }

@@ -266,6 +266,22 @@ extern "C" int mh_attention_f16(const void* q, const void* k, const void* v, voi
     return attention<f16>(q, k, v, out, lse, mask, dims, strides, scale, causal, window, query_tile, threads);
 }
 
+// The scalar conversions of common.h (the whole conversion where a build has no AVX2 or
+// F16C; the tails of rows otherwise), for the tests: n values of src to dst. kind 0 bfloat16,
+// 1 float16; to_half 1: float32 -> half (round to nearest even), 0: half -> float32.
+extern "C" int mh_convert_scalar(int kind, int to_half, const void* src, void* dst, int64_t n) {
+    if ((kind != 0 && kind != 1) || n < 0) return -2;
+    const float* f = static_cast<const float*>(src);
+    const uint16_t* h = static_cast<const uint16_t*>(src);
+    for (int64_t i = 0; i < n; ++i) {
+        if (to_half)
+            static_cast<uint16_t*>(dst)[i] = kind ? from_f32<f16>(f[i]).bits : from_f32<bf16>(f[i]).bits;
+        else
+            static_cast<float*>(dst)[i] = kind ? to_f32(f16{h[i]}) : to_f32(bf16{h[i]});
+    }
+    return 0;
+}
+
 
 // The vector width the kernels were compiled for (-march=native): 512 with AVX-512,
 // 256 with AVX2 (each with its own register tiles: common.h), 128 otherwise (the AVX2
