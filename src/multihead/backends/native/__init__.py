@@ -171,10 +171,11 @@ def decode_f32(
 def _check_qkv(q_in: object, k_in: object, v_in: object, mask_in: object, window: object) -> None:
     """The kernel reads raw memory: shapes, dtypes and devices are checked first."""
     q, k, v = (check_tensor(name, t, ndim=4) for name, t in (("q", q_in), ("k", k_in), ("v", v_in)))
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype not in SUFFIX or t.dtype != q.dtype or t.device.type != "cpu":
-            raise TypeError(f"{name} must be a float32, bfloat16 or float16 CPU tensor of q's dtype ({q.dtype}), "
-                            f"got {t.dtype} on {t.device}")
+    if q.dtype not in SUFFIX or q.device.type != "cpu":
+        raise TypeError(f"q must be a float32, bfloat16 or float16 CPU tensor, got {q.dtype} on {q.device}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype or t.device.type != "cpu":
+            raise TypeError(f"{name} must be a CPU tensor of q's dtype {q.dtype}, got {t.dtype} on {t.device}")
     b, h, sq, d = q.shape
     if k.shape[0] != b or v.shape[0] != b or k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
         raise ValueError(f"k and v must be (B={b}, Hkv, Sk, D) and (B, Hkv, Sk, Dv) alike, "
