@@ -23,12 +23,26 @@ using namespace mh;
 // one row of o at a time, whole rows of V (up to 8 vectors) per key, so V is read front to
 // back (the hardware prefetcher's order) by the first row and from L1 by the others, in
 // blocks of PV_KEYS keys. (The prefill's 6 × 16 tiles would read every V row in four
-// strided passes.)
+// strided passes.) Half precision V with several rows: each block is widened once into
+// `wide` (PV_KEYS × dv floats, L1) and read from there by every row, instead of being
+// widened once per row.
 template <class TV>
 inline void pv_stream(const float* p, int64_t ldp, int64_t rows, int64_t n, const TV* v, int64_t ldv, float* o,
-                      int64_t ldo, int64_t dv) {
+                      int64_t ldo, int64_t dv, float* wide) {
     for (int64_t j = 0; j < n; j += PV_KEYS) {
         const int64_t nj = std::min(PV_KEYS, n - j);
+        if constexpr (!std::is_same_v<TV, float>) {
+            if (rows > 1) {
+                for (int64_t jj = 0; jj < nj; ++jj) {
+                    const TV* src = v + (j + jj) * ldv;
+                    int64_t t = 0;
+                    for (; t + W <= dv; t += W) store(wide + jj * dv + t, load_f(src + t));
+                    for (; t < dv; ++t) wide[jj * dv + t] = to_f32(src[t]);
+                }
+                pv_stream<float>(p + j, ldp, rows, nj, wide, dv, o, ldo, dv, nullptr);
+                continue;
+            }
+        }
         for (int64_t r = 0; r < rows; ++r) {
             const float* pr = p + r * ldp + j;
             const TV* vj = v + j * ldv;
@@ -80,9 +94,20 @@ void decode_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t
         const int64_t n = std::min(KD, hi - c0), width = (n + W - 1) / W * W;
         int64_t j = 0;
         if (D % W == 0)  // W keys at a time, their W sums reduced together
-            for (; j + W <= n; j += W)
+            for (; j + W <= n; j += W) {
+                const T* kj = kb + (c0 + j) * P.ks[2];
+                if constexpr (!std::is_same_v<T, float>) {
+                    if (rows > 1) {  // half precision: the W keys widened once (buf.kt, L1), read by every row
+                        for (int64_t s = 0; s < W; ++s)
+                            for (int64_t t = 0; t < D; t += W) store(buf.kt + s * D + t, load_f(kj + s * P.ks[2] + t));
+                        for (int64_t r = 0; r < rows; ++r)
+                            store(buf.s + r * KD + j, dot_w(buf.qbuf + r * D, buf.kt, D, D));
+                        continue;
+                    }
+                }
                 for (int64_t r = 0; r < rows; ++r)
-                    store(buf.s + r * KD + j, dot_w(buf.qbuf + r * D, kb + (c0 + j) * P.ks[2], P.ks[2], D));
+                    store(buf.s + r * KD + j, dot_w(buf.qbuf + r * D, kj, P.ks[2], D));
+            }
         for (; j < n; ++j) {
             const T* kr = kb + (c0 + j) * P.ks[2];
             for (int64_t r = 0; r < rows; ++r) buf.s[r * KD + j] = dot(buf.qbuf + r * D, kr, D);
@@ -97,7 +122,7 @@ void decode_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t
             pv(buf.s + r0 * KD, KD, std::min<int64_t>(MR, rows - r0), n, vb + c0 * P.vs[2], P.vs[2],
                buf.o + r0 * Dv, Dv, Dv);
 #else
-        pv_stream(buf.s, KD, rows, n, vb + c0 * P.vs[2], P.vs[2], buf.o, Dv, Dv);
+        pv_stream(buf.s, KD, rows, n, vb + c0 * P.vs[2], P.vs[2], buf.o, Dv, Dv, buf.kt);
 #endif
     }
     if (part) {  // (rows, Dv + 2): o unnormalised, then m and l, merged by the caller
@@ -116,6 +141,9 @@ void decode_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t
         for (int64_t t = 0; t < Dv; ++t) dst[t] = from_f32<TQ>(buf.o[r * Dv + t] * inv);
     }
 }
+
+// Floats of decode_item's widening buffer (buf.kt): W keys of K, or PV_KEYS rows of V.
+inline int64_t wide_floats(int64_t D, int64_t Dv) { return std::max(W * D, PV_KEYS * Dv); }
 
 // Merge the key splits of (b, kvh): weights 2^(m_s - max m) as in the online softmax; out of type T
 // (summed in float32, rounded once).
@@ -176,7 +204,8 @@ int decode_attention(const void* q, const void* k, const void* v, void* out, flo
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        Buffers buf{alloc(rows * P.D), alloc(1), alloc(rows * KD), alloc(rows), alloc(rows), alloc(rows * P.Dv)};
+        Buffers buf{alloc(rows * P.D), alloc(wide_floats(P.D, P.Dv)), alloc(rows * KD), alloc(rows), alloc(rows),
+                    alloc(rows * P.Dv)};
         if (!buf.ok()) {
 #pragma omp atomic write
             failed = 1;
@@ -382,7 +411,8 @@ int decode_step(const T* x, int64_t B, int64_t E, const T* const* W, const T* co
     {
         const int64_t id = omp_get_thread_num(), nt = omp_get_num_threads();
         // Every buffer first: nothing is written to the cache unless the whole step can run.
-        Buffers buf{alloc(rows * D), alloc(1), alloc(rows * KD), alloc(rows), alloc(rows), alloc(rows * D)};
+        Buffers buf{alloc(rows * D), alloc(wide_floats(D, D)), alloc(rows * KD), alloc(rows), alloc(rows),
+                    alloc(rows * D)};
         if (!buf.ok()) {
 #pragma omp atomic write
             failed = 1;
