@@ -335,8 +335,9 @@ def _decode_case(quick: bool, dtype: torch.dtype = torch.float32) -> tuple[dict[
                 fns[name]()  # one step so that every later call starts from L tokens after crop
     weights = sum(p.numel() * p.element_size() for p in ours.parameters())
     kv_bytes = 2 * hkv * (cached + 1) * d * x.element_size()
-    return ({"case": "layer/decode" + suffix.replace(" ", "-"), "embed_dim": e, "heads": h, "kv_heads": hkv, "cached": cached,
-             "bytes": weights + kv_bytes, "weight_bytes": weights, "kv_bytes": kv_bytes, "limit": "bandwidth"},
+    return ({"case": "layer/decode" + suffix.replace(" ", "-"), "embed_dim": e, "heads": h, "kv_heads": hkv,
+             "cached": cached, "bytes": weights + kv_bytes, "weight_bytes": weights, "kv_bytes": kv_bytes,
+             "limit": "bandwidth"},
             fns, resets)
 
 

@@ -129,8 +129,8 @@ def attention_f32(
 
     Args:
         q: (B, H, Sq, D); k: (B, Hkv, Sk, D); v: (B, Hkv, Sk, Dv); CPU tensors of one
-            dtype, float32, bfloat16 or float16 (computed in float32), H a multiple of Hkv. Any strides (rows are made contiguous if their last
-            dim is not).
+            dtype, float32, bfloat16 or float16 (computed in float32), H a multiple of
+            Hkv. Any strides (rows are made contiguous if their last dim is not).
         scale, causal, window: as in :func:`multihead.attention` (bottom-right aligned).
         mask: bool, broadcastable to (B, H, Sq, Sk), True = may attend; or None.
         return_lse: also return the per-row log-sum-exp (B, H, Sq) float32 of the
