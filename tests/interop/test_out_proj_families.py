@@ -1,4 +1,6 @@
-"""CLIP, SigLIP, OPT, BART, mBART, Whisper and DistilBERT: converted and patched exactly (issue #15 item 8).
+"""CLIP, SigLIP, OPT, BART, mBART, Whisper and DistilBERT: converted and patched exactly (issue #15 item 8);
+BART's copies (PEGASUS, Marian, PLBart, M2M100/NLLB, Blenderbot, Blenderbot-Small, BioGPT, NLLB-MoE and
+Speech2Text; the last two run eager only in transformers, so they are compared with eager here too).
 
 The zoo (tests/interop/test_zoo.py) compares each with ``attn_implementation="eager"``; here
 the default ``"sdpa"``, where HF drops masks that causality alone describes (CLIP's text
@@ -6,7 +8,7 @@ tower is then causal only through the ``is_causal=True`` its encoder passes), ev
 greedy generation (logits, not only tokens), the encoder-decoder cache a patched model fills
 (self- and cross-attention), ``from_hf`` of single modules against their HF forward, and
 the checkpoint layout. Models: tiny configs (E=64, H=4, 2 layers), random weights ×4,
-float32. Runtime: about 40 s on 2 shared cores (generation loops, most of it).
+float32. Runtime: about 2 minutes on 2 shared cores (generation loops, most of it).
 """
 
 from __future__ import annotations
@@ -24,17 +26,24 @@ from test_zoo import VOCAB, ZOO, build, sharpen, tiny_config  # same folder (pyt
 
 B, S, RTOL = 2, 9, 1e-5
 SEQ2SEQ = ("bart", "mbart", "whisper")
+#: Encoder-decoders whose class is BartAttention's (hf_registry._BART_COPIES; BioGPT, decoder-only, too).
+BART_COPIES = ("pegasus", "marian", "plbart", "m2m_100", "blenderbot", "blenderbot-small", "nllb-moe", "speech_to_text")
+#: Models transformers runs with eager attention only (no sdpa): compared with eager here.
+EAGER_ONLY = ("nllb-moe", "speech_to_text")
+CAUSAL_LM = ("opt", "biogpt")
 
 
 def _model(model_type: str, impl: str = "sdpa") -> nn.Module:
     from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM,
                               AutoModelForSpeechSeq2Seq)
 
-    auto = {"opt": AutoModelForCausalLM, "whisper": AutoModelForSpeechSeq2Seq}.get(
-        model_type, AutoModelForSeq2SeqLM if model_type in SEQ2SEQ else AutoModel)
+    auto = {"opt": AutoModelForCausalLM, "biogpt": AutoModelForCausalLM, "whisper": AutoModelForSpeechSeq2Seq,
+            "speech_to_text": AutoModelForSpeechSeq2Seq}.get(
+        model_type, AutoModelForSeq2SeqLM if model_type in SEQ2SEQ + BART_COPIES else AutoModel)
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        impl = "eager" if model_type in EAGER_ONLY else impl
         model = build(model_type, tiny_config(model_type, **ZOO[model_type][0]), auto, impl).eval()
     sharpen(model)
     return model
@@ -55,9 +64,13 @@ def _inputs(model_type: str, side: str | None) -> dict[str, torch.Tensor]:
         return {"pixel_values": torch.randn(B, 3, 32, 32, generator=g)}
     if model_type == "whisper":
         inputs = {"input_features": torch.randn(B, 8, 32, generator=g)}
+    elif model_type == "speech_to_text":  # 36 frames, 12 of them padding: 6 of 9 after subsampling
+        mask = torch.ones(B, 4 * S, dtype=torch.long)
+        mask[1, -12:] = 0
+        inputs = {"input_features": torch.randn(B, 4 * S, 8, generator=g), "attention_mask": mask}
     else:
         inputs = {"input_ids": torch.randint(3, VOCAB, (B, S), generator=g), "attention_mask": _mask(S, side)}
-    if model_type in SEQ2SEQ:
+    if model_type in SEQ2SEQ + BART_COPIES:
         inputs.update(decoder_input_ids=torch.randint(3, VOCAB, (B, S - 2), generator=g),
                       decoder_attention_mask=_mask(S - 2, side))
     return inputs
@@ -71,7 +84,8 @@ def _outputs(model: nn.Module, inputs: dict[str, torch.Tensor]) -> list[tuple[to
     with torch.no_grad():
         out = model(**inputs)
     if "decoder_attention_mask" in inputs:
-        enc_real = inputs["attention_mask"].bool() if "attention_mask" in inputs else ...
+        tokens = "attention_mask" in inputs and "input_features" not in inputs  # (speech frames are subsampled)
+        enc_real = inputs["attention_mask"].bool() if tokens else ...
         return [(out.logits, inputs["decoder_attention_mask"].bool()), (out.encoder_last_hidden_state, enc_real)]
     if getattr(out, "logits", None) is not None:
         return [(out.logits, inputs["attention_mask"].bool())]
@@ -81,7 +95,8 @@ def _outputs(model: nn.Module, inputs: dict[str, torch.Tensor]) -> list[tuple[to
 
 
 @pytest.mark.parametrize("model_type", ["clip_text_model", "clip_vision_model", "siglip_text_model",
-                                        "siglip_vision_model", "opt", *SEQ2SEQ, "distilbert"])
+                                        "siglip_vision_model", "opt", *SEQ2SEQ, "distilbert",
+                                        *(t for t in BART_COPIES if t not in EAGER_ONLY), "biogpt"])
 @pytest.mark.parametrize("side", ["left", None])
 def test_patched_equals_unpatched_with_sdpa(model_type: str, side: str | None) -> None:
     """sdpa: with no padding (side None) HF hands attention no mask at all, only is_causal
@@ -115,10 +130,11 @@ def _generate(model: nn.Module, model_type: str) -> Any:
     if model_type == "whisper":  # the plain generation loop (Whisper's own wants a real generation config)
         return GenerationMixin.generate(model, input_features=inputs["input_features"],
                                         decoder_input_ids=torch.full((B, 1), 2), **greedy)
-    return model.generate(inputs["input_ids"], attention_mask=inputs["attention_mask"], **greedy)
+    main = inputs.get("input_ids", inputs.get("input_features"))  # Speech2Text: features
+    return model.generate(main, attention_mask=inputs["attention_mask"], **greedy)
 
 
-@pytest.mark.parametrize("model_type", ["opt", *SEQ2SEQ])
+@pytest.mark.parametrize("model_type", ["opt", *SEQ2SEQ, *BART_COPIES, "biogpt"])
 def test_greedy_generation_gives_the_same_logits_at_every_step(model_type: str) -> None:
     """A left-padded batch of two; the decoders of BART, mBART and Whisper read the encoder's
     keys and values from the cross-attention cache after the first step (eager: the zoo)."""
@@ -129,7 +145,7 @@ def test_greedy_generation_gives_the_same_logits_at_every_step(model_type: str) 
     assert _rel(torch.stack(got.logits), torch.stack(want.logits)) <= RTOL
 
 
-@pytest.mark.parametrize("model_type", SEQ2SEQ)
+@pytest.mark.parametrize("model_type", SEQ2SEQ + BART_COPIES)
 def test_the_encoder_decoder_cache_is_filled_as_hf_fills_it(model_type: str) -> None:
     model = _model(model_type)
     inputs = _inputs(model_type, "right")
@@ -153,7 +169,7 @@ def _modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if hf_registry.spec_of(m) is not None]
 
 
-@pytest.mark.parametrize("model_type", ["clip_text_model", "opt", *SEQ2SEQ, "distilbert"])
+@pytest.mark.parametrize("model_type", ["clip_text_model", "opt", *SEQ2SEQ, "distilbert", *BART_COPIES, "biogpt"])
 def test_from_hf_equals_the_hf_module(model_type: str) -> None:
     """Each attention module alone: self-attention (causal where the class is), and the
     decoders' cross-attention to an encoder output with padding."""
@@ -255,13 +271,16 @@ def test_siglip_text_tower_is_bidirectional() -> None:
     assert not torch.equal(a[:, 0], b[:, 0])
 
 
-@pytest.mark.parametrize("model_type, cls", [
-    ("pegasus", "PegasusAttention"), ("marian", "MarianAttention"),  # BART's copies: not read, not listed
+@pytest.mark.parametrize("model_type, cls, extra", [
+    # their decoders' class is BART's, their encoders' is not (global-local, block-sparse)
+    ("pegasus_x", "PegasusXGlobalLocalAttention", {}), ("bigbird_pegasus", "BigBirdPegasusEncoderAttention", {}),
+    ("mvp", "MvpAttention", {}),  # BART's layout with learned prompt keys and values: not described
+    ("informer", "InformerProbSparseAttention", {"prediction_length": 4}),  # Informer's default attention_type
 ])
-def test_families_not_described_are_refused_by_name(model_type: str, cls: str) -> None:
+def test_families_not_described_are_refused_by_name(model_type: str, cls: str, extra: dict[str, Any]) -> None:
     with warnings.catch_warnings(), torch.device("meta"):
         warnings.simplefilter("ignore")
         from transformers import AutoModel
-        model = AutoModel.from_config(tiny_config(model_type))
+        model = AutoModel.from_config(tiny_config(model_type, **extra))
     with pytest.raises(ValueError, match=f"{cls} is not a supported attention class"):
         mh.hf.patch(model)

@@ -12,13 +12,13 @@ Two passes, because patching decides by class (``hf_registry.REGISTRY``):
   attention is far from uniform), run on a right-padded and a left-padded batch, patched,
   run again:
   relative difference ≤ 1e-5 on real tokens, and the same greedy tokens for generators.
-  Encoder-decoders (BART, mBART, Whisper) compare the encoder's states and the decoder's
+  Encoder-decoders (BART and its copies, mBART, Whisper) compare the encoder's states and the decoder's
   logits, cross-attention included, on padded encoder and decoder batches.
 
 ``test_zoo_catches_rope_planted_in_vit`` plants the mistake this file exists to catch
 (RoPE added to ViT) and requires the comparison to report it.
 
-Runtime: about 3 minutes on 2 shared cores (85 s of it building every model type on meta).
+Runtime: about 4 minutes on 2 shared cores (85 s of it building every model type on meta).
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ TINY = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "
 #: The tiny sizes under the names of BART, mBART and Whisper's configs.
 _S2S = {"d_model": 64, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
         "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "decoder_start_token_id": 2}
+#: The time-series encoder-decoders: 6 past steps (+2 lags) in, 4 predicted.
+_TS = {"prediction_length": 4, "context_length": 6, "lags_sequence": [1, 2], "num_time_features": 1}
 #: DeepSeek (issue #15): latent attention needs num_key_value_heads == num_attention_heads; a
 #: small MoE (from layer 1); yarn with mscale / mscale_all_dim (the softmax scale changes).
 #: More settings are compared in tests/interop/test_deepseek.py.
@@ -105,14 +107,26 @@ ZOO: dict[str, tuple[dict[str, Any], bool]] = {
     "bart": (_S2S, True),
     "mbart": (_S2S, True),
     "whisper": ({**_S2S, "num_mel_bins": 8, "max_source_positions": 16, "max_target_positions": 64}, True),
+    # BART's copies (hf_registry._BART_COPIES): more in tests/interop/test_out_proj_families.py
+    "pegasus": (_S2S, True), "marian": (_S2S, True), "plbart": (_S2S, True), "m2m_100": (_S2S, True),
+    "blenderbot": (_S2S, True), "blenderbot-small": (_S2S, True),
+    "biogpt": ({}, True),  # decoder-only, BART's attention class
+    "nllb-moe": ({**_S2S, "num_experts": 4, "expert_capacity": 8, "encoder_sparse_step": 2, "decoder_sparse_step": 2},
+                 True),  # layer 1 of each stack is a mixture of experts
+    "speech_to_text": ({**_S2S, "input_feat_per_channel": 8, "conv_channels": 32, "max_source_positions": 64,
+                        "max_target_positions": 64}, True),
+    "time_series_transformer": ({**_S2S, **_TS}, False),  # encoder and decoder states (no masks, no generate)
+    "informer": ({**_S2S, **_TS, "attention_type": "full"}, False),  # full attention, not ProbSparse
     "distilbert": ({"dim": 64, "n_heads": 4, "n_layers": 2, "hidden_dim": 128}, False),
     "deepseek_v3": ({**DEEPSEEK, "rope_interleave": True}, True),
     "deepseek_v2": (DEEPSEEK, True),  # always interleaved RoPE
 }
 #: Encoder-decoders: built for generation (``AutoModelForSeq2SeqLM``, Whisper's speech class),
 #: their encoder's and decoder's outputs compared, the decoder's cross-attention included.
-SEQ2SEQ = {"bart", "mbart", "whisper"}
+SEQ2SEQ = {"bart", "mbart", "whisper", "pegasus", "marian", "plbart", "m2m_100", "blenderbot", "blenderbot-small",
+           "nllb-moe", "speech_to_text"}
 VISION = {"vit", "clip_vision_model", "siglip_vision_model"}
+TIME_SERIES = {"time_series_transformer", "informer"}
 #: Model types AutoModel does not map: built with their own class.
 OWN_CLASS = {"siglip_text_model": "SiglipTextModel"}
 
@@ -159,21 +173,31 @@ def _inputs(model_type: str, side: str = "right") -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     if model_type in VISION:
         return {"pixel_values": torch.randn(B, 3, 32, 32, generator=g)}
+    if model_type in TIME_SERIES:  # past values (8 = 6 + the largest lag), 3 unobserved on ``side``; no attention mask
+        past = ZOO[model_type][0]["context_length"] + 2
+        observed = _padding_mask(past, side).float()
+        return {"past_values": torch.randn(B, past, generator=g),
+                "past_time_features": torch.randn(B, past, 1, generator=g),
+                "past_observed_mask": observed, "future_values": torch.randn(B, 4, generator=g),
+                "future_time_features": torch.randn(B, 4, 1, generator=g)}
     mask = _padding_mask(S, side)
     inputs = {"input_ids": torch.randint(3, VOCAB, (B, S), generator=g), "attention_mask": mask}
     if model_type == "whisper":  # log-mel features: (B, num_mel_bins, 2 · max_source_positions), no padding
         inputs = {"input_features": torch.randn(B, 8, 32, generator=g)}
+    if model_type == "speech_to_text":  # (B, 4·S frames, 8 features), 4× fewer after its two stride-2 convolutions
+        inputs = {"input_features": torch.randn(B, 4 * S, 8, generator=g),
+                  "attention_mask": _padding_mask(4 * S, side, 12)}
     if model_type in SEQ2SEQ:  # the decoder's own padded batch (S - 2 tokens)
         inputs.update(decoder_input_ids=torch.randint(3, VOCAB, (B, S - 2), generator=g),
                       decoder_attention_mask=_padding_mask(S - 2, side))
     return inputs
 
 
-def _padding_mask(length: int, side: str) -> torch.Tensor:
-    """(B, length): the second row has 3 padding tokens on ``side``."""
+def _padding_mask(length: int, side: str, pad: int = 3) -> torch.Tensor:
+    """(B, length): the second row has ``pad`` padding tokens on ``side``."""
     mask = torch.ones(B, length, dtype=torch.long)
-    mask[1, length - 3:] = 0 if side == "right" else 1
-    mask[1, :3] = 0 if side == "left" else 1
+    mask[1, length - pad:] = 0 if side == "right" else 1
+    mask[1, :pad] = 0 if side == "left" else 1
     return mask
 
 
@@ -182,8 +206,11 @@ def _outs(model: nn.Module, inputs: dict[str, torch.Tensor]) -> list[tuple[torch
     with torch.no_grad():
         out = model(**inputs)
     if getattr(out, "encoder_last_hidden_state", None) is not None:  # decoder logits, encoder states
+        tokens = "attention_mask" in inputs and "input_features" not in inputs  # (speech frames are subsampled)
+        if "past_values" in inputs:  # time series: the decoder's states
+            return [(out.last_hidden_state, ...), (out.encoder_last_hidden_state, ...)]
         return [(out.logits, inputs["decoder_attention_mask"].bool()),
-                (out.encoder_last_hidden_state, inputs["attention_mask"].bool() if "attention_mask" in inputs else ...)]
+                (out.encoder_last_hidden_state, inputs["attention_mask"].bool() if tokens else ...)]
     for name in ("logits", "last_hidden_state", "pooler_output"):
         if getattr(out, name, None) is not None:
             want = out[name]
@@ -193,7 +220,7 @@ def _outs(model: nn.Module, inputs: dict[str, torch.Tensor]) -> list[tuple[torch
 
 def _seq2seq_auto(model_type: str) -> Any:
     from transformers import AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
-    return AutoModelForSpeechSeq2Seq if model_type == "whisper" else AutoModelForSeq2SeqLM
+    return AutoModelForSpeechSeq2Seq if model_type in ("whisper", "speech_to_text") else AutoModelForSeq2SeqLM
 
 
 def _generate(model: nn.Module, model_type: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -203,6 +230,8 @@ def _generate(model: nn.Module, model_type: str, batch: dict[str, torch.Tensor])
         from transformers import GenerationMixin
         return GenerationMixin.generate(model, input_features=batch["input_features"][:1],
                                         decoder_input_ids=torch.full((1, 1), 2), **greedy)
+    if "input_features" in batch:  # Speech2Text
+        return model.generate(input_features=batch["input_features"][:1], **greedy)
     return model.generate(batch["input_ids"][:1], **greedy)
 
 

@@ -387,7 +387,7 @@ class _OptWrapper(PatchedAttention):
 
 
 class _Seq2SeqWrapper(PatchedAttention):
-    """BART, mBART, Whisper: ``forward(hidden_states, key_value_states=None, cache=None,
+    """BART (and its copies), mBART, Whisper: ``forward(hidden_states, key_value_states=None, cache=None,
     attention_mask=None, **kwargs)``.
 
     Self-attention without ``key_value_states`` (the encoder's, bidirectional; the

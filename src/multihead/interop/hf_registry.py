@@ -18,7 +18,7 @@ is never imported here):
   ``qkv_proj`` rows [q | k | v] + ``o_proj``; ``"qkv-grouped"``: fused ``query_key_value``
   whose rows are groups of [q_1 .. q_g | k | v] heads, + ``dense``: GPT-NeoX, BLOOM and Falcon,
   grouping in :func:`multihead.interop.hf_weights.qkv_groups`; ``"out_proj"``: q/k/v_proj +
-  ``out_proj`` nn.Linear, CLIP, SigLIP, OPT, BART, mBART, Whisper, where a projection may lack its
+  ``out_proj`` nn.Linear, CLIP, SigLIP, OPT, BART (and its copies), mBART, Whisper, where a projection may lack its
   bias, Whisper's k_proj; ``"distilbert"``: ``q_lin/k_lin/v_lin/out_lin``; ``"latent"``:
   DeepSeek's multi-head latent attention, converted to
   :class:`~multihead.MultiHeadLatentAttention`, its own names). ``partial_rotary``:
@@ -29,7 +29,7 @@ is never imported here):
   key_value_states, cache, attention_mask``, filling HF's ``EncoderDecoderCache`` as the class
   does), ``"latent"``; ``None``: converted by ``from_hf`` but never patched alone).
 * ``cross_attention``: the class attends to another sequence when its forward is given
-  one (``key_value_states``: BART, mBART, Whisper decoders); the wrapper does the same,
+  one (``key_value_states``: BART's, its copies', mBART's, Whisper's decoders); the wrapper does the same,
   caching the encoder's keys and values once as HF does. A module whose
   ``is_cross_attention`` attribute is set is refused whatever its class.
 * ``parts``: every submodule path and its class name, exactly; ``attrs``: the plain
@@ -235,6 +235,24 @@ _SEQ2SEQ_ATTRS = frozenset({"config", "dropout", "embed_dim", "head_dim", "is_ca
                             "num_heads", "scaling"})
 
 
+#: (module, class prefix, model type) of the classes that are BART's attention verbatim. BioGPT is
+#: a decoder-only LM (causal self-attention only); M2M100's config is NLLB's too. Not here, though
+#: their decoder's class is BART's too: PEGASUS-X and BigBird-Pegasus (their encoders' global-local
+#: and block-sparse attention are not described, so the models are refused), PP-FormulaNet (its
+#: SAM-style vision attention with relative positions).
+_BART_COPIES = [("pegasus", "Pegasus", "pegasus"), ("marian", "Marian", "marian"), ("plbart", "PLBart", "plbart"),
+                ("m2m_100", "M2M100", "m2m_100"), ("blenderbot", "Blenderbot", "blenderbot"),
+                ("blenderbot_small", "BlenderbotSmall", "blenderbot-small"), ("biogpt", "BioGpt", "biogpt"),
+                # BART's computation, the source reworded: NLLB-MoE writes k/v_proj(...).view(...) on one
+                # line; Speech2Text also takes output_attentions=False and passes it on to the kernel, which
+                # ignores it (eager_attention_forward is BART's, its weights are returned either way).
+                ("nllb_moe", "NllbMoe", "nllb-moe"), ("speech_to_text", "Speech2Text", "speech_to_text"),
+                # time-series encoder-decoders, verbatim; Informer's default ProbSparse attention
+                # (attention_type="prob") is another class, not described: refused by name
+                ("time_series_transformer", "TimeSeriesTransformer", "time_series_transformer"),
+                ("informer", "Informer", "informer")]
+
+
 def _out_proj(module: str, cls: str, model_types: tuple[str, ...], call: str, attrs: frozenset[str],
               **kw: Any) -> AttentionSpec:
     return AttentionSpec(f"transformers.models.{module}.modeling_{module}.{cls}", model_types, "out_proj", call,
@@ -255,6 +273,11 @@ _OUT_PROJ_FAMILIES = [
     _out_proj("bart", "BartAttention", ("bart",), "bart", _SEQ2SEQ_ATTRS, cross_attention=True),
     _out_proj("mbart", "MBartAttention", ("mbart",), "bart", _SEQ2SEQ_ATTRS, cross_attention=True),
     _out_proj("whisper", "WhisperAttention", ("whisper",), "bart", _SEQ2SEQ_ATTRS, cross_attention=True),
+    # BART's copies ("Copied from ... BartAttention"): __init__, forward and the module's
+    # eager_attention_forward are BART's source line for line (the class prefix aside), read in
+    # transformers 5.24; their models differ outside attention only (positions, embeddings, norms).
+    *(_out_proj(module, f"{prefix}Attention", (model_type,), "bart", _SEQ2SEQ_ATTRS, cross_attention=True)
+      for module, prefix, model_type in _BART_COPIES),
     AttentionSpec("transformers.models.distilbert.modeling_distilbert.DistilBertSelfAttention", ("distilbert",),
                   "distilbert", "clip",
                   {"q_lin": "Linear", "k_lin": "Linear", "v_lin": "Linear", "out_lin": "Linear", "dropout": "Dropout"},
