@@ -238,3 +238,23 @@ def test_native_decoding_attention_over_a_half_cache(dtype: torch.dtype) -> None
     naive = _naive(q, k, v, 0.125, _allowed(1, 4096, True, None, None))
     ours, theirs = _errors(out, ref), _errors(naive, ref)
     assert ours[0] <= 2 * theirs[0] and ours[1] <= 2 * theirs[1], (ours, theirs)
+
+
+def test_the_decoding_step_refuses_mixed_dtypes_by_name() -> None:
+    """It reads raw memory of x's dtype: a weight or cache of another dtype is refused."""
+    layer, _ = _layers(torch.bfloat16)
+    cache = layer.new_cache(1, 8)
+    projs = [layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj]
+    layers = [(p.weight.detach(), p.bias.detach()) for p in projs]
+    kw = dict(num_heads=8, num_kv_heads=2, head_dim=16, rope=(layer.rope.cos, layer.rope.sin, 16, False),
+              lengths=cache.lengths, scale=0.25)
+    x = torch.randn(1, 128, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"cache_k must have x's dtype torch.bfloat16, got torch.float32"):
+        native.decode_step(x, layers, cache_k=cache.k.float(), cache_v=cache.v, **kw)
+    with pytest.raises(TypeError, match=r"layers\[3\]\[0\] must have x's dtype"):
+        native.decode_step(x, layers[:3] + [(layers[3][0].half(), layers[3][1])], cache_k=cache.k, cache_v=cache.v,
+                           **kw)
+    with pytest.raises(TypeError, match="x must be float32, bfloat16 or float16"):
+        native.decode_step(x.double(), layers, cache_k=cache.k, cache_v=cache.v, **kw)
+    y = native.decode_step(x, layers, cache_k=cache.k, cache_v=cache.v, **kw)
+    assert y.dtype == torch.bfloat16 and y.isfinite().all()

@@ -303,6 +303,7 @@ def decode_step(
     Returns:
         y: (B, E) in x's dtype.
     """
+    _check_step_dtypes(x, layers, rope, cache_k, cache_v)
     lib = _require()
     b, e = x.shape
     y = torch.empty((b, e), dtype=x.dtype)
@@ -317,6 +318,22 @@ def decode_step(
     if code != 0:
         raise RuntimeError(f"the native decoding step refused the problem (code {code})")
     return y
+
+
+def _check_step_dtypes(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | None]],
+                       rope: tuple[torch.Tensor, torch.Tensor, int, bool] | None, cache_k: torch.Tensor,
+                       cache_v: torch.Tensor) -> None:
+    """The step reads raw memory of one dtype: x's, everywhere but the float32 RoPE tables."""
+    if x.dtype not in SUFFIX:
+        raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    named = [("cache_k", cache_k), ("cache_v", cache_v)] + [
+        (f"layers[{i}][{j}]", t) for i, layer in enumerate(layers) for j, t in enumerate(layer) if t is not None]
+    for name, t in named:
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name} must have x's dtype {x.dtype}, got {t.dtype}")
+    for name, t in zip(("cos", "sin"), rope[:2] if rope is not None else ()):
+        if t.dtype != torch.float32:
+            raise TypeError(f"the RoPE table {name} must be float32, got {t.dtype}")
 
 
 def rows_per_kv_head(q: torch.Tensor, k: torch.Tensor) -> int:
