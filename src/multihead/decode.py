@@ -68,7 +68,10 @@ FUSED_CONDITIONS: tuple[tuple[str, Check], ...] = (
     ("a ring cache", lambda layer, x, c, kw: not c.ring),
     ("dropout in training mode", lambda layer, x, c, kw: not (layer.training and layer.dropout > 0)),
     ("a backend other than auto or native", lambda layer, x, c, kw: layer.backend in (None, "auto", "native")),
-    ("not float32", lambda layer, x, c, kw: x.dtype == torch.float32),
+    ("not float32, bfloat16 or float16", lambda layer, x, c, kw: x.dtype in native.SUFFIX),
+    ("the projections' weights or the cache are not of the input's dtype",
+     lambda layer, x, c, kw: c.k.dtype == c.v.dtype == x.dtype and all(
+         t is None or t.dtype == x.dtype for p in _projections(layer) for t in (p.weight, p.bias))),
     ("not on the CPU", lambda layer, x, c, kw: x.device.type == "cpu"),
     ("the cache's K and V buffers have different or non-unit-stride rows",
      lambda layer, x, c, kw: c.k.stride() == c.v.stride() and c.k.stride(-1) == 1),

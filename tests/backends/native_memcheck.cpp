@@ -1,7 +1,9 @@
 // Memory check of the native kernels, compiled by tests/test_native.py with
 // AddressSanitizer and UndefinedBehaviorSanitizer around them: random problems whose
 // tensors are allocated at their exact size (any read or write outside them aborts), the
-// attention results compared with a float64 loop. Prints "ok <count>" and exits 0.
+// attention results compared with a float64 loop. Every entry point runs in float32,
+// bfloat16 and float16 (half precision tensors are uint16 buffers of their exact size).
+// Prints "ok <count>" and exits 0.
 //
 // Layouts as the Python side passes them: q (B, H, Sq, D), k (B, Hkv, Sk, D),
 // v (B, Hkv, Sk, Dv), out (B, H, Sq, Dv), with strides (b, h, s) in elements, last dim 1.
@@ -22,6 +24,38 @@ int mh_linear_few_rows_f32(const float*, int64_t, int64_t, int64_t, const float*
 int mh_decode_step_f32(const float*, int64_t, int64_t, const float* const*, const float* const*, int64_t, int64_t,
                        int64_t, const float*, const float*, int64_t, int, float*, float*, const int64_t*,
                        const int64_t*, float, float*, int);
+#define MH_HALF(suffix)                                                                                          \
+    int mh_attention_##suffix(const void*, const void*, const void*, void*, float*, const uint8_t*,              \
+                              const int64_t*, const int64_t*, float, int, int64_t, int64_t, int);                \
+    int mh_decode_##suffix(const void*, const void*, const void*, void*, float*, const uint8_t*, const int64_t*, \
+                           const int64_t*, float, int, int64_t, int);                                            \
+    int mh_decode_step_##suffix(const void*, int64_t, int64_t, const void* const*, const void* const*, int64_t,  \
+                                int64_t, int64_t, const float*, const float*, int64_t, int, void*, void*,        \
+                                const int64_t*, const int64_t*, float, void*, int);
+MH_HALF(bf16)
+MH_HALF(f16)
+int mh_convert_scalar(int, int, const void*, void*, int64_t);
+}
+
+// Element types: F32 float32, BF16 and F16 (uint16 buffers, converted by the library's scalar code).
+enum Kind { F32 = -1, BF16 = 0, F16 = 1 };
+static const char* kind_name(int kind) { return kind == F32 ? "f32" : kind == BF16 ? "bf16" : "f16"; }
+
+// x rounded to the kind (in place: the float32 values the kernel will see) and, for half
+// kinds, its bits in a buffer of exactly x.size() elements.
+static std::vector<uint16_t> to_kind(int kind, std::vector<float>& x) {
+    if (kind == F32) return {};
+    std::vector<uint16_t> h(x.size());
+    mh_convert_scalar(kind, 1, x.data(), h.data(), int64_t(x.size()));
+    mh_convert_scalar(kind, 0, h.data(), x.data(), int64_t(x.size()));
+    return h;
+}
+static void from_kind(int kind, const std::vector<uint16_t>& h, std::vector<float>& x) {
+    if (kind != F32) mh_convert_scalar(kind, 0, h.data(), x.data(), int64_t(x.size()));
+}
+// The data pointer the kernel gets: the float32 buffer or the half one.
+static void* data(int kind, std::vector<float>& x, std::vector<uint16_t>& h) {
+    return kind == F32 ? static_cast<void*>(x.data()) : static_cast<void*>(h.data());
 }
 
 static uint64_t state = 12345;
@@ -35,8 +69,8 @@ static int fail(const char* what, double got, double want) {
     return 1;
 }
 
-// One attention problem through mh_attention_f32 or mh_decode_f32, checked against float64.
-static int attention_case(bool decode) {
+// One attention problem through mh_attention_* or mh_decode_* (kind), checked against float64.
+static int attention_case(bool decode, int kind) {
     const int64_t B = pick(1, 2), Hkv = pick(1, 3), G = pick(1, 4), H = Hkv * G;
     const int64_t Sq = decode ? pick(1, 3) : pick(1, 70), Sk = pick(decode ? 1 : 1, decode ? 2200 : 90);
     const int64_t D = pick(1, 40), Dv = pick(1, 40);
@@ -49,6 +83,8 @@ static int attention_case(bool decode) {
     const int64_t os[3] = {H * Sq * Dv, Dv, H * Dv};
     std::vector<float> q = randoms(B * H * Sq * D), k = randoms(B * Hkv * Sk * D), v = randoms(B * Hkv * Sk * Dv);
     std::vector<float> out(B * H * Sq * Dv, NAN);
+    std::vector<uint16_t> qh = to_kind(kind, q), kh = to_kind(kind, k), vh = to_kind(kind, v);
+    std::vector<uint16_t> oh(kind == F32 ? 0 : out.size(), 0x7FFF);  // NaN bits until written
     const bool with_lse = next() % 2;
     std::vector<float> lse(with_lse ? B * H * Sq : 0, NAN);  // exact size: (B, H, Sq)
     std::vector<uint8_t> mask(masked ? Sq * Sk : 0);  // (Sq, Sk) broadcast over B and H
@@ -58,12 +94,25 @@ static int attention_case(bool decode) {
                            0, 0, masked ? Sk : 0, masked ? 1 : 0, H * Sq, Sq, 1};
     float* lp = with_lse ? lse.data() : nullptr;
     const float scale = 1.f / std::sqrt(float(D));
-    const int code = decode ? mh_decode_f32(q.data(), k.data(), v.data(), out.data(), lp,
-                                            masked ? mask.data() : nullptr, dims, strides, scale, causal, window, 2)
-                            : mh_attention_f32(q.data(), k.data(), v.data(), out.data(), lp,
-                                               masked ? mask.data() : nullptr, dims, strides, scale, causal, window,
-                                               pick(1, 48), 2);
+    const uint8_t* mp = masked ? mask.data() : nullptr;
+    const void *qp = data(kind, q, qh), *kp = data(kind, k, kh), *vp = data(kind, v, vh);
+    void* op = data(kind, out, oh);
+    const int64_t tile = pick(1, 48);
+    int code;
+    if (decode)
+        code = (kind == F32 ? mh_decode_f32(q.data(), k.data(), v.data(), out.data(), lp, mp, dims, strides, scale,
+                                            causal, window, 2)
+                : kind == BF16 ? mh_decode_bf16(qp, kp, vp, op, lp, mp, dims, strides, scale, causal, window, 2)
+                               : mh_decode_f16(qp, kp, vp, op, lp, mp, dims, strides, scale, causal, window, 2));
+    else
+        code = (kind == F32 ? mh_attention_f32(q.data(), k.data(), v.data(), out.data(), lp, mp, dims, strides, scale,
+                                               causal, window, tile, 2)
+                : kind == BF16 ? mh_attention_bf16(qp, kp, vp, op, lp, mp, dims, strides, scale, causal, window, tile, 2)
+                               : mh_attention_f16(qp, kp, vp, op, lp, mp, dims, strides, scale, causal, window, tile, 2));
     if (code != 0) return fail("return code", code, 0);
+    from_kind(kind, oh, out);
+    // |out| <= 1: float32 within 1e-4; half precision adds one rounding of out (2^-9, 2^-12).
+    const double tol = kind == F32 ? 1e-4 : kind == BF16 ? 4e-3 : 1e-3;
     const int64_t off = Sk - Sq;
     std::vector<double> s(Sk);
     for (int64_t b = 0; b < B; ++b)
@@ -87,7 +136,7 @@ static int attention_case(bool decode) {
                     for (int64_t j = 0; j < Sk; ++j)
                         if (s[j] != -INFINITY) want += std::exp(s[j] - top) / total * v[b * vs[0] + g * vs[1] + j * vs[2] + t];
                     const double got = out[b * os[0] + h * os[1] + i * os[2] + t];
-                    if (!(std::fabs(got - want) <= 1e-4)) return fail(decode ? "decode" : "attention", got, want);
+                    if (!(std::fabs(got - want) <= tol)) return fail(decode ? "decode" : "attention", got, want);
                 }
                 if (with_lse) {  // log-sum-exp of the row, -inf with no key
                     const double want = total > 0 ? top + std::log(total) : -INFINITY;
@@ -131,7 +180,7 @@ static int linear_case() {
 
 // The fused step: exact-size buffers, every row's slot written, outputs finite (its
 // values are compared with the step-by-step path in tests/test_native.py).
-static int step_case() {
+static int step_case(int kind) {
     const int64_t B = pick(1, 4), Hkv = pick(1, 3), H = Hkv * pick(1, 3), D = 2 * pick(1, 20), E = pick(1, 50);
     const int64_t C = pick(2, 700), R = 2 * pick(0, D / 2), P = C + 1;
     std::vector<float> x = randoms(B * E), wq = randoms(H * D * E), wk = randoms(Hkv * D * E), wv = randoms(Hkv * D * E);
@@ -144,9 +193,26 @@ static int step_case() {
     const float* bias[4] = {bq.data(), nullptr, nullptr, bo.data()};
     int64_t cs[3] = {Hkv * C * D, C * D, D};
     std::vector<int64_t> before = lengths;
-    if (mh_decode_step_f32(x.data(), B, E, W, bias, H, Hkv, D, R ? cos.data() : nullptr, R ? sin.data() : nullptr, R,
-                           int(next() % 2), ck.data(), cv.data(), cs, lengths.data(), 0.3f, y.data(), 2) != 0)
-        return fail("step return code", 1, 0);
+    const float* cp = R ? cos.data() : nullptr;
+    const float* sp = R ? sin.data() : nullptr;
+    const int inter = int(next() % 2);
+    int code;
+    if (kind == F32) {
+        code = mh_decode_step_f32(x.data(), B, E, W, bias, H, Hkv, D, cp, sp, R, inter, ck.data(), cv.data(), cs,
+                                  lengths.data(), 0.3f, y.data(), 2);
+    } else {
+        std::vector<uint16_t> xh = to_kind(kind, x), wqh = to_kind(kind, wq), wkh = to_kind(kind, wk);
+        std::vector<uint16_t> wvh = to_kind(kind, wv), woh = to_kind(kind, wo), bqh = to_kind(kind, bq);
+        std::vector<uint16_t> boh = to_kind(kind, bo), ckh = to_kind(kind, ck), cvh = to_kind(kind, cv);
+        std::vector<uint16_t> yh(y.size(), 0x7FFF);
+        const void* Wh[4] = {wqh.data(), wkh.data(), wvh.data(), woh.data()};
+        const void* bh[4] = {bqh.data(), nullptr, nullptr, boh.data()};
+        code = (kind == BF16 ? mh_decode_step_bf16 : mh_decode_step_f16)(
+            xh.data(), B, E, Wh, bh, H, Hkv, D, cp, sp, R, inter, ckh.data(), cvh.data(), cs, lengths.data(), 0.3f,
+            yh.data(), 2);
+        from_kind(kind, yh, y);
+    }
+    if (code != 0) return fail("step return code", 1, 0);
     for (int64_t b = 0; b < B; ++b)  // the counters belong to KVCache.commit: the step leaves them
         if (lengths[b] != before[b]) return fail("step lengths", lengths[b], before[b]);
     for (float t : y)
@@ -157,7 +223,12 @@ static int step_case() {
 int main(int argc, char** argv) {
     const int cases = argc > 1 ? std::atoi(argv[1]) : 200;
     for (int c = 0; c < cases; ++c)
-        if (attention_case(false) || attention_case(true) || linear_case() || step_case()) return 1;
+        for (int kind : {F32, BF16, F16})
+            if (attention_case(false, kind) || attention_case(true, kind) || step_case(kind)) {
+                std::printf("(%s)\n", kind_name(kind));
+                return 1;
+            }
+        if (linear_case()) return 1;
     std::printf("ok %d\n", cases);
     return 0;
 }

@@ -371,7 +371,9 @@ def _f(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
 @pytest.mark.parametrize("call, error, match", [
     (lambda: native.attention_f32(_f(1, 2, 3, 4, dtype=torch.float64), _f(1, 2, 3, 4), _f(1, 2, 3, 4), scale=1.0),
-     TypeError, "q must be a float32 CPU tensor"),
+     TypeError, "q must be a float32, bfloat16 or float16 CPU tensor"),
+    (lambda: native.attention_f32(_f(1, 2, 3, 4), _f(1, 2, 3, 4).bfloat16(), _f(1, 2, 3, 4), scale=1.0),
+     TypeError, "k must be a CPU tensor of q's dtype torch.float32"),
     (lambda: native.decode_f32(_f(1, 2, 3), _f(1, 2, 3, 4), _f(1, 2, 3, 4), scale=1.0), ValueError, "q must have 4"),
     (lambda: native.attention_f32(_f(1, 3, 3, 4), _f(1, 2, 3, 4), _f(1, 2, 3, 4), scale=1.0), ValueError,
      "positive multiple"),

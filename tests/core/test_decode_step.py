@@ -58,8 +58,9 @@ BREAKS: dict[str, Callable[[], tuple]] = {
         _layer(dropout=0.1)),
     "a backend other than": lambda: (lambda l: (l, torch.randn(2, 1, 64), _prefilled(l)[0], {}))(
         _layer(backend="sdpa")),
-    "not float32": lambda: (lambda l: (l, torch.randn(2, 1, 64, dtype=torch.float64), _prefilled(l)[0], {}))(
-        _layer(dtype=torch.float64)),
+    "not float32, bfloat16 or float16": lambda: (lambda l: (l, torch.randn(2, 1, 64, dtype=torch.float64),
+                                                            _prefilled(l)[0], {}))(_layer(dtype=torch.float64)),
+    "not of the input's dtype": lambda: (lambda l: (l, torch.randn(2, 1, 64), _half_cache(l), {}))(_layer()),
     "not on the CPU": lambda: (lambda l: (l, torch.empty(2, 1, 64, device="meta"), _prefilled(l)[0], {}))(_layer()),
     "K and V buffers": lambda: (lambda l: (l, torch.randn(2, 1, 64), _strided_cache(l), {}))(_layer()),
     "not a plain contiguous nn.Linear": lambda: (lambda l: (l, torch.randn(2, 1, 64), _prefilled(l)[0], {}))(
@@ -72,6 +73,12 @@ BREAKS: dict[str, Callable[[], tuple]] = {
 def _ring_cache_without_window(layer: mh.MultiHeadAttention) -> mh.KVCache:
     cache = layer.new_cache(2, 32)
     cache.ring = True  # as a ring cache of another (windowed) layer would be
+    return cache
+
+
+def _half_cache(layer: mh.MultiHeadAttention) -> mh.KVCache:
+    cache, _ = _prefilled(layer)
+    cache.k, cache.v = cache.k.bfloat16(), cache.v.bfloat16()  # a float32 layer's cache, made bfloat16
     return cache
 
 

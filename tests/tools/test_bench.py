@@ -38,10 +38,20 @@ def test_limits_are_positive_rates(suite: dict[str, Any]) -> None:
 
 def test_every_case_has_ours_and_a_peer(suite: dict[str, Any]) -> None:
     cases = {r["case"] for r in suite["results"]}
-    assert cases == {"core/full", "core/causal", "layer/prefill", "layer/decode", "layer/train", "memory"}
+    assert cases == {"core/full", "core/causal", "core/bf16", "layer/prefill", "layer/decode", "layer/decode-bf16",
+                     "layer/train", "memory"}
     for case in cases:
         impls = {r["impl"] for r in suite["results"] if r["case"] == case}
         assert "multihead" in impls and len(impls) >= 2, (case, impls)
+
+
+def test_bf16_cases_compare_with_our_float32_and_sdpa_in_bf16(suite: dict[str, Any]) -> None:
+    def impls(case: str) -> set[str]:
+        return {r["impl"] for r in suite["results"] if r["case"] == case}
+    assert {"multihead", "multihead float32", "torch sdpa bf16"} <= impls("core/bf16")
+    assert {"multihead", "multihead float32"} <= impls("layer/decode-bf16")
+    ours = {r["case"]: r for r in suite["results"] if r["impl"] == "multihead"}
+    assert 2 * ours["layer/decode-bf16"]["kv_bytes"] == ours["layer/decode"]["kv_bytes"]  # bf16: half the bytes
 
 
 def test_timed_results_carry_medians_and_rates(suite: dict[str, Any]) -> None:
@@ -68,7 +78,8 @@ def test_peers_from_transformers_are_included_when_installed(suite: dict[str, An
 
 def test_report_has_a_table_per_case(suite: dict[str, Any]) -> None:
     text = bench.format_report(suite)
-    for case in ("core/full", "core/causal", "layer/prefill", "layer/decode", "layer/train", "memory"):
+    for case in ("core/full", "core/causal", "core/bf16", "layer/prefill", "layer/decode", "layer/decode-bf16",
+                 "layer/train", "memory"):
         assert f"== {case} ==" in text
     assert "torch threads" in text and "speedup" in text
 

@@ -173,7 +173,7 @@ AUTO_RULES: tuple[Rule, ...] = (
          lambda c: c.few_rows and c.q.shape[1] > c.k.shape[1] and c.k.shape[2] >= DECODE_MIN_KEYS,
          _torch_kernel(decode_attention)),
     Rule("native", f"from {_widths(NATIVE_MIN_SCORES)} scores: the native FlashAttention loop (compiled here "
-         "for AVX-512 or AVX2; float32, half precision computed in float32)",
+         "for AVX-512 or AVX2; float32, and bfloat16/float16 read as such and computed in float32)",
          lambda c: c.native_fits(NATIVE_MIN_SCORES), _native(decode=False)),
     Rule("blocked", f"float32, Sq and Sk ≥ {BLOCKED_MIN_SEQ}, D ≥ {BLOCKED_MIN_HEAD_DIM}, not native (no "
          "kernel, or below its threshold): the torch-only blocked kernel", _blocked_fits,

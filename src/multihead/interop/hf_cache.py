@@ -17,8 +17,9 @@ Each layer call takes one of two paths, recorded in :attr:`KVCacheAdapter.paths`
 * **fused**: a patched layer (:func:`multihead.hf.patch`) whose call HF makes with no mask
   (``attn_implementation="sdpa"``, the default, and no padding in the batch), at the
   cache's own positions, runs ``layer(x, cache=kv)`` when that takes the fused native
-  decode step (:func:`multihead.decode.why_not_fused`: one token per row, B ≤ 4, float32
-  on a CPU with AVX-512, ...); the step writes K/V into the cache itself.
+  decode step (:func:`multihead.decode.why_not_fused`: one token per row, B ≤ 4, float32,
+  bfloat16 or float16 on a CPU with AVX-512 or AVX2, ...); the step writes K/V into the
+  cache itself.
 * **update**: anything else (a mask — padding, eager attention — other positions, an
   unpatched layer, or the fused step not applying, whose reason is recorded) calls
   :meth:`~transformers.Cache.update`, which writes the new K/V in place and returns views

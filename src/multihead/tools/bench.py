@@ -14,7 +14,7 @@ of what this machine does at that moment:
   its own interleaved loop and is rated against that: this machine's bandwidth
   drifts between runs (45 and 80 GB/s both seen).
 
-Cases (float32, torch threads as set by the caller):
+Cases (float32 unless named, torch threads as set by the caller):
 
 =============  ==========================================  =========================
 case           what                                        work counted
@@ -24,6 +24,10 @@ core/causal    the same, causal                            4·H·D·S(S+1)/2 (un
 layer/prefill  a layer, E=768, H=12, S=1024, ± causal      projections + core FLOPs
                (peers include the layer under torch.compile)
 layer/decode   one token, E=2048, H=32, Hkv=8, RoPE, L     weights + K/V bytes read
+core/bf16      the core in bfloat16, ± causal, S ≥ 1024   as core/* (peers: ours in
+               (peers: ours in float32, SDPA in bfloat16)  float32, SDPA in bfloat16)
+layer/decode-bf16  layer/decode with bfloat16 weights and  weights + K/V bytes read
+               cache (peers: ours in float32, HF in bf16)
 layer/train    forward + backward, E=768, H=12, S=1024     3 × forward FLOPs
                (peers: torch MHA, the layer on backend="native" and "sdpa")
 memory         the core at S=32768 in a fresh process      peak RSS increase
@@ -69,6 +73,8 @@ _READ = "(read)"  # a plain read of the case's bytes, timed among them too
 #: Sequence lengths of the core cases (full run, --quick run).
 CORE_SEQ = (512, 1024, 2048, 4096)
 QUICK_CORE_SEQ = (64, 128)
+#: Sequence lengths of the bfloat16 core cases (full run; --quick runs QUICK_CORE_SEQ).
+BF16_CORE_SEQ = (1024, 2048, 4096)
 
 
 # -- timing and machine limits ---------------------------------------------------------
@@ -199,6 +205,22 @@ def _core_case(s: int, causal: bool, h: int = 12, d: int = 64) -> tuple[dict[str
             "flops": flops, "limit": "compute"}, fns
 
 
+def _core_bf16_case(s: int, causal: bool, h: int = 12, d: int = 64) -> tuple[dict[str, Any], dict[str, Fn]]:
+    """The core on bfloat16 q, k, v (out bfloat16): ours, ours on the float32 values, SDPA in bfloat16."""
+    from ..functional import attention
+
+    q, k, v = (torch.randn(1, h, s, d).bfloat16() for _ in range(3))
+    q32, k32, v32 = q.float(), k.float(), v.float()
+    fns: dict[str, Fn] = {
+        "multihead": lambda: attention(q, k, v, causal=causal),
+        "multihead float32": lambda: attention(q32, k32, v32, causal=causal),
+        "torch sdpa bf16": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+    }
+    flops = 4.0 * h * d * (s * (s + 1) / 2 if causal else s * s)
+    return {"case": "core/bf16", "seq": s, "causal": causal, "heads": h, "head_dim": d, "flops": flops,
+            "limit": "compute"}, fns
+
+
 def _layer_flops(e: int, h: int, hkv: int, d: int, s: int, sk: int, causal: bool) -> float:
     proj = 2.0 * s * e * (h * d + 2 * hkv * d) + 2.0 * s * h * d * e
     pairs = s * (s + 1) / 2 if causal and s == sk else s * sk
@@ -268,19 +290,30 @@ def _prefill_case(causal: bool, e: int = 768, h: int = 12, s: int = 1024) -> tup
             "flops": _layer_flops(e, h, h, e // h, s, s, causal), "limit": "compute"}, fns
 
 
-def _decode_case(quick: bool) -> tuple[dict[str, Any], dict[str, Fn], dict[str, Fn]]:
+def _decoder(e: int, h: int, hkv: int, cached: int, dtype: torch.dtype) -> tuple[Fn, Fn, Any]:
+    """Our layer in ``dtype`` with a cache of ``cached`` tokens: (step, reset, layer)."""
     from ..module import MultiHeadAttention
     from ..rope import RoPE
 
+    layer = MultiHeadAttention(e, h, num_kv_heads=hkv, causal=True, bias=False,
+                               rope=RoPE(e // h, max_positions=2 * cached)).eval().to(dtype)
+    cache = layer.new_cache(1, cached + 64)
+    layer(torch.randn(1, cached, e, dtype=dtype), cache=cache)  # prefill
+    x = torch.randn(1, 1, e, dtype=dtype)
+    return (lambda: layer(x, cache=cache)), (lambda: cache.crop(cached)), layer
+
+
+def _decode_case(quick: bool, dtype: torch.dtype = torch.float32) -> tuple[dict[str, Any], dict[str, Fn],
+                                                                           dict[str, Fn]]:
     e, h, hkv, cached = (256, 8, 2, 128) if quick else (2048, 32, 8, 4096)
     d = e // h
-    ours = MultiHeadAttention(e, h, num_kv_heads=hkv, causal=True, bias=False,
-                              rope=RoPE(d, max_positions=2 * cached)).eval()
-    cache = ours.new_cache(1, cached + 64)
-    ours(torch.randn(1, cached, e), cache=cache)  # prefill
-    x = torch.randn(1, 1, e)
-    fns: dict[str, Fn] = {"multihead": lambda: ours(x, cache=cache)}
-    resets: dict[str, Fn] = {"multihead": lambda: cache.crop(cached)}
+    step, reset, ours = _decoder(e, h, hkv, cached, dtype)
+    x = torch.randn(1, 1, e, dtype=dtype)
+    fns: dict[str, Fn] = {"multihead": step}
+    resets: dict[str, Fn] = {"multihead": reset}
+    if dtype != torch.float32:  # the issue's yardstick: our own float32 step
+        fns["multihead float32"], resets["multihead float32"], _ = _decoder(e, h, hkv, cached, torch.float32)
+    suffix = "" if dtype == torch.float32 else " " + _DTYPE_NAMES[dtype]
     try:
         import transformers as tf
         from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
@@ -288,25 +321,29 @@ def _decode_case(quick: bool) -> tuple[dict[str, Any], dict[str, Fn], dict[str, 
     except ImportError:
         have_hf = False
     if have_hf:
-        for impl in ("sdpa", "eager"):
+        for impl in ("sdpa", "eager") if dtype == torch.float32 else ("sdpa",):
             cfg = _hf_config("llama", impl, e, h, hkv)
-            layer = LlamaAttention(cfg, layer_idx=0).eval()
+            layer = LlamaAttention(cfg, layer_idx=0).eval().to(dtype)
             pos = LlamaRotaryEmbedding(cfg)(x, torch.tensor([[cached]]))  # per model step, not per layer
-            k0, v0 = torch.randn(1, hkv, cached, d), torch.randn(1, hkv, cached, d)
+            k0, v0 = torch.randn(1, hkv, cached, d, dtype=dtype), torch.randn(1, hkv, cached, d, dtype=dtype)
             # StaticCache sized to exactly L + 1 slots: every slot is valid, so no mask
             # is needed, the most favourable setting for it.
             for label, hf_cache in (("StaticCache", tf.StaticCache(config=cfg, max_cache_len=cached + 1)),
                                     ("DynamicCache", tf.DynamicCache(config=cfg))):
                 hf_cache.update(k0, v0, 0)
-                name = f"HF Llama {impl} {label}"
+                name = f"HF Llama {impl} {label}{suffix}"
                 fns[name] = functools.partial(layer, x, position_embeddings=pos, cache=hf_cache)
                 resets[name] = functools.partial(hf_cache.crop, -1)
                 fns[name]()  # one step so that every later call starts from L tokens after crop
     weights = sum(p.numel() * p.element_size() for p in ours.parameters())
-    kv_bytes = 2 * hkv * (cached + 1) * d * 4
-    return ({"case": "layer/decode", "embed_dim": e, "heads": h, "kv_heads": hkv, "cached": cached,
-             "bytes": weights + kv_bytes, "weight_bytes": weights, "kv_bytes": kv_bytes, "limit": "bandwidth"},
+    kv_bytes = 2 * hkv * (cached + 1) * d * x.element_size()
+    return ({"case": "layer/decode" + suffix.replace(" ", "-"), "embed_dim": e, "heads": h, "kv_heads": hkv,
+             "cached": cached, "bytes": weights + kv_bytes, "weight_bytes": weights, "kv_bytes": kv_bytes,
+             "limit": "bandwidth"},
             fns, resets)
+
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def _train_case(e: int = 768, h: int = 12, s: int = 1024) -> tuple[dict[str, Any], dict[str, Fn], dict[str, Fn]]:
@@ -419,25 +456,13 @@ def run_suite(*, quick: bool = False, progress: Callable[[str], None] | None = N
         for causal in (False, True):
             say(f"layer prefill causal={causal}")
             record(*(_prefill_case(causal, 64, 4, 128) if quick else _prefill_case(causal)))
-        say("layer decode")
-        spec, fns, resets = _decode_case(quick)
-        # This machine's memory bandwidth drifts (a VM: 45 and 80 GB/s both seen, minutes
-        # apart), so the bandwidth limit of this case is a copy timed in the same
-        # interleaved loop as the implementations, not only the one at the start.
-        # A plain streaming read of as many bytes as the step reads (a sum) is timed too:
-        # the floor that no implementation reading those bytes from memory can beat.
-        numel = (1 << 22) if quick else (1 << 26)
-        src, dst = torch.randn(numel), torch.empty(numel)
-        probe = torch.randn(spec["bytes"] // 4)
-        stats = time_interleaved({**fns, _COPY: functools.partial(dst.copy_, src), _READ: probe.sum},
-                                 reps=2 if quick else 5, warmup=1 if quick else 3, resets=resets, budget_s=budget)
-        spec["copy_gbps"] = 2.0 * src.nbytes / stats.pop(_COPY)["median_s"] / 1e9
-        spec["read_s"] = stats.pop(_READ)["median_s"]
-        del src, dst, probe
-        for impl, st in stats.items():
-            row = {**spec, "impl": impl, "is_ours": impl == "multihead", **st}
-            _add_rates(row, limits)
-            results.append(row)
+        for causal in (False, True):
+            for s in QUICK_CORE_SEQ if quick else BF16_CORE_SEQ:
+                say(f"core bf16 {'causal' if causal else 'full'} S={s}")
+                record(*_core_bf16_case(s, causal))
+        for dtype in (torch.float32, torch.bfloat16):
+            say(f"layer decode {_DTYPE_NAMES[dtype]}")
+            results.extend(_bandwidth_rows(*_decode_case(quick, dtype), limits, quick, budget))
     say("layer train (forward + backward)")
     record(*(_train_case(64, 4, 128) if quick else _train_case()))
     say("memory")
@@ -450,6 +475,31 @@ def run_suite(*, quick: bool = False, progress: Callable[[str], None] | None = N
         sizes: dict[str, Any] = {"seqs": (1024,), "worlds": (1, 2)} if quick else {}
         suite["parallel"] = run_parallel(progress=say, **sizes)
     return suite
+
+
+def _bandwidth_rows(spec: dict[str, Any], fns: dict[str, Fn], resets: dict[str, Fn], limits: dict[str, Any],
+                    quick: bool, budget: float) -> list[Result]:
+    """Time a bandwidth-bound case (decoding) with its probes in the same loop: its rows.
+
+    This machine's memory bandwidth drifts (a VM: 45 and 80 GB/s both seen, minutes
+    apart), so the bandwidth limit of this case is a copy timed in the same interleaved
+    loop as the implementations, not only the one at the start. A plain streaming read
+    of as many bytes as the step reads (a sum) is timed too: the floor that no
+    implementation reading those bytes from memory can beat.
+    """
+    numel = (1 << 22) if quick else (1 << 26)
+    src, dst = torch.randn(numel), torch.empty(numel)
+    probe = torch.randn(spec["bytes"] // 4)
+    stats = time_interleaved({**fns, _COPY: functools.partial(dst.copy_, src), _READ: probe.sum},
+                             reps=2 if quick else 5, warmup=1 if quick else 3, resets=resets, budget_s=budget)
+    spec["copy_gbps"] = 2.0 * src.nbytes / stats.pop(_COPY)["median_s"] / 1e9
+    spec["read_s"] = stats.pop(_READ)["median_s"]
+    rows = []
+    for impl, st in stats.items():
+        row = {**spec, "impl": impl, "is_ours": impl == "multihead", **st}
+        _add_rates(row, limits)
+        rows.append(row)
+    return rows
 
 
 def _add_rates(row: Result, limits: dict[str, Any]) -> None:
@@ -509,8 +559,8 @@ def format_report(suite: dict[str, Any]) -> str:
 def _header(case: str) -> str:
     if case == "memory":
         return f"{'shape':<44} {'peer':<28} {'ours MB':>9} {'peer MB':>9} {'ours/io':>8} {'peer/io':>8}"
-    unit = "%copy" if case == "layer/decode" else "%sgemm"
-    best = "" if case == "layer/decode" else f" {'ours %best':>10} {'peer %best':>10}"
+    unit = "%copy" if case.startswith("layer/decode") else "%sgemm"
+    best = "" if case.startswith("layer/decode") else f" {'ours %best':>10} {'peer %best':>10}"
     return (f"{'shape':<44} {'peer':<28} {'ours ms':>9} {'peer ms':>9} {'speedup':>8} {'paired':>7} "
             f"{'ours ' + unit:>11} {'peer ' + unit:>11} {'ours xlim':>9}{best}")
 
@@ -519,8 +569,8 @@ def _row(case: str, label: str, ours: Result, peer: Result) -> str:
     if case == "memory":
         return (f"{label:<44} {peer['impl']:<28} {ours['peak_increase_bytes'] / 2**20:>9.1f} "
                 f"{peer['peak_increase_bytes'] / 2**20:>9.1f} {ours['ratio_to_io']:>8.2f} {peer['ratio_to_io']:>8.2f}")
-    frac = "frac_copy" if case == "layer/decode" else "frac_sgemm"
-    best = ("" if case == "layer/decode" else  # vs the best GEMM of the run
+    frac = "frac_copy" if case.startswith("layer/decode") else "frac_sgemm"
+    best = ("" if case.startswith("layer/decode") else  # vs the best GEMM of the run
             f" {100 * ours['frac_gemm_peak']:>9.0f}% {100 * peer['frac_gemm_peak']:>9.0f}%")
     return (f"{label:<44} {peer['impl']:<28} {ours['median_s'] * 1e3:>9.2f} {peer['median_s'] * 1e3:>9.2f} "
             f"{peer['median_s'] / ours['median_s']:>7.2f}x {paired_speedup(ours, peer):>6.2f}x "

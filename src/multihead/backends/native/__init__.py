@@ -37,8 +37,17 @@ __all__ = ["available", "status", "build", "vector_bits", "attention_f32", "deco
 #: ``MAX_STEP_ROWS``, checked against the built library).
 MAX_STEP_ROWS = 4
 FEW_ROWS = MAX_STEP_ROWS  # the former name
-#: Input dtypes of the native backend (half precision is computed in float32).
+#: Input dtypes of the native backend: each has its own kernels, which read and write that
+#: dtype and compute in float32 (half precision is widened in registers as it is loaded,
+#: never copied to float32 tensors; outputs rounded to nearest even; lse float32).
 DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+#: The kernels' name suffix per dtype (``mh_attention_f32``, ``mh_attention_bf16``, ...).
+SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
+
+def kernel(lib: object, name: str, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    """The C function ``name`` (given with its ``_f32`` suffix) for tensors of ``dtype``."""
+    return getattr(lib, name.removesuffix("_f32") + "_" + SUFFIX[dtype])
 
 
 @functools.cache
@@ -119,17 +128,17 @@ def attention_f32(
     panels and runs the FlashAttention loop over chunks of keys.
 
     Args:
-        q: (B, H, Sq, D); k: (B, Hkv, Sk, D); v: (B, Hkv, Sk, Dv); float32 CPU tensors,
-            H a multiple of Hkv. Any strides (rows are made contiguous if their last
-            dim is not).
+        q: (B, H, Sq, D); k: (B, Hkv, Sk, D); v: (B, Hkv, Sk, Dv); CPU tensors of one
+            dtype, float32, bfloat16 or float16 (computed in float32), H a multiple of
+            Hkv. Any strides (rows are made contiguous if their last dim is not).
         scale, causal, window: as in :func:`multihead.attention` (bottom-right aligned).
         mask: bool, broadcastable to (B, H, Sq, Sk), True = may attend; or None.
         return_lse: also return the per-row log-sum-exp (B, H, Sq) float32 of the
             scaled, masked scores (``-inf`` for rows with no key).
 
     Returns:
-        (B, H, Sq, Dv), a view of a (B, Sq, H, Dv) buffer; zeros for rows with no key;
-        and lse with ``return_lse``.
+        (B, H, Sq, Dv) in q's dtype, a view of a (B, Sq, H, Dv) buffer; zeros for rows
+        with no key; and lse (float32) with ``return_lse``.
 
     Raises:
         TypeError, ValueError: tensors of the wrong dtype, device or shapes.
@@ -162,9 +171,11 @@ def decode_f32(
 def _check_qkv(q_in: object, k_in: object, v_in: object, mask_in: object, window: object) -> None:
     """The kernel reads raw memory: shapes, dtypes and devices are checked first."""
     q, k, v = (check_tensor(name, t, ndim=4) for name, t in (("q", q_in), ("k", k_in), ("v", v_in)))
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype != torch.float32 or t.device.type != "cpu":
-            raise TypeError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+    if q.dtype not in SUFFIX or q.device.type != "cpu":
+        raise TypeError(f"q must be a float32, bfloat16 or float16 CPU tensor, got {q.dtype} on {q.device}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype or t.device.type != "cpu":
+            raise TypeError(f"{name} must be a CPU tensor of q's dtype {q.dtype}, got {t.dtype} on {t.device}")
     b, h, sq, d = q.shape
     if k.shape[0] != b or v.shape[0] != b or k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
         raise ValueError(f"k and v must be (B={b}, Hkv, Sk, D) and (B, Hkv, Sk, Dv) alike, "
@@ -195,14 +206,14 @@ def _run(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     b, h, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    out = torch.empty((b, sq, h, dv), dtype=torch.float32).permute(0, 2, 1, 3)  # (B, H, Sq, Dv)
+    out = torch.empty((b, sq, h, dv), dtype=q.dtype).permute(0, 2, 1, 3)  # (B, H, Sq, Dv)
     lse = torch.empty((b, h, sq), dtype=torch.float32) if return_lse else None  # (B, H, Sq)
     if mask is not None:
         mask = mask[(None,) * (4 - mask.dim())].expand(b, h, sq, sk)  # strides 0 where broadcast
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
                *(mask.stride() if mask is not None else (0, 0, 0, 0)),
                *(lse.stride() if lse is not None else (0, 0, 0)))
-    code = getattr(lib, name)(
+    code = kernel(lib, name, q.dtype)(
         ptr(q), ptr(k), ptr(v), ptr(out), ptr(lse), ptr(mask),
         int64s((b, h, hkv, sq, sk, d, dv)), int64s(strides), float(scale), int(causal), int(window or 0),
         *extra, torch.get_num_threads())
@@ -281,21 +292,23 @@ def decode_step(
     one writer. The caller has validated everything (:func:`multihead.decode.why_not_fused`).
 
     Args:
-        x: (B, E) float32, contiguous.
-        layers: (weight, bias or None) of q, k, v, o; contiguous float32.
+        x: (B, E) float32, bfloat16 or float16, contiguous: the dtype of everything
+            below but the RoPE tables (computed in float32; y, K and V rounded to it).
+        layers: (weight, bias or None) of q, k, v, o; contiguous, x's dtype.
         rope: (cos (P, R/2), sin (P, R/2), R, interleaved) float32 tables covering every
             row's position, or None.
-        cache_k, cache_v: (B, Hkv, C, D) float32 with contiguous rows. lengths: (B,)
+        cache_k, cache_v: (B, Hkv, C, D) x's dtype, with contiguous rows. lengths: (B,)
             int64, contiguous (read only).
 
     Returns:
-        y: (B, E).
+        y: (B, E) in x's dtype.
     """
+    _check_step_dtypes(x, layers, rope, cache_k, cache_v)
     lib = _require()
     b, e = x.shape
-    y = torch.empty((b, e), dtype=torch.float32)
+    y = torch.empty((b, e), dtype=x.dtype)
     cos, sin, rotary_dim, interleaved = rope if rope is not None else (None, None, 0, False)
-    code = lib.mh_decode_step_f32(
+    code = kernel(lib, "mh_decode_step_f32", x.dtype)(
         ptr(x), b, e, pointers([w for w, _ in layers]), pointers([bias for _, bias in layers]),
         num_heads, num_kv_heads, head_dim, ptr(cos), ptr(sin), rotary_dim, int(interleaved),
         ptr(cache_k), ptr(cache_v), int64s(cache_k.stride()[:3]), int64_ptr(lengths),
@@ -305,6 +318,22 @@ def decode_step(
     if code != 0:
         raise RuntimeError(f"the native decoding step refused the problem (code {code})")
     return y
+
+
+def _check_step_dtypes(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | None]],
+                       rope: tuple[torch.Tensor, torch.Tensor, int, bool] | None, cache_k: torch.Tensor,
+                       cache_v: torch.Tensor) -> None:
+    """The step reads raw memory of one dtype: x's, everywhere but the float32 RoPE tables."""
+    if x.dtype not in SUFFIX:
+        raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    named = [("cache_k", cache_k), ("cache_v", cache_v)] + [
+        (f"layers[{i}][{j}]", t) for i, layer in enumerate(layers) for j, t in enumerate(layer) if t is not None]
+    for name, t in named:
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name} must have x's dtype {x.dtype}, got {t.dtype}")
+    for name, t in zip(("cos", "sin"), rope[:2] if rope is not None else ()):
+        if t.dtype != torch.float32:
+            raise TypeError(f"the RoPE table {name} must be float32, got {t.dtype}")
 
 
 def rows_per_kv_head(q: torch.Tensor, k: torch.Tensor) -> int:
@@ -320,7 +349,8 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, caus
         mask: torch.Tensor | None, return_lse: bool = False, decode: bool | None = None,
         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The native loop for these tensors (decoding loop for few rows per K/V head, else
-    the FlashAttention loop), half precision computed in float32: ``(out, lse or None)``.
+    the FlashAttention loop), half precision read and written as such and computed in
+    float32: ``(out, lse or None)``.
 
     Runs the operator ``multihead::attention`` (:mod:`.ops`): differentiable (the native
     backward), traceable by ``torch.compile`` and ``torch.export``."""
@@ -335,8 +365,9 @@ def native_backend(
     mask: torch.Tensor | None, causal: bool, window: int | None, scale: float,
     dropout_p: float, return_weights: bool, return_lse: bool,
 ) -> tuple[torch.Tensor, None, torch.Tensor | None]:
-    """The compiled kernels: float32 (half precision computed in float32), CPU, with the
-    native backward for gradients.
+    """The compiled kernels: float32, bfloat16, float16 (computed in float32, no float32
+    copies), CPU, with the native backward for gradients (half precision: computed on
+    float32 copies).
 
     Anything else (dropout, weights, float64, another device, no compiler here) is
     refused by the registry before the call, naming what is missing.

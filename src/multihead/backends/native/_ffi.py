@@ -20,25 +20,34 @@ _ptrs, _i64p = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64)
 # q, k, v, out, lse (or null), mask (or null); dims (7); strides (19); scale, causal, window
 _ATTENTION: list[type] = [_vp, _vp, _vp, _vp, _vp, _vp, _i64p, _i64p, _f32, _int, _i64]
 
+# The decoding step: x (B, E), B, E; weights and biases of q, k, v, o; H, Hkv, D; RoPE cos, sin
+# (float32 or null), rotary dim, interleaved; cache k, v, their strides (3), lengths (B) — read
+# only; scale, y (B, E), threads.
+_STEP: list[type] = [_vp, _i64, _i64, _ptrs, _ptrs, _i64, _i64, _i64, _vp, _vp, _i64, _int, _vp, _vp, _i64p, _i64p,
+                     _f32, _vp, _int]
+
+# The _bf16 and _f16 kernels take the _f32 ones' arguments, tensors of that dtype (lse and RoPE
+# tables float32).
 SIGNATURES: dict[str, list[type]] = {
     "mh_attention_f32": _ATTENTION + [_i64, _int],  # + query tile, threads
+    "mh_attention_bf16": _ATTENTION + [_i64, _int],
+    "mh_attention_f16": _ATTENTION + [_i64, _int],
     "mh_decode_f32": _ATTENTION + [_int],  # + threads
+    "mh_decode_bf16": _ATTENTION + [_int],
+    "mh_decode_f16": _ATTENTION + [_int],
     # x, M, K, count; weights, their rows N_i, biases, outputs; threads
     "mh_linear_few_rows_f32": [_vp, _i64, _i64, _i64, _ptrs, _i64p, _ptrs, _ptrs, _int],
-    "mh_decode_step_f32": [
-        _vp, _i64, _i64,  # x (B, E), B, E
-        _ptrs, _ptrs,  # weights and biases of q, k, v, o
-        _i64, _i64, _i64,  # H, Hkv, D
-        _vp, _vp, _i64, _int,  # RoPE cos, sin (or null), rotary dim, interleaved
-        _vp, _vp, _i64p, _i64p,  # cache k, v, their strides (3), lengths (B) — read only
-        _f32, _vp, _int,  # scale, y (B, E), threads
-    ],
+    "mh_decode_step_f32": _STEP,
+    "mh_decode_step_bf16": _STEP,
+    "mh_decode_step_f16": _STEP,
     # q, k, v, dout, lse, delta, mask (or null); dq, dk, dv; dims (7), mask strides (4);
     # scale, causal, window, threads
     "mh_attention_backward_f32": [_vp] * 10 + [_i64p, _i64p, _f64, _int, _i64, _int],
     "mh_attention_backward_f64": [_vp] * 10 + [_i64p, _i64p, _f64, _int, _i64, _int],
     # q, k, v, mask (or null); out, lse; dims (7), mask strides (4); scale, causal, window, threads
     "mh_attention_forward_f64": [_vp] * 6 + [_i64p, _i64p, _f64, _int, _i64, _int],
+    # kind (0 bfloat16, 1 float16), to_half, src, dst, n: the scalar conversions (tests)
+    "mh_convert_scalar": [_int, _int, _vp, _vp, _i64],
     "mh_vector_bits": [],
     "mh_max_step_rows": [],
 }

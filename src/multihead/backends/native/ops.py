@@ -13,7 +13,8 @@ exact output shapes, dtypes and strides, they are opaque nodes of a graph instea
 * ``multihead::decode_step(...)`` a whole cached decoding step; it writes the new
   token's K and V into the cache buffers (declared as mutated).
 
-float32 runs the tiled kernels (half precision is computed in float32); float64 runs a
+float32, bfloat16 and float16 run the tiled kernels of their dtype (computed in float32,
+half precision widened as loaded: no float32 copies); float64 runs a
 plain float64 loop of the same rule, there so that ``torch.autograd.gradcheck`` can
 check the backward's code in float64. Registering is cheap and happens on import of
 :mod:`multihead.backends.native`; the kernels are built on first call.
@@ -73,9 +74,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: fl
     if q.dtype == torch.float64:
         return _forward_f64(_require(), q, k, v, mask, scale, causal, window)
     name, extra = ("mh_decode_f32", ()) if decode else ("mh_attention_f32", (_QUERY_TILE,))
-    # The caller (multihead.attention, the module) validated once: no second check here.
-    out, lse = _run(name, q.float(), k.float(), v.float(), scale, causal, window, mask, True, *extra, checked=True)
-    return out.to(q.dtype), lse
+    # The caller (multihead.attention, the module) validated once: no second check here. Mixed
+    # dtypes (not from multihead.attention) are brought to q's.
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    return _run(name, q, k, v, scale, causal, window, mask, True, *extra, checked=True)  # type: ignore[return-value]
 
 
 @attention.register_fake

@@ -1,4 +1,6 @@
-// multihead's native CPU attention kernel: float32, forward only, FlashAttention-style.
+// multihead's native CPU attention kernel: forward only, FlashAttention-style; q, k, v and
+// out float32 (mh_attention_f32), bfloat16 (mh_attention_bf16) or float16 (mh_attention_f16),
+// computed in float32 (see "Half precision storage" in common.h).
 //
 // Notation: B batch, H query heads, Hkv key/value heads, G = H / Hkv query heads per
 // K/V head, Sq queries, Sk keys, D head dim, Dv value head dim. Query i sits at key
@@ -14,19 +16,25 @@
 // Work item = (b, K/V head, tile of QT query positions), shared out dynamically across
 // OpenMP threads (torch's own libgomp: it is loaded before this library). An item
 //
-//   packs its G heads' queries, pre-multiplied by scale·log2(e)       (G, QT, D)
+//   packs its G heads' queries, pre-multiplied by scale·log2(e)       (G, QT, D) float32
 //   for each chunk of KC keys its rows may see:
-//       packs K of the chunk as panels of NR keys, (D, NR) each         (kt)
+//       packs K of the chunk as panels of NR keys, (D, NR) each         (kt) float32
 //       for each head, for each MR query rows:
 //           s = q · kᵀ  over the panels some row may see (MR × NR tiles)
 //           -inf where causal / window / the caller's mask / padding forbid
 //           online softmax (base 2): m' = max(m, max s); o *= 2^(m - m'); l *= 2^(m - m')
-//           p = 2^(s - m'); l += Σp; o += p · v      (MR_PV × Dv tiles, V read in place)
-//   writes o / l (zeros where l == 0: a query with no allowed key).
+//           p = 2^(s - m'); l += Σp; o += p · v      (MR_PV × Dv tiles, V read in place,
+//                                                      widened to float32 as loaded)
+//   writes o / l in the output's type (zeros where l == 0: a query with no allowed key).
+//
+// Half precision is widened where it is read (Q and K while packed, V in the p·v tiles)
+// and rounded to nearest even where out is written; lse is float32 for every type.
 //
 // Returns 0, or a negative code: -1 out of memory, -2 unsupported shape.
 
 #include "common.h"
+
+#include <type_traits>
 
 namespace {
 
@@ -76,15 +84,25 @@ inline void transpose8(const float* const* rows, float* dst) {
 }
 
 // One panel (D, NR) of keys [first, first + NR) of K (rows kb, stride ks[2]): dst[t·NR + j] =
-// K[first + j][t], zero past Sk; 8 × 8 blocks transposed in registers where D allows.
-inline void pack_panel(const Problem& P, const float* kb, int64_t first, float* __restrict dst) {
+// K[first + j][t], zero past Sk; 8 × 8 blocks transposed in registers where D allows (half
+// precision widened to float32 first, 8 × 8 values at a time).
+template <class T>
+inline void pack_panel(const Problem& P, const T* kb, int64_t first, float* __restrict dst) {
     const int64_t D = P.D;
     if (D % 8 == 0 && first + NR <= P.Sk) {
+        alignas(32) float wide[8][8];
         for (int64_t j = 0; j < NR; j += 8) {
-            const float* rows[8];
-            for (int c = 0; c < 8; ++c) rows[c] = kb + (first + j + c) * P.ks[2];
             for (int64_t t = 0; t < D; t += 8) {
-                for (int c = 0; c < 8; ++c) rows[c] += t ? 8 : 0;
+                const float* rows[8];
+                for (int c = 0; c < 8; ++c) {
+                    const T* src = kb + (first + j + c) * P.ks[2] + t;
+                    if constexpr (std::is_same_v<T, float>) {
+                        rows[c] = src;
+                    } else {
+                        store(wide[c], load_f(src));
+                        rows[c] = wide[c];
+                    }
+                }
                 transpose8(rows, dst + t * NR + j);
             }
         }
@@ -92,22 +110,26 @@ inline void pack_panel(const Problem& P, const float* kb, int64_t first, float* 
     }
     for (int64_t j = 0; j < NR; ++j) {
         const int64_t key = first + j;
-        for (int64_t t = 0; t < D; ++t) dst[t * NR + j] = key < P.Sk ? kb[key * P.ks[2] + t] : 0.f;
+        for (int64_t t = 0; t < D; ++t) dst[t * NR + j] = key < P.Sk ? to_f32(kb[key * P.ks[2] + t]) : 0.f;
     }
 }
 #endif
 
+// T: the element type of q, k, v and out (float, bf16 or f16); P's pointers hold T data.
+template <class T>
 void run_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t p0, int64_t p1, int64_t qt_pad) {
     const int64_t G = P.H / P.Hkv, D = P.D, Dv = P.Dv, rows = p1 - p0;
     const int64_t off = P.Sk - P.Sq;
+    const T *q = reinterpret_cast<const T*>(P.q), *k = reinterpret_cast<const T*>(P.k);
+    const T* v = reinterpret_cast<const T*>(P.v);
     // Scaled queries of the G heads: (G, qt_pad, D), padding rows zero.
     for (int64_t g = 0; g < G; ++g) {
-        const float* src = P.q + b * P.qs[0] + (kvh * G + g) * P.qs[1];
+        const T* src = q + b * P.qs[0] + (kvh * G + g) * P.qs[1];
         float* dst = buf.qbuf + g * qt_pad * D;
         for (int64_t r = 0; r < qt_pad; ++r) {
             if (r < rows) {
-                const float* qr = src + (p0 + r) * P.qs[2];
-                for (int64_t t = 0; t < D; ++t) dst[r * D + t] = qr[t] * P.scale;
+                const T* qr = src + (p0 + r) * P.qs[2];
+                for (int64_t t = 0; t < D; ++t) dst[r * D + t] = to_f32(qr[t]) * P.scale;
             } else {
                 std::memset(dst + r * D, 0, sizeof(float) * D);
             }
@@ -119,8 +141,8 @@ void run_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t p0
     int64_t lo, hi;
     key_range(P, p0, p1, lo, hi);
     lo = lo / NR * NR;  // panel aligned
-    const float* kb = P.k + b * P.ks[0] + kvh * P.ks[1];
-    const float* vb = P.v + b * P.vs[0] + kvh * P.vs[1];
+    const T* kb = k + b * P.ks[0] + kvh * P.ks[1];
+    const T* vb = v + b * P.vs[0] + kvh * P.vs[1];
     for (int64_t c0 = lo; c0 < hi; c0 += KC) {
         const int64_t c1 = std::min(c0 + KC, hi);
         const int64_t npan = (c1 - c0 + NR - 1) / NR;
@@ -133,8 +155,8 @@ void run_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t p0
             for (int64_t j = 0; j < NR; ++j) {
                 int64_t key = c0 + pan * NR + j;
                 if (key < P.Sk) {
-                    const float* kr = kb + key * P.ks[2];
-                    for (int64_t t = 0; t < D; ++t) dst[t * NR + j] = kr[t];
+                    const T* kr = kb + key * P.ks[2];
+                    for (int64_t t = 0; t < D; ++t) dst[t * NR + j] = to_f32(kr[t]);
                 } else {
                     for (int64_t t = 0; t < D; ++t) dst[t * NR + j] = 0.f;
                 }
@@ -167,27 +189,27 @@ void run_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t p0
         }
     }
     for (int64_t g = 0; g < G; ++g) {
-        float* ob = P.out + b * P.os[0] + (kvh * G + g) * P.os[1];
+        T* ob = reinterpret_cast<T*>(P.out) + b * P.os[0] + (kvh * G + g) * P.os[1];
         for (int64_t r = 0; r < rows; ++r) {
             const int64_t row = g * rows + r;
             const float inv = buf.l[row] > 0.f ? 1.f / buf.l[row] : 0.f;
             store_lse(P, b, kvh * G + g, p0 + r, buf.m[row], buf.l[row]);
             const float* src = buf.o + row * Dv;
-            float* dst = ob + (p0 + r) * P.os[2];
-            for (int64_t t = 0; t < Dv; ++t) dst[t] = src[t] * inv;
+            T* dst = ob + (p0 + r) * P.os[2];
+            for (int64_t t = 0; t < Dv; ++t) dst[t] = from_f32<T>(src[t] * inv);
         }
     }
 }
 
-}  // namespace
-
-// q (B, H, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv) -> out (B, H, Sq, Dv); strides:
-// q, k, v, out (b, h, s), mask (b, h, i, j), then lse (b, h, s), in elements; last dims contiguous;
-// lse (B, H, Sq) may be null.
-extern "C" int mh_attention_f32(const float* q, const float* k, const float* v, float* out, float* lse,
-                                const uint8_t* mask, const int64_t* dims, const int64_t* strides, float scale,
-                                int causal, int64_t window, int64_t query_tile, int threads) {
-    const Problem P = make_problem(q, k, v, out, lse, mask, dims, strides, scale, causal, window);
+// The entry points' body for element type T (q, k, v, out; lse is float32): P's pointers
+// are typed float but hold T data, read through run_item<T>.
+template <class T>
+int attention(const void* q, const void* k, const void* v, void* out, float* lse, const uint8_t* mask,
+              const int64_t* dims, const int64_t* strides, float scale, int causal, int64_t window,
+              int64_t query_tile, int threads) {
+    const Problem P = make_problem(static_cast<const float*>(q), static_cast<const float*>(k),
+                                   static_cast<const float*>(v), static_cast<float*>(out), lse, mask, dims, strides,
+                                   scale, causal, window);
     if (!valid(P) || query_tile <= 0) return -2;
     const int64_t G = P.H / P.Hkv;
     const int64_t qt = std::min(query_tile, std::max<int64_t>(P.Sq, 1));
@@ -211,12 +233,53 @@ extern "C" int mh_attention_f32(const float* q, const float* k, const float* v, 
                 const int64_t tile = tiles - 1 - it % tiles, rest = it / tiles;
                 const int64_t kvh = rest % P.Hkv, b = rest / P.Hkv;
                 const int64_t p0 = tile * qt, p1 = std::min(p0 + qt, P.Sq);
-                run_item(P, buf, b, kvh, p0, p1, qt_pad);
+                run_item<T>(P, buf, b, kvh, p0, p1, qt_pad);
             }
         }
         buf.release();
     }
     return failed ? -1 : 0;
+}
+
+}  // namespace
+
+// q (B, H, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv) -> out (B, H, Sq, Dv); strides:
+// q, k, v, out (b, h, s), mask (b, h, i, j), then lse (b, h, s), in elements; last dims contiguous;
+// lse (B, H, Sq) may be null.
+extern "C" int mh_attention_f32(const float* q, const float* k, const float* v, float* out, float* lse,
+                                const uint8_t* mask, const int64_t* dims, const int64_t* strides, float scale,
+                                int causal, int64_t window, int64_t query_tile, int threads) {
+    return attention<float>(q, k, v, out, lse, mask, dims, strides, scale, causal, window, query_tile, threads);
+}
+
+// As mh_attention_f32 with q, k, v and out bfloat16 (uint16 bits), lse float32.
+extern "C" int mh_attention_bf16(const void* q, const void* k, const void* v, void* out, float* lse,
+                                 const uint8_t* mask, const int64_t* dims, const int64_t* strides, float scale,
+                                 int causal, int64_t window, int64_t query_tile, int threads) {
+    return attention<bf16>(q, k, v, out, lse, mask, dims, strides, scale, causal, window, query_tile, threads);
+}
+
+// As mh_attention_f32 with q, k, v and out float16 (uint16 bits), lse float32.
+extern "C" int mh_attention_f16(const void* q, const void* k, const void* v, void* out, float* lse,
+                                const uint8_t* mask, const int64_t* dims, const int64_t* strides, float scale,
+                                int causal, int64_t window, int64_t query_tile, int threads) {
+    return attention<f16>(q, k, v, out, lse, mask, dims, strides, scale, causal, window, query_tile, threads);
+}
+
+// The scalar conversions of common.h (the whole conversion where a build has no AVX2 or
+// F16C; the tails of rows otherwise), for the tests: n values of src to dst. kind 0 bfloat16,
+// 1 float16; to_half 1: float32 -> half (round to nearest even), 0: half -> float32.
+extern "C" int mh_convert_scalar(int kind, int to_half, const void* src, void* dst, int64_t n) {
+    if ((kind != 0 && kind != 1) || n < 0) return -2;
+    const float* f = static_cast<const float*>(src);
+    const uint16_t* h = static_cast<const uint16_t*>(src);
+    for (int64_t i = 0; i < n; ++i) {
+        if (to_half)
+            static_cast<uint16_t*>(dst)[i] = kind ? from_f32<f16>(f[i]).bits : from_f32<bf16>(f[i]).bits;
+        else
+            static_cast<float*>(dst)[i] = kind ? to_f32(f16{h[i]}) : to_f32(bf16{h[i]});
+    }
+    return 0;
 }
 
 

@@ -55,6 +55,75 @@ constexpr int64_t MAX_STEP_ROWS = 4;  // most rows of x for the few-row GEMV and
 
 inline vf load(const float* p) { return *(const vfu*)p; }
 inline void store(float* p, vf x) { *(vfu*)p = x; }
+
+// ---------------------------------------------------------------------------------------
+// Half precision storage (bfloat16, float16): the kernels read and write these types and
+// compute in float32 (accumulation, softmax). A value is widened where it is loaded (K
+// while packed, V in the p·v tiles, weights in the few-row GEMV) and rounded to nearest
+// even where it is stored: no float32 copy of a tensor is ever made.
+//   bf16 -> float: the 16 bits shifted left by 16 (exact);   float -> bf16: round to nearest even.
+//   f16 <-> float: F16C's vcvtph2ps (exact) where the build has it, else the scalar
+//   conversions below (M. Maratyszcza's FP16 method: exact widening, round to nearest even).
+struct bf16 { uint16_t bits; };
+struct f16 { uint16_t bits; };
+
+inline float float_of_bits(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline uint32_t bits_of_float(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(bf16 x) { return float_of_bits(uint32_t(x.bits) << 16); }
+inline float to_f32(f16 x) {
+    const uint32_t w = uint32_t(x.bits) << 16, sign = w & 0x80000000u, two_w = w + w;
+    // Normal, inf and NaN: exponent rebiased by a multiplication; subnormal: by a subtraction.
+    const float normal = float_of_bits((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+    const float denormal = float_of_bits((two_w >> 17) | (126u << 23)) - 0.5f;
+    return float_of_bits(sign | (two_w < (1u << 27) ? bits_of_float(denormal) : bits_of_float(normal)));
+}
+
+template <class T> T from_f32(float x);
+template <> inline float from_f32<float>(float x) { return x; }
+template <> inline bf16 from_f32<bf16>(float x) {
+    const uint32_t u = bits_of_float(x);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return bf16{uint16_t((u >> 16) | 0x40)};  // NaN stays a (quiet) NaN
+    return bf16{uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16)};  // ties to even; overflow rounds to inf
+}
+template <> inline f16 from_f32<f16>(float x) {
+    const uint32_t w = bits_of_float(x), shl1 = w + w, sign = w & 0x80000000u;
+    // The float addition rounds the mantissa to 10 bits (nearest even), subnormals included.
+    float base = (std::fabs(x) * 0x1.0p+112f) * 0x1.0p-110f;
+    uint32_t bias = shl1 & 0xFF000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    base = float_of_bits((bias >> 1) + 0x07800000u) + base;
+    const uint32_t bits = bits_of_float(base);
+    const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+    return f16{uint16_t((sign >> 16) | (shl1 > 0xFF000000u ? 0x7E00u : nonsign))};
+}
+
+// W consecutive values at p, widened to float32.
+inline vf load_f(const float* p) { return load(p); }
+inline vf load_f(const bf16* p) {
+#if MH_VECTOR_FLOATS == 16
+    return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+#elif defined(__AVX2__)
+    return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+#else
+    vf r;
+    for (int i = 0; i < W; ++i) r[i] = to_f32(p[i]);
+    return r;
+#endif
+}
+inline vf load_f(const f16* p) {
+#if MH_VECTOR_FLOATS == 16
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+#elif defined(__F16C__)
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+#else
+    vf r;
+    for (int i = 0; i < W; ++i) r[i] = to_f32(p[i]);
+    return r;
+#endif
+}
+// ---------------------------------------------------------------------------------------
 #if MH_VECTOR_FLOATS == 8 && defined(__AVX__)
 // A broadcast (from memory: a load, no arithmetic; `(vf){} + x` would cost an add and a
 // shuffle on the FMA ports).
@@ -121,7 +190,8 @@ inline vf reduce_w(const vf* x) {
 }
 
 // The W dot products of q (D) with keys k[0..W-1] (row stride ldk), D a multiple of W.
-inline vf dot_w(const float* __restrict q, const float* __restrict k, int64_t ldk, int64_t d) {
+template <class TK>
+inline vf dot_w(const float* __restrict q, const TK* __restrict k, int64_t ldk, int64_t d) {
     vf acc[W];
 #pragma GCC unroll 16
     for (int s = 0; s < W; ++s) acc[s] = (vf){};
@@ -129,26 +199,27 @@ inline vf dot_w(const float* __restrict q, const float* __restrict k, int64_t ld
     // Key by key, each row read front to back: the order the hardware prefetcher follows.
 #pragma GCC unroll 16
     for (int s = 0; s < W; ++s)
-        for (int64_t t = 0; t < d; t += W) acc[s] += load(q + t) * load(k + s * ldk + t);
+        for (int64_t t = 0; t < d; t += W) acc[s] += load(q + t) * load_f(k + s * ldk + t);
 #else
     // The W keys side by side: W independent sums per step (one key at a time, each sum
     // would be a chain of d / W dependent additions).
     for (int64_t t = 0; t < d; t += W) {
         const vf qt = load(q + t);
 #pragma GCC unroll 8
-        for (int s = 0; s < W; ++s) acc[s] += qt * load(k + s * ldk + t);
+        for (int s = 0; s < W; ++s) acc[s] += qt * load_f(k + s * ldk + t);
     }
 #endif
     return reduce_w(acc);
 }
 
-// Σ a[t]·b[t], vectorised along t.
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t d) {
+// Σ a[t]·b[t], vectorised along t (b widened from its type).
+template <class TB>
+inline float dot(const float* __restrict a, const TB* __restrict b, int64_t d) {
     vf acc = (vf){};
     int64_t t = 0;
-    for (; t + W <= d; t += W) acc += load(a + t) * load(b + t);
+    for (; t + W <= d; t += W) acc += load(a + t) * load_f(b + t);
     float s = hsum(acc);
-    for (; t < d; ++t) s += a[t] * b[t];
+    for (; t < d; ++t) s += a[t] * to_f32(b[t]);
     return s;
 }
 
@@ -172,9 +243,10 @@ inline vf exp2v(vf x) {
     return p * (vf)bits;
 }
 
-// o (rows × W·NV, row stride ldo) += p (rows × n, row stride ldp) · v (n × W·NV, row stride ldv).
-template <int ROWS, int NV>
-inline void pv_tile(const float* __restrict p, int64_t ldp, int64_t n, const float* __restrict v,
+// o (rows × W·NV, row stride ldo) += p (rows × n, row stride ldp) · v (n × W·NV, row stride ldv);
+// v float32, bfloat16 or float16 (widened as loaded).
+template <int ROWS, int NV, class TV>
+inline void pv_tile(const float* __restrict p, int64_t ldp, int64_t n, const TV* __restrict v,
                     int64_t ldv, float* __restrict o, int64_t ldo) {
     vf acc[ROWS][NV];
 #pragma GCC unroll 6
@@ -184,7 +256,7 @@ inline void pv_tile(const float* __restrict p, int64_t ldp, int64_t n, const flo
     for (int64_t j = 0; j < n; ++j) {
         vf vj[NV];
 #pragma GCC unroll 8
-        for (int t = 0; t < NV; ++t) vj[t] = load(v + j * ldv + W * t);
+        for (int t = 0; t < NV; ++t) vj[t] = load_f(v + j * ldv + W * t);
 #pragma GCC unroll 6
         for (int i = 0; i < ROWS; ++i) {
             vf pij = splat(p[i * ldp + j]);
@@ -198,8 +270,8 @@ inline void pv_tile(const float* __restrict p, int64_t ldp, int64_t n, const flo
         for (int t = 0; t < NV; ++t) store(o + i * ldo + W * t, acc[i][t]);
 }
 
-template <int ROWS>
-inline void pv_cols(const float* p, int64_t ldp, int64_t n, const float* v, int64_t ldv, float* o, int64_t ldo,
+template <int ROWS, class TV>
+inline void pv_cols(const float* p, int64_t ldp, int64_t n, const TV* v, int64_t ldv, float* o, int64_t ldo,
              int64_t dv) {
     int64_t c = 0;
     for (; c + W * PV_NV <= dv; c += W * PV_NV) pv_tile<ROWS, PV_NV>(p, ldp, n, v + c, ldv, o + c, ldo);
@@ -212,15 +284,15 @@ inline void pv_cols(const float* p, int64_t ldp, int64_t n, const float* v, int6
     c += (dv - c) / W * W;
     for (int i = 0; i < ROWS; ++i)  // the last dv % W columns, plainly
         for (int64_t j = 0; j < n; ++j)
-            for (int64_t t = c; t < dv; ++t) o[i * ldo + t] += p[i * ldp + j] * v[j * ldv + t];
+            for (int64_t t = c; t < dv; ++t) o[i * ldo + t] += p[i * ldp + j] * to_f32(v[j * ldv + t]);
 }
 
 // Keys per block of the AVX2 p·v: its tiles are narrower (PV_NV·W = 16 columns) than a
 // row of V, so V is walked once per tile; in blocks of PV_KEYS keys the rows stay in L1.
 constexpr int64_t PV_KEYS = 64;
 
-template <int ROWS>
-inline void pv_rows(const float* p, int64_t ldp, int64_t n, const float* v, int64_t ldv, float* o, int64_t ldo,
+template <int ROWS, class TV>
+inline void pv_rows(const float* p, int64_t ldp, int64_t n, const TV* v, int64_t ldv, float* o, int64_t ldo,
              int64_t dv) {
     if constexpr (W == 16) {
         pv_cols<ROWS>(p, ldp, n, v, ldv, o, ldo, dv);
@@ -231,7 +303,8 @@ inline void pv_rows(const float* p, int64_t ldp, int64_t n, const float* v, int6
 }
 
 // o (rows × dv) += p (rows × n) · v (n × dv), rows <= MR.
-inline void pv(const float* p, int64_t ldp, int64_t rows, int64_t n, const float* v, int64_t ldv, float* o,
+template <class TV>
+inline void pv(const float* p, int64_t ldp, int64_t rows, int64_t n, const TV* v, int64_t ldv, float* o,
         int64_t ldo, int64_t dv) {
     for (int64_t r = 0; r < rows; r += MR_PV) {
         int64_t left = rows - r;

@@ -1,13 +1,18 @@
-// multihead's native CPU kernels for decoding: float32, forward only.
+// multihead's native CPU kernels for decoding: forward only.
 //
-// * mh_decode_f32: attention for few query rows per K/V head (decode_item).
+// * mh_decode_f32 (_bf16, _f16): attention for few query rows per K/V head (decode_item).
 // * mh_linear_few_rows_f32: x · Wᵀ + b for a few rows of x and several weights at once.
-// * mh_decode_step_f32: a whole decoding step of a layer in one parallel region.
+// * mh_decode_step_f32 (_bf16, _f16): a whole decoding step of a layer in one parallel region.
 //
-// All three are bandwidth-bound: they stream K/V and the weights once, in place.
+// All are bandwidth-bound: they stream K/V and the weights once, in place. In bfloat16 and
+// float16 (x, weights, cache, out of that type) they stream half the bytes: values are
+// widened to float32 in registers as loaded, all arithmetic is float32, and what is stored
+// (out, the new K/V cache rows) is rounded to nearest even (common.h).
 // Returns 0, or a negative code: -1 out of memory, -2 unsupported shape.
 
 #include "common.h"
+
+#include <type_traits>
 
 namespace {
 
@@ -18,14 +23,29 @@ using namespace mh;
 // one row of o at a time, whole rows of V (up to 8 vectors) per key, so V is read front to
 // back (the hardware prefetcher's order) by the first row and from L1 by the others, in
 // blocks of PV_KEYS keys. (The prefill's 6 × 16 tiles would read every V row in four
-// strided passes.)
-inline void pv_stream(const float* p, int64_t ldp, int64_t rows, int64_t n, const float* v, int64_t ldv, float* o,
-                      int64_t ldo, int64_t dv) {
+// strided passes.) Half precision V with several rows: each block is widened once into
+// `wide` (PV_KEYS × dv floats, L1) and read from there by every row, instead of being
+// widened once per row.
+template <class TV>
+inline void pv_stream(const float* p, int64_t ldp, int64_t rows, int64_t n, const TV* v, int64_t ldv, float* o,
+                      int64_t ldo, int64_t dv, float* wide) {
     for (int64_t j = 0; j < n; j += PV_KEYS) {
         const int64_t nj = std::min(PV_KEYS, n - j);
+        if constexpr (!std::is_same_v<TV, float>) {
+            if (rows > 1) {
+                for (int64_t jj = 0; jj < nj; ++jj) {
+                    const TV* src = v + (j + jj) * ldv;
+                    int64_t t = 0;
+                    for (; t + W <= dv; t += W) store(wide + jj * dv + t, load_f(src + t));
+                    for (; t < dv; ++t) wide[jj * dv + t] = to_f32(src[t]);
+                }
+                pv_stream<float>(p + j, ldp, rows, nj, wide, dv, o, ldo, dv, nullptr);
+                continue;
+            }
+        }
         for (int64_t r = 0; r < rows; ++r) {
             const float* pr = p + r * ldp + j;
-            const float* vj = v + j * ldv;
+            const TV* vj = v + j * ldv;
             float* orow = o + r * ldo;
             int64_t c = 0;
             for (; c + 8 * W <= dv; c += 8 * W) pv_tile<1, 8>(pr, ldp, nj, vj + c, ldv, orow + c, ldo);
@@ -41,7 +61,7 @@ inline void pv_stream(const float* p, int64_t ldp, int64_t rows, int64_t n, cons
             }
             c += (dv - c) / W * W;
             for (int64_t jj = 0; jj < nj; ++jj)  // the last dv % W columns, plainly
-                for (int64_t t = c; t < dv; ++t) orow[t] += pr[jj] * vj[jj * ldv + t];
+                for (int64_t t = c; t < dv; ++t) orow[t] += pr[jj] * to_f32(vj[jj * ldv + t]);
         }
     }
 }
@@ -50,14 +70,17 @@ inline void pv_stream(const float* p, int64_t ldp, int64_t rows, int64_t n, cons
 // Decoding: few query rows per K/V head (G heads × Sq queries), so K and V are streamed
 // once, in place, with no packing: scores are dot products along D. An item is
 // (b, K/V head, key split); with fewer heads than threads the keys are split and the
-// partial (m, l, o) merged at the end (flash-decoding).
+// partial (m, l, o) merged at the end (flash-decoding). TQ: q's and out's element type, T:
+// K's and V's (float, bf16, f16; P's pointers hold data of those types).
+template <class TQ, class T>
 void decode_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t k0, int64_t k1, float* part) {
     const int64_t G = P.H / P.Hkv, D = P.D, Dv = P.Dv, Sq = P.Sq, rows = G * Sq;
     const int64_t off = P.Sk - P.Sq;
     for (int64_t g = 0; g < G; ++g) {  // row g·Sq + i: head kvh·G + g, query i
-        const float* src = P.q + b * P.qs[0] + (kvh * G + g) * P.qs[1];
+        const TQ* src = reinterpret_cast<const TQ*>(P.q) + b * P.qs[0] + (kvh * G + g) * P.qs[1];
         for (int64_t i = 0; i < Sq; ++i)
-            for (int64_t t = 0; t < D; ++t) buf.qbuf[(g * Sq + i) * D + t] = src[i * P.qs[2] + t] * P.scale;
+            for (int64_t t = 0; t < D; ++t)
+                buf.qbuf[(g * Sq + i) * D + t] = to_f32(src[i * P.qs[2] + t]) * P.scale;
     }
     for (int64_t r = 0; r < rows; ++r) { buf.m[r] = NEG_INF; buf.l[r] = 0.f; }
     std::memset(buf.o, 0, sizeof(float) * rows * Dv);
@@ -65,17 +88,28 @@ void decode_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t
     key_range(P, 0, Sq, lo, hi);
     lo = std::max(lo, k0);
     hi = std::min(hi, k1);
-    const float* kb = P.k + b * P.ks[0] + kvh * P.ks[1];
-    const float* vb = P.v + b * P.vs[0] + kvh * P.vs[1];
+    const T* kb = reinterpret_cast<const T*>(P.k) + b * P.ks[0] + kvh * P.ks[1];
+    const T* vb = reinterpret_cast<const T*>(P.v) + b * P.vs[0] + kvh * P.vs[1];
     for (int64_t c0 = lo; c0 < hi; c0 += KD) {
         const int64_t n = std::min(KD, hi - c0), width = (n + W - 1) / W * W;
         int64_t j = 0;
         if (D % W == 0)  // W keys at a time, their W sums reduced together
-            for (; j + W <= n; j += W)
+            for (; j + W <= n; j += W) {
+                const T* kj = kb + (c0 + j) * P.ks[2];
+                if constexpr (!std::is_same_v<T, float>) {
+                    if (rows > 1) {  // half precision: the W keys widened once (buf.kt, L1), read by every row
+                        for (int64_t s = 0; s < W; ++s)
+                            for (int64_t t = 0; t < D; t += W) store(buf.kt + s * D + t, load_f(kj + s * P.ks[2] + t));
+                        for (int64_t r = 0; r < rows; ++r)
+                            store(buf.s + r * KD + j, dot_w(buf.qbuf + r * D, buf.kt, D, D));
+                        continue;
+                    }
+                }
                 for (int64_t r = 0; r < rows; ++r)
-                    store(buf.s + r * KD + j, dot_w(buf.qbuf + r * D, kb + (c0 + j) * P.ks[2], P.ks[2], D));
+                    store(buf.s + r * KD + j, dot_w(buf.qbuf + r * D, kj, P.ks[2], D));
+            }
         for (; j < n; ++j) {
-            const float* kr = kb + (c0 + j) * P.ks[2];
+            const T* kr = kb + (c0 + j) * P.ks[2];
             for (int64_t r = 0; r < rows; ++r) buf.s[r * KD + j] = dot(buf.qbuf + r * D, kr, D);
         }
         for (int64_t r = 0; r < rows; ++r) {
@@ -88,7 +122,7 @@ void decode_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t
             pv(buf.s + r0 * KD, KD, std::min<int64_t>(MR, rows - r0), n, vb + c0 * P.vs[2], P.vs[2],
                buf.o + r0 * Dv, Dv, Dv);
 #else
-        pv_stream(buf.s, KD, rows, n, vb + c0 * P.vs[2], P.vs[2], buf.o, Dv, Dv);
+        pv_stream(buf.s, KD, rows, n, vb + c0 * P.vs[2], P.vs[2], buf.o, Dv, Dv, buf.kt);
 #endif
     }
     if (part) {  // (rows, Dv + 2): o unnormalised, then m and l, merged by the caller
@@ -103,12 +137,17 @@ void decode_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t
         const int64_t g = r / Sq, i = r % Sq;
         const float inv = buf.l[r] > 0.f ? 1.f / buf.l[r] : 0.f;
         store_lse(P, b, kvh * G + g, i, buf.m[r], buf.l[r]);
-        float* dst = P.out + b * P.os[0] + (kvh * G + g) * P.os[1] + i * P.os[2];
-        for (int64_t t = 0; t < Dv; ++t) dst[t] = buf.o[r * Dv + t] * inv;
+        TQ* dst = reinterpret_cast<TQ*>(P.out) + b * P.os[0] + (kvh * G + g) * P.os[1] + i * P.os[2];
+        for (int64_t t = 0; t < Dv; ++t) dst[t] = from_f32<TQ>(buf.o[r * Dv + t] * inv);
     }
 }
 
-// Merge the key splits of (b, kvh): weights 2^(m_s - max m) as in the online softmax.
+// Floats of decode_item's widening buffer (buf.kt): W keys of K, or PV_KEYS rows of V.
+inline int64_t wide_floats(int64_t D, int64_t Dv) { return std::max(W * D, PV_KEYS * Dv); }
+
+// Merge the key splits of (b, kvh): weights 2^(m_s - max m) as in the online softmax; out of type T
+// (summed in float32, rounded once).
+template <class T>
 void merge_splits(const Problem& P, const float* part, int64_t splits, int64_t b, int64_t kvh) {
     const int64_t G = P.H / P.Hkv, Dv = P.Dv, Sq = P.Sq, rows = G * Sq, stride = rows * (Dv + 2);
     for (int64_t r = 0; r < rows; ++r) {
@@ -117,16 +156,19 @@ void merge_splits(const Problem& P, const float* part, int64_t splits, int64_t b
         const float use = top == NEG_INF ? 0.f : top;
         float total = 0.f;
         const int64_t g = r / Sq, i = r % Sq;
-        float* dst = P.out + b * P.os[0] + (kvh * G + g) * P.os[1] + i * P.os[2];
-        for (int64_t t = 0; t < Dv; ++t) dst[t] = 0.f;
+        T* dst = reinterpret_cast<T*>(P.out) + b * P.os[0] + (kvh * G + g) * P.os[1] + i * P.os[2];
+        float weights[64];  // the splits' weights (key_splits: at most 64)
         for (int64_t sp = 0; sp < splits; ++sp) {
             const float* src = part + sp * stride + r * (Dv + 2);
-            const float w = exp2v(splat(src[Dv] - use))[0];
-            total += src[Dv + 1] * w;
-            for (int64_t t = 0; t < Dv; ++t) dst[t] += src[t] * w;
+            weights[sp] = exp2v(splat(src[Dv] - use))[0];
+            total += src[Dv + 1] * weights[sp];
         }
         const float inv = total > 0.f ? 1.f / total : 0.f;
-        for (int64_t t = 0; t < Dv; ++t) dst[t] *= inv;
+        for (int64_t t = 0; t < Dv; ++t) {
+            float acc = 0.f;
+            for (int64_t sp = 0; sp < splits; ++sp) acc += part[sp * stride + r * (Dv + 2) + t] * weights[sp];
+            dst[t] = from_f32<T>(acc * inv);
+        }
         store_lse(P, b, kvh * G + g, i, use, total);
     }
 }
@@ -143,11 +185,16 @@ inline int64_t key_splits(int64_t heads, int64_t keys) {
 
 }  // namespace
 
-// As mh_attention_f32, for few query rows per K/V head (G·Sq): see decode_item.
-extern "C" int mh_decode_f32(const float* q, const float* k, const float* v, float* out, float* lse,
-                             const uint8_t* mask, const int64_t* dims, const int64_t* strides, float scale,
-                             int causal, int64_t window, int threads) {
-    const Problem P = make_problem(q, k, v, out, lse, mask, dims, strides, scale, causal, window);
+namespace {
+
+// The body of mh_decode_f32 (_bf16, _f16): q, k, v and out of type T.
+template <class T>
+int decode_attention(const void* q, const void* k, const void* v, void* out, float* lse, const uint8_t* mask,
+                     const int64_t* dims, const int64_t* strides, float scale, int causal, int64_t window,
+                     int threads) {
+    const Problem P = make_problem(static_cast<const float*>(q), static_cast<const float*>(k),
+                                   static_cast<const float*>(v), static_cast<float*>(out), lse, mask, dims, strides,
+                                   scale, causal, window);
     if (!valid(P)) return -2;
     const int64_t G = P.H / P.Hkv, rows = G * P.Sq, heads = P.B * P.Hkv;
     const int64_t splits = key_splits(heads, P.Sk);
@@ -157,7 +204,8 @@ extern "C" int mh_decode_f32(const float* q, const float* k, const float* v, flo
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        Buffers buf{alloc(rows * P.D), alloc(1), alloc(rows * KD), alloc(rows), alloc(rows), alloc(rows * P.Dv)};
+        Buffers buf{alloc(rows * P.D), alloc(wide_floats(P.D, P.Dv)), alloc(rows * KD), alloc(rows), alloc(rows),
+                    alloc(rows * P.Dv)};
         if (!buf.ok()) {
 #pragma omp atomic write
             failed = 1;
@@ -167,19 +215,42 @@ extern "C" int mh_decode_f32(const float* q, const float* k, const float* v, flo
 #pragma omp for schedule(static)
             for (int64_t it = 0; it < items; ++it) {
                 const int64_t sp = it % splits, head = it / splits;
-                decode_item(P, buf, head / P.Hkv, head % P.Hkv, sp * per, std::min(P.Sk, (sp + 1) * per),
-                            part ? part + it * rows * (P.Dv + 2) : nullptr);
+                decode_item<T, T>(P, buf, head / P.Hkv, head % P.Hkv, sp * per, std::min(P.Sk, (sp + 1) * per),
+                                  part ? part + it * rows * (P.Dv + 2) : nullptr);
             }
             if (part) {
 #pragma omp for schedule(static)
                 for (int64_t head = 0; head < heads; ++head)
-                    merge_splits(P, part + head * splits * rows * (P.Dv + 2), splits, head / P.Hkv, head % P.Hkv);
+                    merge_splits<T>(P, part + head * splits * rows * (P.Dv + 2), splits, head / P.Hkv, head % P.Hkv);
             }
         }
         buf.release();
     }
     std::free(part);
     return failed ? -1 : 0;
+}
+
+}  // namespace
+
+// As mh_attention_f32, for few query rows per K/V head (G·Sq): see decode_item.
+extern "C" int mh_decode_f32(const float* q, const float* k, const float* v, float* out, float* lse,
+                             const uint8_t* mask, const int64_t* dims, const int64_t* strides, float scale,
+                             int causal, int64_t window, int threads) {
+    return decode_attention<float>(q, k, v, out, lse, mask, dims, strides, scale, causal, window, threads);
+}
+
+// As mh_decode_f32 with q, k, v and out bfloat16 (uint16 bits), lse float32.
+extern "C" int mh_decode_bf16(const void* q, const void* k, const void* v, void* out, float* lse,
+                              const uint8_t* mask, const int64_t* dims, const int64_t* strides, float scale,
+                              int causal, int64_t window, int threads) {
+    return decode_attention<bf16>(q, k, v, out, lse, mask, dims, strides, scale, causal, window, threads);
+}
+
+// As mh_decode_f32 with q, k, v and out float16 (uint16 bits), lse float32.
+extern "C" int mh_decode_f16(const void* q, const void* k, const void* v, void* out, float* lse,
+                             const uint8_t* mask, const int64_t* dims, const int64_t* strides, float scale,
+                             int causal, int64_t window, int threads) {
+    return decode_attention<f16>(q, k, v, out, lse, mask, dims, strides, scale, causal, window, threads);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -195,13 +266,14 @@ namespace {
 template <int M>
 constexpr int gemv_block() { return W == 16 || M <= 2 ? 4 : 2; }
 
-template <int M>
-void gemv_rows(const float* __restrict x, int64_t K, const float* __restrict w, int64_t rows, const float* bias,
+// TW: the weights' and bias's type (float, bf16, f16: widened as loaded); x and out float32.
+template <int M, class TW>
+void gemv_rows(const float* __restrict x, int64_t K, const TW* __restrict w, int64_t rows, const TW* bias,
                float* __restrict out, int64_t ldo) {
     constexpr int R = gemv_block<M>();
     int64_t r = 0;
     for (; r + R <= rows; r += R) {
-        const float* w0 = w + r * K;
+        const TW* w0 = w + r * K;
         vf acc[R][M];
 #pragma GCC unroll 4
         for (int i = 0; i < R; ++i)
@@ -211,7 +283,7 @@ void gemv_rows(const float* __restrict x, int64_t K, const float* __restrict w, 
         for (; t + W <= K; t += W) {
             vf wv[R];
 #pragma GCC unroll 4
-            for (int i = 0; i < R; ++i) wv[i] = load(w0 + i * K + t);
+            for (int i = 0; i < R; ++i) wv[i] = load_f(w0 + i * K + t);
 #pragma GCC unroll 4
             for (int m = 0; m < M; ++m) {
                 vf xm = load(x + m * K + t);
@@ -222,15 +294,16 @@ void gemv_rows(const float* __restrict x, int64_t K, const float* __restrict w, 
         for (int i = 0; i < R; ++i)
             for (int m = 0; m < M; ++m) {
                 float s = hsum(acc[i][m]);
-                for (int64_t u = t; u < K; ++u) s += w0[i * K + u] * x[m * K + u];
-                out[m * ldo + r + i] = s + (bias ? bias[r + i] : 0.f);
+                for (int64_t u = t; u < K; ++u) s += to_f32(w0[i * K + u]) * x[m * K + u];
+                out[m * ldo + r + i] = s + (bias ? to_f32(bias[r + i]) : 0.f);
             }
     }
     for (; r < rows; ++r)
-        for (int m = 0; m < M; ++m) out[m * ldo + r] = dot(w + r * K, x + m * K, K) + (bias ? bias[r] : 0.f);
+        for (int m = 0; m < M; ++m) out[m * ldo + r] = dot(x + m * K, w + r * K, K) + (bias ? to_f32(bias[r]) : 0.f);
 }
 
-void gemv_any(int64_t M, const float* x, int64_t K, const float* w, int64_t rows, const float* bias, float* out,
+template <class TW>
+void gemv_any(int64_t M, const float* x, int64_t K, const TW* w, int64_t rows, const TW* bias, float* out,
               int64_t ldo) {
     switch (M) {
         case 1: gemv_rows<1>(x, K, w, rows, bias, out, ldo); break;
@@ -242,8 +315,9 @@ void gemv_any(int64_t M, const float* x, int64_t K, const float* w, int64_t rows
 
 // This thread's share (thread id of nt) of out_i (M, N_i; row stride ldo_i) = x · W_iᵀ + b_i:
 // the rows of all weights together, split evenly in multiples of 4.
+template <class TW>
 void gemv_share(int64_t id, int64_t nt, int64_t M, const float* x, int64_t K, int64_t count,
-                const float* const* W, const int64_t* N, const float* const* bias, float* const* out,
+                const TW* const* W, const int64_t* N, const TW* const* bias, float* const* out,
                 const int64_t* ldo) {
     int64_t total = 0;
     for (int64_t i = 0; i < count; ++i) total += N[i];
@@ -279,31 +353,51 @@ extern "C" int mh_linear_few_rows_f32(const float* x, int64_t M, int64_t K, int6
 //
 // The caller has checked every shape and that each row has room (lengths[b] < capacity).
 
-extern "C" int mh_decode_step_f32(
-    const float* x, int64_t B, int64_t E, const float* const* W, const float* const* bias, int64_t H,
-    int64_t Hkv, int64_t D, const float* rope_cos, const float* rope_sin, int64_t rotary_dim, int interleaved,
-    float* cache_k, float* cache_v, const int64_t* cache_strides, const int64_t* lengths, float scale, float* y,
-    int threads) {
+namespace {
+
+// The body of mh_decode_step_f32 (_bf16, _f16): x, the weights and biases, the cache and y of
+// type T; RoPE tables float32. In half precision x is widened once (B·E values), the weights
+// and the cache are widened as loaded, and q, k, v, the heads and y are float32 until y is
+// stored (k and v rounded to T as they are written into the cache, as the unfused step does).
+template <class T>
+int decode_step(const T* x, int64_t B, int64_t E, const T* const* W, const T* const* bias, int64_t H, int64_t Hkv,
+                int64_t D, const float* rope_cos, const float* rope_sin, int64_t rotary_dim, int interleaved,
+                T* cache_k, T* cache_v, const int64_t* cache_strides, const int64_t* lengths, float scale, T* y,
+                int threads) {
     if (B < 1 || B > MAX_STEP_ROWS || Hkv < 1 || H % Hkv != 0 || D < 1 || rotary_dim % 2 != 0 || rotary_dim > D) return -2;
+    constexpr bool wide = std::is_same_v<T, float>;
     const int64_t G = H / Hkv, width = (H + 2 * Hkv) * D, half = rotary_dim / 2;
     float* qkv = alloc(B * width);
     float* heads = alloc(B * H * D);
+    float* xf = wide ? nullptr : alloc(B * E);  // x widened (half precision only)
+    float* yf = wide ? nullptr : alloc(B * E);  // y before rounding (half precision only)
     int64_t longest = 0;
     for (int64_t b = 0; b < B; ++b) longest = std::max(longest, lengths[b] + 1);
     const int64_t heads_b = B * Hkv;
     const int64_t splits = key_splits(heads_b, longest);
     const int64_t per = (longest + splits - 1) / splits, items = heads_b * splits, rows = G;
     float* part = splits > 1 ? alloc(items * rows * (D + 2)) : nullptr;
-    if (!qkv || !heads || (splits > 1 && !part)) {
-        std::free(qkv); std::free(heads); std::free(part);
+    if (!qkv || !heads || (splits > 1 && !part) || (!wide && (!xf || !yf))) {
+        std::free(qkv); std::free(heads); std::free(part); std::free(xf); std::free(yf);
         return -1;
+    }
+    const float* xw;
+    float* yw;
+    if constexpr (wide) {
+        xw = x;
+        yw = y;
+    } else {
+        for (int64_t i = 0; i < B * E; ++i) xf[i] = to_f32(x[i]);
+        xw = xf;
+        yw = yf;
     }
     // One attention problem per row: its own key count.
     Problem Ps[MAX_STEP_ROWS];
     for (int64_t b = 0; b < B; ++b) {
         Problem& P = Ps[b];
         P = Problem{};
-        P.q = qkv; P.k = cache_k; P.v = cache_v; P.out = heads; P.mask = nullptr;
+        P.q = qkv; P.out = heads; P.mask = nullptr;
+        P.k = reinterpret_cast<const float*>(cache_k); P.v = reinterpret_cast<const float*>(cache_v);  // T data
         P.B = B; P.H = H; P.Hkv = Hkv; P.Sq = 1; P.Sk = lengths[b] + 1; P.D = D; P.Dv = D;
         P.qs[0] = width; P.qs[1] = D; P.qs[2] = width;
         for (int i = 0; i < 3; ++i) P.ks[i] = P.vs[i] = cache_strides[i];
@@ -317,7 +411,8 @@ extern "C" int mh_decode_step_f32(
     {
         const int64_t id = omp_get_thread_num(), nt = omp_get_num_threads();
         // Every buffer first: nothing is written to the cache unless the whole step can run.
-        Buffers buf{alloc(rows * D), alloc(1), alloc(rows * KD), alloc(rows), alloc(rows), alloc(rows * D)};
+        Buffers buf{alloc(rows * D), alloc(wide_floats(D, D)), alloc(rows * KD), alloc(rows), alloc(rows),
+                    alloc(rows * D)};
         if (!buf.ok()) {
 #pragma omp atomic write
             failed = 1;
@@ -325,11 +420,11 @@ extern "C" int mh_decode_step_f32(
 #pragma omp barrier
         if (!failed) {
             {
-                const float* Wqkv[3] = {W[0], W[1], W[2]};
-                const float* bqkv[3] = {bias[0], bias[1], bias[2]};
+                const T* Wqkv[3] = {W[0], W[1], W[2]};
+                const T* bqkv[3] = {bias[0], bias[1], bias[2]};
                 const int64_t N[3] = {H * D, Hkv * D, Hkv * D}, ld[3] = {width, width, width};
                 float* out[3] = {qkv, qkv + H * D, qkv + (H + Hkv) * D};
-                gemv_share(id, nt, B, x, E, 3, Wqkv, N, bqkv, out, ld);
+                gemv_share(id, nt, B, xw, E, 3, Wqkv, N, bqkv, out, ld);
             }
 #pragma omp barrier
 #pragma omp for schedule(static)
@@ -349,32 +444,73 @@ extern "C" int mh_decode_step_f32(
                 if (head >= H) {
                     const int64_t kvh = head - H;
                     const int64_t at = b * cache_strides[0] + kvh * cache_strides[1] + pos * cache_strides[2];
-                    std::memcpy(cache_k + at, vec, sizeof(float) * D);
-                    std::memcpy(cache_v + at, qkv + b * width + (H + Hkv + kvh) * D, sizeof(float) * D);
+                    const float* vv = qkv + b * width + (H + Hkv + kvh) * D;
+                    for (int64_t i = 0; i < D; ++i) {
+                        cache_k[at + i] = from_f32<T>(vec[i]);
+                        cache_v[at + i] = from_f32<T>(vv[i]);
+                    }
                 }
             }
 #pragma omp for schedule(static)
             for (int64_t it = 0; it < items; ++it) {
                 const int64_t sp = it % splits, head = it / splits, b = head / Hkv;
-                decode_item(Ps[b], buf, b, head % Hkv, sp * per, std::min(Ps[b].Sk, (sp + 1) * per),
-                            part ? part + it * rows * (D + 2) : nullptr);
+                decode_item<float, T>(Ps[b], buf, b, head % Hkv, sp * per, std::min(Ps[b].Sk, (sp + 1) * per),
+                                      part ? part + it * rows * (D + 2) : nullptr);
             }
             if (part) {
 #pragma omp for schedule(static)
                 for (int64_t head = 0; head < heads_b; ++head)
-                    merge_splits(Ps[head / Hkv], part + head * splits * rows * (D + 2), splits, head / Hkv,
-                                 head % Hkv);
+                    merge_splits<float>(Ps[head / Hkv], part + head * splits * rows * (D + 2), splits, head / Hkv,
+                                        head % Hkv);
             }
-            const float* Wo[1] = {W[3]};
-            const float* bo[1] = {bias[3]};
+            const T* Wo[1] = {W[3]};
+            const T* bo[1] = {bias[3]};
             const int64_t N[1] = {E}, ld[1] = {E};
-            float* out[1] = {y};
+            float* out[1] = {yw};
             gemv_share(id, nt, B, heads, H * D, 1, Wo, N, bo, out, ld);
         }
         buf.release();
     }
-    std::free(qkv); std::free(heads); std::free(part);
+    if constexpr (!wide)
+        if (!failed)
+            for (int64_t i = 0; i < B * E; ++i) y[i] = from_f32<T>(yf[i]);
+    std::free(qkv); std::free(heads); std::free(part); std::free(xf); std::free(yf);
     // The cache's counters (lengths, slot positions) are advanced by its one writer,
     // KVCache.commit, after this returns.
     return failed ? -1 : 0;
+}
+
+}  // namespace
+
+extern "C" int mh_decode_step_f32(
+    const float* x, int64_t B, int64_t E, const float* const* W, const float* const* bias, int64_t H,
+    int64_t Hkv, int64_t D, const float* rope_cos, const float* rope_sin, int64_t rotary_dim, int interleaved,
+    float* cache_k, float* cache_v, const int64_t* cache_strides, const int64_t* lengths, float scale, float* y,
+    int threads) {
+    return decode_step<float>(x, B, E, W, bias, H, Hkv, D, rope_cos, rope_sin, rotary_dim, interleaved, cache_k,
+                              cache_v, cache_strides, lengths, scale, y, threads);
+}
+
+// As mh_decode_step_f32 with x, weights, biases, cache and y bfloat16 (uint16 bits); RoPE float32.
+extern "C" int mh_decode_step_bf16(
+    const void* x, int64_t B, int64_t E, const void* const* W, const void* const* bias, int64_t H,
+    int64_t Hkv, int64_t D, const float* rope_cos, const float* rope_sin, int64_t rotary_dim, int interleaved,
+    void* cache_k, void* cache_v, const int64_t* cache_strides, const int64_t* lengths, float scale, void* y,
+    int threads) {
+    return decode_step<bf16>(static_cast<const bf16*>(x), B, E, reinterpret_cast<const bf16* const*>(W),
+                             reinterpret_cast<const bf16* const*>(bias), H, Hkv, D, rope_cos, rope_sin, rotary_dim,
+                             interleaved, static_cast<bf16*>(cache_k), static_cast<bf16*>(cache_v), cache_strides,
+                             lengths, scale, static_cast<bf16*>(y), threads);
+}
+
+// As mh_decode_step_f32 with x, weights, biases, cache and y float16 (uint16 bits); RoPE float32.
+extern "C" int mh_decode_step_f16(
+    const void* x, int64_t B, int64_t E, const void* const* W, const void* const* bias, int64_t H,
+    int64_t Hkv, int64_t D, const float* rope_cos, const float* rope_sin, int64_t rotary_dim, int interleaved,
+    void* cache_k, void* cache_v, const int64_t* cache_strides, const int64_t* lengths, float scale, void* y,
+    int threads) {
+    return decode_step<f16>(static_cast<const f16*>(x), B, E, reinterpret_cast<const f16* const*>(W),
+                            reinterpret_cast<const f16* const*>(bias), H, Hkv, D, rope_cos, rope_sin, rotary_dim,
+                            interleaved, static_cast<f16*>(cache_k), static_cast<f16*>(cache_v), cache_strides,
+                            lengths, scale, static_cast<f16*>(y), threads);
 }
