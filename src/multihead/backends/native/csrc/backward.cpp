@@ -283,7 +283,7 @@ int backward(Grad<T>& g, int threads) {
 // tails. Every sum runs in an order fixed by the shapes: the results do not depend on
 // the thread count.
 
-constexpr int64_t QT1 = 8 * MR;    // query rows per head of a dQ item (pass 1)
+constexpr int64_t QT1 = 16 * MR;   // query rows per head of a dQ item (pass 1)
 constexpr int64_t KC1 = 256;       // keys per chunk of pass 1 (packed twice: panels and rows)
 constexpr int64_t KB2 = 96;        // keys per dK/dV item (pass 2): 16 tiles of 6 rows
 constexpr int64_t QB2 = 8 * MR;    // query rows per batch of pass 2
@@ -371,13 +371,50 @@ inline void acc_gemm(const float* a, int64_t ai, int64_t aj, int64_t rows, int64
     }
 }
 
+#if MH_VECTOR_FLOATS == 8 && defined(__AVX__)
+// dst[t·NR + c] = rows[c][t] for t, c < 8: an 8 × 8 transpose in registers (as attention.cpp's).
+inline void transpose8(const float* const* rows, float* dst) {
+    __m256 r[8], u[8], w[8];
+    for (int c = 0; c < 8; ++c) r[c] = _mm256_loadu_ps(rows[c]);
+    for (int c = 0; c < 8; c += 2) {
+        u[c] = _mm256_unpacklo_ps(r[c], r[c + 1]);
+        u[c + 1] = _mm256_unpackhi_ps(r[c], r[c + 1]);
+    }
+    for (int c = 0; c < 8; c += 4) {
+        w[c] = _mm256_shuffle_ps(u[c], u[c + 2], 0x44);
+        w[c + 1] = _mm256_shuffle_ps(u[c], u[c + 2], 0xEE);
+        w[c + 2] = _mm256_shuffle_ps(u[c + 1], u[c + 3], 0x44);
+        w[c + 3] = _mm256_shuffle_ps(u[c + 1], u[c + 3], 0xEE);
+    }
+    for (int t = 0; t < 4; ++t) {
+        _mm256_storeu_ps(dst + t * NR, _mm256_permute2f128_ps(w[t], w[t + 4], 0x20));
+        _mm256_storeu_ps(dst + (t + 4) * NR, _mm256_permute2f128_ps(w[t], w[t + 4], 0x31));
+    }
+}
+#endif
+
 // Keys [first, first + npan·NR) of rows src (stride d) as panels (d, NR): dst[pan][t][j];
 // zero from key `limit` on.
 inline void pack_panels(const float* src, int64_t d, int64_t first, int64_t npan, int64_t limit, float* dst) {
     for (int64_t pan = 0; pan < npan; ++pan) {
         float* p = dst + pan * d * NR;
+        const int64_t k0 = first + pan * NR;
+#if MH_VECTOR_FLOATS == 8 && defined(__AVX__)
+        if (d % 8 == 0 && k0 + NR <= limit) {
+            for (int64_t j = 0; j < NR; j += 8) {
+                const float* rows[8];
+                for (int c = 0; c < 8; ++c) rows[c] = src + (k0 + j + c) * d;
+                for (int64_t t = 0; t < d; t += 8) {
+                    const float* at[8];
+                    for (int c = 0; c < 8; ++c) at[c] = rows[c] + t;
+                    transpose8(at, p + t * NR + j);
+                }
+            }
+            continue;
+        }
+#endif
         for (int64_t j = 0; j < NR; ++j) {
-            const int64_t key = first + pan * NR + j;
+            const int64_t key = k0 + j;
             if (key < limit) {
                 const float* row = src + key * d;
                 for (int64_t t = 0; t < d; ++t) p[t * NR + j] = row[t];
@@ -464,7 +501,10 @@ void dq_item(const Grad<float>& g, F32Buffers& w, int64_t b, int64_t kvh, int64_
         const int64_t c1 = std::min(c0 + KC1, hi), npan = (c1 - c0 + NR - 1) / NR;
         pack_panels(kb, D, c0, npan, g.Sk, w.kp);
         pack_panels(vb, Dv, c0, npan, g.Sk, w.vp);
-        pack_rows(kb + c0 * D, D, std::min(npan * NR, g.Sk - c0), npan * NR, Dp, 1.f, w.kn);
+        // K's rows as they are when they need no padding, else copied with zeros around.
+        const bool in_place = D == Dp && c0 + npan * NR <= g.Sk;
+        const float* kn = in_place ? kb + c0 * D : w.kn;
+        if (!in_place) pack_rows(kb + c0 * D, D, std::min(npan * NR, g.Sk - c0), npan * NR, Dp, 1.f, w.kn);
         for (int64_t gi = 0; gi < G; ++gi) {
             const int64_t h = kvh * G + gi;
             for (int64_t r0 = 0; r0 < rows; r0 += MR) {
@@ -485,7 +525,7 @@ void dq_item(const Grad<float>& g, F32Buffers& w, int64_t b, int64_t kvh, int64_
                 for (int64_t i = 0; i < nr; ++i)
                     row_p_ds(g, b, h, i0 + r0 + i, j0, width, valid, w.s + i * KC1, w.dp + i * KC1, nullptr, 1.f,
                              w.sums + gi * QT1 + r0 + i);
-                acc_gemm(w.s, KC1, 1, nr, width, w.kn + (j0 - c0) * Dp, Dp, w.acc_a + (gi * QT1 + r0) * Dp, Dp, Dp);
+                acc_gemm(w.s, KC1, 1, nr, width, kn + (j0 - c0) * Dp, Dp, w.acc_a + (gi * QT1 + r0) * Dp, Dp, Dp);
             }
         }
     }
