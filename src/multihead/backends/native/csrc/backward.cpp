@@ -288,6 +288,7 @@ constexpr int64_t KC1 = 256;       // keys per chunk of pass 1 (packed twice: pa
 constexpr int64_t KB2 = 96;        // keys per dK/dV item (pass 2): 16 tiles of 6 rows
 constexpr int64_t QB2 = 8 * MR;    // query rows per batch of pass 2
 constexpr float LOG2E = 1.4426950408889634f;
+constexpr int64_t ACC_SPAN = 64;   // terms of a product summed apart before joining the total
 static_assert(KC1 % NR == 0 && KB2 % NR == 0 && KB2 % MR_PV == 0, "tiles must divide the blocks");
 
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
@@ -314,7 +315,9 @@ inline void st_tile(const float* __restrict a, int64_t lda, int64_t d, const flo
     }
 }
 
-// c (ROWS × W·NV, row stride ldc) += Σ_{j < n} a[i·ai + j·aj] · b[j] (rows of b: stride ldb).
+// c (ROWS × W·NV, row stride ldc) += Σ_{j < n} a[i·ai + j·aj] · b[j] (rows of b: stride ldb), the
+// n terms summed apart and then added to c: long sums (dK, dV over G·Sq rows, dQ over Sk keys)
+// are sums of partial sums of at most a batch or a chunk, whose rounding error grows far slower.
 template <int ROWS, int NV>
 inline void acc_tile(const float* __restrict a, int64_t ai, int64_t aj, int64_t n, const float* __restrict b,
                      int64_t ldb, float* __restrict c, int64_t ldc) {
@@ -322,7 +325,7 @@ inline void acc_tile(const float* __restrict a, int64_t ai, int64_t aj, int64_t 
 #pragma GCC unroll 6
     for (int i = 0; i < ROWS; ++i)
 #pragma GCC unroll 4
-        for (int t = 0; t < NV; ++t) acc[i][t] = load(c + i * ldc + W * t);
+        for (int t = 0; t < NV; ++t) acc[i][t] = (vf){};
     for (int64_t j = 0; j < n; ++j) {
         vf bj[NV];
 #pragma GCC unroll 4
@@ -337,7 +340,7 @@ inline void acc_tile(const float* __restrict a, int64_t ai, int64_t aj, int64_t 
 #pragma GCC unroll 6
     for (int i = 0; i < ROWS; ++i)
 #pragma GCC unroll 4
-        for (int t = 0; t < NV; ++t) store(c + i * ldc + W * t, acc[i][t]);
+        for (int t = 0; t < NV; ++t) store(c + i * ldc + W * t, load(c + i * ldc + W * t) + acc[i][t]);
 }
 
 template <int ROWS>
@@ -354,9 +357,14 @@ inline void acc_cols(const float* a, int64_t ai, int64_t aj, int64_t n, const fl
 }
 
 // c (rows × width) += A · b, A[i][j] = a[i·ai + j·aj] (rows × n), b (n × width, stride ldb);
-// width a multiple of W.
+// width a multiple of W; the terms in pieces of at most ACC_SPAN.
 inline void acc_gemm(const float* a, int64_t ai, int64_t aj, int64_t rows, int64_t n, const float* b, int64_t ldb,
                      float* c, int64_t ldc, int64_t width) {
+    if (n > ACC_SPAN) {  // in pieces, each summed apart
+        for (int64_t j = 0; j < n; j += ACC_SPAN)
+            acc_gemm(a + j * aj, ai, aj, rows, std::min(ACC_SPAN, n - j), b + j * ldb, ldb, c, ldc, width);
+        return;
+    }
     for (int64_t r = 0; r < rows; r += MR_PV) {
         const float* ar = a + r * ai;
         float* cr = c + r * ldc;
