@@ -93,24 +93,27 @@ def test_mqa_case_where_torch_flash_backward_is_six_times_naive() -> None:
     _assert_criterion(q, k, v, floor_ulps=0, causal=True)
 
 
-# (B, H, Hkv, Sq, Sk, D, Dv, causal, window, mask): the float32 tiles' edges. Query tiles
-# of 6·16 / 12·16 rows and 6 / 12 row tiles (AVX2 / AVX-512), key panels of 16 / 32,
-# dK/dV blocks of 96 keys, chunks of 256 keys; D and Dv padded to whole vectors of 8 / 16.
+# (H, Hkv, Sq, Sk, D, Dv, causal, window, mask): the float32 tiles' edges. Query tiles of
+# 6·16 / 12·16 rows and 6 / 12 row tiles (AVX2 / AVX-512), key panels of 16 / 32, dK/dV
+# blocks of 96 keys, chunks of 256 keys; D and Dv padded to whole vectors of 8 / 16.
 EDGES = [
-    (1, 4, 4, 97, 97, 40, 40, False, None, None),          # G = 1, D = 5 vectors of 8
-    (2, 8, 2, 70, 130, 72, 24, True, None, None),          # G = 4, Dv ≠ D, Sq < Sk (bottom-right)
-    (1, 8, 1, 300, 257, 96, 96, True, 37, None),           # G = 8, causal + window, Sq > Sk
-    (1, 4, 2, 101, 290, 111, 40, False, 50, None),         # D = 111 (7 floats past the last vector)
-    (2, 4, 1, 61, 203, 33, 17, False, None, "padded"),     # key padding, batch 1 entirely padded
-    (1, 2, 2, 150, 50, 64, 64, True, None, "rows"),        # rows with no key: causal (Sq > Sk) and masked
+    (4, 4, 97, 97, 40, 40, False, None, None),          # G = 1, D = 5 vectors of 8
+    (8, 2, 70, 130, 72, 24, True, None, None),          # G = 4, Dv ≠ D, Sq < Sk (bottom-right)
+    (8, 1, 300, 257, 96, 96, True, 37, None),           # G = 8, causal + window, Sq > Sk
+    (4, 2, 101, 290, 111, 40, False, 50, None),         # D = 111 (7 floats past the last vector)
+    (4, 1, 61, 203, 33, 17, False, None, "padded"),     # key padding, one batch entry entirely padded
+    (2, 2, 150, 50, 64, 64, True, None, "rows"),        # rows with no key: causal (Sq > Sk) and masked
 ]
 
 
 def _edge_mask(kind: str | None, b: int, h: int, sq: int, sk: int) -> torch.Tensor | None:
     gen = torch.Generator().manual_seed(5)
-    if kind == "padded":  # key padding (B, 1, 1, Sk): batch 0 keeps its first keys, batch 1 none
-        keep = torch.zeros(b, 1, 1, sk, dtype=torch.bool)
+    if kind == "padded":  # key padding (B, 1, 1, Sk): entry 0 keeps its first keys, entry 1 none
+        keep = torch.rand(b, 1, 1, sk, generator=gen) < 0.7
+        keep[0] = False
         keep[0, ..., : sk - 40] = True
+        if b > 1:
+            keep[1] = False
         return keep
     if kind == "rows":  # random, some (head, query) rows empty
         mask = torch.rand(b, h, sq, sk, generator=gen) < 0.8
@@ -119,23 +122,27 @@ def _edge_mask(kind: str | None, b: int, h: int, sq: int, sk: int) -> torch.Tens
     return None
 
 
-@pytest.mark.parametrize("b, h, hkv, sq, sk, d, dv, causal, window, mask", EDGES)
+@pytest.mark.parametrize("b", [1, 4], ids=["two-pass", "fused"])
+@pytest.mark.parametrize("h, hkv, sq, sk, d, dv, causal, window, mask", EDGES)
 def test_tile_edges_meet_the_criterion_with_no_floor(b: int, h: int, hkv: int, sq: int, sk: int, d: int, dv: int,
                                                       causal: bool, window: int | None, mask: str | None) -> None:
     """Sizes that are not multiples of the tiles, D not a multiple of the vector, Dv ≠ D,
-    Sq ≠ Sk, GQA with G = 1, 4, 8, windows, padding and rows with no key: error ≤ 3× naive."""
+    Sq ≠ Sk, GQA with G = 1, 4, 8, windows, padding and rows with no key: error ≤ 3× naive.
+    With B·Hkv ≥ 4 the float32 backward runs fused (one pass), else in two passes (dQ, then
+    dK/dV); B = 1 takes two passes except for the first case (Hkv = 4)."""
     gen = torch.Generator().manual_seed(sq * 1000 + sk)
     q, k, v = (torch.randn(*s, generator=gen, dtype=torch.float64)
                for s in ((b, h, sq, d), (b, hkv, sk, d), (b, hkv, sk, dv)))
     _assert_criterion(q, k, v, floor_ulps=0, mask=_edge_mask(mask, b, h, sq, sk), causal=causal, window=window)
 
 
-def test_gradients_do_not_depend_on_the_thread_count() -> None:
+@pytest.mark.parametrize("b", [1, 2], ids=["two-pass", "fused"])
+def test_gradients_do_not_depend_on_the_thread_count(b: int) -> None:
     """Every sum runs in an order fixed by the shapes: 1 and 2 threads agree bit for bit."""
     gen = torch.Generator().manual_seed(2)
-    q, k, v = (torch.randn(*s, generator=gen) for s in ((2, 8, 203, 72), (2, 2, 203, 72), (2, 2, 203, 40)))
-    dout = torch.randn(2, 8, 203, 40, generator=gen)
-    mask = torch.rand(2, 1, 203, 203, generator=gen) < 0.9
+    q, k, v = (torch.randn(*s, generator=gen) for s in ((b, 8, 203, 72), (b, 2, 203, 72), (b, 2, 203, 40)))
+    dout = torch.randn(b, 8, 203, 40, generator=gen)
+    mask = torch.rand(b, 1, 203, 203, generator=gen) < 0.9
     before = torch.get_num_threads()
     grads = []
     try:

@@ -24,8 +24,15 @@
 //      span meets the block (causal: the rows above the diagonal are skipped).
 // No S×S matrix exists: each thread holds one block's accumulators and one row's scores.
 //
-// Templated on the scalar (float for use, double so that torch.autograd.gradcheck can
-// check this very code in float64). Returns 0, or -1 out of memory, -2 bad shape.
+// That plain code is templated on the scalar; it runs float64 (so that
+// torch.autograd.gradcheck checks the algorithm in float64). float32 runs the same
+// gradients with register tiles (backward_f32, below), in one of two ways chosen by the
+// shapes alone (never the thread count, so the results are the same for any):
+//   * fused, from FUSED_MIN_ITEMS (b, K/V head) pairs: one item per pair walks its key
+//     blocks in order, each block's dK, dV and its share of dQ (summed in place): five
+//     products per score (FlashAttention-2's), probabilities not renormalised;
+//   * otherwise the two passes above (seven products per score, parallel over tiles).
+// Returns 0, or -1 out of memory, -2 bad shape.
 
 #include <limits>
 #include <type_traits>
@@ -567,8 +574,11 @@ void rows_meeting(const Grad<float>& g, int64_t j0, int64_t j1, int64_t& lo, int
     hi = std::max(lo, first([&](int64_t sl, int64_t) { return sl >= j1; }));
 }
 
-// Pass 2: dK and dV of keys [j0, j1) of (b, kvh), summed over the G query heads.
-void dkdv_item(const Grad<float>& g, F32Buffers& w, int64_t b, int64_t kvh, int64_t j0, int64_t j1) {
+// Pass 2: dK and dV of keys [j0, j1) of (b, kvh), summed over the G query heads. With dqa
+// (the fused pass): also adds ds · K of these keys to dqa (G × Sq rows of stride Dp, dQ / scale),
+// p unnormalised.
+void dkdv_item(const Grad<float>& g, F32Buffers& w, int64_t b, int64_t kvh, int64_t j0, int64_t j1,
+               float* dqa = nullptr) {
     const int64_t G = g.H / g.Hkv, D = g.D, Dv = g.Dv, Dp = round_up(D, W), Dvp = round_up(Dv, W);
     const int64_t n = j1 - j0, npan = (n + NR - 1) / NR, width = npan * NR;
     const float sc2 = g.scale * LOG2E;
@@ -576,6 +586,11 @@ void dkdv_item(const Grad<float>& g, F32Buffers& w, int64_t b, int64_t kvh, int6
     const float* vb = g.v + (b * g.Hkv + kvh) * g.Sk * Dv;
     pack_panels(kb, D, j0, npan, j1, w.kp);
     pack_panels(vb, Dv, j0, npan, j1, w.vp);
+    const float* kn = kb + j0 * D;  // K's rows for dQ: as they are, or padded to Dp
+    if (dqa && D != Dp) {
+        pack_rows(kn, D, n, n, Dp, 1.f, w.kn);
+        kn = w.kn;
+    }
     std::fill(w.acc_a, w.acc_a + KB2 * Dp, 0.f);
     std::fill(w.acc_b, w.acc_b + KB2 * Dvp, 0.f);
     int64_t ilo, ihi;
@@ -594,11 +609,12 @@ void dkdv_item(const Grad<float>& g, F32Buffers& w, int64_t b, int64_t kvh, int6
                 for (int64_t i = r0; i < std::min(r0 + MR, nb); ++i) {
                     float unused = 0.f;
                     row_p_ds(g, b, h, ib + i, j0, width, n, w.s + i * KB2, w.dp + i * KB2, w.p + i * KB2,
-                             g.norm[g.row(b, h, ib + i)], &unused);
+                             dqa ? 1.f : g.norm[g.row(b, h, ib + i)], &unused);
                 }
             }
             acc_gemm(w.p, 1, KB2, n, nb, w.dob, Dvp, w.acc_b, Dvp, Dvp);  // dV += pᵀ · dO
             acc_gemm(w.s, 1, KB2, n, nb, w.qb, Dp, w.acc_a, Dp, Dp);      // dK += dsᵀ · q·scale·log2 e
+            if (dqa) acc_gemm(w.s, KB2, 1, nb, n, kn, Dp, dqa + (gi * g.Sq + ib) * Dp, Dp, Dp);  // dQ += ds · K
         }
     }
     const float ln2 = 0.6931471805599453f;
@@ -610,6 +626,24 @@ void dkdv_item(const Grad<float>& g, F32Buffers& w, int64_t b, int64_t kvh, int6
     }
 }
 
+// The fused pass: dQ, dK, dV of (b, kvh), its key blocks in order, dQ summed in place
+// (g.dq itself when D is a multiple of W, else dqbuf: G × Sq × Dp). Five products per
+// score instead of seven, the probabilities unnormalised (the stored lse's rounding is
+// within the accuracy criterion: see the tests), parallel over (b, kvh) only.
+void fused_item(const Grad<float>& g, F32Buffers& w, float* dqbuf, int64_t b, int64_t kvh) {
+    const int64_t G = g.H / g.Hkv, D = g.D, Dp = round_up(D, W);
+    float* dq = g.dq + g.row(b, kvh * G, 0) * D;
+    float* dqa = D == Dp ? dq : dqbuf;
+    std::fill(dqa, dqa + G * g.Sq * Dp, 0.f);
+    for (int64_t j0 = 0; j0 < g.Sk; j0 += KB2) dkdv_item(g, w, b, kvh, j0, std::min(j0 + KB2, g.Sk), dqa);
+    for (int64_t r = 0; r < G * g.Sq; ++r)
+        for (int64_t t = 0; t < D; ++t) dq[r * D + t] = dqa[r * Dp + t] * g.scale;
+}
+
+// Whether the fused pass runs: from FUSED_MIN_ITEMS (b, K/V head) pairs, a rule of the
+// shapes alone (never of the thread count: the results must not depend on it).
+constexpr int64_t FUSED_MIN_ITEMS = 4;
+
 int backward_f32(Grad<float>& g, int threads) {
     if (g.B < 0 || g.Sq < 0 || g.Sk < 0 || g.Hkv <= 0 || g.H <= 0 || g.H % g.Hkv || g.D <= 0 || g.Dv <= 0) return -2;
     g.rule.Sq = g.Sq;
@@ -618,21 +652,26 @@ int backward_f32(Grad<float>& g, int threads) {
     const int64_t row_tiles = (g.Sq + QT1 - 1) / QT1, key_blocks = (g.Sk + KB2 - 1) / KB2;
     const int64_t items1 = g.B * g.Hkv * row_tiles, items2 = g.B * g.Hkv * key_blocks;
     const int64_t keys = std::max(KC1, KB2), qrows = std::max(G * QT1, QB2);
-    g.norm = alloc_t<float>(g.B * g.H * g.Sq);
+    const bool fused = g.B * g.Hkv >= FUSED_MIN_ITEMS;
+    g.norm = alloc_t<float>(fused ? 1 : g.B * g.H * g.Sq);
     if (!g.norm) return -1;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
+        float* dqbuf = fused && D != Dp ? alloc(G * g.Sq * Dp) : nullptr;
         F32Buffers w{alloc(qrows * std::max(D, Dp)), alloc(qrows * std::max(Dv, Dvp)), alloc(keys * D),
                      alloc(keys * Dv), alloc(keys * Dp), alloc(std::max(MR * KC1, QB2 * KB2)),
                      alloc(std::max(MR * KC1, QB2 * KB2)), alloc(QB2 * KB2),
                      alloc(std::max(G * QT1 * Dp, KB2 * Dp)), alloc(KB2 * Dvp), alloc(G * QT1)};
-        if (!w.ok()) {
+        if (!w.ok() || (fused && D != Dp && !dqbuf)) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp barrier
-        if (!failed) {
+        if (!failed && fused) {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t it = 0; it < g.B * g.Hkv; ++it) fused_item(g, w, dqbuf, it / g.Hkv, it % g.Hkv);
+        } else if (!failed) {
 #pragma omp for schedule(dynamic, 1)
             for (int64_t it = 0; it < items1; ++it) {
                 const int64_t tile = row_tiles - 1 - it % row_tiles, rest = it / row_tiles;  // long rows first
@@ -647,6 +686,7 @@ int backward_f32(Grad<float>& g, int threads) {
             }
         }
         w.release();
+        std::free(dqbuf);
     }
     std::free(g.norm);
     return failed ? -1 : 0;
