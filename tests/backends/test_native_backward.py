@@ -6,9 +6,10 @@ Dv value head dim.
 Ground truth: autograd through the float64 ``"explicit"`` path (softmax(q·kᵀ)·v written
 out), itself checked against the seed's reference in ``tests/core``. Criterion
 (flash-attn's for gradients): our float32 error is at most 3× the naive float32 one
-(autograd through ``"explicit"`` in float32); the property test adds a floor of 8 ulps (as the
-forward's test) of the largest gradient for its tiny cases, whose gradients can be exactly 0; the
-shapes at the tiles' edges and the issue's MQA case are held to it with no floor. gradcheck runs in float64 through the registered operator, whose float64 path
+(autograd through ``"explicit"`` in float32); the property test adds a floor of 8 ulps (as
+the forward's test) of the largest gradient for its tiny cases, whose gradients can be
+exactly 0; the shapes at the tiles' edges and the issue's MQA case are held to it with no
+floor. gradcheck runs in float64 through the registered operator, whose float64 path
 instantiates the same C++ backward code.
 """
 
