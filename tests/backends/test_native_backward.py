@@ -10,7 +10,8 @@ out), itself checked against the seed's reference in ``tests/core``. Criterion
 the forward's test) of the largest gradient for its tiny cases, whose gradients can be
 exactly 0; the shapes at the tiles' edges and the issue's MQA case are held to it with no
 floor. gradcheck runs in float64 through the registered operator, whose float64 path
-instantiates the same C++ backward code.
+instantiates the plain templated C++ backward (the algorithm and its masking); the float32
+register tiles (fused and two-pass) are held to the criterion against float64 above.
 """
 
 from __future__ import annotations
@@ -170,7 +171,7 @@ def test_fully_masked_rows_get_zero_gradients_not_nan() -> None:
 @pytest.mark.parametrize("causal, window, masked", [(False, None, False), (True, None, True), (True, 3, False),
                                                     (False, 2, True)])
 def test_gradcheck_in_float64_through_the_operator(causal: bool, window: int | None, masked: bool) -> None:
-    """The float64 instantiation of the same C++ backward, against finite differences;
+    """The float64 instantiation of the plain C++ backward, against finite differences;
     GQA (2 heads per K/V head), Sq ≠ Sk, a row with no key when masked."""
     q = torch.randn(1, 4, 7, 5, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, 2, 9, 5, dtype=torch.float64, requires_grad=True)
