@@ -55,9 +55,12 @@ NATIVE_MIN_DECODE_SCORES: dict[int, int] = {512: 1 << 11, 256: 1 << 14}
 #: backward's register tiles). AVX2 (2-core AMD EPYC, Zen 3, H=12 or GQA 32/8, D=64,
 #: forward+backward vs SDPA's, interleaved medians, 1 / 2 threads): without a mask S=512
 #: 1.05×/1.25×, S=1024 1.2×/1.3×, S=2048 1.2×; causal S=512 1.8×/1.5×, S=1024 1.6×/1.7×,
-#: S=2048 1.4×; GQA 32/8 alike (S=512..2048: 1.1-1.3× without a mask, 1.5-1.8× causal). Below
-#: 2^20 scores SDPA's fixed cost catches up (1 thread: S=256, H=12 1.0×, H=4 0.9× without a
-#: mask). A shared, loaded machine (load 6-9 on 2 cores): single runs vary by 10-45%.
+#: S=2048 1.4×; GQA 32/8 alike (S=512..2048: 1.1-1.3× without a mask, 1.4-1.8× causal);
+#: S=4096 without a mask about even (0.95× at 2 threads, 1.0-1.1× at 1), causal 1.15-1.3×.
+#: Below 2^20 scores SDPA's fixed cost catches up (1 thread: S=256, H=12 1.0×, H=4 0.9×
+#: without a mask). Measured on a shared machine (load 2-11 on 2 cores; single runs vary
+#: by 5-45%); a quiet spell at 2 threads gave S=512/1024/2048 1.15×/1.16×/1.12× without a
+#: mask, 1.9×/1.5×/1.4× causal.
 NATIVE_MIN_GRAD_SCORES: dict[int, int] = {256: 1 << 20}
 #: Gradients with the log-sum-exp (ring attention's blocks): the native backward from this
 #: many scores; 'explicit' materialises S×S (measured on a 2-core AMD EPYC, causal, H=12,
