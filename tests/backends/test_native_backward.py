@@ -6,9 +6,12 @@ Dv value head dim.
 Ground truth: autograd through the float64 ``"explicit"`` path (softmax(q·kᵀ)·v written
 out), itself checked against the seed's reference in ``tests/core``. Criterion
 (flash-attn's for gradients): our float32 error is at most 3× the naive float32 one
-(autograd through ``"explicit"`` in float32), plus a floor of 8 ulps (as the forward's test) of the largest
-gradient. gradcheck runs in float64 through the registered operator, whose float64 path
-instantiates the same C++ backward code.
+(autograd through ``"explicit"`` in float32); the property test adds a floor of 8 ulps (as
+the forward's test) of the largest gradient for its tiny cases, whose gradients can be
+exactly 0; the shapes at the tiles' edges and the issue's MQA case are held to it with no
+floor. gradcheck runs in float64 through the registered operator, whose float64 path
+instantiates the plain templated C++ backward (the algorithm and its masking); the float32
+register tiles (fused and two-pass) are held to the criterion against float64 above.
 """
 
 from __future__ import annotations
@@ -42,15 +45,16 @@ def _grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor
     return [t.grad for t in leaves]
 
 
-def _assert_criterion(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: object) -> None:
-    """dq, dk, dv of backend "native" by the gradient criterion (see the module docstring)."""
+def _assert_criterion(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, floor_ulps: int = 8, **kw: object) -> None:
+    """dq, dk, dv of backend "native" by the gradient criterion (see the module docstring):
+    error ≤ 3 × naive + ``floor_ulps`` ulps of the largest gradient."""
     dout = torch.randn(q.shape[:-1] + v.shape[-1:], dtype=torch.float64)
     truth = _grads(q, k, v, dout, torch.float64, backend="explicit", **kw)
     naive = _grads(q, k, v, dout, torch.float32, backend="explicit", **kw)
     ours = _grads(q, k, v, dout, torch.float32, backend="native", **kw)
     # A gradient can be exactly 0 (dq of a row with one key); its float32 rounding is
     # then measured against the largest of the three.
-    floor = 8 * 2.0**-23 * max(t.abs().max().item() for t in truth)
+    floor = floor_ulps * 2.0**-23 * max(t.abs().max().item() for t in truth)
     for name, t, n, o in zip("qkv", truth, naive, ours):
         assert o.dtype == torch.float32 and o.shape == t.shape and torch.isfinite(o).all(), name
         err, naive_err = (o.double() - t).abs().max().item(), (n.double() - t).abs().max().item()
@@ -87,8 +91,70 @@ def test_mqa_case_where_torch_flash_backward_is_six_times_naive() -> None:
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(*s, generator=gen, dtype=torch.float64)
                for s in ((2, 8, 128, 111), (2, 1, 217, 111), (2, 1, 217, 111)))
-    _assert_criterion(q, k, v)
-    _assert_criterion(q, k, v, causal=True)
+    _assert_criterion(q, k, v, floor_ulps=0)
+    _assert_criterion(q, k, v, floor_ulps=0, causal=True)
+
+
+# (H, Hkv, Sq, Sk, D, Dv, causal, window, mask): the float32 tiles' edges. Query tiles of
+# 6·16 / 12·16 rows and 6 / 12 row tiles (AVX2 / AVX-512), key panels of 16 / 32, dK/dV
+# blocks of 96 keys, chunks of 256 keys; D and Dv padded to whole vectors of 8 / 16.
+EDGES = [
+    (4, 4, 97, 97, 40, 40, False, None, None),          # G = 1, D = 5 vectors of 8
+    (8, 2, 70, 130, 72, 24, True, None, None),          # G = 4, Dv ≠ D, Sq < Sk (bottom-right)
+    (8, 1, 300, 257, 96, 96, True, 37, None),           # G = 8, causal + window, Sq > Sk
+    (4, 2, 101, 290, 111, 40, False, 50, None),         # D = 111 (7 floats past the last vector)
+    (4, 1, 61, 203, 33, 17, False, None, "padded"),     # key padding, one batch entry entirely padded
+    (2, 2, 150, 50, 64, 64, True, None, "rows"),        # rows with no key: causal (Sq > Sk) and masked
+]
+
+
+def _edge_mask(kind: str | None, b: int, h: int, sq: int, sk: int) -> torch.Tensor | None:
+    gen = torch.Generator().manual_seed(5)
+    if kind == "padded":  # key padding (B, 1, 1, Sk): entry 0 keeps its first keys, entry 1 none
+        keep = torch.rand(b, 1, 1, sk, generator=gen) < 0.7
+        keep[0] = False
+        keep[0, ..., : sk - 40] = True
+        if b > 1:
+            keep[1] = False
+        return keep
+    if kind == "rows":  # random, some (head, query) rows empty
+        mask = torch.rand(b, h, sq, sk, generator=gen) < 0.8
+        mask[:, :, ::7] = False
+        return mask
+    return None
+
+
+@pytest.mark.parametrize("b", [1, 4], ids=["two-pass", "fused"])
+@pytest.mark.parametrize("h, hkv, sq, sk, d, dv, causal, window, mask", EDGES)
+def test_tile_edges_meet_the_criterion_with_no_floor(b: int, h: int, hkv: int, sq: int, sk: int, d: int, dv: int,
+                                                      causal: bool, window: int | None, mask: str | None) -> None:
+    """Sizes that are not multiples of the tiles, D not a multiple of the vector, Dv ≠ D,
+    Sq ≠ Sk, GQA with G = 1, 4, 8, windows, padding and rows with no key: error ≤ 3× naive.
+    With B·Hkv ≥ 4 the float32 backward runs fused (one pass), else in two passes (dQ, then
+    dK/dV); B = 1 takes two passes except for the first case (Hkv = 4)."""
+    gen = torch.Generator().manual_seed(sq * 1000 + sk)
+    q, k, v = (torch.randn(*s, generator=gen, dtype=torch.float64)
+               for s in ((b, h, sq, d), (b, hkv, sk, d), (b, hkv, sk, dv)))
+    _assert_criterion(q, k, v, floor_ulps=0, mask=_edge_mask(mask, b, h, sq, sk), causal=causal, window=window)
+
+
+@pytest.mark.parametrize("b", [1, 2], ids=["two-pass", "fused"])
+def test_gradients_do_not_depend_on_the_thread_count(b: int) -> None:
+    """Every sum runs in an order fixed by the shapes: 1 and 2 threads agree bit for bit."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(*s, generator=gen) for s in ((b, 8, 203, 72), (b, 2, 203, 72), (b, 2, 203, 40)))
+    dout = torch.randn(b, 8, 203, 40, generator=gen)
+    mask = torch.rand(b, 1, 203, 203, generator=gen) < 0.9
+    before = torch.get_num_threads()
+    grads = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            grads.append(_grads(q, k, v, dout, torch.float32, backend="native", mask=mask, causal=True, window=90))
+    finally:
+        torch.set_num_threads(before)
+    for one, two in zip(*grads):
+        assert torch.equal(one, two)
 
 
 def test_fully_masked_rows_get_zero_gradients_not_nan() -> None:
@@ -105,7 +171,7 @@ def test_fully_masked_rows_get_zero_gradients_not_nan() -> None:
 @pytest.mark.parametrize("causal, window, masked", [(False, None, False), (True, None, True), (True, 3, False),
                                                     (False, 2, True)])
 def test_gradcheck_in_float64_through_the_operator(causal: bool, window: int | None, masked: bool) -> None:
-    """The float64 instantiation of the same C++ backward, against finite differences;
+    """The float64 instantiation of the plain C++ backward, against finite differences;
     GQA (2 heads per K/V head), Sq ≠ Sk, a row with no key when masked."""
     q = torch.randn(1, 4, 7, 5, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, 2, 9, 5, dtype=torch.float64, requires_grad=True)

@@ -64,13 +64,41 @@ def test_native_rules_per_vector_width(monkeypatch, bits: int) -> None:
     below = mh.kernels.auto_path(*_qkv(1, 8, 2, 1, keys - 1))
     assert below == ("decode" if keys - 1 >= auto.DECODE_MIN_KEYS else "sdpa")
     assert mh.kernels.auto_path(*_qkv(1, 8, 8, 1, keys - 1)) == "sdpa"  # MHA below: SDPA
-    big = _qkv(1, 4, 4, 1024, 1024)  # 2^22 scores
+    lse_least = auto.NATIVE_MIN_GRAD_LSE_SCORES[bits]
+    assert lse_least == {512: 1 << 22, 256: 1 << 16}[bits]
+    s = int(lse_least ** 0.5) // 2  # (1, 4, 4, s, s): exactly `lse_least` scores
+    big = _qkv(1, 4, 4, s, s)
     assert mh.kernels.auto_path(big[0].clone().requires_grad_(), *big[1:], return_lse=True) == "native (gradients, lse)"
-    small = _qkv(1, 4, 4, 1023, 1024)
+    small = _qkv(1, 4, 4, s - 1, s)
     assert mh.kernels.auto_path(small[0].clone().requires_grad_(), *small[1:], return_lse=True) \
         == "explicit (gradients, lse)"
     assert mh.kernels.auto_path(*big, return_lse=True, dropout_p=0.1) == "explicit (gradients, lse)"
-    assert mh.kernels.auto_path(*big) == "native"
+    assert mh.kernels.auto_path(*_qkv(1, 4, 4, 1024, 1024)) == "native"
+
+
+@pytest.mark.parametrize("bits", [512, 256], ids=["AVX-512", "AVX2"])
+def test_native_gradients_per_vector_width(monkeypatch, bits: int) -> None:
+    """Plain gradients: the native backward from AVX2's measured threshold (2^20 scores),
+    SDPA below it, with dropout, and on AVX-512 (not measured: SDPA, as before)."""
+    monkeypatch.setattr(native, "vector_bits", lambda: bits)
+    assert auto.NATIVE_MIN_GRAD_SCORES == {256: 1 << 20}
+    s = 512  # (1, 4, 4, s, s): exactly 2^20 scores
+    q, k, v = _qkv(1, 4, 4, s, s)
+    grad = q.clone().requires_grad_()
+    assert mh.kernels.auto_path(grad, k, v) == ("native (gradients)" if bits == 256 else "sdpa (gradients)")
+    assert mh.kernels.auto_path(q, k.clone().requires_grad_(), v) == mh.kernels.auto_path(grad, k, v)
+    assert mh.kernels.auto_path(grad[:, :, 1:], k, v) == "sdpa (gradients)"  # one row fewer: below
+    assert mh.kernels.auto_path(grad, k, v, dropout_p=0.1) == "sdpa (gradients)"
+    lse_path = "native (gradients, lse)" if bits == 256 else "explicit (gradients, lse)"  # AVX-512: from 2^22
+    assert mh.kernels.auto_path(grad, k, v, return_lse=True) == lse_path
+    assert mh.kernels.auto_path(grad, k, v[..., :40]) == "sdpa (gradients)"  # Dv not a multiple of 16
+    if bits == native.vector_bits() and native.available():  # the path taken here: its gradients
+        grads = []
+        for backend in ("auto", "sdpa"):
+            leaf = q.clone().requires_grad_()
+            mh.attention(leaf, k, v, causal=True, backend=backend).sum().backward()
+            grads.append(leaf.grad)
+        torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-5)
 
 
 def _blocked_fits(sq: int, sk: int) -> bool:

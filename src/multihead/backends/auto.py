@@ -50,11 +50,26 @@ BLOCKED_MIN_HEAD_DIM = 64
 #: keys 1.5× the torch path, 2× SDPA); below, their fixed cost is lower (64..512 keys: 0.8×).
 NATIVE_MIN_SCORES: dict[int, int] = {512: 1 << 14, 256: 1 << 20}
 NATIVE_MIN_DECODE_SCORES: dict[int, int] = {512: 1 << 11, 256: 1 << 14}
+#: Gradients (no log-sum-exp asked for): the native forward and its backward from this many
+#: scores, per vector width; a width not listed takes SDPA (AVX-512: not measured since the
+#: backward's register tiles). AVX2 (2-core AMD EPYC, Zen 3, H=12 or GQA 32/8, D=64,
+#: forward+backward vs SDPA's, interleaved medians, 1 / 2 threads): without a mask S=512
+#: 1.05×/1.25×, S=1024 1.2×/1.3×, S=2048 1.2×; causal S=512 1.8×/1.5×, S=1024 1.6×/1.7×,
+#: S=2048 1.4×; GQA 32/8 alike (S=512..2048: 1.1-1.3× without a mask, 1.4-1.8× causal);
+#: S=4096 without a mask about even (0.95× at 2 threads, 1.0-1.1× at 1), causal 1.15-1.3×.
+#: Below 2^20 scores SDPA's fixed cost catches up (1 thread: S=256, H=12 1.0×, H=4 0.9×
+#: without a mask). Measured on a shared machine (load 2-11 on 2 cores; single runs vary
+#: by 5-45%); a quiet spell at 2 threads gave S=512/1024/2048 1.15×/1.16×/1.12× without a
+#: mask, 1.9×/1.5×/1.4× causal.
+NATIVE_MIN_GRAD_SCORES: dict[int, int] = {256: 1 << 20}
 #: Gradients with the log-sum-exp (ring attention's blocks): the native backward from this
 #: many scores; 'explicit' materialises S×S (measured on a 2-core AMD EPYC, causal, H=12,
-#: D=64, forward+backward: S=1024 native 271 ms vs explicit 1929 ms; S=256 112 vs 47 ms;
-#: AVX2, 1 thread: S=1024 native 174 ms vs explicit 1425 ms).
-NATIVE_MIN_GRAD_LSE_SCORES: dict[int, int] = {512: 1 << 22, 256: 1 << 22}
+#: D=64, forward+backward: S=1024 native 271 ms vs explicit 1929 ms; S=256 112 vs 47 ms,
+#: before the backward's register tiles). AVX2 with the tiled backward (Zen 3, 1 thread,
+#: CPU-time medians, D=64, out and lse both differentiated): explicit/native 1.6×/1.9×
+#: (no mask / causal) at 2^16 scores (S=128, H=4), 2.1×/2.5× at 2^17, 3×/4.7× at 2^19,
+#: 3.3×/6.2× at 2^22; parity at 2^14 (S=64, H=4).
+NATIVE_MIN_GRAD_LSE_SCORES: dict[int, int] = {512: 1 << 22, 256: 1 << 16}
 
 
 @dataclass(frozen=True)
@@ -156,6 +171,10 @@ AUTO_RULES: tuple[Rule, ...] = (
          lambda c: (c.alibi or c.sinks) and not c.return_lse, _backend(sdpa_attention)),
     Rule("explicit (bias, lse)", "ALiBi with the log-sum-exp: 'explicit' (the kernels take no biases)",
          lambda c: c.alibi or c.sinks, _backend(explicit_attention)),
+    Rule("native (gradients)", f"gradients on the CPU, no dropout, from {_widths(NATIVE_MIN_GRAD_SCORES)} scores: "
+         "the native kernel and its FlashAttention-2 backward (faster than SDPA's there)",
+         lambda c: (c.differentiable and c.dropout_p == 0 and c.q.device.type == "cpu" and not c.return_lse
+                    and c.native_fits(NATIVE_MIN_GRAD_SCORES)), _native(decode=False)),
     Rule("sdpa (gradients)", "gradients or dropout are needed (or the tensors are not on the CPU): "
          "SDPA is differentiable", lambda c: c.differentiable and not c.return_lse, _backend(sdpa_attention)),
     Rule("native (gradients, lse)", f"gradients and the log-sum-exp on the CPU, no dropout, from "

@@ -16,8 +16,9 @@ exact output shapes, dtypes and strides, they are opaque nodes of a graph instea
 float32, bfloat16 and float16 run the tiled kernels of their dtype (computed in float32,
 half precision widened as loaded: no float32 copies); float64 runs a
 plain float64 loop of the same rule, there so that ``torch.autograd.gradcheck`` can
-check the backward's code in float64. Registering is cheap and happens on import of
-:mod:`multihead.backends.native`; the kernels are built on first call.
+check the backward's algorithm in float64 (float32 runs it in register tiles).
+Registering is cheap and happens on import of :mod:`multihead.backends.native`; the
+kernels are built on first call.
 """
 
 from __future__ import annotations

@@ -24,10 +24,18 @@
 //      span meets the block (causal: the rows above the diagonal are skipped).
 // No S×S matrix exists: each thread holds one block's accumulators and one row's scores.
 //
-// Templated on the scalar (float for use, double so that torch.autograd.gradcheck can
-// check this very code in float64). Returns 0, or -1 out of memory, -2 bad shape.
+// That plain code is templated on the scalar; it runs float64 (so that
+// torch.autograd.gradcheck checks the algorithm in float64). float32 runs the same
+// gradients with register tiles (backward_f32, below), in one of two ways chosen by the
+// shapes alone (never the thread count, so the results are the same for any):
+//   * fused, from FUSED_MIN_ITEMS (b, K/V head) pairs: one item per pair walks its key
+//     blocks in order, each block's dK, dV and its share of dQ (summed in place): five
+//     products per score (FlashAttention-2's), probabilities not renormalised;
+//   * otherwise the two passes above (seven products per score, parallel over tiles).
+// Returns 0, or -1 out of memory, -2 bad shape.
 
 #include <limits>
+#include <type_traits>
 
 #include "common.h"
 
@@ -76,29 +84,7 @@ template <typename T>
 inline void dots(const T* __restrict x, const T* __restrict rows, int64_t n, int64_t d, T* __restrict out) {
     for (int64_t j = 0; j < n; ++j) out[j] = dot_t(x, rows + j * d, d);
 }
-// float: W rows at a time, their W sums reduced together (common.h), when d allows.
-inline void dots(const float* __restrict x, const float* __restrict rows, int64_t n, int64_t d,
-                 float* __restrict out) {
-    int64_t j = 0;
-    if (d % W == 0)
-        for (; j + W <= n; j += W) store(out + j, dot_w(x, rows + j * d, d, d));
-    for (; j < n; ++j) out[j] = dot_t(x, rows + j * d, d);
-}
-
-// x[j] = exp(x[j] − c) for j < n (x[j] = −inf gives 0). float: the vector exp2 of
-// common.h (its relative error is below float32 rounding); double: std::exp.
-inline void exp_shift(float* x, int64_t n, float c) {
-    const float log2e = 1.4426950408889634f;
-    const vf cv = splat(c * log2e);
-    int64_t j = 0;
-    for (; j + W <= n; j += W) store(x + j, exp2v(load(x + j) * log2e - cv));
-    if (j < n) {
-        alignas(64) float tail[W];
-        for (int64_t t = 0; t < W; ++t) tail[t] = j + t < n ? x[j + t] : NEG_INF;
-        store(tail, exp2v(load(tail) * log2e - cv));
-        for (int64_t t = 0; j + t < n; ++t) x[j + t] = tail[t];
-    }
-}
+// x[j] = exp(x[j] − c) for j < n (x[j] = −inf gives 0).
 inline void exp_shift(double* x, int64_t n, double c) {
     for (int64_t j = 0; j < n; ++j) x[j] = std::exp(x[j] - c);
 }
@@ -169,37 +155,6 @@ inline void combine(T* __restrict y, const T* __restrict c, const T* __restrict 
     for (int64_t j = 0; j < n; ++j)
         if (c[j] != T(0)) axpy(c[j], rows + j * d, y, d);
 }
-// float, d = W·NV: y kept in NV registers across the n rows.
-template <int NV>
-inline void combine_v(float* __restrict y, const float* __restrict c, const float* __restrict rows, int64_t n) {
-    vf acc[NV];
-#pragma GCC unroll 8
-    for (int t = 0; t < NV; ++t) acc[t] = load(y + W * t);
-    for (int64_t j = 0; j < n; ++j) {
-        const vf cj = splat(c[j]);
-#pragma GCC unroll 8
-        for (int t = 0; t < NV; ++t) acc[t] += cj * load(rows + j * W * NV + W * t);
-    }
-#pragma GCC unroll 8
-    for (int t = 0; t < NV; ++t) store(y + W * t, acc[t]);
-}
-inline void combine(float* __restrict y, const float* __restrict c, const float* __restrict rows, int64_t n,
-                    int64_t d) {
-    switch (d % W ? 0 : d / W) {
-        case 1: return combine_v<1>(y, c, rows, n);
-        case 2: return combine_v<2>(y, c, rows, n);
-        case 3: return combine_v<3>(y, c, rows, n);
-        case 4: return combine_v<4>(y, c, rows, n);
-        case 5: return combine_v<5>(y, c, rows, n);
-        case 6: return combine_v<6>(y, c, rows, n);
-        case 7: return combine_v<7>(y, c, rows, n);
-        case 8: return combine_v<8>(y, c, rows, n);
-        default:
-            for (int64_t j = 0; j < n; ++j)
-                if (c[j] != 0.f) axpy(c[j], rows + j * d, y, d);
-    }
-}
-
 constexpr int RB = 4;  // query rows per rank update of pass 2
 
 // Pass 2: dK, dV of keys [j0, j1) of (b, kvh). p and ds hold RB rows of KB columns.
@@ -322,6 +277,421 @@ int backward(Grad<T>& g, int threads) {
     return failed ? -1 : 0;
 }
 
+// ---- float32: the same gradients with register tiles -------------------------------
+//
+// The products of both passes are small GEMMs in register tiles, as the forward's:
+//   s  = q·kᵀ, dp = dO·vᵀ    MR × NR tiles from packed panels (D, NR) of K and (Dv, NR) of V
+//   dQ += ds · K             rows × W·NV tiles, ds broadcast, K rows (padded to Dp) loaded
+//   dV += pᵀ · dO            the same tiles, p read down its columns (no transpose)
+//   dK += dsᵀ · Q
+// Queries are packed pre-multiplied by scale·log2(e), so s is in base 2 and p = 2^(s − lse·log2 e)
+// (exp2v); dQ then carries the factor scale, dK the factor ln 2. Rows and columns are
+// padded with zeros to whole tiles (Dp, Dvp: D, Dv rounded up to W), so the tiles have no
+// tails. Every sum runs in an order fixed by the shapes: the results do not depend on
+// the thread count.
+
+constexpr int64_t QT1 = 16 * MR;   // query rows per head of a dQ item (pass 1)
+constexpr int64_t KC1 = 256;       // keys per chunk of pass 1 (packed twice: panels and rows)
+constexpr int64_t KB2 = 96;        // keys per dK/dV item (pass 2): 16 tiles of 6 rows
+constexpr int64_t QB2 = 8 * MR;    // query rows per batch of pass 2
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr int64_t ACC_SPAN = 64;   // terms of a product summed apart before joining the total
+static_assert(KC1 % NR == 0 && KB2 % NR == 0 && KB2 % MR_PV == 0, "tiles must divide the blocks");
+
+inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// c (MR × NR, row stride ldc) = a (MR × d, row stride lda) · panel (d × NR).
+inline void st_tile(const float* __restrict a, int64_t lda, int64_t d, const float* __restrict panel,
+                    float* __restrict c, int64_t ldc) {
+    vf c0[MR], c1[MR];
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; ++i) c0[i] = c1[i] = (vf){};
+    for (int64_t t = 0; t < d; ++t) {
+        const vf b0 = load(panel + t * NR), b1 = load(panel + t * NR + W);
+#pragma GCC unroll 12
+        for (int i = 0; i < MR; ++i) {
+            const vf ai = splat(a[i * lda + t]);
+            c0[i] += ai * b0;
+            c1[i] += ai * b1;
+        }
+    }
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; ++i) {
+        store(c + i * ldc, c0[i]);
+        store(c + i * ldc + W, c1[i]);
+    }
+}
+
+// c (ROWS × W·NV, row stride ldc) += Σ_{j < n} a[i·ai + j·aj] · b[j] (rows of b: stride ldb), the
+// n terms summed apart and then added to c: long sums (dK, dV over G·Sq rows, dQ over Sk keys)
+// are sums of partial sums of at most a batch or a chunk, whose rounding error grows far slower.
+template <int ROWS, int NV>
+inline void acc_tile(const float* __restrict a, int64_t ai, int64_t aj, int64_t n, const float* __restrict b,
+                     int64_t ldb, float* __restrict c, int64_t ldc) {
+    vf acc[ROWS][NV];
+#pragma GCC unroll 6
+    for (int i = 0; i < ROWS; ++i)
+#pragma GCC unroll 4
+        for (int t = 0; t < NV; ++t) acc[i][t] = (vf){};
+    for (int64_t j = 0; j < n; ++j) {
+        vf bj[NV];
+#pragma GCC unroll 4
+        for (int t = 0; t < NV; ++t) bj[t] = load(b + j * ldb + W * t);
+#pragma GCC unroll 6
+        for (int i = 0; i < ROWS; ++i) {
+            const vf aij = splat(a[i * ai + j * aj]);
+#pragma GCC unroll 4
+            for (int t = 0; t < NV; ++t) acc[i][t] += aij * bj[t];
+        }
+    }
+#pragma GCC unroll 6
+    for (int i = 0; i < ROWS; ++i)
+#pragma GCC unroll 4
+        for (int t = 0; t < NV; ++t) store(c + i * ldc + W * t, load(c + i * ldc + W * t) + acc[i][t]);
+}
+
+template <int ROWS>
+inline void acc_cols(const float* a, int64_t ai, int64_t aj, int64_t n, const float* b, int64_t ldb, float* c,
+                     int64_t ldc, int64_t width) {
+    int64_t col = 0;
+    for (; col + W * PV_NV <= width; col += W * PV_NV) acc_tile<ROWS, PV_NV>(a, ai, aj, n, b + col, ldb, c + col, ldc);
+    switch ((width - col) / W) {  // fewer than PV_NV vectors left (width is a multiple of W)
+        case 3: acc_tile<ROWS, 3>(a, ai, aj, n, b + col, ldb, c + col, ldc); break;
+        case 2: acc_tile<ROWS, 2>(a, ai, aj, n, b + col, ldb, c + col, ldc); break;
+        case 1: acc_tile<ROWS, 1>(a, ai, aj, n, b + col, ldb, c + col, ldc); break;
+        default: break;
+    }
+}
+
+// c (rows × width) += A · b, A[i][j] = a[i·ai + j·aj] (rows × n), b (n × width, stride ldb);
+// width a multiple of W; the terms in pieces of at most ACC_SPAN.
+inline void acc_gemm(const float* a, int64_t ai, int64_t aj, int64_t rows, int64_t n, const float* b, int64_t ldb,
+                     float* c, int64_t ldc, int64_t width) {
+    if (n > ACC_SPAN) {  // in pieces, each summed apart
+        for (int64_t j = 0; j < n; j += ACC_SPAN)
+            acc_gemm(a + j * aj, ai, aj, rows, std::min(ACC_SPAN, n - j), b + j * ldb, ldb, c, ldc, width);
+        return;
+    }
+    for (int64_t r = 0; r < rows; r += MR_PV) {
+        const float* ar = a + r * ai;
+        float* cr = c + r * ldc;
+        switch (std::min<int64_t>(MR_PV, rows - r)) {
+            case 6: acc_cols<6>(ar, ai, aj, n, b, ldb, cr, ldc, width); break;
+            case 5: acc_cols<5>(ar, ai, aj, n, b, ldb, cr, ldc, width); break;
+            case 4: acc_cols<4>(ar, ai, aj, n, b, ldb, cr, ldc, width); break;
+            case 3: acc_cols<3>(ar, ai, aj, n, b, ldb, cr, ldc, width); break;
+            case 2: acc_cols<2>(ar, ai, aj, n, b, ldb, cr, ldc, width); break;
+            default: acc_cols<1>(ar, ai, aj, n, b, ldb, cr, ldc, width); break;
+        }
+    }
+}
+
+#if MH_VECTOR_FLOATS == 8 && defined(__AVX__)
+// dst[t·NR + c] = rows[c][t] for t, c < 8: an 8 × 8 transpose in registers (as attention.cpp's).
+inline void transpose8(const float* const* rows, float* dst) {
+    __m256 r[8], u[8], w[8];
+    for (int c = 0; c < 8; ++c) r[c] = _mm256_loadu_ps(rows[c]);
+    for (int c = 0; c < 8; c += 2) {
+        u[c] = _mm256_unpacklo_ps(r[c], r[c + 1]);
+        u[c + 1] = _mm256_unpackhi_ps(r[c], r[c + 1]);
+    }
+    for (int c = 0; c < 8; c += 4) {
+        w[c] = _mm256_shuffle_ps(u[c], u[c + 2], 0x44);
+        w[c + 1] = _mm256_shuffle_ps(u[c], u[c + 2], 0xEE);
+        w[c + 2] = _mm256_shuffle_ps(u[c + 1], u[c + 3], 0x44);
+        w[c + 3] = _mm256_shuffle_ps(u[c + 1], u[c + 3], 0xEE);
+    }
+    for (int t = 0; t < 4; ++t) {
+        _mm256_storeu_ps(dst + t * NR, _mm256_permute2f128_ps(w[t], w[t + 4], 0x20));
+        _mm256_storeu_ps(dst + (t + 4) * NR, _mm256_permute2f128_ps(w[t], w[t + 4], 0x31));
+    }
+}
+#endif
+
+// Keys [first, first + npan·NR) of rows src (stride d) as panels (d, NR): dst[pan][t][j];
+// zero from key `limit` on.
+inline void pack_panels(const float* src, int64_t d, int64_t first, int64_t npan, int64_t limit, float* dst) {
+    for (int64_t pan = 0; pan < npan; ++pan) {
+        float* p = dst + pan * d * NR;
+        const int64_t k0 = first + pan * NR;
+#if MH_VECTOR_FLOATS == 8 && defined(__AVX__)
+        if (d % 8 == 0 && k0 + NR <= limit) {
+            for (int64_t j = 0; j < NR; j += 8) {
+                const float* rows[8];
+                for (int c = 0; c < 8; ++c) rows[c] = src + (k0 + j + c) * d;
+                for (int64_t t = 0; t < d; t += 8) {
+                    const float* at[8];
+                    for (int c = 0; c < 8; ++c) at[c] = rows[c] + t;
+                    transpose8(at, p + t * NR + j);
+                }
+            }
+            continue;
+        }
+#endif
+        for (int64_t j = 0; j < NR; ++j) {
+            const int64_t key = k0 + j;
+            if (key < limit) {
+                const float* row = src + key * d;
+                for (int64_t t = 0; t < d; ++t) p[t * NR + j] = row[t];
+            } else {
+                for (int64_t t = 0; t < d; ++t) p[t * NR + j] = 0.f;
+            }
+        }
+    }
+}
+
+// rows [0, n) of src (stride d) times f into dst (n_pad × dp), zeros around.
+inline void pack_rows(const float* src, int64_t d, int64_t n, int64_t n_pad, int64_t dp, float f, float* dst) {
+    for (int64_t r = 0; r < n_pad; ++r) {
+        float* o = dst + r * dp;
+        int64_t t = 0;
+        if (r < n)
+            for (; t < d; ++t) o[t] = src[r * d + t] * f;
+        for (; t < dp; ++t) o[t] = 0.f;
+    }
+}
+
+// One query row (head h, row i) against score columns [0, width) = keys j0 + j: s (base 2)
+// and dp in, p · factor into p (if not null) and ds = p · factor · (dp − delta) into s out;
+// Σ p (before the factor) added to *sum. Columns outside the row's span, past `valid`, or
+// masked, and every column of a row with no key (lse = −inf), give p = ds = 0.
+inline void row_p_ds(const Grad<float>& g, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t width,
+                     int64_t valid, float* __restrict s, const float* __restrict dp, float* __restrict p,
+                     float factor, float* sum) {
+    const int64_t r = g.row(b, h, i);
+    const float lse = g.lse[r];
+    int64_t a, e;
+    span(g.rule, i + g.Sk - g.Sq, a, e);
+    a = std::clamp<int64_t>(a - j0, 0, width);
+    e = std::clamp<int64_t>(std::min(e - j0, valid), a, width);
+    if (!(lse > NEG_INF) || a == e) {
+        std::fill(s, s + width, 0.f);
+        if (p) std::fill(p, p + width, 0.f);
+        return;
+    }
+    for (int64_t j = 0; j < a; ++j) s[j] = NEG_INF;
+    for (int64_t j = e; j < width; ++j) s[j] = NEG_INF;
+    if (const uint8_t* m = g.mrow(b, h, i))
+        for (int64_t j = a; j < e; ++j)
+            if (!m[(j0 + j) * g.ms[3]]) s[j] = NEG_INF;
+    const vf l2 = splat(lse * LOG2E), dl = splat(g.delta[r]), f = splat(factor), zero = (vf){};
+    vf total = zero;
+    for (int64_t j = 0; j < width; j += W) {
+        const vf pj = exp2v(load(s + j) - l2);
+        total += pj;
+        const vf pf = pj * f;
+        if (p) store(p + j, pf);
+        store(s + j, pj == zero ? zero : pf * (load(dp + j) - dl));
+    }
+    *sum += hsum(total);
+}
+
+struct F32Buffers {
+    float *qb, *dob, *kp, *vp, *kn, *s, *dp, *p, *acc_a, *acc_b, *sums;
+    bool ok() const { return qb && dob && kp && vp && kn && s && dp && p && acc_a && acc_b && sums; }
+    void release() {
+        for (float* x : {qb, dob, kp, vp, kn, s, dp, p, acc_a, acc_b, sums}) std::free(x);
+    }
+};
+
+// Pass 1: dQ of rows [i0, i1) of the G heads of (b, kvh), and their normalisers
+// 1 / Σ p (the stored lse is rounded; dividing by the recomputed Σ p undoes it, as in dq_tile).
+void dq_item(const Grad<float>& g, F32Buffers& w, int64_t b, int64_t kvh, int64_t i0, int64_t i1) {
+    const int64_t G = g.H / g.Hkv, D = g.D, Dv = g.Dv, Dp = round_up(D, W), rows = i1 - i0;
+    const int64_t rpad = round_up(rows, MR);
+    const float sc2 = g.scale * LOG2E;
+    for (int64_t gi = 0; gi < G; ++gi) {
+        const int64_t h = kvh * G + gi;
+        pack_rows(g.qrow(b, h, i0), D, rows, rpad, D, sc2, w.qb + gi * QT1 * D);
+        pack_rows(g.dorow(b, h, i0), Dv, rows, rpad, Dv, 1.f, w.dob + gi * QT1 * Dv);
+    }
+    std::fill(w.acc_a, w.acc_a + G * QT1 * Dp, 0.f);
+    std::fill(w.sums, w.sums + G * QT1, 0.f);
+    const float* kb = g.k + (b * g.Hkv + kvh) * g.Sk * D;
+    const float* vb = g.v + (b * g.Hkv + kvh) * g.Sk * Dv;
+    int64_t lo, hi;
+    key_range(g.rule, i0, i1, lo, hi);
+    lo = lo / NR * NR;
+    for (int64_t c0 = lo; c0 < hi; c0 += KC1) {
+        const int64_t c1 = std::min(c0 + KC1, hi), npan = (c1 - c0 + NR - 1) / NR;
+        pack_panels(kb, D, c0, npan, g.Sk, w.kp);
+        pack_panels(vb, Dv, c0, npan, g.Sk, w.vp);
+        // K's rows as they are when they need no padding, else copied with zeros around.
+        const bool in_place = D == Dp && c0 + npan * NR <= g.Sk;
+        const float* kn = in_place ? kb + c0 * D : w.kn;
+        if (!in_place) pack_rows(kb + c0 * D, D, std::min(npan * NR, g.Sk - c0), npan * NR, Dp, 1.f, w.kn);
+        for (int64_t gi = 0; gi < G; ++gi) {
+            const int64_t h = kvh * G + gi;
+            for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+                const int64_t nr = std::min<int64_t>(MR, rows - r0);
+                int64_t blo, bhi;
+                key_range(g.rule, i0 + r0, i0 + r0 + nr, blo, bhi);
+                blo = std::max(blo, c0);
+                bhi = std::min(bhi, c1);
+                if (bhi <= blo) continue;
+                const int64_t pa = (blo - c0) / NR, pb = (bhi - c0 + NR - 1) / NR;
+                const int64_t j0 = c0 + pa * NR, width = (pb - pa) * NR, valid = std::min(j0 + width, g.Sk) - j0;
+                const float* qt = w.qb + (gi * QT1 + r0) * D;
+                const float* dot = w.dob + (gi * QT1 + r0) * Dv;
+                for (int64_t pan = pa; pan < pb; ++pan) {
+                    st_tile(qt, D, D, w.kp + pan * D * NR, w.s + (pan - pa) * NR, KC1);
+                    st_tile(dot, Dv, Dv, w.vp + pan * Dv * NR, w.dp + (pan - pa) * NR, KC1);
+                }
+                for (int64_t i = 0; i < nr; ++i)
+                    row_p_ds(g, b, h, i0 + r0 + i, j0, width, valid, w.s + i * KC1, w.dp + i * KC1, nullptr, 1.f,
+                             w.sums + gi * QT1 + r0 + i);
+                acc_gemm(w.s, KC1, 1, nr, width, kn + (j0 - c0) * Dp, Dp, w.acc_a + (gi * QT1 + r0) * Dp, Dp, Dp);
+            }
+        }
+    }
+    for (int64_t gi = 0; gi < G; ++gi) {
+        const int64_t h = kvh * G + gi;
+        for (int64_t r = 0; r < rows; ++r) {
+            const float sum = w.sums[gi * QT1 + r], inv = sum > 0.f ? 1.f / sum : 0.f;
+            g.norm[g.row(b, h, i0 + r)] = inv;
+            const float f = g.scale * inv;
+            const float* src = w.acc_a + (gi * QT1 + r) * Dp;
+            float* dst = g.dq + g.row(b, h, i0 + r) * D;
+            for (int64_t t = 0; t < D; ++t) dst[t] = src[t] * f;
+        }
+    }
+}
+
+// Query rows [lo, hi) whose spans meet keys [j0, j1): spans only move right as rows go
+// down (the rule key_range relies on), so they are an interval, found by bisection.
+void rows_meeting(const Grad<float>& g, int64_t j0, int64_t j1, int64_t& lo, int64_t& hi) {
+    auto first = [&](auto pred) {  // first row where pred holds (pred monotone false -> true)
+        int64_t a = 0, e = g.Sq;
+        while (a < e) {
+            const int64_t m = a + (e - a) / 2;
+            int64_t sl, sh;
+            span(g.rule, m + g.Sk - g.Sq, sl, sh);
+            if (pred(sl, sh)) e = m; else a = m + 1;
+        }
+        return a;
+    };
+    lo = first([&](int64_t, int64_t sh) { return sh > j0; });
+    hi = std::max(lo, first([&](int64_t sl, int64_t) { return sl >= j1; }));
+}
+
+// Pass 2: dK and dV of keys [j0, j1) of (b, kvh), summed over the G query heads. With dqa
+// (the fused pass): also adds ds · K of these keys to dqa (G × Sq rows of stride Dp, dQ / scale),
+// p unnormalised.
+void dkdv_item(const Grad<float>& g, F32Buffers& w, int64_t b, int64_t kvh, int64_t j0, int64_t j1,
+               float* dqa = nullptr) {
+    const int64_t G = g.H / g.Hkv, D = g.D, Dv = g.Dv, Dp = round_up(D, W), Dvp = round_up(Dv, W);
+    const int64_t n = j1 - j0, npan = (n + NR - 1) / NR, width = npan * NR;
+    const float sc2 = g.scale * LOG2E;
+    const float* kb = g.k + (b * g.Hkv + kvh) * g.Sk * D;
+    const float* vb = g.v + (b * g.Hkv + kvh) * g.Sk * Dv;
+    pack_panels(kb, D, j0, npan, j1, w.kp);
+    pack_panels(vb, Dv, j0, npan, j1, w.vp);
+    const float* kn = kb + j0 * D;  // K's rows for dQ: as they are, or padded to Dp
+    if (dqa && D != Dp) {
+        pack_rows(kn, D, n, n, Dp, 1.f, w.kn);
+        kn = w.kn;
+    }
+    std::fill(w.acc_a, w.acc_a + KB2 * Dp, 0.f);
+    std::fill(w.acc_b, w.acc_b + KB2 * Dvp, 0.f);
+    int64_t ilo, ihi;
+    rows_meeting(g, j0, j1, ilo, ihi);
+    for (int64_t gi = 0; gi < G; ++gi) {
+        const int64_t h = kvh * G + gi;
+        for (int64_t ib = ilo; ib < ihi; ib += QB2) {
+            const int64_t nb = std::min(QB2, ihi - ib);
+            pack_rows(g.qrow(b, h, ib), D, nb, round_up(nb, MR), Dp, sc2, w.qb);
+            pack_rows(g.dorow(b, h, ib), Dv, nb, round_up(nb, MR), Dvp, 1.f, w.dob);
+            for (int64_t r0 = 0; r0 < nb; r0 += MR) {
+                for (int64_t pan = 0; pan < npan; ++pan) {
+                    st_tile(w.qb + r0 * Dp, Dp, D, w.kp + pan * D * NR, w.s + r0 * KB2 + pan * NR, KB2);
+                    st_tile(w.dob + r0 * Dvp, Dvp, Dv, w.vp + pan * Dv * NR, w.dp + r0 * KB2 + pan * NR, KB2);
+                }
+                for (int64_t i = r0; i < std::min(r0 + MR, nb); ++i) {
+                    float unused = 0.f;
+                    row_p_ds(g, b, h, ib + i, j0, width, n, w.s + i * KB2, w.dp + i * KB2, w.p + i * KB2,
+                             dqa ? 1.f : g.norm[g.row(b, h, ib + i)], &unused);
+                }
+            }
+            acc_gemm(w.p, 1, KB2, n, nb, w.dob, Dvp, w.acc_b, Dvp, Dvp);  // dV += pᵀ · dO
+            acc_gemm(w.s, 1, KB2, n, nb, w.qb, Dp, w.acc_a, Dp, Dp);      // dK += dsᵀ · q·scale·log2 e
+            if (dqa) acc_gemm(w.s, KB2, 1, nb, n, kn, Dp, dqa + (gi * g.Sq + ib) * Dp, Dp, Dp);  // dQ += ds · K
+        }
+    }
+    const float ln2 = 0.6931471805599453f;
+    for (int64_t j = 0; j < n; ++j) {
+        float* dk = g.dk + ((b * g.Hkv + kvh) * g.Sk + j0 + j) * D;
+        float* dv = g.dv + ((b * g.Hkv + kvh) * g.Sk + j0 + j) * Dv;
+        for (int64_t t = 0; t < D; ++t) dk[t] = w.acc_a[j * Dp + t] * ln2;
+        for (int64_t t = 0; t < Dv; ++t) dv[t] = w.acc_b[j * Dvp + t];
+    }
+}
+
+// The fused pass: dQ, dK, dV of (b, kvh), its key blocks in order, dQ summed in place
+// (g.dq itself when D is a multiple of W, else dqbuf: G × Sq × Dp). Five products per
+// score instead of seven, the probabilities unnormalised (the stored lse's rounding is
+// within the accuracy criterion: see the tests), parallel over (b, kvh) only.
+void fused_item(const Grad<float>& g, F32Buffers& w, float* dqbuf, int64_t b, int64_t kvh) {
+    const int64_t G = g.H / g.Hkv, D = g.D, Dp = round_up(D, W);
+    float* dq = g.dq + g.row(b, kvh * G, 0) * D;
+    float* dqa = D == Dp ? dq : dqbuf;
+    std::fill(dqa, dqa + G * g.Sq * Dp, 0.f);
+    for (int64_t j0 = 0; j0 < g.Sk; j0 += KB2) dkdv_item(g, w, b, kvh, j0, std::min(j0 + KB2, g.Sk), dqa);
+    for (int64_t r = 0; r < G * g.Sq; ++r)
+        for (int64_t t = 0; t < D; ++t) dq[r * D + t] = dqa[r * Dp + t] * g.scale;
+}
+
+// Whether the fused pass runs: from FUSED_MIN_ITEMS (b, K/V head) pairs, a rule of the
+// shapes alone (never of the thread count: the results must not depend on it).
+constexpr int64_t FUSED_MIN_ITEMS = 4;
+
+int backward_f32(Grad<float>& g, int threads) {
+    if (g.B < 0 || g.Sq < 0 || g.Sk < 0 || g.Hkv <= 0 || g.H <= 0 || g.H % g.Hkv || g.D <= 0 || g.Dv <= 0) return -2;
+    g.rule.Sq = g.Sq;
+    g.rule.Sk = g.Sk;
+    const int64_t G = g.H / g.Hkv, D = g.D, Dv = g.Dv, Dp = round_up(D, W), Dvp = round_up(Dv, W);
+    const int64_t row_tiles = (g.Sq + QT1 - 1) / QT1, key_blocks = (g.Sk + KB2 - 1) / KB2;
+    const int64_t items1 = g.B * g.Hkv * row_tiles, items2 = g.B * g.Hkv * key_blocks;
+    const int64_t keys = std::max(KC1, KB2), qrows = std::max(G * QT1, QB2);
+    const bool fused = g.B * g.Hkv >= FUSED_MIN_ITEMS;
+    g.norm = alloc_t<float>(fused ? 1 : g.B * g.H * g.Sq);
+    if (!g.norm) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float* dqbuf = fused && D != Dp ? alloc(G * g.Sq * Dp) : nullptr;
+        F32Buffers w{alloc(qrows * std::max(D, Dp)), alloc(qrows * std::max(Dv, Dvp)), alloc(keys * D),
+                     alloc(keys * Dv), alloc(keys * Dp), alloc(std::max(MR * KC1, QB2 * KB2)),
+                     alloc(std::max(MR * KC1, QB2 * KB2)), alloc(QB2 * KB2),
+                     alloc(std::max(G * QT1 * Dp, KB2 * Dp)), alloc(KB2 * Dvp), alloc(G * QT1)};
+        if (!w.ok() || (fused && D != Dp && !dqbuf)) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed && fused) {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t it = 0; it < g.B * g.Hkv; ++it) fused_item(g, w, dqbuf, it / g.Hkv, it % g.Hkv);
+        } else if (!failed) {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t it = 0; it < items1; ++it) {
+                const int64_t tile = row_tiles - 1 - it % row_tiles, rest = it / row_tiles;  // long rows first
+                const int64_t i0 = tile * QT1;
+                dq_item(g, w, rest / g.Hkv, rest % g.Hkv, i0, std::min(i0 + QT1, g.Sq));
+            }  // (implicit barrier: pass 2 reads every row's norm)
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t it = 0; it < items2; ++it) {
+                const int64_t blk = it % key_blocks, rest = it / key_blocks;  // causal: long blocks first
+                const int64_t j0 = blk * KB2;
+                dkdv_item(g, w, rest / g.Hkv, rest % g.Hkv, j0, std::min(j0 + KB2, g.Sk));
+            }
+        }
+        w.release();
+        std::free(dqbuf);
+    }
+    std::free(g.norm);
+    return failed ? -1 : 0;
+}
+
 template <typename T>
 int run_backward(const T* q, const T* k, const T* v, const T* dout, const T* lse, const T* delta,
                  const uint8_t* mask, T* dq, T* dk, T* dv, const int64_t* dims, const int64_t* mask_strides,
@@ -334,7 +704,8 @@ int run_backward(const T* q, const T* k, const T* v, const T* dout, const T* lse
     g.scale = T(scale);
     g.rule.causal = causal != 0;
     g.rule.window = window;
-    return backward(g, threads);
+    if constexpr (std::is_same_v<T, float>) return backward_f32(g, threads);
+    else return backward(g, threads);
 }
 
 // A plain float64 forward (out and lse), the twin of the float32 kernels' results: it
