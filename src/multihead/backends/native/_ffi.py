@@ -21,7 +21,9 @@ _ptrs, _i64p = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64)
 _ATTENTION: list[type] = [_vp, _vp, _vp, _vp, _vp, _vp, _i64p, _i64p, _f32, _int, _i64]
 
 SIGNATURES: dict[str, list[type]] = {
-    "mh_attention_f32": _ATTENTION + [_i64, _int],  # + query tile, threads
+    # + softcap, alibi slopes, sinks (or null), segments (or null), their batch stride,
+    # panel counter (or null); query tile, threads
+    "mh_attention_f32": _ATTENTION + [_f32, _vp, _vp, _vp, _i64, _vp, _i64, _int],
     "mh_decode_f32": _ATTENTION + [_int],  # + threads
     # x, M, K, count; weights, their rows N_i, biases, outputs; threads
     "mh_linear_few_rows_f32": [_vp, _i64, _i64, _i64, _ptrs, _i64p, _ptrs, _ptrs, _int],
