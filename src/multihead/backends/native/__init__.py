@@ -34,7 +34,7 @@ from ._ffi import int64_ptr, int64s, pointers, ptr
 from . import ops  # noqa: F401  (registers torch.ops.multihead.*: cheap, builds nothing)
 
 __all__ = ["available", "status", "build", "vector_bits", "attention_f32", "decode_f32", "linear_few_rows",
-           "decode_step", "MAX_STEP_ROWS", "FEW_ROWS", "native_backend"]
+           "decode_step", "MAX_STEP_ROWS", "FEW_ROWS", "native_backend", "key_panels"]
 
 #: Most rows of x that :func:`linear_few_rows` and :func:`decode_step` take (the C++
 #: ``MAX_STEP_ROWS``, checked against the built library).
@@ -150,6 +150,18 @@ def attention_f32(
     _check_logits(q, k, softcap, alibi_slopes, sinks, cu_seqlens)
     return _run("mh_attention_f32", q, k, v, scale, causal, window, mask, return_lse, _QUERY_TILE,
                 logits=Logits(softcap, alibi_slopes, sinks, cu_seqlens))
+
+
+def key_panels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool = False,
+               window: int | None = None, cu_seqlens: torch.Tensor | None = None) -> int:
+    """How many q·kᵀ key panels (NR keys × a tile of query rows) the FlashAttention loop computes
+    for this problem: the evidence that packed sequences spend no scores across sequences
+    (the tests compare it with the panels the query tiles' sequences and structure cover)."""
+    _check_logits(q, k, None, None, None, cu_seqlens)
+    counter = torch.zeros(1, dtype=torch.int64)
+    _run("mh_attention_f32", q, k, v, scale, causal, window, None, False, _QUERY_TILE,
+         logits=Logits(cu_seqlens=cu_seqlens, panels=counter))
+    return int(counter.item())
 
 
 def decode_f32(
