@@ -227,7 +227,8 @@ class Logits(NamedTuple):
     def arguments(self, seq: int) -> tuple[object, ...]:
         """The C arguments: softcap, slopes, sinks, segment bounds, their batch stride, counter;
         with the tensors that must outlive the call (kept by the caller)."""
-        slopes, sinks = (None if t is None else t.detach().float().contiguous() for t in (self.alibi_slopes, self.sinks))
+        slopes, sinks = (None if t is None else t.detach().float().contiguous()
+                         for t in (self.alibi_slopes, self.sinks))
         seg = None if self.cu_seqlens is None else segment_bounds(self.cu_seqlens, seq)  # (B|1, 2, S)
         seg_bs = 0 if seg is None or seg.shape[0] == 1 else seg.stride(0)
         return (float(self.softcap or 0.0), ptr(slopes), ptr(sinks), ptr(seg), seg_bs, ptr(self.panels),
@@ -257,7 +258,7 @@ def _check_logits(q: object, k: object, softcap: object, alibi_slopes: object, s
 
 def _run(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
          window: int | None, mask: torch.Tensor | None, return_lse: bool, *extra: int, checked: bool = False,
-         logits: Logits = Logits(),
+         logits: Logits | None = None,
          ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     if not checked:  # the "native" backend's callers validated everything once already
         _check_qkv(q, k, v, mask, window)
@@ -272,6 +273,7 @@ def _run(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
                *(mask.stride() if mask is not None else (0, 0, 0, 0)),
                *(lse.stride() if lse is not None else (0, 0, 0)))
+    logits = logits or Logits()
     features: tuple[object, ...] = ()
     keep: tuple[object, ...] = ()  # the tensors behind the features' pointers, alive through the call
     if name == "mh_attention_f32":
