@@ -349,6 +349,8 @@ class MultiHeadAttention(nn.Module):
                 where ``positions`` does not continue the previous token's (Hugging Face's
                 packing without padding, positions restarting at 0): tokens attend only
                 inside their own sequence. Needs ``positions``; not with a cache or context.
+                A backend taking packed sequences as structure (``"native"``, ``"auto"`` on
+                its native paths; forward) gets their bounds and no S×S mask is built.
 
         Returns:
             y (B, S, E), or ``(y, weights)``. A query with no allowed key gets zeros

@@ -104,6 +104,22 @@ def test_softcap_tanh_is_accurate_over_the_whole_range() -> None:
         assert (ours.double() - truth).abs().max() <= 2 * (naive.double() - truth).abs().max() + ULPS, cap
 
 
+def test_softcap_keeps_a_nan_score_nan_and_caps_huge_ones() -> None:
+    """A NaN key in a row's span poisons that row as in the torch backends (never capped into
+    a finite logit); scores far past the cap (the clamped branch) are capped at ±cap."""
+    q, k, v = (t.float() for t in _qkv(b=1, h=2, hkv=2, sq=40, sk=40))
+    poisoned = k.clone()
+    poisoned[0, :, 5] = math.nan
+    huge = q * 1e6  # scores ~1e6: tanh = ±1
+    with torch.no_grad():
+        for qq, kk in ((q, poisoned), (huge, k)):
+            ours = mh.attention(qq, kk, v, backend="native", softcap=3.0, causal=True)
+            theirs = mh.attention(qq, kk, v, backend="explicit", softcap=3.0, causal=True)
+            assert torch.equal(ours.isnan(), theirs.isnan())
+            torch.testing.assert_close(ours.nan_to_num(), theirs.nan_to_num(), rtol=0, atol=1e-5)
+    assert ours.isfinite().all()
+
+
 def test_rows_with_no_visible_key_give_zeros_never_nan() -> None:
     q, k, v = (t.float() for t in _qkv(b=1, h=6, hkv=2, sq=40, sk=40))
     mask = torch.ones(40, 40, dtype=torch.bool)

@@ -316,7 +316,8 @@ inline void key_range(const Problem& P, int64_t p0, int64_t p1, int64_t& lo, int
 
 // tanh(x), float32 within 2 ulp: x·P(x²) for |x| < 0.625 (a degree-6 Chebyshev fit of
 // tanh(x)/x in x², 1.2 ulp), else (1 − t)/(1 + t) with t = e^(−2|x|) = 2^(−2|x|·log2 e)
-// (no cancellation: t < 0.29), signed. NaN stays NaN.
+// (no cancellation: t < 0.29; |x| > 9 gives ±1), signed. NaN stays NaN (a NaN score is
+// not capped into a finite one).
 inline vf tanhv(vf x) {
     const vi sign = (vi)x & (vi)splat(-0.f);
     const vf a = (vf)((vi)x ^ sign);  // |x|
@@ -328,7 +329,7 @@ inline vf tanhv(vf x) {
     p = p * a2 + 1.333316118e-01f;
     p = p * a2 - 3.333332837e-01f;
     p = p * a2 * a + a;
-    const vf t = exp2v((a < 9.f ? a : splat(9.f)) * -2.8853900817779268f);  // 2^(−2|x|·log2 e)
+    const vf t = exp2v((a > 9.f ? splat(9.f) : a) * -2.8853900817779268f);  // 2^(−2|x|·log2 e); NaN stays
     const vf big = (1.f - t) / (1.f + t);
     return (vf)((vi)(a < 0.625f ? p : big) | sign);
 }
