@@ -29,7 +29,8 @@ from ._checks import check_finite as _check_finite
 from ._checks import check_bool_mask, check_float, check_float_tensor, check_int, check_like, check_tensor
 
 from .backends import resolve_backend
-from .masks import segment_mask
+from .backends.registry import get_spec, takes_segments
+from .masks import check_cu_seqlens, segment_mask
 
 __all__ = ["attention", "DEFAULT_BACKEND", "default_backend"]
 
@@ -114,9 +115,11 @@ def attention(
             Not with ``return_lse`` (a merged partial result would count the sink twice).
         cu_seqlens: (N+1,) integer cumulative lengths ``0 = c_0 <= ... <= c_N = S`` of N
             sequences packed along the tokens (flash-attn's varlen layout, here within each
-            of the B rows): token t attends only to tokens of its own sequence (and, with
-            ``causal``/``window``, by position inside it). Needs Sq == Sk. Computed as a
-            block-diagonal mask: every backend that takes masks runs it (dense FLOPs).
+            of the B rows; or (B, N+1), one packing per row): token t attends only to tokens
+            of its own sequence (and, with ``causal``/``window``, by position inside it).
+            Needs Sq == Sk. A backend declaring ``varlen`` (``"native"``, and ``"auto"``
+            on its native paths) takes it as structure and computes no score across
+            sequences; every other gets a block-diagonal mask (dense FLOPs).
         See :mod:`multihead.logits` for the order of these steps.
 
     Returns:
@@ -134,9 +137,17 @@ def attention(
     """
     mask, scale, dropout_p = _validate(q, k, v, mask, window, scale, dropout_p)
     features = _validate_features(q, k, softcap, alibi_slopes, sinks, return_lse)
-    mask = _with_segments(mask, cu_seqlens, q, k)
-    fn = resolve_backend(default_backend(backend, return_weights), q, k, v, dropout_p=dropout_p,
-                         return_weights=return_weights, return_lse=return_lse, **features)
+    cu = _check_segments(cu_seqlens, q, k)
+    name = default_backend(backend, return_weights)
+    fn = resolve_backend(name, q, k, v, dropout_p=dropout_p, return_weights=return_weights,
+                         return_lse=return_lse, **features)
+    packed: dict[str, Any] = {}
+    if cu is not None:  # as structure to a backend that takes it, else as a block-diagonal mask
+        if takes_segments(get_spec(name), q, k, v, **features):
+            packed["cu_seqlens"] = cu
+        else:
+            segments = segment_mask(cu, q.shape[2], q.device)  # (B|1, 1, S, S)
+            mask = segments if mask is None else mask & segments
     if check_finite:
         for name, t in (("q", q), ("k", k), ("v", v)):
             _check_finite(name, t)
@@ -144,7 +155,7 @@ def attention(
         q, k, v,
         mask=mask, causal=bool(causal), window=window, scale=scale,
         dropout_p=dropout_p, return_weights=return_weights, return_lse=return_lse,
-        **features,  # only the features asked for: a backend without them never sees the keywords
+        **features, **packed,  # only those asked for: a backend without them never sees the keywords
     )
     extra = [t for t, asked in ((weights, return_weights), (lse, return_lse)) if asked and t is not None]
     return (out, *extra) if extra else out
@@ -212,17 +223,18 @@ def _validate_features(q: torch.Tensor, k: torch.Tensor, softcap: object, alibi_
     return features
 
 
-def _with_segments(mask: torch.Tensor | None, cu_seqlens: object, q: torch.Tensor, k: torch.Tensor
-                   ) -> torch.Tensor | None:
-    """``mask`` and-ed with the block-diagonal mask of packed sequences (``cu_seqlens``)."""
+def _check_segments(cu_seqlens: object, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """``cu_seqlens`` checked ((N+1,) or (B, N+1), rising from 0 to S, Sq == Sk), or None."""
     if cu_seqlens is None:
-        return mask
+        return None
     s = q.shape[2]
     if k.shape[2] != s:
         raise ValueError(f"cu_seqlens needs as many keys as queries (packed self-attention), got Sq={s}, "
                          f"Sk={k.shape[2]}")
-    segments = segment_mask(cu_seqlens, s, q.device)  # (1, 1, S, S)
-    return segments if mask is None else mask & segments
+    cu = check_cu_seqlens(cu_seqlens, s)
+    if cu.dim() == 2 and cu.shape[0] not in (1, q.shape[0]):
+        raise ValueError(f"cu_seqlens must be (N+1,) or (B={q.shape[0]}, N+1), got {list(cu.shape)}")
+    return cu
 
 
 def default_backend(backend: str | None, return_weights: bool) -> str:

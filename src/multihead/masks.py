@@ -38,6 +38,9 @@ __all__ = [
     "from_additive",
     "to_additive",
     "segment_mask",
+    "check_cu_seqlens",
+    "segment_bounds",
+    "cu_seqlens_from_positions",
     "segments_from_positions",
 ]
 
@@ -223,30 +226,68 @@ def full_mask(
     return dense if mask is None else mask & dense
 
 
-def segment_mask(cu_seqlens: object, seq: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """(1, 1, S, S) bool: token t may attend to token u only inside its own packed sequence.
-
-    Args:
-        cu_seqlens: (N+1,) integer cumulative lengths ``0 = c_0 <= c_1 <= ... <= c_N = S``
-            (flash-attn's varlen layout); sequence n holds tokens ``c_n .. c_{n+1} - 1``.
-        seq: S.
+def check_cu_seqlens(cu_seqlens: object, seq: int) -> torch.Tensor:
+    """``cu_seqlens`` checked: (N+1,) or (B, N+1) integer cumulative lengths rising from 0 to ``seq``.
 
     Raises:
         TypeError: not an integer tensor.
-        ValueError: not 1-D, not starting at 0, decreasing, or not ending at S (one read
-            back to the host to check).
+        ValueError: not 1-D or 2-D, not starting at 0, decreasing, or not ending at S (one
+            read back to the host to check).
     """
-    cu = check_tensor("cu_seqlens", cu_seqlens, ndim=1)
+    cu = check_tensor("cu_seqlens", cu_seqlens, ndim=(1, 2))
     if cu.dtype.is_floating_point or cu.dtype == torch.bool or cu.is_complex():
         raise TypeError(f"cu_seqlens must be an integer tensor, got dtype {cu.dtype}")
-    values = cu.tolist()
-    if not values or values[0] != 0 or values[-1] != seq or any(b < a for a, b in zip(values, values[1:])):
-        raise ValueError(f"cu_seqlens must rise from 0 to S={seq} (cumulative lengths), got {values[:8]}"
-                         f"{'...' if len(values) > 8 else ''}")
-    tokens = torch.arange(seq, device=cu.device)
-    ids = torch.searchsorted(cu[1:].contiguous(), tokens, right=True)  # (S,): each token's sequence
-    same = ids[:, None] == ids[None, :]  # (S, S)
-    return same[None, None].to(device if device is not None else cu.device)
+    for values in (cu.tolist() if cu.dim() == 2 else [cu.tolist()]):
+        if not values or values[0] != 0 or values[-1] != seq or any(b < a for a, b in zip(values, values[1:])):
+            raise ValueError(f"cu_seqlens must rise from 0 to S={seq} (cumulative lengths), got {values[:8]}"
+                             f"{'...' if len(values) > 8 else ''}")
+    return cu
+
+
+def _segment_ids(cu: torch.Tensor, seq: int) -> torch.Tensor:
+    """(B|1, S): the sequence of each token (the last of equal bounds: empty ones hold none)."""
+    rows = cu if cu.dim() == 2 else cu[None]  # (B|1, N+1)
+    tokens = torch.arange(seq, device=cu.device).expand(rows.shape[0], seq).contiguous()
+    return torch.searchsorted(rows[:, 1:].contiguous(), tokens, right=True)
+
+
+def segment_mask(cu_seqlens: object, seq: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """(B|1, 1, S, S) bool: token t may attend to token u only inside its own packed sequence.
+
+    Args:
+        cu_seqlens: (N+1,) integer cumulative lengths ``0 = c_0 <= c_1 <= ... <= c_N = S``
+            (flash-attn's varlen layout); sequence n holds tokens ``c_n .. c_{n+1} - 1``; or
+            (B, N+1), one packing per batch row.
+        seq: S.
+
+    Raises:
+        TypeError, ValueError: see :func:`check_cu_seqlens`.
+    """
+    cu = check_cu_seqlens(cu_seqlens, seq)
+    ids = _segment_ids(cu, seq)  # (B|1, S): each token's sequence
+    same = ids[:, :, None] == ids[:, None, :]  # (B|1, S, S)
+    return same[:, None].to(device if device is not None else cu.device)
+
+
+def segment_bounds(cu_seqlens: torch.Tensor, seq: int) -> torch.Tensor:
+    """(B|1, 2, S) int64: ``[start, end)`` of the packed sequence holding each token (the
+    native kernel's form of ``cu_seqlens``, checked by :func:`check_cu_seqlens` first)."""
+    rows = (cu_seqlens if cu_seqlens.dim() == 2 else cu_seqlens[None]).long()  # (B|1, N+1)
+    ids = _segment_ids(rows, seq)  # (B|1, S)
+    return torch.stack((rows.gather(1, ids), rows.gather(1, ids + 1)), dim=1).contiguous()
+
+
+def cu_seqlens_from_positions(positions: torch.Tensor) -> torch.Tensor:
+    """(B, S+1) int64 cumulative lengths of the packed sequences of (B, S) or (S,) positions
+    restarting where a sequence begins (as :func:`segments_from_positions`), each row padded
+    with empty sequences at S; no read back to the host."""
+    pos = positions if positions.dim() == 2 else positions[None]  # (B, S)
+    b, s = pos.shape
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    index = torch.arange(s, device=pos.device).expand(b, s)
+    firsts = torch.where(starts, index, s).sort(dim=1).values  # (B, S): each row's starts, then S
+    return torch.cat((firsts, torch.full((b, 1), s, dtype=firsts.dtype, device=pos.device)), dim=1)
 
 
 def segments_from_positions(positions: torch.Tensor) -> torch.Tensor:

@@ -32,12 +32,12 @@ from . import linear as _linear
 from ._checks import check_finite as _check_finite
 from ._checks import check_bool_mask, check_float, check_int, check_tensor
 from .backends import get_backend, resolve_backend
-from .backends.registry import Backend
+from .backends.registry import Backend, get_spec, takes_segments
 from .cache import Append, KVCache
 from .decode import plain_linear as _plain
 from .functional import default_backend
 from .logits import alibi_slopes
-from .masks import Structure, segments_from_positions
+from .masks import Structure, cu_seqlens_from_positions, segment_mask, segments_from_positions
 from .qk_norm import QK_NORMS, RMSNorm
 from .rope import RoPE, check_positions
 
@@ -349,6 +349,8 @@ class MultiHeadAttention(nn.Module):
                 where ``positions`` does not continue the previous token's (Hugging Face's
                 packing without padding, positions restarting at 0): tokens attend only
                 inside their own sequence. Needs ``positions``; not with a cache or context.
+                A backend taking packed sequences as structure (``"native"``, ``"auto"`` on
+                its native paths; forward) gets their bounds and no S×S mask is built.
 
         Returns:
             y (B, S, E), or ``(y, weights)``. A query with no allowed key gets zeros
@@ -364,13 +366,24 @@ class MultiHeadAttention(nn.Module):
                 if isinstance(t, torch.Tensor):
                     _check_finite(name, t)
         tap = self.__dict__.get("_heads_tap")  # set only while multihead.heads.capture records this layer
-        if packed:
+        if packed and tap is not None:
             mask = self._packed_mask(x, context, mask, positions, cache)
         if tap is not None:
             return tap(self, x, context, mask=mask, key_mask=key_mask, positions=positions, cache=cache,
                        return_weights=return_weights)
+        # Packed: the sequences' bounds, as structure to a backend that takes them, else a mask (_attend).
+        cu = self._packed_bounds(x, context, positions, cache) if packed else None
         return self._forward(x, context, mask=mask, key_mask=key_mask, positions=positions,
-                             cache=cache, return_weights=return_weights, observe=None)
+                             cache=cache, return_weights=return_weights, observe=None, cu_seqlens=cu)
+
+    def _packed_bounds(self, x: torch.Tensor, context: torch.Tensor | None, positions: torch.Tensor | None,
+                       cache: KVCache | None) -> torch.Tensor:
+        """(B|1, S+1) cumulative lengths of the packed sequences in ``positions`` (no host read)."""
+        if positions is None or context is not None or cache is not None:
+            raise ValueError("packed=True needs positions (restarting where each sequence begins) and no "
+                             "context or cache")
+        check_tensor("x", x, ndim=3)
+        return cu_seqlens_from_positions(check_positions(positions, x.shape[0], x.shape[1]))
 
     def _packed_mask(self, x: torch.Tensor, context: torch.Tensor | None, mask: torch.Tensor | None,
                      positions: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
@@ -389,11 +402,12 @@ class MultiHeadAttention(nn.Module):
     @overload
     def _forward(self, x: torch.Tensor, context: torch.Tensor | None, *, mask: torch.Tensor | None,
                  key_mask: torch.Tensor | None, positions: torch.Tensor | None, return_weights: Literal[False],
-                 observe: Observer | None, cache: KVCache | None = None) -> torch.Tensor: ...
+                 observe: Observer | None, cache: KVCache | None = None,
+                 cu_seqlens: torch.Tensor | None = None) -> torch.Tensor: ...
     @overload
     def _forward(self, x: torch.Tensor, context: torch.Tensor | None, *, mask: torch.Tensor | None,
                  key_mask: torch.Tensor | None, positions: torch.Tensor | None, return_weights: bool,
-                 observe: Observer | None, cache: KVCache | None = None
+                 observe: Observer | None, cache: KVCache | None = None, cu_seqlens: torch.Tensor | None = None,
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
     def _forward(
         self,
@@ -406,6 +420,7 @@ class MultiHeadAttention(nn.Module):
         return_weights: bool,
         observe: Observer | None,
         cache: KVCache | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         real, attn_mask = self._validate(x, context, mask, key_mask, positions, cache)
         if cache is not None and decode.why_not_fused(self, x, cache, key_mask=key_mask, positions=positions,
@@ -437,13 +452,17 @@ class MultiHeadAttention(nn.Module):
             q, k = self.rope.rotate((q, k), positions, bound=bound)
             seen("Q_rot", q), seen("K_rot", k)
 
-        fn = resolve_backend(default_backend(self.backend, return_weights), q, k, v,
-                             dropout_p=self.dropout if self.training else 0.0,
+        name = default_backend(self.backend, return_weights)
+        fn = resolve_backend(name, q, k, v, dropout_p=self.dropout if self.training else 0.0,
                              return_weights=return_weights, **self._features())  # before anything is written
+        if cu_seqlens is not None and not takes_segments(get_spec(name), q, k, v, **self._features()):
+            segments = segment_mask(cu_seqlens, q.shape[2], q.device)  # (B, 1, S, S): the dense form
+            attn_mask, cu_seqlens = (segments if attn_mask is None else attn_mask & segments), None
         structure = Structure(self.causal, self.window)
         step = None if cache is None else cache.append(k, v, real, structure=structure)  # staged
         try:  # the cache is committed only if the whole call succeeds; any failure rolls it back
-            heads, weights = self._attend(fn, q, k, v, attn_mask, structure, step, return_weights, seen)  # (B, H, S, D)
+            heads, weights = self._attend(fn, q, k, v, attn_mask, structure, step, return_weights, seen,
+                                          cu_seqlens)  # (B, H, S, D)
             seen("head_k", heads)
 
             concat = merge_heads(heads)  # (B, S, H·D)
@@ -481,9 +500,12 @@ class MultiHeadAttention(nn.Module):
 
     def _attend(self, fn: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 attn_mask: torch.Tensor | None, structure: Structure, step: Append | None,
-                return_weights: bool, seen: Observer) -> tuple[torch.Tensor, torch.Tensor | None]:
+                return_weights: bool, seen: Observer, cu_seqlens: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attention of the heads by the resolved backend ``fn``, over the cache's staged
-        keys and values when ``step`` (from :meth:`KVCache.append`) is given."""
+        keys and values when ``step`` (from :meth:`KVCache.append`) is given; packed sequences
+        as ``cu_seqlens`` (B, N+1) to a backend that takes them."""
+        packing = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
         if step is not None:
             k, v, attn_mask = step.keys, step.values, step.mask
             seen("K_cache", k)
@@ -492,7 +514,7 @@ class MultiHeadAttention(nn.Module):
                 structure = Structure()
         out, weights, _ = fn(q, k, v, mask=attn_mask, causal=structure.causal, window=structure.window,
                              scale=self.scale, dropout_p=self.dropout if self.training else 0.0,
-                             return_weights=return_weights, return_lse=False, **self._features())
+                             return_weights=return_weights, return_lse=False, **self._features(), **packing)
         return out, weights
 
     def _project(self, x: torch.Tensor, context: torch.Tensor | None

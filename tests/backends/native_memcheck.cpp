@@ -16,7 +16,8 @@
 
 extern "C" {
 int mh_attention_f32(const float*, const float*, const float*, float*, float*, const uint8_t*, const int64_t*,
-                     const int64_t*, float, int, int64_t, int64_t, int);
+                     const int64_t*, float, int, int64_t, float, const float*, const float*, const int64_t*, int64_t,
+                     int64_t*, int64_t, int);
 int mh_decode_f32(const float*, const float*, const float*, float*, float*, const uint8_t*, const int64_t*,
                   const int64_t*, float, int, int64_t, int);
 int mh_linear_few_rows_f32(const float*, int64_t, int64_t, int64_t, const float* const*, const int64_t*,
@@ -26,7 +27,8 @@ int mh_decode_step_f32(const float*, int64_t, int64_t, const float* const*, cons
                        const int64_t*, float, float*, int);
 #define MH_HALF(suffix)                                                                                          \
     int mh_attention_##suffix(const void*, const void*, const void*, void*, float*, const uint8_t*,              \
-                              const int64_t*, const int64_t*, float, int, int64_t, int64_t, int);                \
+                              const int64_t*, const int64_t*, float, int, int64_t, float, const float*,          \
+                              const float*, const int64_t*, int64_t, int64_t*, int64_t, int);                    \
     int mh_decode_##suffix(const void*, const void*, const void*, void*, float*, const uint8_t*, const int64_t*, \
                            const int64_t*, float, int, int64_t, int);                                            \
     int mh_decode_step_##suffix(const void*, int64_t, int64_t, const void* const*, const void* const*, int64_t,  \
@@ -72,7 +74,12 @@ static int fail(const char* what, double got, double want) {
 // One attention problem through mh_attention_* or mh_decode_* (kind), checked against float64.
 static int attention_case(bool decode, int kind) {
     const int64_t B = pick(1, 2), Hkv = pick(1, 3), G = pick(1, 4), H = Hkv * G;
-    const int64_t Sq = decode ? pick(1, 3) : pick(1, 70), Sk = pick(decode ? 1 : 1, decode ? 2200 : 90);
+    int64_t Sq = decode ? pick(1, 3) : pick(1, 70), Sk = pick(decode ? 1 : 1, decode ? 2200 : 90);
+    // The logit features and packed sequences (the FlashAttention loop only).
+    const bool packed = !decode && next() % 3 == 0;
+    if (packed) Sq = Sk;
+    const float softcap = !decode && next() % 3 == 0 ? float(pick(1, 30)) / 10.f : 0.f;
+    const bool alibi = !decode && next() % 3 == 0, sinking = !decode && next() % 3 == 0;
     const int64_t D = pick(1, 40), Dv = pick(1, 40);
     const bool causal = next() % 2, strided = next() % 2, masked = next() % 3 == 0;
     const int64_t window = next() % 3 == 0 ? pick(1, 20) : 0;
@@ -94,10 +101,27 @@ static int attention_case(bool decode, int kind) {
                            0, 0, masked ? Sk : 0, masked ? 1 : 0, H * Sq, Sq, 1};
     float* lp = with_lse ? lse.data() : nullptr;
     const float scale = 1.f / std::sqrt(float(D));
+    std::vector<float> slopes(alibi ? H : 0), sinks(sinking ? H : 0);  // exact sizes
+    for (auto& x : slopes) x = (unit() + 1.f) / 4.f;
+    for (auto& x : sinks) x = 2.f * unit();
+    const bool per_row = next() % 2;  // one packing per batch row, or one for all
+    const int64_t rows = per_row ? B : 1;
+    std::vector<int64_t> seg(packed ? rows * 2 * Sk : 0);  // (B|1, 2, Sk): [start, end) of each token's sequence
+    for (int64_t r = 0; r < (packed ? rows : 0); ++r)
+        for (int64_t start = 0; start < Sk;) {
+            const int64_t end = std::min(Sk, start + pick(1, 12));
+            for (int64_t t = start; t < end; ++t) { seg[r * 2 * Sk + t] = start; seg[r * 2 * Sk + Sk + t] = end; }
+            start = end;
+        }
+    int64_t panels = 0;
     const uint8_t* mp = masked ? mask.data() : nullptr;
     const void *qp = data(kind, q, qh), *kp = data(kind, k, kh), *vp = data(kind, v, vh);
     void* op = data(kind, out, oh);
     const int64_t tile = pick(1, 48);
+    const float* al = alibi ? slopes.data() : nullptr;
+    const float* sk = sinking ? sinks.data() : nullptr;
+    const int64_t* sg = packed ? seg.data() : nullptr;
+    const int64_t sbs = per_row ? 2 * Sk : 0;
     int code;
     if (decode)
         code = (kind == F32 ? mh_decode_f32(q.data(), k.data(), v.data(), out.data(), lp, mp, dims, strides, scale,
@@ -106,9 +130,11 @@ static int attention_case(bool decode, int kind) {
                                : mh_decode_f16(qp, kp, vp, op, lp, mp, dims, strides, scale, causal, window, 2));
     else
         code = (kind == F32 ? mh_attention_f32(q.data(), k.data(), v.data(), out.data(), lp, mp, dims, strides, scale,
-                                               causal, window, tile, 2)
-                : kind == BF16 ? mh_attention_bf16(qp, kp, vp, op, lp, mp, dims, strides, scale, causal, window, tile, 2)
-                               : mh_attention_f16(qp, kp, vp, op, lp, mp, dims, strides, scale, causal, window, tile, 2));
+                                               causal, window, softcap, al, sk, sg, sbs, &panels, tile, 2)
+                : kind == BF16 ? mh_attention_bf16(qp, kp, vp, op, lp, mp, dims, strides, scale, causal, window,
+                                                   softcap, al, sk, sg, sbs, &panels, tile, 2)
+                               : mh_attention_f16(qp, kp, vp, op, lp, mp, dims, strides, scale, causal, window,
+                                                  softcap, al, sk, sg, sbs, &panels, tile, 2));
     if (code != 0) return fail("return code", code, 0);
     from_kind(kind, oh, out);
     // |out| <= 1: float32 within 1e-4; half precision adds one rounding of out (2^-9, 2^-12).
@@ -123,14 +149,23 @@ static int attention_case(bool decode, int kind) {
                 for (int64_t j = 0; j < Sk; ++j) {
                     bool ok = (!causal || j <= pos) && (!masked || mask[i * Sk + j]);
                     if (window) ok = ok && j > pos - window && (causal || j < pos + window);
+                    if (packed) {
+                        const int64_t* sg = seg.data() + (per_row ? b : 0) * 2 * Sk;
+                        ok = ok && j >= sg[pos] && j < sg[Sk + pos];
+                    }
                     double dot = 0;
                     for (int64_t t = 0; t < D; ++t)
                         dot += double(q[b * qs[0] + h * qs[1] + i * qs[2] + t]) * k[b * ks[0] + g * ks[1] + j * ks[2] + t];
-                    s[j] = ok ? dot * scale : -INFINITY;
+                    dot *= scale;
+                    if (softcap > 0.f) dot = softcap * std::tanh(dot / softcap);
+                    if (alibi) dot -= slopes[h] * double(std::abs(pos - j));
+                    s[j] = ok ? dot : -INFINITY;
                     if (s[j] > top) top = s[j];
                 }
                 double total = 0;
                 for (int64_t j = 0; j < Sk; ++j) total += s[j] == -INFINITY ? 0 : std::exp(s[j] - top);
+                const double keys = total;  // the lse leaves the sink out
+                if (sinking && total > 0) total += std::exp(double(sinks[h]) - top);
                 for (int64_t t = 0; t < Dv; ++t) {
                     double want = 0;
                     for (int64_t j = 0; j < Sk; ++j)
@@ -139,7 +174,7 @@ static int attention_case(bool decode, int kind) {
                     if (!(std::fabs(got - want) <= tol)) return fail(decode ? "decode" : "attention", got, want);
                 }
                 if (with_lse) {  // log-sum-exp of the row, -inf with no key
-                    const double want = total > 0 ? top + std::log(total) : -INFINITY;
+                    const double want = keys > 0 ? top + std::log(keys) : -INFINITY;
                     const double got = lse[(b * H + h) * Sq + i];
                     if (!(got == want || std::fabs(got - want) <= 1e-4 * (1 + std::fabs(want))))
                         return fail(decode ? "decode lse" : "attention lse", got, want);

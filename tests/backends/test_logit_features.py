@@ -107,6 +107,14 @@ def _ours(q, k, v, kw, backend, causal):
                         sinks=None if kw["sinks"] is None else kw["sinks"].to(q.dtype))
 
 
+def _backward_applies(backend: str, case: dict) -> bool:
+    """The backend differentiates through this case's features (its backward applies them)."""
+    spec = get_spec(backend)
+    keys = [key for key, name in (("softcap", "softcap"), ("alibi_slopes", "slopes"), ("sinks", "sinks"))
+            if case.get(name)]
+    return spec.grad and (spec.grad_features is None or all(key in spec.grad_features for key in keys))
+
+
 def _backends_for(case: dict) -> list[str]:
     needed = [f for f, key in (("softcap", "softcap"), ("alibi", "slopes"), ("sinks", "sinks")) if case.get(key)]
     return [n for n in available_backends() if all(getattr(get_spec(n), f) for f in needed)
@@ -141,17 +149,18 @@ def test_float32_error_at_most_twice_naive_and_gradients_three_times(case: str, 
     naive_grad_err = np.abs(q32.grad.double().numpy() - truth_grad).max()
     ulps = 8 * 2.0**-23
     for backend in _backends_for(CASES[case]):
-        q = q64.float().requires_grad_(get_spec(backend).grad)
+        grads = _backward_applies(backend, CASES[case])
+        q = q64.float().requires_grad_(grads)
         out = _ours(q, k64.float(), v64.float(), kw, backend, causal)
         err = np.abs(out.detach().double().numpy() - truth).max()
         assert err <= 2 * naive_err + ulps, (backend, err, naive_err)
-        if get_spec(backend).grad:
+        if grads:
             (out * grad_out.float()).sum().backward()
             grad_err = np.abs(q.grad.double().numpy() - truth_grad).max()
             assert grad_err <= 3 * naive_grad_err + ulps, (backend, grad_err, naive_grad_err)
 
 
-@pytest.mark.parametrize("backend", _claiming("sinks"))
+@pytest.mark.parametrize("backend", [n for n in _claiming("sinks") if _backward_applies(n, CASES["all"])])
 def test_gradients_of_sinks_and_alibi_slopes_equal_autograd_of_the_definition(backend: str) -> None:
     (q, k, v), kw = _problem(SHAPES[0], CASES["all" if get_spec(backend).softcap else "alibi"])
     sinks = torch.randn(q.shape[1], dtype=F64, requires_grad=True)
@@ -182,7 +191,9 @@ def test_a_backend_without_the_feature_refuses_it_by_name(feature: str) -> None:
     (dict(alibi_slopes=torch.ones(2), return_lse=True), "explicit (bias, lse)"),
 ])
 def test_auto_routes_around_backends_without_the_feature(kw: dict, path: str) -> None:
-    q = torch.randn(1, 2, 1024, 64)
+    """With gradients (the native backward applies no feature: tests/backends/test_native_logits.py
+    has the native rule)."""
+    q = torch.randn(1, 2, 1024, 64, requires_grad=True)
     assert mh.backends.auto.auto_path(q, q, q, **kw) == path
     mh.attention(q[:, :, :16], q[:, :, :16], q[:, :, :16], **kw)  # and runs
 
@@ -191,7 +202,9 @@ def test_a_row_with_no_key_gives_zeros_even_with_a_sink() -> None:
     q = torch.randn(1, 2, 3, 8, dtype=F64)
     mask = torch.tensor([[True, True, True], [False, False, False], [True, False, True]])
     for backend in _claiming("sinks"):
-        out = mh.attention(q, q, q, mask=mask, sinks=torch.tensor([5.0, -1.0], dtype=F64), backend=backend)
+        dtypes = get_spec(backend).dtypes
+        x = q if dtypes is None or F64 in dtypes else q.float()
+        out = mh.attention(x, x, x, mask=mask, sinks=torch.tensor([5.0, -1.0], dtype=x.dtype), backend=backend)
         assert torch.equal(out[:, :, 1], torch.zeros_like(out[:, :, 1])), backend
 
 

@@ -207,3 +207,52 @@ def test_the_module_refuses_a_named_backend_before_writing_the_cache() -> None:
             layer(torch.randn(1, 3, 32), cache=cache)
     assert torch.equal(cache.k, before[0]) and torch.equal(cache.lengths, before[1])
     assert cache.host_lengths() == [0]
+
+
+# -- logit features and packed sequences ----------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [512, 256], ids=["AVX-512", "AVX2"])
+@pytest.mark.parametrize("kw", [dict(softcap=3.0), dict(alibi_slopes=torch.ones(4)), dict(sinks=torch.ones(4)),
+                                dict(cu_seqlens=torch.tensor([0, 3, 100, 256])),
+                                dict(alibi_slopes=torch.ones(4), return_lse=True)],
+                         ids=["softcap", "alibi", "sinks", "packed", "alibi-lse"])
+def test_auto_takes_native_for_features_where_native_runs_without_them(monkeypatch, bits: int, kw: dict) -> None:
+    """Logit features and packed sequences take the native FlashAttention loop wherever a native
+    loop runs without them (same thresholds, per width), never with gradients (its backward
+    applies none)."""
+    monkeypatch.setattr(native, "vector_bits", lambda: bits)
+    least, decode_least = auto.NATIVE_MIN_SCORES[bits], auto.NATIVE_MIN_DECODE_SCORES[bits]
+    s = int(least ** 0.5) // 2  # (1, 4, 4, s, s): exactly `least` scores
+    q = torch.randn(1, 4, s, 16)
+    if "cu_seqlens" in kw:
+        kw = dict(cu_seqlens=torch.tensor([0, 3, s - 5, s]))
+    assert auto.auto_path(q, q, q) == "native"
+    assert auto.auto_path(q, q, q, **kw) == "native (features)"
+    small = q[:, :, : s - 1]
+    assert auto.auto_path(small, small, small) != "native"
+    assert auto.auto_path(small, small, small, **(kw if "cu_seqlens" not in kw else {})) != "native (features)"
+    assert auto.auto_path(q.clone().requires_grad_(), q, q, **kw) != "native (features)"  # the backward can't
+    if "cu_seqlens" not in kw:  # few rows: at the decoding loop's threshold, the FlashAttention loop
+        rows = torch.randn(1, 4, 1, 16)
+        keys = torch.randn(1, 4, decode_least // 4, 16)
+        assert auto.auto_path(rows, keys, keys) == "native decode"
+        assert auto.auto_path(rows, keys, keys, **kw) == "native (features)"
+        short = keys[:, :, : decode_least // 4 - 1]
+        assert auto.auto_path(rows, short, short, **kw) != "native (features)"
+
+
+def test_auto_runs_exactly_the_native_path_with_features() -> None:
+    """Bitwise: "auto" on its native (features) rule is the native backend."""
+    q, k, v = _qkv(1, 6, 2, 700, 700)
+    kw = dict(softcap=4.0, alibi_slopes=mh.logits.alibi_slopes(6), sinks=torch.randn(6),
+              cu_seqlens=torch.tensor([0, 300, 301, 700]))
+    path = auto.auto_path(q, k, v, **kw)
+    with torch.no_grad():
+        got = mh.attention(q, k, v, causal=True, **kw)
+        want = mh.attention(q, k, v, causal=True, backend="native" if path == "native (features)" else "explicit",
+                            **kw)
+    if path == "native (features)":
+        assert torch.equal(got, want)
+    else:  # no measured native width here: the torch paths, within rounding
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

@@ -21,6 +21,7 @@ import torch
 from . import native
 from .blocked import blocked_attention, decode_attention
 from .eager import explicit_attention
+from ..masks import segment_mask
 from .gemm import onednn_available
 from .registry import needs_grad, register_backend
 from .sdpa import sdpa_attention
@@ -85,11 +86,19 @@ class Call:
     softcap: bool = False
     alibi: bool = False
     sinks: bool = False
+    varlen: bool = False  # packed sequences (cu_seqlens)
+    learned_grad: bool = False  # alibi_slopes or sinks require grad
 
     @property
     def differentiable(self) -> bool:
         """Gradients or dropout are needed, or the tensors are not on the CPU."""
-        return self.dropout_p > 0 or needs_grad(self.q, self.k, self.v) or self.q.device.type != "cpu"
+        return (self.dropout_p > 0 or self.learned_grad or needs_grad(self.q, self.k, self.v)
+                or self.q.device.type != "cpu")
+
+    @property
+    def logits(self) -> bool:
+        """A logit feature (soft-capping, ALiBi, sinks) is asked for."""
+        return self.softcap or self.alibi or self.sinks
 
     @property
     def few_rows(self) -> bool:
@@ -162,15 +171,28 @@ def _blocked_fits(c: Call) -> bool:
 
 
 #: The rules, in order; the first whose test holds is the path.
+def _native_features_fit(c: Call) -> bool:
+    """Logit features or packed sequences, forward only, where a native loop would run without
+    them: the decoding threshold for few rows, the FlashAttention one otherwise."""
+    least = NATIVE_MIN_DECODE_SCORES if c.few_rows else NATIVE_MIN_SCORES
+    return (c.logits or c.varlen) and not c.differentiable and c.native_fits(least)
+
+
 AUTO_RULES: tuple[Rule, ...] = (
     Rule("explicit", "attention weights were asked for: only 'explicit' returns them",
          lambda c: c.return_weights, _backend(explicit_attention)),
-    Rule("explicit (softcap)", "logit soft-capping: only 'explicit' applies it",
-         lambda c: c.softcap, _backend(explicit_attention)),
-    Rule("sdpa (bias)", "ALiBi or sinks without the log-sum-exp: SDPA with an exact additive float mask",
+    Rule("native (features)", f"soft-capping, ALiBi, sinks or packed sequences (cu_seqlens) without gradients, "
+         f"where a native loop would run without them (from {_widths(NATIVE_MIN_SCORES)} scores, "
+         f"{_widths(NATIVE_MIN_DECODE_SCORES)} for few rows): the native FlashAttention loop applies them, packed "
+         "sequences as structure (no scores across sequences); the decoding loop takes none of them",
+         _native_features_fit, _native(decode=False)),
+    Rule("explicit (softcap)", "logit soft-capping with gradients or below the native thresholds (or no native "
+         "kernel): 'explicit' (SDPA cannot cap)", lambda c: c.softcap, _backend(explicit_attention)),
+    Rule("sdpa (bias)", "ALiBi or sinks without the log-sum-exp, with gradients or below the native thresholds: "
+         "SDPA with an exact additive float mask",
          lambda c: (c.alibi or c.sinks) and not c.return_lse, _backend(sdpa_attention)),
-    Rule("explicit (bias, lse)", "ALiBi with the log-sum-exp: 'explicit' (the kernels take no biases)",
-         lambda c: c.alibi or c.sinks, _backend(explicit_attention)),
+    Rule("explicit (bias, lse)", "ALiBi with the log-sum-exp, with gradients or below the native thresholds: "
+         "'explicit'", lambda c: c.alibi or c.sinks, _backend(explicit_attention)),
     Rule("native (gradients)", f"gradients on the CPU, no dropout, from {_widths(NATIVE_MIN_GRAD_SCORES)} scores: "
          "the native kernel and its FlashAttention-2 backward (faster than SDPA's there)",
          lambda c: (c.differentiable and c.dropout_p == 0 and c.q.device.type == "cpu" and not c.return_lse
@@ -186,7 +208,7 @@ AUTO_RULES: tuple[Rule, ...] = (
          "and returns it", lambda c: c.differentiable, _backend(explicit_attention)),
     Rule("native decode", f"few query rows per K/V head (Sq·G ≤ {DECODE_ROWS}), from "
          f"{_widths(NATIVE_MIN_DECODE_SCORES)} scores: the native loop that streams K and V once",
-         lambda c: c.few_rows and c.native_fits(NATIVE_MIN_DECODE_SCORES), _native(decode=True)),
+         lambda c: c.few_rows and not c.varlen and c.native_fits(NATIVE_MIN_DECODE_SCORES), _native(decode=True)),
     Rule("decode", f"few query rows per K/V head, GQA, ≥ {DECODE_MIN_KEYS} keys, below the native "
          "decoding threshold (or no native kernel): batched matmuls per K/V head",
          lambda c: c.few_rows and c.q.shape[1] > c.k.shape[1] and c.k.shape[2] >= DECODE_MIN_KEYS,
@@ -213,7 +235,8 @@ def _rule(call: Call) -> Rule:
 
 def auto_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0,
               return_weights: bool = False, return_lse: bool = False, softcap: float | None = None,
-              alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> str:
+              alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+              cu_seqlens: torch.Tensor | None = None) -> str:
     """The path the ``"auto"`` backend takes for these tensors: a key of :data:`AUTO_PATHS`.
 
     No hidden slow path: call this (``AUTO_PATHS[path]`` says why) to see what a call of
@@ -223,28 +246,39 @@ def auto_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: f
     Args:
         q: (B, H, Sq, D); k: (B, Hkv, Sk, D); v: (B, Hkv, Sk, Dv); as given to
             :func:`multihead.attention` (whose checks this does not repeat).
-        dropout_p, return_weights, return_lse, softcap, alibi_slopes, sinks: as given to
-            :func:`multihead.attention`.
+        dropout_p, return_weights, return_lse, softcap, alibi_slopes, sinks, cu_seqlens: as
+            given to :func:`multihead.attention`.
     """
-    return _rule(_call(q, k, v, dropout_p, return_weights, return_lse, softcap, alibi_slopes, sinks)).path
+    return _rule(_call(q, k, v, dropout_p, return_weights, return_lse, softcap, alibi_slopes, sinks,
+                       cu_seqlens)).path
 
 
 def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, return_weights: bool,
-          return_lse: bool, softcap: object, alibi_slopes: object, sinks: object) -> Call:
+          return_lse: bool, softcap: object, alibi_slopes: object, sinks: object, cu_seqlens: object) -> Call:
+    learned = [t for t in (alibi_slopes, sinks) if isinstance(t, torch.Tensor)]
     return Call(q, k, v, dropout_p, return_weights, return_lse, softcap is not None, alibi_slopes is not None,
-                sinks is not None)
+                sinks is not None, cu_seqlens is not None, bool(learned) and needs_grad(*learned))
 
 
-@register_backend("auto", weights=True, lse=True, grad=True, dropout=True, softcap=True, alibi=True, sinks=True)
+@register_backend("auto", weights=True, lse=True, grad=True, dropout=True, softcap=True, alibi=True, sinks=True,
+                  varlen=True)
 def auto_backend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     mask: torch.Tensor | None, causal: bool, window: int | None, scale: float,
     dropout_p: float, return_weights: bool, return_lse: bool, softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Run the path :func:`auto_path` picks for this call (the first rule that applies)."""
-    rule = _rule(_call(q, k, v, dropout_p, return_weights, return_lse, softcap, alibi_slopes, sinks))
-    features = dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+    """Run the path :func:`auto_path` picks for this call (the first rule that applies).
+
+    Packed sequences (``cu_seqlens``) reach a native forward path as structure, every other
+    path as a block-diagonal mask."""
+    call = _call(q, k, v, dropout_p, return_weights, return_lse, softcap, alibi_slopes, sinks, cu_seqlens)
+    rule = _rule(call)
+    if cu_seqlens is not None and (call.differentiable or not rule.path.startswith("native")):
+        segments = segment_mask(cu_seqlens, q.shape[2], q.device)  # (B|1, 1, S, S)
+        mask, cu_seqlens = (segments if mask is None else mask & segments), None
+    features = dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, cu_seqlens=cu_seqlens)
     structure = dict(scale=scale, causal=causal, window=window, mask=mask,
                      **{key: value for key, value in features.items() if value is not None})
     if rule.path.startswith(("explicit", "sdpa")):

@@ -11,7 +11,9 @@ A backend is a callable with one signature::
 receiving arguments already validated by :func:`multihead.attention` (``mask`` is None
 or a 4-D bool view broadcastable to (B, H, Sq, Sk)). The logit features
 (:mod:`multihead.logits`) are extra keywords, passed only when asked for and only to a
-backend that declares them: ``softcap`` (float), ``alibi_slopes`` (H,), ``sinks`` (H,). Each is registered with a
+backend that declares them: ``softcap`` (float), ``alibi_slopes`` (H,), ``sinks`` (H,); and
+packed sequences as ``cu_seqlens`` ((N+1,) or (B, N+1)) only to a backend declaring
+``varlen`` (the others receive them as a dense block-diagonal mask: :func:`takes_segments`). Each is registered with a
 :class:`BackendSpec` stating its capabilities; :func:`resolve_backend` compares a call
 with them **before any work** and raises a ``ValueError`` naming the missing one: a
 backend the user names never hands the call to another (the only router is ``"auto"``,
@@ -27,7 +29,7 @@ from typing import Protocol, TypeVar, overload
 import torch
 
 __all__ = ["Backend", "BackendSpec", "register_backend", "get_backend", "get_spec", "resolve_backend",
-           "available_backends", "missing_capability", "FEATURES"]
+           "available_backends", "missing_capability", "takes_segments", "FEATURES"]
 
 
 class Backend(Protocol):
@@ -69,6 +71,11 @@ class BackendSpec:
         softcap: applies logit soft-capping (keyword ``softcap``).
         alibi: adds ALiBi biases (keyword ``alibi_slopes``).
         sinks: joins learned sink logits to the softmax (keyword ``sinks``).
+        varlen: takes packed sequences as structure (keyword ``cu_seqlens``), computing
+            no scores across sequences; others get them as a dense mask.
+        grad_features: the features (keys of :data:`FEATURES`, and ``"cu_seqlens"``) its
+            backward applies; None = every feature it declares. Gradients with any other
+            are refused by name (packed sequences then arrive as a dense mask instead).
     """
 
     name: str
@@ -83,6 +90,8 @@ class BackendSpec:
     softcap: bool = False
     alibi: bool = False
     sinks: bool = False
+    varlen: bool = False
+    grad_features: frozenset[str] | None = None
 
 
 #: The logit features a call may ask for: keyword -> (BackendSpec field, in words).
@@ -103,17 +112,20 @@ def register_backend(name: str, fn: None = None, *, weights: bool = False, lse: 
                      grad: bool = False, dropout: bool = False, dtypes: frozenset[torch.dtype] | None = None,
                      devices: frozenset[str] | None = None, ready: Callable[[], str | None] = _always,
                      softcap: bool = False, alibi: bool = False, sinks: bool = False,
+                     varlen: bool = False, grad_features: frozenset[str] | None = None,
                      ) -> Callable[[F], F]: ...
 @overload
 def register_backend(name: str, fn: F, *, weights: bool = False, lse: bool = False,
                      grad: bool = False, dropout: bool = False, dtypes: frozenset[torch.dtype] | None = None,
                      devices: frozenset[str] | None = None, ready: Callable[[], str | None] = _always,
                      softcap: bool = False, alibi: bool = False, sinks: bool = False,
+                     varlen: bool = False, grad_features: frozenset[str] | None = None,
                      ) -> F: ...
 def register_backend(name: str, fn: Backend | None = None, *, weights: bool = False, lse: bool = False,
                      grad: bool = False, dropout: bool = False, dtypes: frozenset[torch.dtype] | None = None,
                      devices: frozenset[str] | None = None, ready: Callable[[], str | None] = _always,
                      softcap: bool = False, alibi: bool = False, sinks: bool = False,
+                     varlen: bool = False, grad_features: frozenset[str] | None = None,
                      ) -> Callable[[F], F] | Backend:
     """Register ``fn`` under ``name`` with its capabilities (usable as a decorator).
 
@@ -125,7 +137,7 @@ def register_backend(name: str, fn: Backend | None = None, *, weights: bool = Fa
     def deco(f: F) -> F:
         _SPECS[name] = BackendSpec(name, f, weights=weights, lse=lse, grad=grad, dropout=dropout,
                                    dtypes=dtypes, devices=devices, ready=ready, softcap=softcap, alibi=alibi,
-                                   sinks=sinks)
+                                   sinks=sinks, varlen=varlen, grad_features=grad_features)
         return f
 
     return deco if fn is None else deco(fn)
@@ -172,6 +184,10 @@ def missing_capability(spec: BackendSpec, q: torch.Tensor, k: torch.Tensor, v: t
     learned = [t for t in features.values() if isinstance(t, torch.Tensor)]
     if not spec.grad and learned and needs_grad(*learned):
         return "gradients (alibi_slopes or sinks requires grad)"
+    if spec.grad and spec.grad_features is not None and needs_grad(q, k, v, *learned):
+        for key, value in features.items():
+            if value is not None and key not in spec.grad_features:
+                return f"gradients with {FEATURES[key][1]} (the {spec.name} backward does not apply it)"
     if return_weights and not spec.weights:
         return "returning attention weights (return_weights=True)"
     if return_lse and not spec.lse:
@@ -186,6 +202,15 @@ def missing_capability(spec: BackendSpec, q: torch.Tensor, k: torch.Tensor, v: t
     if spec.devices is not None and q.device.type not in spec.devices:
         return f"device {q.device} (it runs on {', '.join(sorted(spec.devices))})"
     return spec.ready()
+
+
+def takes_segments(spec: BackendSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   **features: object) -> bool:
+    """Whether ``spec`` gets packed sequences as ``cu_seqlens`` (structure) for this call, not as a
+    dense mask: it declares ``varlen``, and no gradient is needed or its backward applies them."""
+    learned = [t for t in features.values() if isinstance(t, torch.Tensor)]
+    return spec.varlen and (spec.grad_features is None or "cu_seqlens" in spec.grad_features
+                            or not needs_grad(q, k, v, *learned))
 
 
 def resolve_backend(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0,

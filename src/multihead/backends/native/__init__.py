@@ -21,17 +21,20 @@ OpenMP threads can hang the child in any torch operation (ours or not): call
 from __future__ import annotations
 
 import functools
+import math
+from typing import NamedTuple
 
 import torch
 
-from ..._checks import check_int, check_tensor
+from ..._checks import check_float, check_int, check_tensor
+from ...masks import check_cu_seqlens, segment_bounds
 from ..registry import register_backend
 from . import _build, _ffi
 from ._ffi import int64_ptr, int64s, pointers, ptr
 from . import ops  # noqa: F401  (registers torch.ops.multihead.*: cheap, builds nothing)
 
 __all__ = ["available", "status", "build", "vector_bits", "attention_f32", "decode_f32", "linear_few_rows",
-           "decode_step", "MAX_STEP_ROWS", "FEW_ROWS", "native_backend"]
+           "decode_step", "MAX_STEP_ROWS", "FEW_ROWS", "native_backend", "key_panels"]
 
 #: Most rows of x that :func:`linear_few_rows` and :func:`decode_step` take (the C++
 #: ``MAX_STEP_ROWS``, checked against the built library).
@@ -121,6 +124,10 @@ def attention_f32(
     window: int | None = None,
     mask: torch.Tensor | None = None,
     return_lse: bool = False,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention with the native kernel, forward only (no autograd).
 
@@ -134,7 +141,12 @@ def attention_f32(
         scale, causal, window: as in :func:`multihead.attention` (bottom-right aligned).
         mask: bool, broadcastable to (B, H, Sq, Sk), True = may attend; or None.
         return_lse: also return the per-row log-sum-exp (B, H, Sq) float32 of the
-            scaled, masked scores (``-inf`` for rows with no key).
+            scaled, capped, biased, masked scores (``-inf`` for rows with no key; the sink
+            left out, as the torch backends leave it).
+        softcap, alibi_slopes (H,), sinks (H,): the logit features of :mod:`multihead.logits`.
+        cu_seqlens: (N+1,) or (B, N+1) cumulative lengths of packed sequences (Sq == Sk):
+            each query sees keys of its own sequence only, and key panels outside a tile's
+            sequences are never computed.
 
     Returns:
         (B, H, Sq, Dv) in q's dtype, a view of a (B, Sq, H, Dv) buffer; zeros for rows
@@ -144,7 +156,21 @@ def attention_f32(
         TypeError, ValueError: tensors of the wrong dtype, device or shapes.
         RuntimeError: the kernel is not available (see :func:`status`).
     """
-    return _run("mh_attention_f32", q, k, v, scale, causal, window, mask, return_lse, _QUERY_TILE)
+    _check_logits(q, k, softcap, alibi_slopes, sinks, cu_seqlens)
+    return _run("mh_attention_f32", q, k, v, scale, causal, window, mask, return_lse, _QUERY_TILE,
+                logits=Logits(softcap, alibi_slopes, sinks, cu_seqlens))
+
+
+def key_panels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool = False,
+               window: int | None = None, cu_seqlens: torch.Tensor | None = None) -> int:
+    """How many q·kᵀ key panels (NR keys × a tile of query rows) the FlashAttention loop computes
+    for this problem: the evidence that packed sequences spend no scores across sequences
+    (the tests compare it with the panels the query tiles' sequences and structure cover)."""
+    _check_logits(q, k, None, None, None, cu_seqlens)
+    counter = torch.zeros(1, dtype=torch.int64)
+    _run("mh_attention_f32", q, k, v, scale, causal, window, None, False, _QUERY_TILE,
+         logits=Logits(cu_seqlens=cu_seqlens, panels=counter))
+    return int(counter.item())
 
 
 def decode_f32(
@@ -197,8 +223,53 @@ def _check_qkv(q_in: object, k_in: object, v_in: object, mask_in: object, window
         check_int("window", window)
 
 
+class Logits(NamedTuple):
+    """The logit features and packed sequences of a call of the FlashAttention loop (None = off)."""
+
+    softcap: float | None = None
+    alibi_slopes: torch.Tensor | None = None  # (H,)
+    sinks: torch.Tensor | None = None  # (H,)
+    cu_seqlens: torch.Tensor | None = None  # (N+1,) or (B, N+1)
+    panels: torch.Tensor | None = None  # (1,) int64 counter of the key panels computed (tests)
+
+    def any(self) -> bool:
+        return any(value is not None for value in self)
+
+    def arguments(self, seq: int) -> tuple[object, ...]:
+        """The C arguments: softcap, slopes, sinks, segment bounds, their batch stride, counter;
+        with the tensors that must outlive the call (kept by the caller)."""
+        slopes, sinks = (None if t is None else t.detach().float().contiguous()
+                         for t in (self.alibi_slopes, self.sinks))
+        seg = None if self.cu_seqlens is None else segment_bounds(self.cu_seqlens, seq)  # (B|1, 2, S)
+        seg_bs = 0 if seg is None or seg.shape[0] == 1 else seg.stride(0)
+        return (float(self.softcap or 0.0), ptr(slopes), ptr(sinks), ptr(seg), seg_bs, ptr(self.panels),
+                slopes, sinks, seg)
+
+
+def _check_logits(q: object, k: object, softcap: object, alibi_slopes: object, sinks: object,
+                  cu_seqlens: object) -> None:
+    """The features read as raw memory: (H,) float tensors, cu_seqlens rising from 0 to Sq == Sk."""
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor) or q.dim() != 4 or k.dim() != 4:
+        return  # _check_qkv names the bad tensor
+    if softcap is not None:
+        check_float("softcap", softcap, low=0.0, high=math.inf, low_inclusive=False, high_inclusive=False)
+    for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if t is not None:
+            t = check_tensor(name, t, ndim=1)
+            if not t.dtype.is_floating_point or t.device.type != "cpu" or t.shape[0] != q.shape[1]:
+                raise ValueError(f"{name} must be a floating CPU tensor [H] = [{q.shape[1]}], got {t.dtype} "
+                                 f"{list(t.shape)} on {t.device}")
+    if cu_seqlens is not None:
+        if q.shape[2] != k.shape[2]:
+            raise ValueError(f"cu_seqlens needs Sq == Sk, got Sq={q.shape[2]}, Sk={k.shape[2]}")
+        cu = check_cu_seqlens(cu_seqlens, q.shape[2])
+        if cu.dim() == 2 and cu.shape[0] not in (1, q.shape[0]):
+            raise ValueError(f"cu_seqlens must be (N+1,) or (B={q.shape[0]}, N+1), got {list(cu.shape)}")
+
+
 def _run(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
          window: int | None, mask: torch.Tensor | None, return_lse: bool, *extra: int, checked: bool = False,
+         logits: Logits | None = None,
          ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     if not checked:  # the "native" backend's callers validated everything once already
         _check_qkv(q, k, v, mask, window)
@@ -213,10 +284,19 @@ def _run(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
                *(mask.stride() if mask is not None else (0, 0, 0, 0)),
                *(lse.stride() if lse is not None else (0, 0, 0)))
+    logits = logits or Logits()
+    features: tuple[object, ...] = ()
+    keep: tuple[object, ...] = ()  # the tensors behind the features' pointers, alive through the call
+    if name == "mh_attention_f32":
+        arguments = logits.arguments(sq)
+        features, keep = arguments[:6], arguments[6:]
+    elif logits.any():
+        raise ValueError(f"{name} takes no logit features or packed sequences (the FlashAttention loop does)")
     code = kernel(lib, name, q.dtype)(
         ptr(q), ptr(k), ptr(v), ptr(out), ptr(lse), ptr(mask),
         int64s((b, h, hkv, sq, sk, d, dv)), int64s(strides), float(scale), int(causal), int(window or 0),
-        *extra, torch.get_num_threads())
+        *features, *extra, torch.get_num_threads())
+    del keep
     if code == -1:
         raise MemoryError("the native attention kernel could not allocate its buffers")
     if code != 0:
@@ -347,30 +427,45 @@ DECODE_ROWS = 32
 
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool, window: int | None,
         mask: torch.Tensor | None, return_lse: bool = False, decode: bool | None = None,
-        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        softcap: float | None = None, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The native loop for these tensors (decoding loop for few rows per K/V head, else
     the FlashAttention loop), half precision read and written as such and computed in
     float32: ``(out, lse or None)``.
 
-    Runs the operator ``multihead::attention`` (:mod:`.ops`): differentiable (the native
-    backward), traceable by ``torch.compile`` and ``torch.export``."""
+    The logit features and packed sequences (``cu_seqlens``, as structure: no key panel
+    outside a query's sequences is computed) run in the FlashAttention loop only, so they
+    take it whatever ``decode`` says. Runs the operator ``multihead::attention``
+    (:mod:`.ops`): differentiable (the native backward) without them, traceable by
+    ``torch.compile`` and ``torch.export``."""
+    if any(t is not None for t in (softcap, alibi_slopes, sinks, cu_seqlens)):
+        decode = False  # the decoding loop takes none of them
     decode = rows_per_kv_head(q, k) <= DECODE_ROWS if decode is None else decode
-    out, lse = torch.ops.multihead.attention(q, k, v, mask, float(scale), bool(causal), window, decode)
+    out, lse = torch.ops.multihead.attention(q, k, v, mask, float(scale), bool(causal), window, decode,
+                                             None if softcap is None else float(softcap), alibi_slopes, sinks,
+                                             cu_seqlens)
     return out, (lse if return_lse else None)
 
 
-@register_backend("native", lse=True, grad=True, dtypes=DTYPES, devices=frozenset({"cpu"}), ready=_not_ready)
+@register_backend("native", lse=True, grad=True, dtypes=DTYPES, devices=frozenset({"cpu"}), ready=_not_ready,
+                  softcap=True, alibi=True, sinks=True, varlen=True, grad_features=frozenset())
 def native_backend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     mask: torch.Tensor | None, causal: bool, window: int | None, scale: float,
-    dropout_p: float, return_weights: bool, return_lse: bool,
+    dropout_p: float, return_weights: bool, return_lse: bool, softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, None, torch.Tensor | None]:
     """The compiled kernels: float32, bfloat16, float16 (computed in float32, no float32
     copies), CPU, with the native backward for gradients (half precision: computed on
-    float32 copies).
+    float32 copies). Soft-capping, ALiBi, sinks and packed sequences (``cu_seqlens`` as
+    structure) in the forward; its backward takes none of them: the registry refuses
+    gradients with a logit feature here by name, and packed sequences with gradients reach
+    it as a dense mask.
 
     Anything else (dropout, weights, float64, another device, no compiler here) is
     refused by the registry before the call, naming what is missing.
     """
-    out, lse = run(q, k, v, scale=scale, causal=causal, window=window, mask=mask, return_lse=return_lse)
+    out, lse = run(q, k, v, scale=scale, causal=causal, window=window, mask=mask, return_lse=return_lse,
+                   softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, cu_seqlens=cu_seqlens)
     return out, None, lse

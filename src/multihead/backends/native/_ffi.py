@@ -29,9 +29,11 @@ _STEP: list[type] = [_vp, _i64, _i64, _ptrs, _ptrs, _i64, _i64, _i64, _vp, _vp, 
 # The _bf16 and _f16 kernels take the _f32 ones' arguments, tensors of that dtype (lse and RoPE
 # tables float32).
 SIGNATURES: dict[str, list[type]] = {
-    "mh_attention_f32": _ATTENTION + [_i64, _int],  # + query tile, threads
-    "mh_attention_bf16": _ATTENTION + [_i64, _int],
-    "mh_attention_f16": _ATTENTION + [_i64, _int],
+    # + softcap, alibi slopes, sinks (or null), segments (or null), their batch stride,
+    # panel counter (or null); query tile, threads
+    "mh_attention_f32": _ATTENTION + [_f32, _vp, _vp, _vp, _i64, _vp, _i64, _int],
+    "mh_attention_bf16": _ATTENTION + [_f32, _vp, _vp, _vp, _i64, _vp, _i64, _int],
+    "mh_attention_f16": _ATTENTION + [_f32, _vp, _vp, _vp, _i64, _vp, _i64, _int],
     "mh_decode_f32": _ATTENTION + [_int],  # + threads
     "mh_decode_bf16": _ATTENTION + [_int],
     "mh_decode_f16": _ATTENTION + [_int],

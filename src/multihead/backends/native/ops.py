@@ -7,9 +7,11 @@ The kernels read raw memory through ctypes, which ``torch.compile`` and ``torch.
 cannot trace; registered as custom operators with fake (meta) implementations giving
 exact output shapes, dtypes and strides, they are opaque nodes of a graph instead:
 
-* ``multihead::attention(q, k, v, mask, scale, causal, window, decode) -> (out, lse)``,
-  differentiable through ``multihead::attention_backward`` (FlashAttention-2's
-  backward, ``csrc/backward.cpp``: probabilities recomputed from the saved lse);
+* ``multihead::attention(q, k, v, mask, scale, causal, window, decode, softcap=None,
+  alibi_slopes=None, sinks=None, cu_seqlens=None) -> (out, lse)``, differentiable through
+  ``multihead::attention_backward`` (FlashAttention-2's backward, ``csrc/backward.cpp``:
+  probabilities recomputed from the saved lse) when no logit feature or packing is given
+  (the backward takes none: asking for gradients with one is refused by name);
 * ``multihead::decode_step(...)`` a whole cached decoding step; it writes the new
   token's K and V into the cache buffers (declared as mutated).
 
@@ -56,7 +58,9 @@ def _check(code: int, what: str) -> None:
 
 @torch.library.custom_op("multihead::attention", mutates_args=())
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, causal: bool,
-              window: Optional[int], decode: bool) -> tuple[Tensor, Tensor]:
+              window: Optional[int], decode: bool, softcap: Optional[float] = None,
+              alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+              cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Attention with the native kernels: ``(out (B, H, Sq, Dv), lse (B, H, Sq))``.
 
     Args:
@@ -65,25 +69,35 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: fl
         mask: bool, broadcastable to (B, H, Sq, Sk), True = may attend; or None.
         scale, causal, window: as in :func:`multihead.attention` (bottom-right aligned).
         decode: the decoding loop (few rows per K/V head) instead of the FlashAttention loop.
+        softcap, alibi_slopes (H,), sinks (H,), cu_seqlens (N+1,) or (B, N+1): the logit
+            features and packed sequences (:func:`multihead.attention`); the FlashAttention
+            loop only (``decode`` must be False), float32 and half precision only.
 
     Returns:
         out in q's dtype (a view of a (B, Sq, H, Dv) buffer; contiguous for float64),
         zeros for rows with no key; lse float32 (float64 for float64), ``-inf`` there.
     """
-    from . import _QUERY_TILE, _require, _run
+    from . import _QUERY_TILE, Logits, _require, _run
 
+    logits = Logits(softcap, alibi_slopes, sinks, cu_seqlens)
+    if logits.any() and (decode or q.dtype == torch.float64):
+        raise ValueError("softcap, alibi_slopes, sinks and cu_seqlens run in the float32 FlashAttention loop only "
+                         f"(got decode={decode}, dtype {q.dtype})")
     if q.dtype == torch.float64:
         return _forward_f64(_require(), q, k, v, mask, scale, causal, window)
     name, extra = ("mh_decode_f32", ()) if decode else ("mh_attention_f32", (_QUERY_TILE,))
     # The caller (multihead.attention, the module) validated once: no second check here. Mixed
     # dtypes (not from multihead.attention) are brought to q's.
     k, v = k.to(q.dtype), v.to(q.dtype)
-    return _run(name, q, k, v, scale, causal, window, mask, True, *extra, checked=True)  # type: ignore[return-value]
+    return _run(name, q, k, v, scale, causal, window, mask, True, *extra, checked=True,  # type: ignore[return-value]
+                logits=logits)
 
 
 @attention.register_fake
 def _attention_fake(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, causal: bool,
-                    window: Optional[int], decode: bool) -> tuple[Tensor, Tensor]:
+                    window: Optional[int], decode: bool, softcap: Optional[float] = None,
+                    alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+                    cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     b, h, sq, _ = q.shape
     dv = v.shape[-1]
     if q.dtype == torch.float64:
@@ -143,7 +157,12 @@ def _attention_backward_fake(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse:
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    q, k, v, mask, scale, causal, window, _ = inputs
+    q, k, v, mask, scale, causal, window, _, *logits = inputs
+    named = [name for name, value in zip(("softcap", "alibi_slopes", "sinks", "cu_seqlens"), logits)
+             if value is not None]
+    if named:  # the backward would compute another function's gradients: refused (the registry refuses first)
+        raise ValueError(f"the native backward does not apply {', '.join(named)}: compute gradients with "
+                         "backend='explicit' or 'sdpa' (or 'auto', which routes there)")
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, mask)
     ctx.structure = (scale, causal, window)
@@ -158,7 +177,7 @@ def _backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tenso
     if dlse is not None:
         delta = delta - dlse.to(wide)  # lse's own gradient: ds += p · dlse
     dq, dk, dv = torch.ops.multihead.attention_backward(dout, q, k, v, lse, delta, mask, *ctx.structure)
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)

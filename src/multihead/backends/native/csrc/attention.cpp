@@ -115,6 +115,17 @@ inline void pack_panel(const Problem& P, const T* kb, int64_t first, float* __re
 }
 #endif
 
+// What a row's o is multiplied by: 1 / l, or with a sink (P.sinks) 1 / (l + 2^(sink − m))
+// (the sink joins the denominator, contributes no value), computed against max(m, sink)
+// so that no exponential overflows; 0 for a row with no visible key, sink or not.
+inline float row_scale(const Problem& P, int64_t h, float m, float l) {
+    if (!(l > 0.f)) return 0.f;
+    if (!P.sinks) return 1.f / l;
+    const float sink = P.sinks[h] * 1.4426950408889634f, top = std::max(m, sink);
+    const float keys = std::exp2(m - top);
+    return keys / (l * keys + std::exp2(sink - top));
+}
+
 // T: the element type of q, k, v and out (float, bf16 or f16); P's pointers hold T data.
 template <class T>
 void run_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t p0, int64_t p1, int64_t qt_pad) {
@@ -139,7 +150,8 @@ void run_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t p0
     std::memset(buf.o, 0, sizeof(float) * G * rows * Dv);
 
     int64_t lo, hi;
-    key_range(P, p0, p1, lo, hi);
+    key_range(P, p0, p1, lo, hi, b);
+    int64_t panels = 0;  // q·kᵀ key panels computed (P.panels)
     lo = lo / NR * NR;  // panel aligned
     const T* kb = k + b * P.ks[0] + kvh * P.ks[1];
     const T* vb = v + b * P.vs[0] + kvh * P.vs[1];
@@ -168,13 +180,14 @@ void run_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t p0
             for (int64_t r0 = 0; r0 < rows; r0 += MR) {
                 const int64_t nr = std::min<int64_t>(MR, rows - r0);
                 int64_t blo, bhi;  // keys these rows may see
-                key_range(P, p0 + r0, p0 + r0 + nr, blo, bhi);
+                key_range(P, p0 + r0, p0 + r0 + nr, blo, bhi, b);
                 blo = std::max(blo, c0);
                 bhi = std::min(bhi, c1);
                 if (bhi <= blo) continue;
                 const int64_t pa = (blo - c0) / NR, pb = (bhi - c0 + NR - 1) / NR;
                 const int64_t j0 = c0 + pa * NR, width = (pb - pa) * NR;  // score columns [j0, j0 + width)
                 float* s = buf.s;  // (MR, KC)
+                panels += pb - pa;
                 for (int64_t pan = pa; pan < pb; ++pan)
                     qk_tile(buf.qbuf + (g * qt_pad + r0) * D, D, buf.kt + pan * D * NR, s + (pan - pa) * NR, KC);
                 const int64_t valid = std::min(j0 + width, P.Sk) - j0;  // columns that are real keys
@@ -182,17 +195,21 @@ void run_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t p0
                     const uint8_t* mrow = P.mask ? P.mask + b * P.ms[0] + h * P.ms[1] + (p0 + r0 + i) * P.ms[2] : nullptr;
                     const int64_t row = g * rows + r0 + i;
                     row_update(P, s + i * KC, width, valid, j0, p0 + r0 + i + off, mrow, buf.m[row], buf.l[row],
-                               buf.o + row * Dv);
+                               buf.o + row * Dv, b, h);
                 }
                 pv(s, KC, nr, valid, vb + j0 * P.vs[2], P.vs[2], buf.o + (g * rows + r0) * Dv, Dv, Dv);
             }
         }
     }
+    if (P.panels) {
+#pragma omp atomic
+        *P.panels += panels;
+    }
     for (int64_t g = 0; g < G; ++g) {
         T* ob = reinterpret_cast<T*>(P.out) + b * P.os[0] + (kvh * G + g) * P.os[1];
         for (int64_t r = 0; r < rows; ++r) {
             const int64_t row = g * rows + r;
-            const float inv = buf.l[row] > 0.f ? 1.f / buf.l[row] : 0.f;
+            const float inv = row_scale(P, kvh * G + g, buf.m[row], buf.l[row]);
             store_lse(P, b, kvh * G + g, p0 + r, buf.m[row], buf.l[row]);
             const float* src = buf.o + row * Dv;
             T* dst = ob + (p0 + r) * P.os[2];
@@ -205,11 +222,15 @@ void run_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t p0
 // are typed float but hold T data, read through run_item<T>.
 template <class T>
 int attention(const void* q, const void* k, const void* v, void* out, float* lse, const uint8_t* mask,
-              const int64_t* dims, const int64_t* strides, float scale, int causal, int64_t window,
+              const int64_t* dims, const int64_t* strides, float scale, int causal, int64_t window, float softcap,
+              const float* alibi, const float* sinks, const int64_t* seg, int64_t seg_bs, int64_t* panels,
               int64_t query_tile, int threads) {
-    const Problem P = make_problem(static_cast<const float*>(q), static_cast<const float*>(k),
-                                   static_cast<const float*>(v), static_cast<float*>(out), lse, mask, dims, strides,
-                                   scale, causal, window);
+    Problem P = make_problem(static_cast<const float*>(q), static_cast<const float*>(k),
+                             static_cast<const float*>(v), static_cast<float*>(out), lse, mask, dims, strides,
+                             scale, causal, window);
+    P.softcap = softcap > 0.f ? softcap * 1.4426950408889634f : 0.f;
+    P.alibi = alibi; P.sinks = sinks; P.seg = seg; P.seg_bs = seg_bs; P.panels = panels;
+    if (seg && P.Sq != P.Sk) return -2;
     if (!valid(P) || query_tile <= 0) return -2;
     const int64_t G = P.H / P.Hkv;
     const int64_t qt = std::min(query_tile, std::max<int64_t>(P.Sq, 1));
@@ -245,25 +266,38 @@ int attention(const void* q, const void* k, const void* v, void* out, float* lse
 
 // q (B, H, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv) -> out (B, H, Sq, Dv); strides:
 // q, k, v, out (b, h, s), mask (b, h, i, j), then lse (b, h, s), in elements; last dims contiguous;
-// lse (B, H, Sq) may be null.
+// lse (B, H, Sq) may be null. The logit features (multihead.logits; each off when 0 / null):
+// softcap (natural units), alibi (H,) slopes, sinks (H,) logits (lse leaves the sink out,
+// as the torch backends' does), seg (B|1, 2, Sk) int64 [start, end) of each key position's
+// packed sequence (Sq == Sk), seg_bs its batch stride; panels: null or a counter the
+// kernel adds the q·kᵀ key panels it computed to.
 extern "C" int mh_attention_f32(const float* q, const float* k, const float* v, float* out, float* lse,
                                 const uint8_t* mask, const int64_t* dims, const int64_t* strides, float scale,
-                                int causal, int64_t window, int64_t query_tile, int threads) {
-    return attention<float>(q, k, v, out, lse, mask, dims, strides, scale, causal, window, query_tile, threads);
+                                int causal, int64_t window, float softcap, const float* alibi, const float* sinks,
+                                const int64_t* seg, int64_t seg_bs, int64_t* panels, int64_t query_tile,
+                                int threads) {
+    return attention<float>(q, k, v, out, lse, mask, dims, strides, scale, causal, window, softcap, alibi, sinks,
+                            seg, seg_bs, panels, query_tile, threads);
 }
 
-// As mh_attention_f32 with q, k, v and out bfloat16 (uint16 bits), lse float32.
+// As mh_attention_f32 with q, k, v and out bfloat16 (uint16 bits); lse, alibi, sinks float32.
 extern "C" int mh_attention_bf16(const void* q, const void* k, const void* v, void* out, float* lse,
                                  const uint8_t* mask, const int64_t* dims, const int64_t* strides, float scale,
-                                 int causal, int64_t window, int64_t query_tile, int threads) {
-    return attention<bf16>(q, k, v, out, lse, mask, dims, strides, scale, causal, window, query_tile, threads);
+                                 int causal, int64_t window, float softcap, const float* alibi, const float* sinks,
+                                 const int64_t* seg, int64_t seg_bs, int64_t* panels, int64_t query_tile,
+                                 int threads) {
+    return attention<bf16>(q, k, v, out, lse, mask, dims, strides, scale, causal, window, softcap, alibi, sinks,
+                           seg, seg_bs, panels, query_tile, threads);
 }
 
-// As mh_attention_f32 with q, k, v and out float16 (uint16 bits), lse float32.
+// As mh_attention_f32 with q, k, v and out float16 (uint16 bits); lse, alibi, sinks float32.
 extern "C" int mh_attention_f16(const void* q, const void* k, const void* v, void* out, float* lse,
                                 const uint8_t* mask, const int64_t* dims, const int64_t* strides, float scale,
-                                int causal, int64_t window, int64_t query_tile, int threads) {
-    return attention<f16>(q, k, v, out, lse, mask, dims, strides, scale, causal, window, query_tile, threads);
+                                int causal, int64_t window, float softcap, const float* alibi, const float* sinks,
+                                const int64_t* seg, int64_t seg_bs, int64_t* panels, int64_t query_tile,
+                                int threads) {
+    return attention<f16>(q, k, v, out, lse, mask, dims, strides, scale, causal, window, softcap, alibi, sinks,
+                          seg, seg_bs, panels, query_tile, threads);
 }
 
 // The scalar conversions of common.h (the whole conversion where a build has no AVX2 or

@@ -331,6 +331,14 @@ struct Problem {
     float scale;  // scale · log2(e)
     bool causal;
     int64_t window;  // 0: none
+    // Logit features and packed sequences (multihead.logits), set by mh_attention_f32 only;
+    // zero (make_problem's) = off, so the other kernels never see them.
+    float softcap;  // cap · log2(e): the cap in base-2 units; 0: none
+    const float* alibi;  // nullptr or (H,) ALiBi slopes (natural units)
+    const float* sinks;  // nullptr or (H,) sink logits (natural units)
+    const int64_t* seg;  // nullptr or (B|1, 2, Sk): [start, end) of the packed sequence of each key position
+    int64_t seg_bs;  // seg's batch stride (0: one packing shared by the batch)
+    int64_t* panels;  // nullptr or a count of the q·kᵀ key panels computed (the tests' evidence)
 };
 
 struct Buffers {
@@ -358,25 +366,81 @@ inline void span(const Problem& P, int64_t pos, int64_t& lo, int64_t& hi) {
     }
     hi = std::max(hi, lo);
 }
-// Keys [lo, hi) that query rows [p0, p1) may see: the hull of their spans (Structure.key_range).
-inline void key_range(const Problem& P, int64_t p0, int64_t p1, int64_t& lo, int64_t& hi) {
+// The span of key position pos in batch row b, also limited to its own packed sequence
+// (P.seg; Sq == Sk there). Both bounds stay non-decreasing in pos, so a hull of rows is
+// still the first row's lo and the last row's hi.
+inline void span(const Problem& P, int64_t b, int64_t pos, int64_t& lo, int64_t& hi) {
+    span(P, pos, lo, hi);
+    if (P.seg) {
+        const int64_t* s = P.seg + b * P.seg_bs;
+        lo = std::max(lo, s[pos]);
+        hi = std::max(std::min(hi, s[P.Sk + pos]), lo);
+    }
+}
+// Keys [lo, hi) that query rows [p0, p1) of batch row b may see: the hull of their spans
+// (Structure.key_range).
+inline void key_range(const Problem& P, int64_t p0, int64_t p1, int64_t& lo, int64_t& hi, int64_t b = 0) {
     const int64_t off = P.Sk - P.Sq;  // query i sits at key position i + off
     int64_t unused;
-    span(P, p0 + off, lo, unused);
-    span(P, p1 - 1 + off, unused, hi);
+    span(P, b, p0 + off, lo, unused);
+    span(P, b, p1 - 1 + off, unused, hi);
     hi = std::max(hi, lo);
+}
+
+// tanh(x), float32 within 2 ulp: x·P(x²) for |x| < 0.625 (a degree-6 Chebyshev fit of
+// tanh(x)/x in x², 1.2 ulp), else (1 − t)/(1 + t) with t = e^(−2|x|) = 2^(−2|x|·log2 e)
+// (no cancellation: t < 0.29; |x| > 9 gives ±1), signed. NaN stays NaN (a NaN score is
+// not capped into a finite one).
+inline vf tanhv(vf x) {
+    const vi sign = (vi)x & (vi)splat(-0.f);
+    const vf a = (vf)((vi)x ^ sign);  // |x|
+    const vf a2 = a * a;
+    vf p = splat(2.128777793e-03f);
+    p = p * a2 - 8.155326359e-03f;
+    p = p * a2 + 2.168794163e-02f;
+    p = p * a2 - 5.394331366e-02f;
+    p = p * a2 + 1.333316118e-01f;
+    p = p * a2 - 3.333332837e-01f;
+    p = p * a2 * a + a;
+    const vf t = exp2v((a > 9.f ? splat(9.f) : a) * -2.8853900817779268f);  // 2^(−2|x|·log2 e); NaN stays
+    const vf big = (1.f - t) / (1.f + t);
+    return (vf)((vi)(a < 0.625f ? p : big) | sign);
+}
+
+// Soft-capping then ALiBi (multihead.logits' order) on the scores si[a, e) of a row at key
+// position pos of head h, keys j0 + j, in base-2 units; whole vectors around [a, e) (the
+// caller masks what lies outside afterwards).
+inline void apply_logits(const Problem& P, float* __restrict si, int64_t a, int64_t e, int64_t j0, int64_t pos,
+                         int64_t h) {
+    const int64_t v0 = a / W * W, v1 = (e + W - 1) / W * W;
+    if (P.softcap > 0.f) {
+        const float inv = 1.f / P.softcap;
+        for (int64_t j = v0; j < v1; j += W) store(si + j, tanhv(load(si + j) * inv) * P.softcap);
+    }
+    if (P.alibi) {
+        const float slope = P.alibi[h] * 1.4426950408889634f;  // base 2
+        vf col;
+        for (int i = 0; i < W; ++i) col[i] = float(j0 - pos + i);  // key − position of lane i
+        col += float(v0);
+        for (int64_t j = v0; j < v1; j += W, col += float(W)) {
+            const vf neg = -col;
+            store(si + j, load(si + j) - slope * (col > 0.f ? col : neg));  // − slope·|pos − key|
+        }
+    }
 }
 // One query row of a chunk: mask its scores si[0, width) (keys j0 + j; width a
 // multiple of W; columns from `valid` on are not keys), then the online softmax
 // (base 2): m' = max(m, max si), o *= 2^(m - m'), l = l·2^(m - m') + Σ 2^(si - m'),
 // leaving the probabilities 2^(si - m') in si for p · v.
 inline void row_update(const Problem& P, float* __restrict si, int64_t width, int64_t valid, int64_t j0,
-                       int64_t pos, const uint8_t* mrow, float& m, float& l, float* __restrict orow) {
-    // This query's span (key position pos), as column indices into si.
+                       int64_t pos, const uint8_t* mrow, float& m, float& l, float* __restrict orow,
+                       int64_t b = 0, int64_t h = 0) {
+    // This query's span (key position pos, batch row b), as column indices into si.
     int64_t a, e;
-    span(P, pos, a, e);
+    span(P, b, pos, a, e);
     a = std::clamp<int64_t>(a - j0, 0, width);
     e = std::clamp<int64_t>(std::min(e - j0, valid), a, width);
+    if (P.softcap > 0.f || P.alibi) apply_logits(P, si, a, e, j0, pos, h);  // before masking
     for (int64_t j = 0; j < a; ++j) si[j] = NEG_INF;
     for (int64_t j = e; j < width; ++j) si[j] = NEG_INF;
     if (mrow)
