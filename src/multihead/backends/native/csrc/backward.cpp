@@ -386,28 +386,6 @@ inline void acc_gemm(const float* a, int64_t ai, int64_t aj, int64_t rows, int64
     }
 }
 
-#if MH_VECTOR_FLOATS == 8 && defined(__AVX__)
-// dst[t·NR + c] = rows[c][t] for t, c < 8: an 8 × 8 transpose in registers (as attention.cpp's).
-inline void transpose8(const float* const* rows, float* dst) {
-    __m256 r[8], u[8], w[8];
-    for (int c = 0; c < 8; ++c) r[c] = _mm256_loadu_ps(rows[c]);
-    for (int c = 0; c < 8; c += 2) {
-        u[c] = _mm256_unpacklo_ps(r[c], r[c + 1]);
-        u[c + 1] = _mm256_unpackhi_ps(r[c], r[c + 1]);
-    }
-    for (int c = 0; c < 8; c += 4) {
-        w[c] = _mm256_shuffle_ps(u[c], u[c + 2], 0x44);
-        w[c + 1] = _mm256_shuffle_ps(u[c], u[c + 2], 0xEE);
-        w[c + 2] = _mm256_shuffle_ps(u[c + 1], u[c + 3], 0x44);
-        w[c + 3] = _mm256_shuffle_ps(u[c + 1], u[c + 3], 0xEE);
-    }
-    for (int t = 0; t < 4; ++t) {
-        _mm256_storeu_ps(dst + t * NR, _mm256_permute2f128_ps(w[t], w[t + 4], 0x20));
-        _mm256_storeu_ps(dst + (t + 4) * NR, _mm256_permute2f128_ps(w[t], w[t + 4], 0x31));
-    }
-}
-#endif
-
 // Keys [first, first + npan·NR) of rows src (stride d) as panels (d, NR): dst[pan][t][j];
 // zero from key `limit` on.
 inline void pack_panels(const float* src, int64_t d, int64_t first, int64_t npan, int64_t limit, float* dst) {
