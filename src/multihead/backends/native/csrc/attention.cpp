@@ -40,28 +40,6 @@ namespace {
 
 using namespace mh;
 
-// c (MR × NR, row stride ldc) = a (MR × d, rows contiguous) · panel (d × NR), NR = 2·W.
-inline void qk_tile(const float* __restrict a, int64_t d, const float* __restrict panel,
-                    float* __restrict c, int64_t ldc) {
-    vf c0[MR], c1[MR];
-#pragma GCC unroll 12
-    for (int i = 0; i < MR; ++i) c0[i] = c1[i] = (vf){};
-    for (int64_t t = 0; t < d; ++t) {
-        vf b0 = load(panel + t * NR), b1 = load(panel + t * NR + W);
-#pragma GCC unroll 12
-        for (int i = 0; i < MR; ++i) {
-            vf ai = splat(a[i * d + t]);
-            c0[i] += ai * b0;
-            c1[i] += ai * b1;
-        }
-    }
-#pragma GCC unroll 12
-    for (int i = 0; i < MR; ++i) {
-        store(c + i * ldc, c0[i]);
-        store(c + i * ldc + W, c1[i]);
-    }
-}
-
 #if MH_VECTOR_FLOATS == 8 && defined(__AVX__)
 // One panel (D, NR) of keys [first, first + NR) of K (rows kb, stride ks[2]): dst[t·NR + j] =
 // K[first + j][t], zero past Sk; 8 × 8 blocks transposed in registers where D allows (half
@@ -169,7 +147,8 @@ void run_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t p0
                 float* s = buf.s;  // (MR, KC)
                 panels += pb - pa;
                 for (int64_t pan = pa; pan < pb; ++pan)
-                    qk_tile(buf.qbuf + (g * qt_pad + r0) * D, D, buf.kt + pan * D * NR, s + (pan - pa) * NR, KC);
+                    qk_tile(buf.qbuf + (g * qt_pad + r0) * D, D, D, buf.kt + pan * D * NR, s + (pan - pa) * NR,
+                            KC);
                 const int64_t valid = std::min(j0 + width, P.Sk) - j0;  // columns that are real keys
                 for (int64_t i = 0; i < nr; ++i) {
                     const uint8_t* mrow = P.mask ? P.mask + b * P.ms[0] + h * P.ms[1] + (p0 + r0 + i) * P.ms[2] : nullptr;

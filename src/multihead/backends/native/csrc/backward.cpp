@@ -300,27 +300,6 @@ static_assert(KC1 % NR == 0 && KB2 % NR == 0 && KB2 % MR_PV == 0, "tiles must di
 
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-// c (MR × NR, row stride ldc) = a (MR × d, row stride lda) · panel (d × NR).
-inline void st_tile(const float* __restrict a, int64_t lda, int64_t d, const float* __restrict panel,
-                    float* __restrict c, int64_t ldc) {
-    vf c0[MR], c1[MR];
-#pragma GCC unroll 12
-    for (int i = 0; i < MR; ++i) c0[i] = c1[i] = (vf){};
-    for (int64_t t = 0; t < d; ++t) {
-        const vf b0 = load(panel + t * NR), b1 = load(panel + t * NR + W);
-#pragma GCC unroll 12
-        for (int i = 0; i < MR; ++i) {
-            const vf ai = splat(a[i * lda + t]);
-            c0[i] += ai * b0;
-            c1[i] += ai * b1;
-        }
-    }
-#pragma GCC unroll 12
-    for (int i = 0; i < MR; ++i) {
-        store(c + i * ldc, c0[i]);
-        store(c + i * ldc + W, c1[i]);
-    }
-}
 
 // c (ROWS × W·NV, row stride ldc) += Σ_{j < n} a[i·ai + j·aj] · b[j] (rows of b: stride ldb), the
 // n terms summed apart and then added to c: long sums (dK, dV over G·Sq rows, dQ over Sk keys)
@@ -512,8 +491,8 @@ void dq_item(const Grad<float>& g, F32Buffers& w, int64_t b, int64_t kvh, int64_
                 const float* qt = w.qb + (gi * QT1 + r0) * D;
                 const float* dot = w.dob + (gi * QT1 + r0) * Dv;
                 for (int64_t pan = pa; pan < pb; ++pan) {
-                    st_tile(qt, D, D, w.kp + pan * D * NR, w.s + (pan - pa) * NR, KC1);
-                    st_tile(dot, Dv, Dv, w.vp + pan * Dv * NR, w.dp + (pan - pa) * NR, KC1);
+                    qk_tile(qt, D, D, w.kp + pan * D * NR, w.s + (pan - pa) * NR, KC1);
+                    qk_tile(dot, Dv, Dv, w.vp + pan * Dv * NR, w.dp + (pan - pa) * NR, KC1);
                 }
                 for (int64_t i = 0; i < nr; ++i)
                     row_p_ds(g, b, h, i0 + r0 + i, j0, width, valid, w.s + i * KC1, w.dp + i * KC1, nullptr, 1.f,
@@ -581,8 +560,8 @@ void dkdv_item(const Grad<float>& g, F32Buffers& w, int64_t b, int64_t kvh, int6
             pack_rows(g.dorow(b, h, ib), Dv, nb, round_up(nb, MR), Dvp, 1.f, w.dob);
             for (int64_t r0 = 0; r0 < nb; r0 += MR) {
                 for (int64_t pan = 0; pan < npan; ++pan) {
-                    st_tile(w.qb + r0 * Dp, Dp, D, w.kp + pan * D * NR, w.s + r0 * KB2 + pan * NR, KB2);
-                    st_tile(w.dob + r0 * Dvp, Dvp, Dv, w.vp + pan * Dv * NR, w.dp + r0 * KB2 + pan * NR, KB2);
+                    qk_tile(w.qb + r0 * Dp, Dp, D, w.kp + pan * D * NR, w.s + r0 * KB2 + pan * NR, KB2);
+                    qk_tile(w.dob + r0 * Dvp, Dvp, Dv, w.vp + pan * Dv * NR, w.dp + r0 * KB2 + pan * NR, KB2);
                 }
                 for (int64_t i = r0; i < std::min(r0 + MR, nb); ++i) {
                     float unused = 0.f;

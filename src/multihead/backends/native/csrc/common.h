@@ -189,6 +189,29 @@ inline vf reduce_w(const vf* x) {
 #endif
 }
 
+// c (MR × NR, row stride ldc) = a (MR × d, row stride lda) · panel (d × NR), NR = 2·W: the
+// q·kᵀ tile of the forward and the backward (scores, dP).
+inline void qk_tile(const float* __restrict a, int64_t lda, int64_t d, const float* __restrict panel,
+                    float* __restrict c, int64_t ldc) {
+    vf c0[MR], c1[MR];
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; ++i) c0[i] = c1[i] = (vf){};
+    for (int64_t t = 0; t < d; ++t) {
+        const vf b0 = load(panel + t * NR), b1 = load(panel + t * NR + W);
+#pragma GCC unroll 12
+        for (int i = 0; i < MR; ++i) {
+            const vf ai = splat(a[i * lda + t]);
+            c0[i] += ai * b0;
+            c1[i] += ai * b1;
+        }
+    }
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; ++i) {
+        store(c + i * ldc, c0[i]);
+        store(c + i * ldc + W, c1[i]);
+    }
+}
+
 #if MH_VECTOR_FLOATS == 8 && defined(__AVX__)
 // dst[t·NR + c] = rows[c][t] for t, c < 8: an 8 × 8 transpose in registers.
 inline void transpose8(const float* const* rows, float* dst) {
