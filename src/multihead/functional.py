@@ -231,10 +231,7 @@ def _check_segments(cu_seqlens: object, q: torch.Tensor, k: torch.Tensor) -> tor
     if k.shape[2] != s:
         raise ValueError(f"cu_seqlens needs as many keys as queries (packed self-attention), got Sq={s}, "
                          f"Sk={k.shape[2]}")
-    cu = check_cu_seqlens(cu_seqlens, s)
-    if cu.dim() == 2 and cu.shape[0] not in (1, q.shape[0]):
-        raise ValueError(f"cu_seqlens must be (N+1,) or (B={q.shape[0]}, N+1), got {list(cu.shape)}")
-    return cu
+    return check_cu_seqlens(cu_seqlens, s, batch=q.shape[0])
 
 
 def default_backend(backend: str | None, return_weights: bool) -> str:

@@ -226,15 +226,20 @@ def full_mask(
     return dense if mask is None else mask & dense
 
 
-def check_cu_seqlens(cu_seqlens: object, seq: int) -> torch.Tensor:
+def check_cu_seqlens(cu_seqlens: object, seq: int, batch: int | None = None) -> torch.Tensor:
     """``cu_seqlens`` checked: (N+1,) or (B, N+1) integer cumulative lengths rising from 0 to ``seq``.
+
+    Args:
+        batch: B, when known: a 2-D ``cu_seqlens`` must then have 1 or B rows.
 
     Raises:
         TypeError: not an integer tensor.
-        ValueError: not 1-D or 2-D, not starting at 0, decreasing, or not ending at S (one
-            read back to the host to check).
+        ValueError: not 1-D or 2-D, not 1 or B rows, not starting at 0, decreasing, or not
+            ending at S (one read back to the host to check).
     """
     cu = check_tensor("cu_seqlens", cu_seqlens, ndim=(1, 2))
+    if batch is not None and cu.dim() == 2 and cu.shape[0] not in (1, batch):
+        raise ValueError(f"cu_seqlens must be (N+1,) or (B={batch}, N+1), got {list(cu.shape)}")
     if cu.dtype.is_floating_point or cu.dtype == torch.bool or cu.is_complex():
         raise TypeError(f"cu_seqlens must be an integer tensor, got dtype {cu.dtype}")
     for values in (cu.tolist() if cu.dim() == 2 else [cu.tolist()]):

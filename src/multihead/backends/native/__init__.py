@@ -262,9 +262,7 @@ def _check_logits(q: object, k: object, softcap: object, alibi_slopes: object, s
     if cu_seqlens is not None:
         if q.shape[2] != k.shape[2]:
             raise ValueError(f"cu_seqlens needs Sq == Sk, got Sq={q.shape[2]}, Sk={k.shape[2]}")
-        cu = check_cu_seqlens(cu_seqlens, q.shape[2])
-        if cu.dim() == 2 and cu.shape[0] not in (1, q.shape[0]):
-            raise ValueError(f"cu_seqlens must be (N+1,) or (B={q.shape[0]}, N+1), got {list(cu.shape)}")
+        check_cu_seqlens(cu_seqlens, q.shape[2], batch=q.shape[0])
 
 
 def _run(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
