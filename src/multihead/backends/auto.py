@@ -170,7 +170,6 @@ def _blocked_fits(c: Call) -> bool:
             and c.q.shape[3] >= BLOCKED_MIN_HEAD_DIM)
 
 
-#: The rules, in order; the first whose test holds is the path.
 def _native_features_fit(c: Call) -> bool:
     """Logit features or packed sequences, forward only, where a native loop would run without
     them: the decoding threshold for few rows, the FlashAttention one otherwise."""
@@ -178,6 +177,7 @@ def _native_features_fit(c: Call) -> bool:
     return (c.logits or c.varlen) and not c.differentiable and c.native_fits(least)
 
 
+#: The rules, in order; the first whose test holds is the path.
 AUTO_RULES: tuple[Rule, ...] = (
     Rule("explicit", "attention weights were asked for: only 'explicit' returns them",
          lambda c: c.return_weights, _backend(explicit_attention)),
