@@ -611,14 +611,18 @@ def plot(suite: dict[str, Any], path: str | os.PathLike[str]) -> Path:
         if lim.get("onednn_gflops"):
             ax.axhline(lim["onednn_gflops"], color="gray", linestyle=":", label="oneDNN GEMM")
         ax.set_xscale("log", base=2)
-        ax.set_ylim(bottom=0)
         ax.set_xlabel("sequence length S")
         ax.set_title(f"{case} (H=12, D=64, float32)" + (", unmasked FLOPs" if "causal" in case else ""))
         ax.grid(alpha=0.3)
+    # one scale for both panels, set after plotting (sharey freezes the first panel's autoscale)
+    tops = [r["gflops"] for r in suite["results"] if r["case"] in ("core/full", "core/causal")]
+    axes[0].set_ylim(0, 1.08 * max([*tops, lim["sgemm_gflops"], lim.get("onednn_gflops") or 0]))
     axes[0].set_ylabel("GFLOP/s")
     axes[0].legend(fontsize=8)
     m = suite["machine"]
-    fig.suptitle(f"multihead vs torch SDPA — {m['cores']} cores, {m['torch_threads']} threads, torch {m['torch']}")
+    features = ", ".join(m.get("vector_features") or []) or "no AVX2/AVX-512"
+    fig.suptitle(f"multihead vs torch SDPA — {m.get('cpu', 'CPU')} ({features}), {m['cores']} cores, "
+                 f"{m['torch_threads']} threads, torch {m['torch']}")
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
