@@ -98,6 +98,8 @@ class KVCache:
         self.window = window
         self.ring = bool(ring)
         self._owner: weakref.ref | None = None  # the layer whose K/V this holds (see claim)
+        #: the native decoding step's marshalled arguments (multihead.decode; None until used)
+        self.step_plan: object | None = None
 
     # -- sizes -----------------------------------------------------------------------
     @property

@@ -112,32 +112,58 @@ def fused_step(layer: MultiHeadAttention, x: torch.Tensor, cache: KVCache) -> to
         y: (B, 1, E), as ``layer(x, cache=cache)`` (within rounding). If the step fails,
         the slots it wrote are restored: the cache is left bitwise as it was.
     """
+    if not _traced():
+        return _eager_step(layer, x, cache)
+    # Traced: the operator, so that torch.compile sees one opaque node that writes the cache.
     b, _, e = x.shape
     rope = layer.rope
     cos, sin, rotary_dim, interleaved = (None, None, 0, False) if rope is None else (
         rope.cos, rope.sin, rope.rotary_dim, rope.interleaved)
     projs = _projections(layer)
-    traced = _traced()
-    slots = _written_slots(cache, b, traced)
-    saved = [t[slots] for t in (cache.k, cache.v)]  # (B, Hkv, D): a failure restores them
-    if isinstance(slots[2], int):
-        saved = [t.clone() for t in saved]  # basic indexing gave views (advanced indexing gives copies)
+    slots = _written_slots(cache, b)
+    saved = [t[slots] for t in (cache.k, cache.v)]  # (B, Hkv, D), copies: a failure restores them
     x2 = x.reshape(b, e).contiguous()
-    weights, biases = [p.weight for p in projs], [p.bias for p in projs]
     try:
-        if traced:  # the operator, so that torch.compile sees one opaque node that writes the cache
-            y = torch.ops.multihead.decode_step(x2, weights, biases, cos, sin, rotary_dim, interleaved, cache.k,
-                                                cache.v, cache.lengths, layer.num_heads, layer.num_kv_heads,
-                                                layer.head_dim, float(layer.scale))  # (B, E)
-        else:  # eager: the kernel itself (the operator's Python dispatch costs as much as a small layer's step)
-            y = native.decode_step(x2, list(zip(weights, biases)), num_heads=layer.num_heads,
-                                   num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim,
-                                   rope=None if cos is None or sin is None else (cos, sin, rotary_dim, interleaved),
-                                   cache_k=cache.k, cache_v=cache.v, lengths=cache.lengths, scale=float(layer.scale))
+        y = torch.ops.multihead.decode_step(x2, [p.weight for p in projs], [p.bias for p in projs], cos, sin,
+                                            rotary_dim, interleaved, cache.k, cache.v, cache.lengths,
+                                            layer.num_heads, layer.num_kv_heads, layer.head_dim,
+                                            float(layer.scale))  # (B, E)
         cache.commit([1] * b)
     except BaseException:
         cache.k[slots] = saved[0]
         cache.v[slots] = saved[1]
+        raise
+    return y.view(b, 1, e)
+
+
+def _eager_step(layer: MultiHeadAttention, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """:func:`fused_step` in eager mode: the kernel called with the arguments marshalled
+    once per layer and cache (:class:`~multihead.backends.native.StepPlan`, kept on the
+    cache, remade whenever a tensor it points into changes). In a model that streams its
+    weights every step runs with the interpreter's caches cold, where the marshalling, the
+    operator's dispatch and copies of the written slots cost a sizeable part of a step.
+
+    Args, returns: as :func:`fused_step`'s. The kernel writes nothing unless it runs whole;
+    it hands back the slots' old K and V, put back if anything fails after it.
+    """
+    b, _, e = x.shape
+    rope = layer.rope
+    tables = None if rope is None else (rope.cos, rope.sin, rope.rotary_dim, rope.interleaved)
+    layers = [(p._parameters["weight"], p._parameters["bias"]) for p in _projections(layer)]
+    plan = cache.step_plan
+    if not isinstance(plan, native.StepPlan) or plan.key != native.StepPlan.key_of(
+            b, layers, tables, cache.k, cache.v, cache.lengths, x.dtype):
+        plan = cache.step_plan = native.StepPlan(
+            b, layers, num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim,
+            rope=tables, cache_k=cache.k, cache_v=cache.v, lengths=cache.lengths, scale=float(layer.scale),
+            dtype=x.dtype)
+    held = cache.host_lengths()
+    x2 = x.reshape(b, e)
+    y = plan.run(x2 if x2.is_contiguous() else x2.contiguous())
+    try:
+        cache.commit([1] * b)
+    except BaseException:
+        plan.restore(held)
         raise
     return y.view(b, 1, e)
 
@@ -148,12 +174,7 @@ def _traced() -> bool:
     return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
 
 
-def _written_slots(cache: KVCache, b: int, traced: bool) -> tuple[slice | torch.Tensor, slice, int | torch.Tensor]:
-    """An index of ``cache.k`` selecting the (B, Hkv, D) slots the step writes: each row's next one.
-
-    Traced: by the device lengths (advanced indexing), so a compiled step is one graph for all
-    lengths; eager with rows of one length (the usual case): basic indexing at the host length, cheaper."""
-    held = cache.host_lengths()
-    if not traced and all(n == held[0] for n in held):
-        return (slice(None), slice(None), held[0])
+def _written_slots(cache: KVCache, b: int) -> tuple[torch.Tensor, slice, torch.Tensor]:
+    """An index of ``cache.k`` selecting the (B, Hkv, D) slots the step writes: each row's next
+    one, by the device lengths (advanced indexing: a compiled step is one graph for all lengths)."""
     return (torch.arange(b, device=cache.lengths.device), slice(None), cache.lengths)

@@ -24,7 +24,7 @@ int mh_linear_few_rows_f32(const float*, int64_t, int64_t, int64_t, const float*
                            const float* const*, float* const*, int);
 int mh_decode_step_f32(const float*, int64_t, int64_t, const float* const*, const float* const*, int64_t, int64_t,
                        int64_t, const float*, const float*, int64_t, int, float*, float*, const int64_t*,
-                       const int64_t*, float, float*, int);
+                       const int64_t*, float, float*, float*, int);
 #define MH_HALF(suffix)                                                                                          \
     int mh_attention_##suffix(const void*, const void*, const void*, void*, float*, const uint8_t*,              \
                               const int64_t*, const int64_t*, float, int, int64_t, float, const float*,          \
@@ -33,7 +33,7 @@ int mh_decode_step_f32(const float*, int64_t, int64_t, const float* const*, cons
                            const int64_t*, float, int, int64_t, int);                                            \
     int mh_decode_step_##suffix(const void*, int64_t, int64_t, const void* const*, const void* const*, int64_t,  \
                                 int64_t, int64_t, const float*, const float*, int64_t, int, void*, void*,        \
-                                const int64_t*, const int64_t*, float, void*, int);
+                                const int64_t*, const int64_t*, float, void*, void*, int);
 MH_HALF(bf16)
 MH_HALF(f16)
 int mh_convert_scalar(int, int, const void*, void*, int64_t);
@@ -232,9 +232,18 @@ static int step_case(int kind) {
     const float* sp = R ? sin.data() : nullptr;
     const int inter = int(next() % 2);
     int code;
+    std::vector<float> old_slots(B * 2 * Hkv * D), saved(B * 2 * Hkv * D, -1.f);  // (B, 2, Hkv, D)
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < Hkv; ++h)
+            for (int64_t t = 0; t < D; ++t) {
+                old_slots[((b * 2) * Hkv + h) * D + t] = ck[b * cs[0] + h * cs[1] + lengths[b] * cs[2] + t];
+                old_slots[((b * 2 + 1) * Hkv + h) * D + t] = cv[b * cs[0] + h * cs[1] + lengths[b] * cs[2] + t];
+            }
     if (kind == F32) {
         code = mh_decode_step_f32(x.data(), B, E, W, bias, H, Hkv, D, cp, sp, R, inter, ck.data(), cv.data(), cs,
-                                  lengths.data(), 0.3f, y.data(), 2);
+                                  lengths.data(), 0.3f, y.data(), saved.data(), 2);
+        for (size_t i = 0; code == 0 && i < saved.size(); ++i)  // the slots' old values, for a restore
+            if (saved[i] != old_slots[i]) return fail("step saved slots", saved[i], old_slots[i]);
     } else {
         std::vector<uint16_t> xh = to_kind(kind, x), wqh = to_kind(kind, wq), wkh = to_kind(kind, wk);
         std::vector<uint16_t> wvh = to_kind(kind, wv), woh = to_kind(kind, wo), bqh = to_kind(kind, bq);
@@ -244,7 +253,7 @@ static int step_case(int kind) {
         const void* bh[4] = {bqh.data(), nullptr, nullptr, boh.data()};
         code = (kind == BF16 ? mh_decode_step_bf16 : mh_decode_step_f16)(
             xh.data(), B, E, Wh, bh, H, Hkv, D, cp, sp, R, inter, ckh.data(), cvh.data(), cs, lengths.data(), 0.3f,
-            yh.data(), 2);
+            yh.data(), nullptr, 2);
         from_kind(kind, yh, y);
     }
     if (code != 0) return fail("step return code", 1, 0);

@@ -280,8 +280,10 @@ def test_importing_multihead_builds_nothing(tmp_path) -> None:
 # -- the fused decoding step -------------------------------------------------------------
 def _spy_steps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
-    real = native.decode_step
+    real, real_run = native.decode_step, native.StepPlan.run
     monkeypatch.setattr(native, "decode_step", lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
+    # eager steps call the kernel through their marshalled arguments (decode._eager_step)
+    monkeypatch.setattr(native.StepPlan, "run", lambda plan, x: calls.append(x.shape[0]) or real_run(plan, x))
     return calls
 
 

@@ -19,6 +19,7 @@ import torch
 
 import multihead as mh
 from multihead import decode
+from multihead.cache import KVCache
 from multihead.backends import registry
 from multihead.backends.eager import explicit_attention
 
@@ -148,13 +149,14 @@ def test_a_failing_fused_decoding_step_leaves_the_cache_unchanged(monkeypatch) -
         monkeypatch.setitem(registry._SPECS, "failing",
                             registry.BackendSpec("failing", failing_backend(MemoryError), weights=True))
         lay.backend = "failing"
-    real_step = mh.backends.native.decode_step
+    real_commit = KVCache.commit
 
-    def step_then_fail(*args, **kw):
-        real_step(*args, **kw)  # K/V written at the next slot, as the kernel does
-        raise MemoryError("the native decoding step failed after running")
+    def commit_then_fail(self, step):  # after the step wrote K/V at the next slot
+        if step == [1] * 2:  # the fused step's commit
+            raise MemoryError("the native decoding step failed after running")
+        real_commit(self, step)
 
-    monkeypatch.setattr(decode.native, "decode_step", step_then_fail)
+    monkeypatch.setattr(KVCache, "commit", commit_then_fail)
     before = snapshot(cache)
     with pytest.raises(MemoryError, match="failed after running"):
         lay(x, cache=cache)

@@ -126,6 +126,50 @@ def test_with_every_condition_met_the_step_runs_and_equals_the_step_by_step_path
     torch.testing.assert_close(cache.k, twin_cache.k, atol=1e-5, rtol=1e-5)
 
 
+def _stepwise(layer: mh.MultiHeadAttention, cache: mh.KVCache, token: torch.Tensor) -> torch.Tensor:
+    """The step by the step-by-step path (positions given: never fused), on a copy of the cache."""
+    twin = mh.KVCache(cache.batch_size, cache.max_len, layer.num_kv_heads, layer.head_dim, dtype=cache.dtype)
+    twin.k.copy_(cache.k), twin.v.copy_(cache.v), twin.lengths.copy_(cache.lengths), twin.slot_pos.copy_(cache.slot_pos)
+    twin._host_lengths = cache.host_lengths()
+    with torch.no_grad():
+        return layer(token, cache=twin, positions=cache.lengths[:, None].clone())
+
+
+@pytest.mark.skipif(not FUSED, reason=f"no AVX-512 or AVX2 native kernel here ({native.status()})")
+def test_the_steps_marshalled_arguments_follow_every_tensor_they_point_into() -> None:
+    """The eager step's plan (its C arguments, kept on the cache) is reused while nothing it
+    points into changes, and remade when a weight is replaced or moved, the RoPE table grows,
+    or the thread count changes: each step equals the step-by-step path."""
+    layer = _layer()
+    cache, token = _prefilled(layer)
+    # (change, whether the plan must be remade)
+    changes: list[tuple[Callable[[], object], bool]] = [
+        (lambda: None, False),
+        (lambda: setattr(layer.q_proj, "weight", nn.Parameter(torch.randn(64, 64) / 8)), True),  # replaced
+        (lambda: layer.v_proj.weight.data.copy_(torch.randn(32, 64) / 8), False),  # in place: new values
+        (lambda: setattr(layer.o_proj.weight, "data", layer.o_proj.weight.data.clone() * 2), True),  # moved
+        (lambda: setattr(layer.k_proj, "bias", nn.Parameter(torch.randn(32))), True),  # a bias where none was
+        (lambda: torch.set_num_threads(1), True),
+        (lambda: setattr(layer, "rope", mh.RoPE(16, max_positions=64)), True),  # new tables
+    ]
+    threads = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            layer(token, cache=cache)
+        cache.crop(8)
+        for change, remade in changes:
+            before = cache.step_plan
+            change()
+            expected = _stepwise(layer, cache, token)
+            with torch.no_grad():
+                got = layer(token, cache=cache)
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+            assert (cache.step_plan is not before) == remade
+            cache.crop(8)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_without_the_kernel_it_says_so(monkeypatch) -> None:
     monkeypatch.setattr(native, "vector_bits", lambda: 0)
     layer = _layer()

@@ -34,7 +34,7 @@ from ._ffi import int64_ptr, int64s, pointers, ptr
 from . import ops  # noqa: F401  (registers torch.ops.multihead.*: cheap, builds nothing)
 
 __all__ = ["available", "status", "build", "vector_bits", "attention_f32", "decode_f32", "linear_few_rows",
-           "decode_step", "MAX_STEP_ROWS", "FEW_ROWS", "native_backend", "key_panels"]
+           "decode_step", "StepPlan", "MAX_STEP_ROWS", "FEW_ROWS", "native_backend", "key_panels"]
 
 #: Most rows of x that :func:`linear_few_rows` and :func:`decode_step` take (the C++
 #: ``MAX_STEP_ROWS``, checked against the built library).
@@ -390,12 +390,72 @@ def decode_step(
         ptr(x), b, e, pointers([w for w, _ in layers]), pointers([bias for _, bias in layers]),
         num_heads, num_kv_heads, head_dim, ptr(cos), ptr(sin), rotary_dim, int(interleaved),
         ptr(cache_k), ptr(cache_v), int64s(cache_k.stride()[:3]), int64_ptr(lengths),
-        float(scale), ptr(y), torch.get_num_threads())
+        float(scale), ptr(y), None, torch.get_num_threads())
     if code == -1:
         raise MemoryError("the native decoding step could not allocate its buffers")
     if code != 0:
         raise RuntimeError(f"the native decoding step refused the problem (code {code})")
     return y
+
+
+class StepPlan:
+    """:func:`decode_step`'s C arguments for one layer and cache, marshalled once.
+
+    Marshalling them (ctypes arrays of pointers and strides, casts, dtype checks) costs
+    more than a small layer's whole step when the interpreter's caches are cold, as they
+    are at every step of a model that streams its weights. A plan keeps them, with the
+    tensors they point into (so that their storage lives as long as the plan: a pointer
+    in it can never be reused by another tensor). :meth:`key` is compared at every use:
+    a replaced or moved weight, table or buffer, another row count, dtype or thread count
+    makes a new plan, never a stale pointer. The caller has validated the tensors (as for
+    :func:`decode_step`; :func:`multihead.decode.fused_step` does).
+
+    Args: as :func:`decode_step`'s, with ``rows`` B and ``dtype`` the step's.
+    """
+
+    def __init__(self, rows: int, layers: list[tuple[torch.Tensor, torch.Tensor | None]], *, num_heads: int,
+                 num_kv_heads: int, head_dim: int, rope: tuple[torch.Tensor, torch.Tensor, int, bool] | None,
+                 cache_k: torch.Tensor, cache_v: torch.Tensor, lengths: torch.Tensor, scale: float,
+                 dtype: torch.dtype) -> None:
+        self.key = StepPlan.key_of(rows, layers, rope, cache_k, cache_v, lengths, dtype)
+        self._held = (layers, rope, cache_k, cache_v, lengths)
+        e = layers[0][0].shape[1]
+        cos, sin, rotary_dim, interleaved = rope if rope is not None else (None, None, 0, False)
+        #: (B, 2, Hkv, D): the slots the last step wrote, as they were before (see :meth:`restore`).
+        self.saved = torch.empty((rows, 2, num_kv_heads, head_dim), dtype=dtype)
+        self._fn = kernel(_require(), "mh_decode_step_f32", dtype)
+        self._shape, self._dtype = (rows, e), dtype
+        self._args = (rows, e, pointers([w for w, _ in layers]), pointers([b for _, b in layers]), num_heads,
+                      num_kv_heads, head_dim, ptr(cos), ptr(sin), rotary_dim, int(interleaved), ptr(cache_k),
+                      ptr(cache_v), int64s(cache_k.stride()[:3]), int64_ptr(lengths), float(scale))
+
+    @staticmethod
+    def key_of(rows: int, layers: list[tuple[torch.Tensor, torch.Tensor | None]],
+               rope: tuple[torch.Tensor, torch.Tensor, int, bool] | None, cache_k: torch.Tensor,
+               cache_v: torch.Tensor, lengths: torch.Tensor, dtype: torch.dtype) -> tuple[object, ...]:
+        """What a plan's arguments depend on: data pointers, strides, rows, dtype, threads."""
+        return (rows, dtype, torch.get_num_threads(), *(ptr(t) for pair in layers for t in pair),
+                None if rope is None else (rope[0].data_ptr(), rope[1].data_ptr(), rope[2], rope[3]),
+                cache_k.data_ptr(), cache_v.data_ptr(), cache_k.stride(), lengths.data_ptr())
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """The step for x (B, E), contiguous, of the plan's dtype: y (B, E). The written
+        slots' old K and V are kept in :attr:`saved`; nothing is written if it fails."""
+        y = torch.empty(self._shape, dtype=self._dtype)
+        code = self._fn(x.data_ptr(), *self._args, y.data_ptr(), self.saved.data_ptr(), torch.get_num_threads())
+        if code == -1:
+            raise MemoryError("the native decoding step could not allocate its buffers")
+        if code != 0:
+            raise RuntimeError(f"the native decoding step refused the problem (code {code})")
+        return y
+
+    def restore(self, lengths: list[int]) -> None:
+        """Put back the slots the last :meth:`run` wrote, at ``lengths`` (each row's length
+        before it): the cache is then bitwise as it was."""
+        _, _, cache_k, cache_v, _ = self._held
+        for b, n in enumerate(lengths):
+            cache_k[b, :, n] = self.saved[b, 0]
+            cache_v[b, :, n] = self.saved[b, 1]
 
 
 def _check_step_dtypes(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | None]],

@@ -72,6 +72,8 @@ inline void pv_stream(const float* p, int64_t ldp, int64_t rows, int64_t n, cons
 // (b, K/V head, key split); with fewer heads than threads the keys are split and the
 // partial (m, l, o) merged at the end (flash-decoding). TQ: q's and out's element type, T:
 // K's and V's (float, bf16, f16; P's pointers hold data of those types).
+constexpr int64_t PF_KEYS = 4 * W;  // how far ahead decode_item prefetches K
+
 template <class TQ, class T>
 void decode_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t k0, int64_t k1, float* part) {
     const int64_t G = P.H / P.Hkv, D = P.D, Dv = P.Dv, Sq = P.Sq, rows = G * Sq;
@@ -96,6 +98,10 @@ void decode_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t
         if (D % W == 0)  // W keys at a time, their W sums reduced together
             for (; j + W <= n; j += W) {
                 const T* kj = kb + (c0 + j) * P.ks[2];
+                // K a few keys ahead into L1, and these keys' V rows into L2 for the p·v pass:
+                // the loads overlap the arithmetic instead of stalling it.
+                if (c0 + j + PF_KEYS < hi) prefetch_rows<0>(kj + PF_KEYS * P.ks[2], W, P.ks[2], D * sizeof(T));
+                prefetch_rows<1>(vb + (c0 + j) * P.vs[2], W, P.vs[2], Dv * sizeof(T));
                 if constexpr (!std::is_same_v<T, float>) {
                     if (rows > 1) {  // half precision: the W keys widened once (buf.kt, L1), read by every row
                         for (int64_t s = 0; s < W; ++s)
@@ -263,6 +269,9 @@ namespace {
 
 // Weight rows multiplied per pass: R·M accumulators (AVX-512: at most 16 of 32 registers;
 // AVX2: at most 8 of 16).
+// Longest row of x the bf16 GEMV de-interleaves on the stack (MAX_STEP_ROWS × this floats).
+constexpr int64_t SPLIT_X_MAX = 8192;
+
 template <int M>
 constexpr int gemv_block() { return W == 16 || M <= 2 ? 4 : 2; }
 
@@ -302,9 +311,85 @@ void gemv_rows(const float* __restrict x, int64_t K, const TW* __restrict w, int
         for (int m = 0; m < M; ++m) out[m * ldo + r] = dot(x + m * K, w + r * K, K) + (bias ? to_f32(bias[r]) : 0.f);
 }
 
+#if MH_VECTOR_FLOATS == 8 && defined(__AVX2__)
+// bfloat16 weights (AVX2): 16 weights per load, widened by two integer operations into their
+// even-indexed values (the bits shifted left by 16) and their odd ones (the high halves
+// kept), instead of a zero-extension and a shift per 8. The dot product is then taken
+// against x de-interleaved the same way (xs: per 16 values, the 8 even ones, then the 8 odd
+// ones; see split_even_odd), so only the order of the sum changes. K a multiple of 16.
+template <int M>
+void gemv_rows_bf16(const float* __restrict xs, int64_t K, const bf16* __restrict w, int64_t rows,
+                    const bf16* bias, float* __restrict out, int64_t ldo) {
+    constexpr int R = gemv_block<M>();
+    const __m256i high = _mm256_set1_epi32(int32_t(0xFFFF0000u));
+    int64_t r = 0;
+    for (; r + R <= rows; r += R) {
+        const bf16* w0 = w + r * K;
+        vf acc[R][M];
+#pragma GCC unroll 4
+        for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+            for (int m = 0; m < M; ++m) acc[i][m] = (vf){};
+        for (int64_t t = 0; t < K; t += 2 * W) {
+            vf even[R], odd[R];
+#pragma GCC unroll 4
+            for (int i = 0; i < R; ++i) {
+                const __m256i bits = _mm256_loadu_si256((const __m256i*)(w0 + i * K + t));
+                even[i] = (vf)_mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+                odd[i] = (vf)_mm256_castsi256_ps(_mm256_and_si256(bits, high));
+            }
+#pragma GCC unroll 4
+            for (int m = 0; m < M; ++m) {
+                const vf xe = load(xs + m * K + t), xo = load(xs + m * K + t + W);
+#pragma GCC unroll 4
+                for (int i = 0; i < R; ++i) acc[i][m] += even[i] * xe + odd[i] * xo;
+            }
+        }
+        for (int i = 0; i < R; ++i)
+            for (int m = 0; m < M; ++m)
+                out[m * ldo + r + i] = hsum(acc[i][m]) + (bias ? to_f32(bias[r + i]) : 0.f);
+    }
+    for (; r < rows; ++r)
+        for (int m = 0; m < M; ++m) {
+            vf acc = (vf){};
+            for (int64_t t = 0; t < K; t += 2 * W) {
+                const __m256i bits = _mm256_loadu_si256((const __m256i*)(w + r * K + t));
+                acc += (vf)_mm256_castsi256_ps(_mm256_slli_epi32(bits, 16)) * load(xs + m * K + t)
+                       + (vf)_mm256_castsi256_ps(_mm256_and_si256(bits, high)) * load(xs + m * K + t + W);
+            }
+            out[m * ldo + r] = hsum(acc) + (bias ? to_f32(bias[r]) : 0.f);
+        }
+}
+
+// xs (M × K) = x (M × K) with each block of 16 values reordered: the 8 even-indexed, then the
+// 8 odd-indexed (the order gemv_rows_bf16 widens weights in).
+inline void split_even_odd(const float* x, int64_t M, int64_t K, float* xs) {
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t t = 0; t < K; t += 2 * W)
+            for (int i = 0; i < W; ++i) {
+                xs[m * K + t + i] = x[m * K + t + 2 * i];
+                xs[m * K + t + W + i] = x[m * K + t + 2 * i + 1];
+            }
+}
+#endif
+
 template <class TW>
 void gemv_any(int64_t M, const float* x, int64_t K, const TW* w, int64_t rows, const TW* bias, float* out,
               int64_t ldo) {
+#if MH_VECTOR_FLOATS == 8 && defined(__AVX2__)
+    if constexpr (std::is_same_v<TW, bf16>) {
+        if (K % (2 * W) == 0 && K <= SPLIT_X_MAX) {
+            alignas(64) float xs[MAX_STEP_ROWS * SPLIT_X_MAX];
+            split_even_odd(x, M, K, xs);
+            switch (M) {
+                case 1: gemv_rows_bf16<1>(xs, K, w, rows, bias, out, ldo); return;
+                case 2: gemv_rows_bf16<2>(xs, K, w, rows, bias, out, ldo); return;
+                case 3: gemv_rows_bf16<3>(xs, K, w, rows, bias, out, ldo); return;
+                default: gemv_rows_bf16<4>(xs, K, w, rows, bias, out, ldo); return;
+            }
+        }
+    }
+#endif
     switch (M) {
         case 1: gemv_rows<1>(x, K, w, rows, bias, out, ldo); break;
         case 2: gemv_rows<2>(x, K, w, rows, bias, out, ldo); break;
@@ -351,6 +436,10 @@ extern "C" int mh_linear_few_rows_f32(const float* x, int64_t M, int64_t K, int6
 //   y = heads · W_oᵀ + b_o                    (B, E)
 //   (the cache's counters are then advanced by KVCache.commit, their one writer)
 //
+// Nothing is written to the cache unless the step runs whole (every buffer is allocated
+// first). `saved` (or null): (B, 2, Hkv, D) of T, receives the written slots' old K and V,
+// so that a caller that fails after the step can put the cache back bitwise.
+//
 // The caller has checked every shape and that each row has room (lengths[b] < capacity).
 
 namespace {
@@ -363,7 +452,7 @@ template <class T>
 int decode_step(const T* x, int64_t B, int64_t E, const T* const* W, const T* const* bias, int64_t H, int64_t Hkv,
                 int64_t D, const float* rope_cos, const float* rope_sin, int64_t rotary_dim, int interleaved,
                 T* cache_k, T* cache_v, const int64_t* cache_strides, const int64_t* lengths, float scale, T* y,
-                int threads) {
+                T* saved, int threads) {
     if (B < 1 || B > MAX_STEP_ROWS || Hkv < 1 || H % Hkv != 0 || D < 1 || rotary_dim % 2 != 0 || rotary_dim > D) return -2;
     constexpr bool wide = std::is_same_v<T, float>;
     const int64_t G = H / Hkv, width = (H + 2 * Hkv) * D, half = rotary_dim / 2;
@@ -445,6 +534,10 @@ int decode_step(const T* x, int64_t B, int64_t E, const T* const* W, const T* co
                     const int64_t kvh = head - H;
                     const int64_t at = b * cache_strides[0] + kvh * cache_strides[1] + pos * cache_strides[2];
                     const float* vv = qkv + b * width + (H + Hkv + kvh) * D;
+                    if (saved) {  // the slot's old K and V, for the caller to restore on a later failure
+                        std::memcpy(saved + (b * 2 * Hkv + kvh) * D, cache_k + at, sizeof(T) * D);
+                        std::memcpy(saved + ((b * 2 + 1) * Hkv + kvh) * D, cache_v + at, sizeof(T) * D);
+                    }
                     for (int64_t i = 0; i < D; ++i) {
                         cache_k[at + i] = from_f32<T>(vec[i]);
                         cache_v[at + i] = from_f32<T>(vv[i]);
@@ -486,9 +579,9 @@ extern "C" int mh_decode_step_f32(
     const float* x, int64_t B, int64_t E, const float* const* W, const float* const* bias, int64_t H,
     int64_t Hkv, int64_t D, const float* rope_cos, const float* rope_sin, int64_t rotary_dim, int interleaved,
     float* cache_k, float* cache_v, const int64_t* cache_strides, const int64_t* lengths, float scale, float* y,
-    int threads) {
+    float* saved, int threads) {
     return decode_step<float>(x, B, E, W, bias, H, Hkv, D, rope_cos, rope_sin, rotary_dim, interleaved, cache_k,
-                              cache_v, cache_strides, lengths, scale, y, threads);
+                              cache_v, cache_strides, lengths, scale, y, saved, threads);
 }
 
 // As mh_decode_step_f32 with x, weights, biases, cache and y bfloat16 (uint16 bits); RoPE float32.
@@ -496,11 +589,11 @@ extern "C" int mh_decode_step_bf16(
     const void* x, int64_t B, int64_t E, const void* const* W, const void* const* bias, int64_t H,
     int64_t Hkv, int64_t D, const float* rope_cos, const float* rope_sin, int64_t rotary_dim, int interleaved,
     void* cache_k, void* cache_v, const int64_t* cache_strides, const int64_t* lengths, float scale, void* y,
-    int threads) {
+    void* saved, int threads) {
     return decode_step<bf16>(static_cast<const bf16*>(x), B, E, reinterpret_cast<const bf16* const*>(W),
                              reinterpret_cast<const bf16* const*>(bias), H, Hkv, D, rope_cos, rope_sin, rotary_dim,
                              interleaved, static_cast<bf16*>(cache_k), static_cast<bf16*>(cache_v), cache_strides,
-                             lengths, scale, static_cast<bf16*>(y), threads);
+                             lengths, scale, static_cast<bf16*>(y), static_cast<bf16*>(saved), threads);
 }
 
 // As mh_decode_step_f32 with x, weights, biases, cache and y float16 (uint16 bits); RoPE float32.
@@ -508,9 +601,9 @@ extern "C" int mh_decode_step_f16(
     const void* x, int64_t B, int64_t E, const void* const* W, const void* const* bias, int64_t H,
     int64_t Hkv, int64_t D, const float* rope_cos, const float* rope_sin, int64_t rotary_dim, int interleaved,
     void* cache_k, void* cache_v, const int64_t* cache_strides, const int64_t* lengths, float scale, void* y,
-    int threads) {
+    void* saved, int threads) {
     return decode_step<f16>(static_cast<const f16*>(x), B, E, reinterpret_cast<const f16* const*>(W),
                             reinterpret_cast<const f16* const*>(bias), H, Hkv, D, rope_cos, rope_sin, rotary_dim,
                             interleaved, static_cast<f16*>(cache_k), static_cast<f16*>(cache_v), cache_strides,
-                            lengths, scale, static_cast<f16*>(y), threads);
+                            lengths, scale, static_cast<f16*>(y), static_cast<f16*>(saved), threads);
 }
