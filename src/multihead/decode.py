@@ -41,7 +41,8 @@ def plain_linear(linear: nn.Module) -> bool:
 
 
 def _projections(layer: MultiHeadAttention) -> tuple[nn.Linear, ...]:
-    return (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj)
+    mods = layer._modules  # the registry nn.Module's attribute lookup searches (asked at every step)
+    return (mods["q_proj"], mods["k_proj"], mods["v_proj"], mods["o_proj"])  # type: ignore[return-value]
 
 
 def _plain_rope(layer: MultiHeadAttention, cache: KVCache) -> bool:

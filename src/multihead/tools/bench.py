@@ -290,8 +290,13 @@ def _prefill_case(causal: bool, e: int = 768, h: int = 12, s: int = 1024) -> tup
             "flops": _layer_flops(e, h, h, e // h, s, s, causal), "limit": "compute"}, fns
 
 
-def _decoder(e: int, h: int, hkv: int, cached: int, dtype: torch.dtype) -> tuple[Fn, Fn, Any]:
-    """Our layer in ``dtype`` with a cache of ``cached`` tokens: (step, reset, layer)."""
+def _decoder(e: int, h: int, hkv: int, cached: int, dtype: torch.dtype) -> tuple[Fn, Fn, Any, Fn | None]:
+    """Our layer in ``dtype`` with a cache of ``cached`` tokens: (step, reset, layer, kernel).
+
+    ``kernel`` (None where the fused step does not run) is the step's native kernel alone,
+    called as the layer calls it (its marshalled arguments) without the module around it:
+    the layer's time minus the kernel's is the Python the layer runs per step."""
+    from ..backends.native import StepPlan
     from ..module import MultiHeadAttention
     from ..rope import RoPE
 
@@ -300,19 +305,28 @@ def _decoder(e: int, h: int, hkv: int, cached: int, dtype: torch.dtype) -> tuple
     cache = layer.new_cache(1, cached + 64)
     layer(torch.randn(1, cached, e, dtype=dtype), cache=cache)  # prefill
     x = torch.randn(1, 1, e, dtype=dtype)
-    return (lambda: layer(x, cache=cache)), (lambda: cache.crop(cached)), layer
+    layer(x, cache=cache)  # one step: the fused one leaves its plan on the cache
+    cache.crop(cached)
+    plan, x2 = cache.step_plan, x.reshape(1, e)
+    kernel = functools.partial(plan.run, x2) if isinstance(plan, StepPlan) else None  # writes slot L, as the step
+    return (lambda: layer(x, cache=cache)), (lambda: cache.crop(cached)), layer, kernel
 
 
 def _decode_case(quick: bool, dtype: torch.dtype = torch.float32) -> tuple[dict[str, Any], dict[str, Fn],
                                                                            dict[str, Fn]]:
     e, h, hkv, cached = (256, 8, 2, 128) if quick else (2048, 32, 8, 4096)
     d = e // h
-    step, reset, ours = _decoder(e, h, hkv, cached, dtype)
+    step, reset, ours, kernel = _decoder(e, h, hkv, cached, dtype)
     x = torch.randn(1, 1, e, dtype=dtype)
     fns: dict[str, Fn] = {"multihead": step}
     resets: dict[str, Fn] = {"multihead": reset}
+    if kernel is not None:
+        fns[_KERNEL_ALONE] = kernel
     if dtype != torch.float32:  # the issue's yardstick: our own float32 step
-        fns["multihead float32"], resets["multihead float32"], _ = _decoder(e, h, hkv, cached, torch.float32)
+        fns["multihead float32"], resets["multihead float32"], _, kernel32 = _decoder(e, h, hkv, cached,
+                                                                                      torch.float32)
+        if kernel32 is not None:
+            fns[_KERNEL_ALONE + " float32"] = kernel32
     suffix = "" if dtype == torch.float32 else " " + _DTYPE_NAMES[dtype]
     try:
         import transformers as tf
@@ -344,6 +358,8 @@ def _decode_case(quick: bool, dtype: torch.dtype = torch.float32) -> tuple[dict[
 
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+#: The decoding rows of the fused step's native kernel alone (no module, no Python checks).
+_KERNEL_ALONE = "multihead kernel alone"
 
 
 def _train_case(e: int = 768, h: int = 12, s: int = 1024) -> tuple[dict[str, Any], dict[str, Fn], dict[str, Fn]]:
@@ -550,7 +566,9 @@ def format_report(suite: dict[str, Any]) -> str:
                 lines.append(f"(bandwidth limit: a copy timed in the same loop, "
                              f"{ours['copy_gbps']:.1f} GB/s read + write;"
                              f" a plain read of the same {ours['bytes'] / 1e6:.0f} MB (sum) took "
-                             f"{ours['read_s'] * 1e3:.2f} ms: ours {ours['times_read']:.2f}x that)")
+                             f"{ours['read_s'] * 1e3:.2f} ms: ours {ours['times_read']:.2f}x that"
+                             + "".join(f", {r['impl']} {r['times_read']:.2f}x" for r in rows
+                                       if r["impl"].startswith(_KERNEL_ALONE)) + ")")
         for peer in (r for r in rows if not r["is_ours"]):
             lines.append(_row(case, label, ours, peer))
     return "\n".join(lines)

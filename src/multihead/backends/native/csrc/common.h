@@ -234,16 +234,6 @@ inline void transpose8(const float* const* rows, float* dst) {
 }
 #endif
 
-// Ask for `rows` rows of `bytes` bytes each (row stride ld elements) to be brought into the
-// cache ahead of their use: level 0 = L1 (_MM_HINT_T0), 1 = L2 (_MM_HINT_T1). For streams the
-// hardware prefetcher starts late on (decoding reads K and V once, in short runs per head).
-template <int LEVEL, class T>
-inline void prefetch_rows(const T* p, int64_t rows, int64_t ld, int64_t bytes) {
-    for (int64_t r = 0; r < rows; ++r)
-        for (int64_t b = 0; b < bytes; b += 64)
-            __builtin_prefetch(reinterpret_cast<const char*>(p + r * ld) + b, 0, LEVEL == 0 ? 3 : 2);
-}
-
 // The W dot products of q (D) with keys k[0..W-1] (row stride ldk), D a multiple of W.
 template <class TK>
 inline vf dot_w(const float* __restrict q, const TK* __restrict k, int64_t ldk, int64_t d) {

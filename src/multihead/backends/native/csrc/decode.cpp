@@ -72,8 +72,6 @@ inline void pv_stream(const float* p, int64_t ldp, int64_t rows, int64_t n, cons
 // (b, K/V head, key split); with fewer heads than threads the keys are split and the
 // partial (m, l, o) merged at the end (flash-decoding). TQ: q's and out's element type, T:
 // K's and V's (float, bf16, f16; P's pointers hold data of those types).
-constexpr int64_t PF_KEYS = 4 * W;  // how far ahead decode_item prefetches K
-
 template <class TQ, class T>
 void decode_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t k0, int64_t k1, float* part) {
     const int64_t G = P.H / P.Hkv, D = P.D, Dv = P.Dv, Sq = P.Sq, rows = G * Sq;
@@ -100,8 +98,6 @@ void decode_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t
                 const T* kj = kb + (c0 + j) * P.ks[2];
                 // K a few keys ahead into L1, and these keys' V rows into L2 for the p·v pass:
                 // the loads overlap the arithmetic instead of stalling it.
-                if (c0 + j + PF_KEYS < hi) prefetch_rows<0>(kj + PF_KEYS * P.ks[2], W, P.ks[2], D * sizeof(T));
-                prefetch_rows<1>(vb + (c0 + j) * P.vs[2], W, P.vs[2], Dv * sizeof(T));
                 if constexpr (!std::is_same_v<T, float>) {
                     if (rows > 1) {  // half precision: the W keys widened once (buf.kt, L1), read by every row
                         for (int64_t s = 0; s < W; ++s)
