@@ -150,7 +150,7 @@ def _eager_step(layer: MultiHeadAttention, x: torch.Tensor, cache: KVCache) -> t
     b, _, e = x.shape
     rope = layer.rope
     tables = None if rope is None else (rope.cos, rope.sin, rope.rotary_dim, rope.interleaved)
-    layers = [(p.weight, p.bias) for p in _projections(layer)]
+    layers: list[tuple[torch.Tensor, torch.Tensor | None]] = [(p.weight, p.bias) for p in _projections(layer)]
     plan = cache.step_plan
     if not isinstance(plan, native.StepPlan) or plan.key != native.StepPlan.key_of(
             b, layers, tables, cache.k, cache.v, cache.lengths, x.dtype):
