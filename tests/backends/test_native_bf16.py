@@ -258,3 +258,34 @@ def test_the_decoding_step_refuses_mixed_dtypes_by_name() -> None:
         native.decode_step(x.double(), layers, cache_k=cache.k, cache_v=cache.v, **kw)
     y = native.decode_step(x, layers, cache_k=cache.k, cache_v=cache.v, **kw)
     assert y.dtype == torch.bfloat16 and y.isfinite().all()
+
+
+# (E, H, Hkv, rows B): E a multiple of 16 (the AVX2 bf16 GEMV's even/odd widening) with odd
+# weight-row counts (Hkv·D = 3: the row loop's tails), and E = 40 (its plain fallback).
+GEMV_SHAPES = {"even-odd, odd rows, B=1": (48, 16, 1, 1), "even-odd, B=3": (48, 16, 1, 3),
+               "even-odd, B=4, GQA": (96, 6, 2, 4), "fallback E=40, B=2": (40, 5, 1, 2)}
+
+
+@pytest.mark.parametrize("shape", list(GEMV_SHAPES))
+def test_half_fused_step_projections_at_every_tail(shape: str) -> None:
+    """The bf16 step's projections (widened 16 at a time into even and odd halves against a
+    de-interleaved x where E allows, plainly elsewhere) at row tails and 1–4 rows: within the
+    criterion of the float64 layer (the naive error: the unfused bf16 step's)."""
+    e, h, hkv, b = GEMV_SHAPES[shape]
+    torch.manual_seed(e + b)
+    layer = mh.MultiHeadAttention(e, h, num_kv_heads=hkv, causal=True).eval().to(torch.bfloat16)
+    twin = mh.MultiHeadAttention(e, h, num_kv_heads=hkv, causal=True).eval().double()
+    twin.load_state_dict({name: t.double() for name, t in layer.state_dict().items()})
+    x = torch.randn(b, 6, e).to(torch.bfloat16)
+    fused_cache, plain_cache, cache64 = layer.new_cache(b, 8), layer.new_cache(b, 8), twin.new_cache(b, 8)
+    with torch.no_grad():
+        for layer_, cache, x_ in ((layer, fused_cache, x), (layer, plain_cache, x), (twin, cache64, x.double())):
+            layer_(x_[:, :5], cache=cache)
+        assert decode.why_not_fused(layer, x[:, 5:], fused_cache) is None
+        fused = layer(x[:, 5:], cache=fused_cache)
+        layer.backend = "sdpa"  # not fused (the layers have no RoPE to take positions)
+        assert decode.why_not_fused(layer, x[:, 5:], plain_cache) is not None
+        plain = layer(x[:, 5:], cache=plain_cache)
+        want = twin(x[:, 5:].double(), cache=cache64)
+    ours, naive = _errors(fused, want), _errors(plain, want)
+    assert ours[0] <= 2 * naive[0] and ours[1] <= 2 * naive[1], (ours, naive)
