@@ -166,3 +166,35 @@ def core_mask(kind: str, b: int, h: int, sq: int, sk: int, gen: torch.Generator)
         "2d": torch.rand(sq, sk, generator=gen) < 0.6,
     }
     return masks[kind]
+
+
+#: Layouts of (B, H, S, D) tensors (:func:`as_layout`).
+LAYOUTS = ["contiguous", "transposed", "packed", "padded", "columns"]
+
+
+def as_layout(kind: str, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The (B, H, S, D) ``tensors`` with the same values, laid out as ``kind`` (differentiably).
+
+    "transposed": views of (B, S, H, D) buffers (the layer's heads, views of its projections);
+    "packed": slices of one (B, S, Σ H·D) buffer, as a fused qkv projection gives (all the
+    tensors must have the same B and S); "padded": each row the first D floats of a row of
+    D + 3, the rest NaN (a kernel reading past a row's end poisons its results); "columns":
+    views of (B, H, D, S) buffers, the one layout whose last dim is not contiguous.
+    """
+    if kind == "contiguous":
+        return [t.contiguous() for t in tensors]
+    if kind == "transposed":
+        return [t.transpose(1, 2).contiguous().transpose(1, 2) for t in tensors]
+    if kind == "columns":
+        return [t.transpose(2, 3).contiguous().transpose(2, 3) for t in tensors]
+    if kind == "padded":
+        return [torch.cat([t, torch.full_like(t[..., :3], float("nan"))], -1)[..., : t.shape[-1]] for t in tensors]
+    assert kind == "packed", kind
+    b, _, s, _ = tensors[0].shape
+    flat = [t.transpose(1, 2).reshape(b, s, -1) for t in tensors]  # (B, S, H·D) each
+    buffer = torch.cat(flat, -1)
+    views, at = [], 0
+    for t, f in zip(tensors, flat):
+        views.append(buffer[..., at : at + f.shape[-1]].view(b, s, t.shape[1], t.shape[3]).transpose(1, 2))
+        at += f.shape[-1]
+    return views

@@ -34,35 +34,41 @@ def _gemm() -> Callable[..., torch.Tensor]:
 
 
 class _OneDNNLinear(torch.autograd.Function):
-    """y = x · wᵀ + b with oneDNN GEMMs in the forward and the backward pass."""
+    """yᵢ = x · wᵢᵀ + bᵢ for one or more layers of one input, with oneDNN GEMMs in the forward
+    and the backward pass: one autograd node, so that x is transposed once for every weight
+    gradient (q, k and v of a layer share it) and x's gradient is summed here."""
 
     # ctx: Any, as in torch's own examples: its stub (FunctionCtx) lacks saved_tensors and
     # needs_input_grad, and the context also carries our has_bias.
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor,
-                b: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, *params: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         op = _gemm()
+        weights, biases = params[0::2], params[1::2]  # w₀, b₀, w₁, b₁, ...: (out_i, in), (out_i,) or None
         x2 = x.reshape(-1, x.shape[-1])  # (N, in)
-        ctx.save_for_backward(x2, w)
-        ctx.has_bias = b is not None
-        return op(x2, w, b, "none", [], "").view(*x.shape[:-1], w.shape[0])
+        ctx.save_for_backward(x2, *weights)
+        ctx.has_bias = [b is not None for b in biases]
+        ctx.shape = x.shape
+        return tuple(op(x2, w, b, "none", [], "").view(*x.shape[:-1], w.shape[0])  # type: ignore[union-attr]
+                     for w, b in zip(weights, biases))
 
     @staticmethod
-    def backward(ctx: Any, gy: torch.Tensor
-                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    def backward(ctx: Any, *gys: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         op = _gemm()
-        x2, w = ctx.saved_tensors
-        gy2 = gy.reshape(-1, gy.shape[-1]).contiguous()  # (N, out)
+        x2, *weights = ctx.saved_tensors
+        need_x, need = ctx.needs_input_grad[0], ctx.needs_input_grad[1:]
         # oneDNN reads transposed operands slowly: pass contiguous copies (O(N·E), cheap next to the GEMMs).
-        need_x, need_w, need_b = ctx.needs_input_grad
-        gx = gw = gb = None
-        if need_x:
-            gx = op(gy2, w.t().contiguous(), None, "none", [], "").view(*gy.shape[:-1], w.shape[1])  # gy · w
-        if need_w:  # frozen weights (e.g. adapters) skip this GEMM
-            gw = op(gy2.t().contiguous(), x2.t().contiguous(), None, "none", [], "")  # gyᵀ · x  (out, in)
-        if need_b and ctx.has_bias:
-            gb = gy2.sum(0)
-        return gx, gw, gb
+        xt = x2.t().contiguous() if any(need[0::2]) else None  # (in, N), once for every layer
+        gx: torch.Tensor | None = None
+        grads: list[torch.Tensor | None] = []
+        for i, (gy, w) in enumerate(zip(gys, weights)):
+            gy2 = gy.reshape(-1, gy.shape[-1]).contiguous()  # (N, out)
+            if need_x:
+                part = op(gy2, w.t().contiguous(), None, "none", [], "")  # gy · w  (N, in)
+                gx = part if gx is None else gx.add_(part)
+            # frozen weights (e.g. adapters) skip this GEMM
+            grads.append(op(gy2.t().contiguous(), xt, None, "none", [], "") if need[2 * i] else None)  # gyᵀ · x
+            grads.append(gy2.sum(0) if need[2 * i + 1] and ctx.has_bias[i] else None)
+        return (None if gx is None else gx.view(ctx.shape), *grads)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -100,7 +106,7 @@ def linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | Non
             or any(t.dtype != torch.float32 for t in tensors)):
         return [F.linear(x, w, b) for w, b in layers]
     if needs_grad(*tensors):
-        return [_OneDNNLinear.apply(x, w, b) for w, b in layers]
+        return list(_OneDNNLinear.apply(x, *(t for layer in layers for t in layer)))
     x2 = x.reshape(-1, x.shape[-1])  # (N, in)
     if (0 < x2.shape[0] <= native.MAX_STEP_ROWS and all(t.is_contiguous() for t in tensors[1:])
             and native.vector_bits() >= 256):  # AVX-512 or AVX2 (measured: 1.2-1.7× oneDNN's on AVX2)

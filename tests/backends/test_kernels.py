@@ -239,6 +239,27 @@ def test_linear_matches_f_linear_in_value_and_gradients(bias: bool) -> None:
         torch.testing.assert_close(kernels.linear(x, w, b), ref, atol=1e-5, rtol=1e-5)
 
 
+def test_linears_of_one_input_match_f_linear_and_transpose_it_once() -> None:
+    """Several layers of one x (q, k, v) are one autograd node: the same values and gradients as
+    F.linear per layer (x's summed over the layers; a frozen weight and a missing bias get
+    none), with x transposed for the weight gradients once, not once per layer."""
+    x = torch.randn(3, 7, 16, requires_grad=True)  # N = 21 rows
+    layers = [(torch.randn(n, 16, requires_grad=True), torch.randn(n, requires_grad=True) if n != 12 else None)
+              for n in (24, 12, 20)]
+    layers[2][0].requires_grad_(False)  # frozen
+    leaves = [t for t in (x, *(t for layer in layers for t in layer)) if t is not None and t.requires_grad]
+    gys = [torch.randn(3, 7, w.shape[0]) for w, _ in layers]
+    ours = kernels.linears(x, layers)
+    refs = [torch.nn.functional.linear(x, w, b) for w, b in layers]
+    for got, want in zip(torch.autograd.grad(ours, leaves, gys), torch.autograd.grad(refs, leaves, gys)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    if gemm.onednn_available():  # the oneDNN path transposes its operands into contiguous copies
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+            torch.autograd.backward(kernels.linears(x, layers), gys)
+        copies = [e.input_shapes[0] for e in prof.events() if e.name == "aten::copy_"]
+        assert copies.count([16, 21]) == 1, copies  # xᵀ (in, N): once for both trained weights
+
+
 @pytest.mark.parametrize("sq, sk", [(511, 511), (513, 513), (1025, 1025), (200, 1100)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_blocked_at_real_block_sizes_meets_the_accuracy_criterion(sq: int, sk: int, causal: bool) -> None:

@@ -22,7 +22,7 @@ import sys
 
 import pytest
 import torch
-from conftest import MASK_KINDS, core_mask, reference_layer
+from conftest import LAYOUTS, MASK_KINDS, as_layout, core_mask, reference_layer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -38,20 +38,27 @@ SIZES = [1, 2, 13, 31, 33, 63, 64, 65, 130]
 
 
 def _grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, dtype: torch.dtype,
-           **kw: object) -> list[torch.Tensor]:
+           layout: str = "contiguous", **kw: object) -> list[torch.Tensor]:
+    """dq, dk, dv, the attention given q, k, v and dout laid out as ``layout`` (conftest.as_layout;
+    "packed" packs q, k, v and gives dout "transposed")."""
     leaves = [t.to(dtype).clone().requires_grad_() for t in (q, k, v)]
-    out = mh.attention(*leaves, **kw)
-    out.backward(dout.to(dtype))
+    out = mh.attention(*as_layout(layout, *leaves), **kw)
+    out.backward(as_layout("transposed" if layout == "packed" else layout, dout.to(dtype))[0])
     return [t.grad for t in leaves]
 
 
-def _assert_criterion(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, floor_ulps: int = 8, **kw: object) -> None:
+def _assert_criterion(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, floor_ulps: int = 8,
+                      layout: str = "contiguous", **kw: object) -> None:
     """dq, dk, dv of backend "native" by the gradient criterion (see the module docstring):
-    error ≤ 3 × naive + ``floor_ulps`` ulps of the largest gradient."""
+    error ≤ 3 × naive + ``floor_ulps`` ulps of the largest gradient; with q, k, v and dout laid
+    out as ``layout``, also bit for bit those of contiguous inputs."""
     dout = torch.randn(q.shape[:-1] + v.shape[-1:], dtype=torch.float64)
     truth = _grads(q, k, v, dout, torch.float64, backend="explicit", **kw)
     naive = _grads(q, k, v, dout, torch.float32, backend="explicit", **kw)
-    ours = _grads(q, k, v, dout, torch.float32, backend="native", **kw)
+    ours = _grads(q, k, v, dout, torch.float32, layout, backend="native", **kw)
+    if layout != "contiguous":
+        for name, strided, contiguous in zip("qkv", ours, _grads(q, k, v, dout, torch.float32, backend="native", **kw)):
+            assert torch.equal(strided, contiguous), name
     # A gradient can be exactly 0 (dq of a row with one key); its float32 rounding is
     # then measured against the largest of the three.
     floor = floor_ulps * 2.0**-23 * max(t.abs().max().item() for t in truth)
@@ -138,6 +145,54 @@ def test_tile_edges_meet_the_criterion_with_no_floor(b: int, h: int, hkv: int, s
     _assert_criterion(q, k, v, floor_ulps=0, mask=_edge_mask(mask, b, h, sq, sk), causal=causal, window=window)
 
 
+# (H, Hkv, S, D, Dv, causal, window, mask): q, k, v and dout at other strides; S = Sq = Sk (packed).
+STRIDED = [
+    (4, 4, 70, 64, 64, False, None, None),       # D a multiple of the vector: dQ summed in place (fused)
+    (8, 2, 97, 40, 24, True, None, "rows"),      # GQA, D padded (a dQ buffer), Dv ≠ D, rows with no key
+    (6, 1, 130, 33, 33, True, 37, "padded"),     # MQA, causal + window, key padding
+]
+
+
+@pytest.mark.parametrize("b", [1, 4], ids=["two-pass", "fused"])
+@pytest.mark.parametrize("layout", LAYOUTS[1:])
+@pytest.mark.parametrize("h, hkv, s, d, dv, causal, window, mask", STRIDED)
+def test_strided_inputs_give_the_contiguous_gradients_bitwise(b: int, layout: str, h: int, hkv: int, s: int, d: int,
+                                                             dv: int, causal: bool, window: int | None,
+                                                             mask: str | None) -> None:
+    """The backward reads q, k, v and dout at their strides (the layer's heads are views of its
+    projections; a fused qkv projection's are slices of one buffer): the gradients are those of
+    contiguous inputs bit for bit (the same sums in the same order), so within the criterion."""
+    gen = torch.Generator().manual_seed(s * 10 + d)
+    q, k, v = (torch.randn(*shape, generator=gen, dtype=torch.float64)
+               for shape in ((b, h, s, d), (b, hkv, s, d), (b, hkv, s, dv)))
+    _assert_criterion(q, k, v, floor_ulps=0, layout=layout, mask=_edge_mask(mask, b, h, s, s), causal=causal,
+                      window=window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("layout", LAYOUTS[1:])
+def test_the_operator_reads_strides_and_lays_out_its_gradients(dtype: torch.dtype, layout: str) -> None:
+    """Through the operator itself (float32's tiles and float64's plain loop): bitwise the
+    contiguous gradients; each with its input's strides where those are dense with contiguous
+    rows (the layer's heads: their backward is then a view, no copy), else laid out (B, S, H, D)."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v, dout = (torch.randn(*shape, generator=gen, dtype=dtype)
+                     for shape in ((2, 6, 45, 24), (2, 2, 45, 24), (2, 2, 45, 24), (2, 6, 45, 24)))
+    mask = torch.rand(2, 1, 45, 45, generator=gen) < 0.8
+    op = torch.ops.multihead
+    out, lse = op.attention(q, k, v, mask, 0.3, True, 20, False)
+    delta = (dout * out).sum(-1)
+    want = op.attention_backward(dout, q, k, v, lse, delta, mask, 0.3, True, 20)
+    strided = as_layout(layout, q, k, v)
+    d_out = as_layout("transposed" if layout == "packed" else layout, dout)[0]
+    got = op.attention_backward(d_out, *strided, lse, delta, mask, 0.3, True, 20)
+    for name, g, w, t in zip("qkv", got, want, strided):
+        assert torch.equal(g, w), name
+        b, h, s, d = t.shape
+        expected = t.stride() if layout == "transposed" else (s * h * d, d, h * d, 1)  # dense rows, else (B, S, H, D)
+        assert g.stride() == expected, (name, g.stride())
+
+
 @pytest.mark.parametrize("b", [1, 2], ids=["two-pass", "fused"])
 def test_gradients_do_not_depend_on_the_thread_count(b: int) -> None:
     """Every sum runs in an order fixed by the shapes: 1 and 2 threads agree bit for bit."""
@@ -168,11 +223,14 @@ def test_fully_masked_rows_get_zero_gradients_not_nan() -> None:
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
-@pytest.mark.parametrize("causal, window, masked", [(False, None, False), (True, None, True), (True, 3, False),
-                                                    (False, 2, True)])
-def test_gradcheck_in_float64_through_the_operator(causal: bool, window: int | None, masked: bool) -> None:
+@pytest.mark.parametrize("causal, window, masked, layout", [(False, None, False, "contiguous"),
+                                                            (True, None, True, "transposed"),
+                                                            (True, 3, False, "padded"), (False, 2, True, "contiguous")])
+def test_gradcheck_in_float64_through_the_operator(causal: bool, window: int | None, masked: bool,
+                                                   layout: str) -> None:
     """The float64 instantiation of the plain C++ backward, against finite differences;
-    GQA (2 heads per K/V head), Sq ≠ Sk, a row with no key when masked."""
+    GQA (2 heads per K/V head), Sq ≠ Sk, a row with no key when masked; q, k, v (and so the
+    gradient of out) read at other strides in two cases."""
     q = torch.randn(1, 4, 7, 5, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, 2, 9, 5, dtype=torch.float64, requires_grad=True)
     v = torch.randn(1, 2, 9, 3, dtype=torch.float64, requires_grad=True)
@@ -181,8 +239,8 @@ def test_gradcheck_in_float64_through_the_operator(causal: bool, window: int | N
         mask = torch.rand(1, 1, 7, 9) < 0.7
         mask[..., 1, :] = False
     op = torch.ops.multihead.attention
-    assert torch.autograd.gradcheck(lambda *t: op(*t, mask, 0.4, causal, window, False)[0], (q, k, v),
-                                      fast_mode=True)
+    assert torch.autograd.gradcheck(lambda *t: op(*as_layout(layout, *t), mask, 0.4, causal, window, False)[0],
+                                    (q, k, v), fast_mode=True)
 
 
 def test_gradcheck_of_the_log_sum_exp_output() -> None:

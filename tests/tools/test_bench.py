@@ -120,3 +120,38 @@ def test_run_script_prints_the_report_and_writes_files(suite: dict[str, Any], tm
     captured = capsys.readouterr()
     assert "torch threads" in captured.err and "== core/causal ==" in captured.out
     assert (tmp_path / "bench.json").exists() and (tmp_path / "bench.png").exists()
+
+
+def test_train_case_reports_its_projection_gemm_floor(suite: dict[str, Any]) -> None:
+    """layer/train times its floor, the step's projection GEMMs alone (9 of 2·S·E² FLOPs), among
+    its peers; every row carries the floor's share of its step, which the report prints
+    apart from the peers' rows."""
+    rows = [r for r in suite["results"] if r["case"] == "layer/train"]
+    floor = next(r for r in rows if r["impl"] == "(projection GEMMs only)")
+    assert not floor["is_ours"] and floor["flops"] == 9 * 2.0 * floor["seq"] * floor["embed_dim"] ** 2
+    assert floor["gflops"] == pytest.approx(floor["flops"] / floor["median_s"] / 1e9)
+    for row in rows:
+        assert row["gemm_fraction"] == pytest.approx(floor["median_s"] / row["median_s"])
+    text = bench.format_report(suite)
+    section = text[text.index("== layer/train =="):text.index("== memory ==")].splitlines()
+    assert not any(line.startswith("seq=") and "(projection GEMMs only)" in line for line in section)
+    shares = next(line for line in section if "their share of each step" in line)
+    for row in rows:
+        if row is not floor:
+            assert f"{row['impl']} {100 * row['gemm_fraction']:.0f}%" in shares
+
+
+def test_train_floor_runs_the_gemms_of_the_layer_step_and_nothing_else() -> None:
+    """The floor calls as many GEMMs as the layer's step does (its 9: the native backend's
+    attention runs none of torch's)."""
+    _, fns, resets = bench._train_case(64, 4, 128)
+    gemm_ops = {"mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm"}
+
+    def gemms(name: str) -> int:
+        fns[name]()  # warm-up (first-call work is not the step's)
+        resets[name]()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            fns[name]()
+        return sum(e.name in gemm_ops for e in prof.events())
+
+    assert gemms("(projection GEMMs only)") == gemms("multihead backend=native") == 9

@@ -29,7 +29,10 @@ core/bf16      the core in bfloat16, ± causal, S ≥ 1024   as core/* (peers: o
 layer/decode-bf16  layer/decode with bfloat16 weights and  weights + K/V bytes read
                cache (peers: ours in float32, HF in bf16)
 layer/train    forward + backward, E=768, H=12, S=1024     3 × forward FLOPs
-               (peers: torch MHA, the layer on backend="native" and "sdpa")
+               (peers: torch MHA, the layer on backend="native" and "sdpa";
+               its floor: the step's projection GEMMs     9 GEMMs of 2·S·E²
+               alone, "(projection GEMMs only)", with the
+               share of each step they take)
 memory         the core at S=32768 in a fresh process      peak RSS increase
 =============  ==========================================  =========================
 
@@ -69,6 +72,7 @@ Fn = Callable[[], object]
 Result = dict[str, Any]
 _COPY = "(copy)"  # the bandwidth probe timed among a case's implementations
 _READ = "(read)"  # a plain read of the case's bytes, timed among them too
+_GEMMS = "(projection GEMMs only)"  # layer/train's floor: its projections' GEMMs alone, timed among its peers
 
 #: Sequence lengths of the core cases (full run, --quick run).
 CORE_SEQ = (512, 1024, 2048, 4096)
@@ -371,18 +375,62 @@ def _train_case(e: int = 768, h: int = 12, s: int = 1024) -> tuple[dict[str, Any
     native = MultiHeadAttention(e, h, backend="native").train()  # the native FlashAttention-2 backward
     sdpa = MultiHeadAttention(e, h, backend="sdpa").train()
     mha = torch.nn.MultiheadAttention(e, h, batch_first=True).train()
+    gemms, gemms_reset, gemm_flops = _projection_gemms(ours, x, grad)
     fns: dict[str, Fn] = {
         "multihead": lambda: ours(x).backward(grad),
         "multihead backend=native": lambda: native(x).backward(grad),
         "multihead backend=sdpa": lambda: sdpa(x).backward(grad),
         "torch MHA": lambda: mha(x, x, x, need_weights=False)[0].backward(grad),
+        _GEMMS: gemms,
     }
     resets: dict[str, Fn] = {"multihead": lambda: ours.zero_grad(set_to_none=True),
                              "multihead backend=native": lambda: native.zero_grad(set_to_none=True),
                              "multihead backend=sdpa": lambda: sdpa.zero_grad(set_to_none=True),
-                             "torch MHA": lambda: mha.zero_grad(set_to_none=True)}
+                             "torch MHA": lambda: mha.zero_grad(set_to_none=True),
+                             _GEMMS: gemms_reset}
     return {"case": "layer/train", "embed_dim": e, "heads": h, "seq": s,
-            "flops": 3.0 * _layer_flops(e, h, h, e // h, s, s, False), "limit": "compute"}, fns, resets
+            "flops": 3.0 * _layer_flops(e, h, h, e // h, s, s, False), "gemm_flops": gemm_flops,
+            "limit": "compute"}, fns, resets
+
+
+def _projection_gemms(layer: Any, x: torch.Tensor, grad: torch.Tensor) -> tuple[Fn, Fn, float]:
+    """The GEMMs of ``layer``'s training step and nothing else: (step, reset, FLOPs).
+
+    The step calls the layer's own GEMM (:func:`multihead.linear.linear`, oneDNN where it
+    runs) on its four projections' weights, at the step's shapes: q, k, v from x and the
+    output projection from a (B, S, E) tensor standing for the heads; backward with the
+    same gradient, so the weight and bias gradients of all four and the input gradient of
+    the output projection (x needs none, as in the step): 9 GEMMs of 2·S·E² FLOPs (E = in =
+    out). No attention kernel, however fast, can take a step below this time.
+    """
+    from ..linear import linear
+
+    projs = [layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj]
+    params = [(p.weight.detach().clone().requires_grad_(), p.bias.detach().clone().requires_grad_())
+              for p in projs]
+    heads = torch.randn_like(x, requires_grad=True)  # (B, S, E): the attention's output
+    grads = [torch.randn_like(x) for _ in range(3)] + [grad]  # dq, dk, dv (any values), dy
+
+    def step() -> None:
+        outs = [linear(src, w, b) for src, (w, b) in zip((x, x, x, heads), params)]
+        torch.autograd.backward(outs, grads)
+
+    def reset() -> None:
+        for t in [heads, *(t for pair in params for t in pair)]:
+            t.grad = None
+
+    one = [2.0 * x.shape[0] * x.shape[1] * w.numel() for w, _ in params]  # one GEMM of each projection
+    return step, reset, 2 * sum(one) + one[3]  # forwards, weight gradients, o_proj's input gradient
+
+
+def _gemm_floor(rows: list[Result], limits: dict[str, Any]) -> None:
+    """layer/train's rows: the floor's row rated by its own FLOPs, and every row's ``gemm_fraction``,
+    the floor's time over its own: the share of its step that is projection GEMM work."""
+    floor = next(r for r in rows if r["impl"] == _GEMMS)
+    floor["flops"] = floor["gemm_flops"]
+    _add_rates(floor, limits)
+    for row in rows:
+        row["gemm_fraction"] = floor["median_s"] / row["median_s"]
 
 
 # -- memory, in a fresh process --------------------------------------------------------
@@ -457,12 +505,13 @@ def run_suite(*, quick: bool = False, progress: Callable[[str], None] | None = N
     budget = 0.2 if quick else 3.0
     results: list[Result] = []
 
-    def record(spec: dict[str, Any], fns: dict[str, Fn], resets: dict[str, Fn] | None = None) -> None:
+    def record(spec: dict[str, Any], fns: dict[str, Fn], resets: dict[str, Fn] | None = None) -> list[Result]:
         stats = time_interleaved(fns, reps=2 if quick else 5, warmup=1 if quick else 3, resets=resets, budget_s=budget)
-        for impl, st in stats.items():
-            row = {**spec, "impl": impl, "is_ours": impl == "multihead", **st}
+        rows = [{**spec, "impl": impl, "is_ours": impl == "multihead", **st} for impl, st in stats.items()]
+        for row in rows:
             _add_rates(row, limits)
-            results.append(row)
+        results.extend(rows)
+        return rows
 
     with torch.no_grad():
         for causal in (False, True):
@@ -480,7 +529,7 @@ def run_suite(*, quick: bool = False, progress: Callable[[str], None] | None = N
             say(f"layer decode {_DTYPE_NAMES[dtype]}")
             results.extend(_bandwidth_rows(*_decode_case(quick, dtype), limits, quick, budget))
     say("layer train (forward + backward)")
-    record(*(_train_case(64, 4, 128) if quick else _train_case()))
+    _gemm_floor(record(*(_train_case(64, 4, 128) if quick else _train_case())), limits)
     say("memory")
     for row in measure_memory(memory_seq or (1024 if quick else 32768)):
         results.append(row)
@@ -569,9 +618,20 @@ def format_report(suite: dict[str, Any]) -> str:
                              f"{ours['read_s'] * 1e3:.2f} ms: ours {ours['times_read']:.2f}x that"
                              + "".join(f", {r['impl']} {r['times_read']:.2f}x" for r in rows
                                        if r["impl"].startswith(_KERNEL_ALONE)) + ")")
-        for peer in (r for r in rows if not r["is_ours"]):
+        for peer in (r for r in rows if not r["is_ours"] and r["impl"] != _GEMMS):
             lines.append(_row(case, label, ours, peer))
+        floor = next((r for r in rows if r["impl"] == _GEMMS), None)
+        if floor is not None:
+            lines += _floor_lines(floor, rows)
     return "\n".join(lines)
+
+
+def _floor_lines(floor: Result, rows: list[Result]) -> list[str]:
+    """layer/train's floor: its time and GEMM rate, and the share of each implementation's step it is."""
+    shares = ", ".join(f"{r['impl']} {100 * r['gemm_fraction']:.0f}%" for r in rows if r is not floor)
+    return [f"{_GEMMS} {floor['median_s'] * 1e3:.2f} ms ({100 * floor['frac_sgemm']:.0f}% of sgemm): the step's 9 "
+            "projection GEMMs alone, a floor no attention kernel can go below;",
+            f"  their share of each step: {shares}"]
 
 
 def _header(case: str) -> str:

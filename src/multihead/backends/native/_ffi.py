@@ -42,11 +42,12 @@ SIGNATURES: dict[str, list[type]] = {
     "mh_decode_step_f32": _STEP,
     "mh_decode_step_bf16": _STEP,
     "mh_decode_step_f16": _STEP,
-    # q, k, v, dout, lse, delta, mask (or null); dq, dk, dv; dims (7), mask strides (4);
-    # scale, causal, window, threads
+    # q, k, v, dout, lse, delta, mask (or null); dq, dk, dv; dims (7), strides (25: q, k, v,
+    # dout, dq, dk, dv (b, h, s), mask (b, h, i, j)); scale, causal, window, threads
     "mh_attention_backward_f32": [_vp] * 10 + [_i64p, _i64p, _f64, _int, _i64, _int],
     "mh_attention_backward_f64": [_vp] * 10 + [_i64p, _i64p, _f64, _int, _i64, _int],
-    # q, k, v, mask (or null); out, lse; dims (7), mask strides (4); scale, causal, window, threads
+    # q, k, v, mask (or null); out, lse; dims (7), strides (25, as the backward's: those of q, k, v
+    # and the mask read); scale, causal, window, threads
     "mh_attention_forward_f64": [_vp] * 6 + [_i64p, _i64p, _f64, _int, _i64, _int],
     # kind (0 bfloat16, 1 float16), to_half, src, dst, n: the scalar conversions (tests)
     "mh_convert_scalar": [_int, _int, _vp, _vp, _i64],

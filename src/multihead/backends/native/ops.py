@@ -49,6 +49,28 @@ def _mask_strides(mask: Tensor | None, shape: tuple[int, int, int, int]) -> tupl
     return mask, tuple(mask.stride())
 
 
+def _rows(t: Tensor) -> Tensor:
+    """t itself when its last dim is contiguous (the kernels take any other strides), else a copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _gradient_like(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """An empty gradient for ``t`` (B, H, S, D) (in ``dtype``, default t's): with t's strides when
+    t fills its memory densely with contiguous rows (contiguous leaves; the layer's heads, views
+    of its (B, S, H·D) projections, so that their backward is a view), else laid out (B, S, H, D)
+    (e.g. slices of a packed qkv buffer). The fake implementation calls it too."""
+    out = torch.empty_like(t, dtype=dtype)  # preserve_format: t's strides when t is dense, else contiguous
+    if out.stride() == t.stride() and t.stride(-1) == 1:
+        return out
+    b, h, s, d = t.shape
+    return t.new_empty((b, s, h, d), dtype=dtype).permute(0, 2, 1, 3)
+
+
+def _strides(*tensors: Tensor) -> tuple[int, ...]:
+    """The (b, h, s) strides of each 4-d tensor, in order (the kernels' stride arguments)."""
+    return tuple(n for t in tensors for n in t.stride()[:3])
+
+
 def _check(code: int, what: str) -> None:
     if code == -1:
         raise MemoryError(f"the native {what} could not allocate its buffers")
@@ -111,13 +133,14 @@ def _forward_f64(lib: object, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | No
                  window: int | None) -> tuple[Tensor, Tensor]:
     b, h, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
-    q, k, v = (t.contiguous() for t in (q, k, v))
+    q, k, v = (_rows(t) for t in (q, k, v))
     mask, mstrides = _mask_strides(mask, (b, h, sq, sk))
     out = torch.empty((b, h, sq, dv), dtype=torch.float64)
     lse = torch.empty((b, h, sq), dtype=torch.float64)
+    strides = (*_strides(q, k, v), *(0,) * 12, *mstrides)  # dout, dq, dk, dv: unread
     _check(lib.mh_attention_forward_f64(  # type: ignore[attr-defined]
         ptr(q), ptr(k), ptr(v), ptr(mask), ptr(out), ptr(lse), int64s((b, h, hkv, sq, sk, d, dv)),
-        int64s(mstrides), float(scale), int(causal), int(window or 0), torch.get_num_threads()), "float64 attention")
+        int64s(strides), float(scale), int(causal), int(window or 0), torch.get_num_threads()), "float64 attention")
     return out, lse
 
 
@@ -131,6 +154,13 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tenso
         dout: (B, H, Sq, Dv) the gradient of out. q, k, v, mask, scale, causal, window:
             the forward's. lse: (B, H, Sq) the forward's log-sum-exp. delta: (B, H, Sq)
             ``Σ_t dout·out − dlse`` per row (float32, float64 for float64).
+            q, k, v and dout are read at their strides (copied only if their last dim is
+            not contiguous); the results do not depend on the strides (bitwise).
+
+    Returns:
+        dq, dk, dv with the strides of q, k, v where those are dense (the layer's heads:
+        views of its projections, whose backward then copies nothing), else laid out
+        (B, S, H, D) (:func:`_gradient_like`).
     """
     from . import _require
 
@@ -138,14 +168,14 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tenso
     wide = _wide(q.dtype)
     b, h, sq, d = q.shape
     hkv, sk, dv_ = k.shape[1], k.shape[2], v.shape[-1]
-    q_, k_, v_, do_ = (t.to(wide).contiguous() for t in (q, k, v, dout))
+    q_, k_, v_, do_ = (_rows(t.to(wide)) for t in (q, k, v, dout))
     lse_, delta_ = lse.to(wide).contiguous(), delta.to(wide).contiguous()
     mask, mstrides = _mask_strides(mask, (b, h, sq, sk))
-    dq, dk, dv = torch.empty_like(q_), torch.empty_like(k_), torch.empty_like(v_)
+    dq, dk, dv = (_gradient_like(t, wide) for t in (q, k, v))  # (half precision: rounded to it below)
     fn = lib.mh_attention_backward_f64 if wide == torch.float64 else lib.mh_attention_backward_f32  # type: ignore[attr-defined]
     _check(fn(ptr(q_), ptr(k_), ptr(v_), ptr(do_), ptr(lse_), ptr(delta_), ptr(mask), ptr(dq), ptr(dk), ptr(dv),
-              int64s((b, h, hkv, sq, sk, d, dv_)), int64s(mstrides), float(scale), int(causal), int(window or 0),
-              torch.get_num_threads()), "attention backward")
+              int64s((b, h, hkv, sq, sk, d, dv_)), int64s((*_strides(q_, k_, v_, do_, dq, dk, dv), *mstrides)),
+              float(scale), int(causal), int(window or 0), torch.get_num_threads()), "attention backward")
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -153,7 +183,7 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tenso
 def _attention_backward_fake(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor,
                              mask: Optional[Tensor], scale: float, causal: bool, window: Optional[int],
                              ) -> tuple[Tensor, Tensor, Tensor]:
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
+    return _gradient_like(q), _gradient_like(k), _gradient_like(v)  # the real strides (.to keeps them)
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
@@ -171,8 +201,9 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tens
 def _backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
     q, k, v, out, lse, mask = ctx.saved_tensors
     wide = _wide(q.dtype)
-    if dout is None:
-        dout = torch.zeros_like(out)
+    # dout's rows made contiguous (if they are not) before delta's sums, which then run in one order
+    # for every layout: the gradients do not depend on dout's strides (bitwise).
+    dout = torch.zeros_like(out) if dout is None else _rows(dout)
     delta = (dout.to(wide) * out.to(wide)).sum(-1)  # (B, H, Sq): Σ_t dO·O
     if dlse is not None:
         delta = delta - dlse.to(wide)  # lse's own gradient: ds += p · dlse

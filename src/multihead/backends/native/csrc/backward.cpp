@@ -49,16 +49,24 @@ constexpr int64_t KC2 = 256;  // keys per chunk of pass 2 (its K and V stay in L
 
 template <typename T>
 struct Grad {
-    const T *q, *k, *v, *dout, *lse, *delta;  // contiguous: (B, H, Sq, D), (B, Hkv, Sk, D|Dv), (B, H, Sq, Dv), (B, H, Sq) ×2
+    // q (B, H, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv), dout (B, H, Sq, Dv) and the gradients
+    // dq, dk, dv (shaped like q, k, v): rows of contiguous elements at any strides (b, h, s) below.
+    const T *q, *k, *v, *dout, *lse, *delta;  // lse, delta: contiguous (B, H, Sq)
     const uint8_t* mask;                      // nullptr or bool bytes with strides ms (b, h, i, j)
-    T *dq, *dk, *dv;                          // contiguous, like q, k, v
+    T *dq, *dk, *dv;
     T* norm;  // (B, H, Sq): 1 / Σ_j exp(s_ij − lse_i) as recomputed here (pass 2), ≈ 1
     int64_t B, H, Hkv, Sq, Sk, D, Dv, ms[4];
+    int64_t qs[3], ks[3], vs[3], dos[3], dqs[3], dks[3], dvs[3];  // strides (b, h, s) in elements
     T scale;
     Problem rule;  // dims, causal, window: what mh::span reads
 
-    const T* qrow(int64_t b, int64_t h, int64_t i) const { return q + ((b * H + h) * Sq + i) * D; }
-    const T* dorow(int64_t b, int64_t h, int64_t i) const { return dout + ((b * H + h) * Sq + i) * Dv; }
+    const T* qrow(int64_t b, int64_t h, int64_t i) const { return q + b * qs[0] + h * qs[1] + i * qs[2]; }
+    const T* krow(int64_t b, int64_t h, int64_t j) const { return k + b * ks[0] + h * ks[1] + j * ks[2]; }
+    const T* vrow(int64_t b, int64_t h, int64_t j) const { return v + b * vs[0] + h * vs[1] + j * vs[2]; }
+    const T* dorow(int64_t b, int64_t h, int64_t i) const { return dout + b * dos[0] + h * dos[1] + i * dos[2]; }
+    T* dqrow(int64_t b, int64_t h, int64_t i) const { return dq + b * dqs[0] + h * dqs[1] + i * dqs[2]; }
+    T* dkrow(int64_t b, int64_t h, int64_t j) const { return dk + b * dks[0] + h * dks[1] + j * dks[2]; }
+    T* dvrow(int64_t b, int64_t h, int64_t j) const { return dv + b * dvs[0] + h * dvs[1] + j * dvs[2]; }
     int64_t row(int64_t b, int64_t h, int64_t i) const { return (b * H + h) * Sq + i; }
     const uint8_t* mrow(int64_t b, int64_t h, int64_t i) const {
         return mask ? mask + b * ms[0] + h * ms[1] + i * ms[2] : nullptr;
@@ -79,10 +87,11 @@ inline void axpy(T a, const T* __restrict x, T* __restrict y, int64_t n) {
     for (int64_t t = 0; t < n; ++t) y[t] += a * x[t];
 }
 
-// out[j] = x · rows[j] for j < n (rows of length d, stride d): dot products.
+// out[j] = x · rows[j] for j < n (rows of length d, stride ld): dot products.
 template <typename T>
-inline void dots(const T* __restrict x, const T* __restrict rows, int64_t n, int64_t d, T* __restrict out) {
-    for (int64_t j = 0; j < n; ++j) out[j] = dot_t(x, rows + j * d, d);
+inline void dots(const T* __restrict x, const T* __restrict rows, int64_t n, int64_t d, int64_t ld,
+                 T* __restrict out) {
+    for (int64_t j = 0; j < n; ++j) out[j] = dot_t(x, rows + j * ld, d);
 }
 // x[j] = exp(x[j] − c) for j < n (x[j] = −inf gives 0).
 inline void exp_shift(double* x, int64_t n, double c) {
@@ -110,11 +119,9 @@ inline bool row_grads(const Grad<T>& g, int64_t b, int64_t h, int64_t i, int64_t
     const T* qi = g.qrow(b, h, i);
     const T* doi = g.dorow(b, h, i);
     const int64_t kv = h / (g.H / g.Hkv);
-    const T* kb = g.k + (b * g.Hkv + kv) * g.Sk * g.D;
-    const T* vb = g.v + (b * g.Hkv + kv) * g.Sk * g.Dv;
     const uint8_t* m = g.mrow(b, h, i);
     const T neg_inf = -std::numeric_limits<T>::infinity();
-    dots(qi, kb + a * g.D, e - a, g.D, p);
+    dots(qi, g.krow(b, kv, a), e - a, g.D, g.ks[2], p);
     for (int64_t j = a; j < e; ++j)
         p[j - a] = (m && !m[j * g.ms[3]]) ? neg_inf : g.scale * p[j - a];
     exp_shift(p, e - a, lse);
@@ -124,7 +131,7 @@ inline bool row_grads(const Grad<T>& g, int64_t b, int64_t h, int64_t i, int64_t
     if (factor != T(1))
         for (int64_t j = 0; j < e - a; ++j) p[j] *= factor;
     const T delta = g.delta[r];
-    dots(doi, vb + a * g.Dv, e - a, g.Dv, ds);  // dp
+    dots(doi, g.vrow(b, kv, a), e - a, g.Dv, g.vs[2], ds);  // dp
     for (int64_t j = 0; j < e - a; ++j) ds[j] = p[j] == T(0) ? T(0) : p[j] * (ds[j] - delta);
     return true;
 }
@@ -149,11 +156,12 @@ inline void rank_update(T* __restrict acc, const T* const* x, const T* c, int64_
     }
 }
 
-// y (d) += Σ_j c[j] · rows[j] (n rows of length d, stride d).
+// y (d) += Σ_j c[j] · rows[j] (n rows of length d, stride ld).
 template <typename T>
-inline void combine(T* __restrict y, const T* __restrict c, const T* __restrict rows, int64_t n, int64_t d) {
+inline void combine(T* __restrict y, const T* __restrict c, const T* __restrict rows, int64_t n, int64_t d,
+                    int64_t ld) {
     for (int64_t j = 0; j < n; ++j)
-        if (c[j] != T(0)) axpy(c[j], rows + j * d, y, d);
+        if (c[j] != T(0)) axpy(c[j], rows + j * ld, y, d);
 }
 constexpr int RB = 4;  // query rows per rank update of pass 2
 
@@ -197,15 +205,16 @@ void dkdv_block(const Grad<T>& g, int64_t b, int64_t kvh, int64_t j0, int64_t j1
         }
     }
     if (rows) flush();
-    std::copy(acc_k, acc_k + n * g.D, g.dk + ((b * g.Hkv + kvh) * g.Sk + j0) * g.D);
-    std::copy(acc_v, acc_v + n * g.Dv, g.dv + ((b * g.Hkv + kvh) * g.Sk + j0) * g.Dv);
+    for (int64_t j = 0; j < n; ++j) {
+        std::copy(acc_k + j * g.D, acc_k + (j + 1) * g.D, g.dkrow(b, kvh, j0 + j));
+        std::copy(acc_v + j * g.Dv, acc_v + (j + 1) * g.Dv, g.dvrow(b, kvh, j0 + j));
+    }
 }
 
 // Pass 1: dQ of rows [i0, i1) of (b, h), and their normalisers.
 template <typename T>
 void dq_tile(const Grad<T>& g, int64_t b, int64_t h, int64_t i0, int64_t i1, T* acc, T* p, T* ds) {
     const int64_t kv = h / (g.H / g.Hkv);
-    const T* kb = g.k + (b * g.Hkv + kv) * g.Sk * g.D;
     std::fill(acc, acc + (i1 - i0) * g.D, T(0));
     T* sums = g.norm + g.row(b, h, i0);
     std::fill(sums, sums + (i1 - i0), T(0));
@@ -215,10 +224,9 @@ void dq_tile(const Grad<T>& g, int64_t b, int64_t h, int64_t i0, int64_t i1, T* 
             int64_t a, e;
             if (!visible(g, i, c0, c1, a, e) || !row_grads(g, b, h, i, a, e, p, ds, T(1), sums + (i - i0))) continue;
             T* __restrict dqi = acc + (i - i0) * g.D;
-            const T* __restrict kr = kb + a * g.D;
-            const int64_t n = e - a, d = g.D;
+            const int64_t n = e - a;
             for (int64_t j = 0; j < n; ++j) ds[j] *= g.scale;
-            combine(dqi, ds, kr, n, d);
+            combine(dqi, ds, g.krow(b, kv, a), n, g.D, g.ks[2]);
         }
     }
     // The stored lse is rounded (float32: up to half an ulp of |lse|, the same relative
@@ -228,7 +236,7 @@ void dq_tile(const Grad<T>& g, int64_t b, int64_t h, int64_t i0, int64_t i1, T* 
         sums[i] = sums[i] > T(0) ? T(1) / sums[i] : T(0);
         for (int64_t t = 0; t < g.D; ++t) acc[i * g.D + t] *= sums[i];
     }
-    std::copy(acc, acc + (i1 - i0) * g.D, g.dq + g.row(b, h, i0) * g.D);
+    for (int64_t i = 0; i < i1 - i0; ++i) std::copy(acc + i * g.D, acc + (i + 1) * g.D, g.dqrow(b, h, i0 + i));
 }
 
 template <typename T>
@@ -365,9 +373,10 @@ inline void acc_gemm(const float* a, int64_t ai, int64_t aj, int64_t rows, int64
     }
 }
 
-// Keys [first, first + npan·NR) of rows src (stride d) as panels (d, NR): dst[pan][t][j];
+// Keys [first, first + npan·NR) of rows src (length d, stride ld) as panels (d, NR): dst[pan][t][j];
 // zero from key `limit` on.
-inline void pack_panels(const float* src, int64_t d, int64_t first, int64_t npan, int64_t limit, float* dst) {
+inline void pack_panels(const float* src, int64_t d, int64_t ld, int64_t first, int64_t npan, int64_t limit,
+                        float* dst) {
     for (int64_t pan = 0; pan < npan; ++pan) {
         float* p = dst + pan * d * NR;
         const int64_t k0 = first + pan * NR;
@@ -375,7 +384,7 @@ inline void pack_panels(const float* src, int64_t d, int64_t first, int64_t npan
         if (d % 8 == 0 && k0 + NR <= limit) {
             for (int64_t j = 0; j < NR; j += 8) {
                 const float* rows[8];
-                for (int c = 0; c < 8; ++c) rows[c] = src + (k0 + j + c) * d;
+                for (int c = 0; c < 8; ++c) rows[c] = src + (k0 + j + c) * ld;
                 for (int64_t t = 0; t < d; t += 8) {
                     const float* at[8];
                     for (int c = 0; c < 8; ++c) at[c] = rows[c] + t;
@@ -388,7 +397,7 @@ inline void pack_panels(const float* src, int64_t d, int64_t first, int64_t npan
         for (int64_t j = 0; j < NR; ++j) {
             const int64_t key = k0 + j;
             if (key < limit) {
-                const float* row = src + key * d;
+                const float* row = src + key * ld;
                 for (int64_t t = 0; t < d; ++t) p[t * NR + j] = row[t];
             } else {
                 for (int64_t t = 0; t < d; ++t) p[t * NR + j] = 0.f;
@@ -397,13 +406,14 @@ inline void pack_panels(const float* src, int64_t d, int64_t first, int64_t npan
     }
 }
 
-// rows [0, n) of src (stride d) times f into dst (n_pad × dp), zeros around.
-inline void pack_rows(const float* src, int64_t d, int64_t n, int64_t n_pad, int64_t dp, float f, float* dst) {
+// rows [0, n) of src (length d, stride ld) times f into dst (n_pad × dp), zeros around.
+inline void pack_rows(const float* src, int64_t d, int64_t ld, int64_t n, int64_t n_pad, int64_t dp, float f,
+                      float* dst) {
     for (int64_t r = 0; r < n_pad; ++r) {
         float* o = dst + r * dp;
         int64_t t = 0;
         if (r < n)
-            for (; t < d; ++t) o[t] = src[r * d + t] * f;
+            for (; t < d; ++t) o[t] = src[r * ld + t] * f;
         for (; t < dp; ++t) o[t] = 0.f;
     }
 }
@@ -459,24 +469,26 @@ void dq_item(const Grad<float>& g, F32Buffers& w, int64_t b, int64_t kvh, int64_
     const float sc2 = g.scale * LOG2E;
     for (int64_t gi = 0; gi < G; ++gi) {
         const int64_t h = kvh * G + gi;
-        pack_rows(g.qrow(b, h, i0), D, rows, rpad, D, sc2, w.qb + gi * QT1 * D);
-        pack_rows(g.dorow(b, h, i0), Dv, rows, rpad, Dv, 1.f, w.dob + gi * QT1 * Dv);
+        pack_rows(g.qrow(b, h, i0), D, g.qs[2], rows, rpad, D, sc2, w.qb + gi * QT1 * D);
+        pack_rows(g.dorow(b, h, i0), Dv, g.dos[2], rows, rpad, Dv, 1.f, w.dob + gi * QT1 * Dv);
     }
     std::fill(w.acc_a, w.acc_a + G * QT1 * Dp, 0.f);
     std::fill(w.sums, w.sums + G * QT1, 0.f);
-    const float* kb = g.k + (b * g.Hkv + kvh) * g.Sk * D;
-    const float* vb = g.v + (b * g.Hkv + kvh) * g.Sk * Dv;
+    const float* kb = g.krow(b, kvh, 0);
+    const float* vb = g.vrow(b, kvh, 0);
+    const int64_t ldk = g.ks[2], ldv = g.vs[2];
     int64_t lo, hi;
     key_range(g.rule, i0, i1, lo, hi);
     lo = lo / NR * NR;
     for (int64_t c0 = lo; c0 < hi; c0 += KC1) {
         const int64_t c1 = std::min(c0 + KC1, hi), npan = (c1 - c0 + NR - 1) / NR;
-        pack_panels(kb, D, c0, npan, g.Sk, w.kp);
-        pack_panels(vb, Dv, c0, npan, g.Sk, w.vp);
-        // K's rows as they are when they need no padding, else copied with zeros around.
+        pack_panels(kb, D, ldk, c0, npan, g.Sk, w.kp);
+        pack_panels(vb, Dv, ldv, c0, npan, g.Sk, w.vp);
+        // K's rows as they are (at their stride) when they need no padding, else copied with zeros around.
         const bool in_place = D == Dp && c0 + npan * NR <= g.Sk;
-        const float* kn = in_place ? kb + c0 * D : w.kn;
-        if (!in_place) pack_rows(kb + c0 * D, D, std::min(npan * NR, g.Sk - c0), npan * NR, Dp, 1.f, w.kn);
+        const float* kn = in_place ? kb + c0 * ldk : w.kn;
+        const int64_t ldn = in_place ? ldk : Dp;
+        if (!in_place) pack_rows(kb + c0 * ldk, D, ldk, std::min(npan * NR, g.Sk - c0), npan * NR, Dp, 1.f, w.kn);
         for (int64_t gi = 0; gi < G; ++gi) {
             const int64_t h = kvh * G + gi;
             for (int64_t r0 = 0; r0 < rows; r0 += MR) {
@@ -497,7 +509,7 @@ void dq_item(const Grad<float>& g, F32Buffers& w, int64_t b, int64_t kvh, int64_
                 for (int64_t i = 0; i < nr; ++i)
                     row_p_ds(g, b, h, i0 + r0 + i, j0, width, valid, w.s + i * KC1, w.dp + i * KC1, nullptr, 1.f,
                              w.sums + gi * QT1 + r0 + i);
-                acc_gemm(w.s, KC1, 1, nr, width, kn + (j0 - c0) * Dp, Dp, w.acc_a + (gi * QT1 + r0) * Dp, Dp, Dp);
+                acc_gemm(w.s, KC1, 1, nr, width, kn + (j0 - c0) * ldn, ldn, w.acc_a + (gi * QT1 + r0) * Dp, Dp, Dp);
             }
         }
     }
@@ -508,7 +520,7 @@ void dq_item(const Grad<float>& g, F32Buffers& w, int64_t b, int64_t kvh, int64_
             g.norm[g.row(b, h, i0 + r)] = inv;
             const float f = g.scale * inv;
             const float* src = w.acc_a + (gi * QT1 + r) * Dp;
-            float* dst = g.dq + g.row(b, h, i0 + r) * D;
+            float* dst = g.dqrow(b, h, i0 + r);
             for (int64_t t = 0; t < D; ++t) dst[t] = src[t] * f;
         }
     }
@@ -531,22 +543,31 @@ void rows_meeting(const Grad<float>& g, int64_t j0, int64_t j1, int64_t& lo, int
     hi = std::max(lo, first([&](int64_t sl, int64_t) { return sl >= j1; }));
 }
 
+// The fused pass's dQ / scale of the G query heads of a (b, K/V head): row (gi, i) of Dp floats
+// at p + gi·hs + i·rs (g.dq itself when D is a multiple of W, else a buffer).
+struct DqAcc {
+    float* p;
+    int64_t hs, rs;
+    float* row(int64_t gi, int64_t i) const { return p + gi * hs + i * rs; }
+};
+
 // Pass 2: dK and dV of keys [j0, j1) of (b, kvh), summed over the G query heads. With dqa
-// (the fused pass): also adds ds · K of these keys to dqa (G × Sq rows of stride Dp, dQ / scale),
-// p unnormalised.
+// (the fused pass): also adds ds · K of these keys to dqa, p unnormalised.
 void dkdv_item(const Grad<float>& g, F32Buffers& w, int64_t b, int64_t kvh, int64_t j0, int64_t j1,
-               float* dqa = nullptr) {
+               const DqAcc* dqa = nullptr) {
     const int64_t G = g.H / g.Hkv, D = g.D, Dv = g.Dv, Dp = round_up(D, W), Dvp = round_up(Dv, W);
     const int64_t n = j1 - j0, npan = (n + NR - 1) / NR, width = npan * NR;
     const float sc2 = g.scale * LOG2E;
-    const float* kb = g.k + (b * g.Hkv + kvh) * g.Sk * D;
-    const float* vb = g.v + (b * g.Hkv + kvh) * g.Sk * Dv;
-    pack_panels(kb, D, j0, npan, j1, w.kp);
-    pack_panels(vb, Dv, j0, npan, j1, w.vp);
-    const float* kn = kb + j0 * D;  // K's rows for dQ: as they are, or padded to Dp
+    const float* kb = g.krow(b, kvh, 0);
+    const float* vb = g.vrow(b, kvh, 0);
+    pack_panels(kb, D, g.ks[2], j0, npan, j1, w.kp);
+    pack_panels(vb, Dv, g.vs[2], j0, npan, j1, w.vp);
+    const float* kn = g.krow(b, kvh, j0);  // K's rows for dQ: as they are (stride ldn), or padded to Dp
+    int64_t ldn = g.ks[2];
     if (dqa && D != Dp) {
-        pack_rows(kn, D, n, n, Dp, 1.f, w.kn);
+        pack_rows(kn, D, ldn, n, n, Dp, 1.f, w.kn);
         kn = w.kn;
+        ldn = Dp;
     }
     std::fill(w.acc_a, w.acc_a + KB2 * Dp, 0.f);
     std::fill(w.acc_b, w.acc_b + KB2 * Dvp, 0.f);
@@ -556,8 +577,8 @@ void dkdv_item(const Grad<float>& g, F32Buffers& w, int64_t b, int64_t kvh, int6
         const int64_t h = kvh * G + gi;
         for (int64_t ib = ilo; ib < ihi; ib += QB2) {
             const int64_t nb = std::min(QB2, ihi - ib);
-            pack_rows(g.qrow(b, h, ib), D, nb, round_up(nb, MR), Dp, sc2, w.qb);
-            pack_rows(g.dorow(b, h, ib), Dv, nb, round_up(nb, MR), Dvp, 1.f, w.dob);
+            pack_rows(g.qrow(b, h, ib), D, g.qs[2], nb, round_up(nb, MR), Dp, sc2, w.qb);
+            pack_rows(g.dorow(b, h, ib), Dv, g.dos[2], nb, round_up(nb, MR), Dvp, 1.f, w.dob);
             for (int64_t r0 = 0; r0 < nb; r0 += MR) {
                 for (int64_t pan = 0; pan < npan; ++pan) {
                     qk_tile(w.qb + r0 * Dp, Dp, D, w.kp + pan * D * NR, w.s + r0 * KB2 + pan * NR, KB2);
@@ -571,30 +592,34 @@ void dkdv_item(const Grad<float>& g, F32Buffers& w, int64_t b, int64_t kvh, int6
             }
             acc_gemm(w.p, 1, KB2, n, nb, w.dob, Dvp, w.acc_b, Dvp, Dvp);  // dV += pᵀ · dO
             acc_gemm(w.s, 1, KB2, n, nb, w.qb, Dp, w.acc_a, Dp, Dp);      // dK += dsᵀ · q·scale·log2 e
-            if (dqa) acc_gemm(w.s, KB2, 1, nb, n, kn, Dp, dqa + (gi * g.Sq + ib) * Dp, Dp, Dp);  // dQ += ds · K
+            if (dqa) acc_gemm(w.s, KB2, 1, nb, n, kn, ldn, dqa->row(gi, ib), dqa->rs, Dp);  // dQ += ds · K
         }
     }
     const float ln2 = 0.6931471805599453f;
     for (int64_t j = 0; j < n; ++j) {
-        float* dk = g.dk + ((b * g.Hkv + kvh) * g.Sk + j0 + j) * D;
-        float* dv = g.dv + ((b * g.Hkv + kvh) * g.Sk + j0 + j) * Dv;
+        float* dk = g.dkrow(b, kvh, j0 + j);
+        float* dv = g.dvrow(b, kvh, j0 + j);
         for (int64_t t = 0; t < D; ++t) dk[t] = w.acc_a[j * Dp + t] * ln2;
         for (int64_t t = 0; t < Dv; ++t) dv[t] = w.acc_b[j * Dvp + t];
     }
 }
 
 // The fused pass: dQ, dK, dV of (b, kvh), its key blocks in order, dQ summed in place
-// (g.dq itself when D is a multiple of W, else dqbuf: G × Sq × Dp). Five products per
-// score instead of seven, the probabilities unnormalised (the stored lse's rounding is
-// within the accuracy criterion: see the tests), parallel over (b, kvh) only.
+// (g.dq itself, at its strides, when D is a multiple of W, else dqbuf: G × Sq × Dp). Five
+// products per score instead of seven, the probabilities unnormalised (the stored lse's
+// rounding is within the accuracy criterion: see the tests), parallel over (b, kvh) only.
 void fused_item(const Grad<float>& g, F32Buffers& w, float* dqbuf, int64_t b, int64_t kvh) {
     const int64_t G = g.H / g.Hkv, D = g.D, Dp = round_up(D, W);
-    float* dq = g.dq + g.row(b, kvh * G, 0) * D;
-    float* dqa = D == Dp ? dq : dqbuf;
-    std::fill(dqa, dqa + G * g.Sq * Dp, 0.f);
-    for (int64_t j0 = 0; j0 < g.Sk; j0 += KB2) dkdv_item(g, w, b, kvh, j0, std::min(j0 + KB2, g.Sk), dqa);
-    for (int64_t r = 0; r < G * g.Sq; ++r)
-        for (int64_t t = 0; t < D; ++t) dq[r * D + t] = dqa[r * Dp + t] * g.scale;
+    const DqAcc dqa = D == Dp ? DqAcc{g.dqrow(b, kvh * G, 0), g.dqs[1], g.dqs[2]} : DqAcc{dqbuf, g.Sq * Dp, Dp};
+    for (int64_t gi = 0; gi < G; ++gi)
+        for (int64_t i = 0; i < g.Sq; ++i) std::fill(dqa.row(gi, i), dqa.row(gi, i) + Dp, 0.f);
+    for (int64_t j0 = 0; j0 < g.Sk; j0 += KB2) dkdv_item(g, w, b, kvh, j0, std::min(j0 + KB2, g.Sk), &dqa);
+    for (int64_t gi = 0; gi < G; ++gi)
+        for (int64_t i = 0; i < g.Sq; ++i) {
+            const float* src = dqa.row(gi, i);
+            float* dst = g.dqrow(b, kvh * G + gi, i);
+            for (int64_t t = 0; t < D; ++t) dst[t] = src[t] * g.scale;
+        }
 }
 
 // Whether the fused pass runs: from FUSED_MIN_ITEMS (b, K/V head) pairs, a rule of the
@@ -649,15 +674,24 @@ int backward_f32(Grad<float>& g, int threads) {
     return failed ? -1 : 0;
 }
 
+// strides: q, k, v, dout, dq, dk, dv (b, h, s) and the mask (b, h, i, j): 25 int64.
+template <typename T>
+void set_strides(Grad<T>& g, const int64_t* strides) {
+    int64_t* rows[7] = {g.qs, g.ks, g.vs, g.dos, g.dqs, g.dks, g.dvs};
+    for (int t = 0; t < 7; ++t)
+        for (int i = 0; i < 3; ++i) rows[t][i] = strides[3 * t + i];
+    for (int i = 0; i < 4; ++i) g.ms[i] = strides[21 + i];
+}
+
 template <typename T>
 int run_backward(const T* q, const T* k, const T* v, const T* dout, const T* lse, const T* delta,
-                 const uint8_t* mask, T* dq, T* dk, T* dv, const int64_t* dims, const int64_t* mask_strides,
+                 const uint8_t* mask, T* dq, T* dk, T* dv, const int64_t* dims, const int64_t* strides,
                  double scale, int causal, int64_t window, int threads) {
     Grad<T> g{};
     g.q = q; g.k = k; g.v = v; g.dout = dout; g.lse = lse; g.delta = delta; g.mask = mask;
     g.dq = dq; g.dk = dk; g.dv = dv;
     g.B = dims[0]; g.H = dims[1]; g.Hkv = dims[2]; g.Sq = dims[3]; g.Sk = dims[4]; g.D = dims[5]; g.Dv = dims[6];
-    for (int i = 0; i < 4; ++i) g.ms[i] = mask_strides[i];
+    set_strides(g, strides);
     g.scale = T(scale);
     g.rule.causal = causal != 0;
     g.rule.window = window;
@@ -675,13 +709,11 @@ void forward_f64_row(const Grad<double>& g, int64_t b, int64_t h, int64_t i, dou
     lse[r] = -std::numeric_limits<double>::infinity();
     if (!visible(g, i, 0, g.Sk, a, e)) return;
     const int64_t kv = h / (g.H / g.Hkv);
-    const double* kb = g.k + (b * g.Hkv + kv) * g.Sk * g.D;
-    const double* vb = g.v + (b * g.Hkv + kv) * g.Sk * g.Dv;
     const uint8_t* m = g.mrow(b, h, i);
     double top = -std::numeric_limits<double>::infinity();
     for (int64_t j = a; j < e; ++j) {
         s[j] = (m && !m[j * g.ms[3]]) ? -std::numeric_limits<double>::infinity()
-                                      : g.scale * dot_t(g.qrow(b, h, i), kb + j * g.D, g.D);
+                                      : g.scale * dot_t(g.qrow(b, h, i), g.krow(b, kv, j), g.D);
         top = std::max(top, s[j]);
     }
     if (top == -std::numeric_limits<double>::infinity()) return;
@@ -689,7 +721,7 @@ void forward_f64_row(const Grad<double>& g, int64_t b, int64_t h, int64_t i, dou
     for (int64_t j = a; j < e; ++j) {
         s[j] = std::exp(s[j] - top);
         sum += s[j];
-        axpy(s[j], vb + j * g.Dv, o, g.Dv);
+        axpy(s[j], g.vrow(b, kv, j), o, g.Dv);
     }
     for (int64_t t = 0; t < g.Dv; ++t) o[t] /= sum;
     lse[r] = top + std::log(sum);
@@ -697,34 +729,35 @@ void forward_f64_row(const Grad<double>& g, int64_t b, int64_t h, int64_t i, dou
 
 }  // namespace
 
-// q (B, H, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv), dout (B, H, Sq, Dv), lse and
-// delta (B, H, Sq), all contiguous; mask bytes with strides (b, h, i, j) or null ->
-// dq, dk, dv (contiguous, like q, k, v). dims: B, H, Hkv, Sq, Sk, D, Dv.
+// q (B, H, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv), dout (B, H, Sq, Dv) -> dq, dk, dv
+// (shaped like q, k, v): each with contiguous rows (last dim) at any strides (b, h, s); lse and
+// delta (B, H, Sq) contiguous; mask bytes or null. dims: B, H, Hkv, Sq, Sk, D, Dv. strides (25):
+// q, k, v, dout, dq, dk, dv (b, h, s), then the mask's (b, h, i, j). The results do not depend
+// on the strides (bitwise).
 extern "C" int mh_attention_backward_f32(const float* q, const float* k, const float* v, const float* dout,
                                          const float* lse, const float* delta, const uint8_t* mask, float* dq,
-                                         float* dk, float* dv, const int64_t* dims, const int64_t* mask_strides,
+                                         float* dk, float* dv, const int64_t* dims, const int64_t* strides,
                                          double scale, int causal, int64_t window, int threads) {
-    return run_backward(q, k, v, dout, lse, delta, mask, dq, dk, dv, dims, mask_strides, scale, causal, window,
-                        threads);
+    return run_backward(q, k, v, dout, lse, delta, mask, dq, dk, dv, dims, strides, scale, causal, window, threads);
 }
 
 extern "C" int mh_attention_backward_f64(const double* q, const double* k, const double* v, const double* dout,
                                          const double* lse, const double* delta, const uint8_t* mask, double* dq,
-                                         double* dk, double* dv, const int64_t* dims, const int64_t* mask_strides,
+                                         double* dk, double* dv, const int64_t* dims, const int64_t* strides,
                                          double scale, int causal, int64_t window, int threads) {
-    return run_backward(q, k, v, dout, lse, delta, mask, dq, dk, dv, dims, mask_strides, scale, causal, window,
-                        threads);
+    return run_backward(q, k, v, dout, lse, delta, mask, dq, dk, dv, dims, strides, scale, causal, window, threads);
 }
 
-// The float64 forward: out (B, H, Sq, Dv) and lse (B, H, Sq), contiguous; inputs as above.
+// The float64 forward: out (B, H, Sq, Dv) and lse (B, H, Sq), contiguous; q, k, v and the mask
+// as above, with the backward's 25 strides (those of dout, dq, dk, dv unread).
 extern "C" int mh_attention_forward_f64(const double* q, const double* k, const double* v, const uint8_t* mask,
-                                        double* out, double* lse, const int64_t* dims, const int64_t* mask_strides,
+                                        double* out, double* lse, const int64_t* dims, const int64_t* strides,
                                         double scale, int causal, int64_t window, int threads) {
     Grad<double> g{};
     g.q = q; g.k = k; g.v = v; g.mask = mask;
     g.B = dims[0]; g.H = dims[1]; g.Hkv = dims[2]; g.Sq = dims[3]; g.Sk = dims[4]; g.D = dims[5]; g.Dv = dims[6];
     if (g.B < 0 || g.Sq < 0 || g.Sk < 0 || g.Hkv <= 0 || g.H <= 0 || g.H % g.Hkv || g.D <= 0 || g.Dv <= 0) return -2;
-    for (int i = 0; i < 4; ++i) g.ms[i] = mask_strides[i];
+    set_strides(g, strides);
     g.scale = scale;
     g.rule.causal = causal != 0;
     g.rule.window = window;
