@@ -271,6 +271,14 @@ constexpr int64_t SPLIT_X_MAX = 8192;
 template <int M>
 constexpr int gemv_block() { return W == 16 || M <= 2 ? 4 : 2; }
 
+template <int R, int M>
+inline void zero(vf (&acc)[R][M]) {
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+        for (int m = 0; m < M; ++m) acc[i][m] = (vf){};
+}
+
 // TW: the weights' and bias's type (float, bf16, f16: widened as loaded); x and out float32.
 template <int M, class TW>
 void gemv_rows(const float* __restrict x, int64_t K, const TW* __restrict w, int64_t rows, const TW* bias,
@@ -280,10 +288,7 @@ void gemv_rows(const float* __restrict x, int64_t K, const TW* __restrict w, int
     for (; r + R <= rows; r += R) {
         const TW* w0 = w + r * K;
         vf acc[R][M];
-#pragma GCC unroll 4
-        for (int i = 0; i < R; ++i)
-#pragma GCC unroll 4
-            for (int m = 0; m < M; ++m) acc[i][m] = (vf){};
+        zero(acc);
         int64_t t = 0;
         for (; t + W <= K; t += W) {
             vf wv[R];
@@ -322,10 +327,7 @@ void gemv_rows_bf16(const float* __restrict xs, int64_t K, const bf16* __restric
     for (; r + R <= rows; r += R) {
         const bf16* w0 = w + r * K;
         vf acc[R][M];
-#pragma GCC unroll 4
-        for (int i = 0; i < R; ++i)
-#pragma GCC unroll 4
-            for (int m = 0; m < M; ++m) acc[i][m] = (vf){};
+        zero(acc);
         for (int64_t t = 0; t < K; t += 2 * W) {
             vf even[R], odd[R];
 #pragma GCC unroll 4
