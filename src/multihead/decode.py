@@ -151,13 +151,13 @@ def _eager_step(layer: MultiHeadAttention, x: torch.Tensor, cache: KVCache) -> t
     rope = layer.rope
     tables = None if rope is None else (rope.cos, rope.sin, rope.rotary_dim, rope.interleaved)
     layers: list[tuple[torch.Tensor, torch.Tensor | None]] = [(p.weight, p.bias) for p in _projections(layer)]
+    shape = (layer.num_heads, layer.num_kv_heads, layer.head_dim, float(layer.scale))
     plan = cache.step_plan
     if not isinstance(plan, native.StepPlan) or plan.key != native.StepPlan.key_of(
-            b, layers, tables, cache.k, cache.v, cache.lengths, x.dtype):
+            b, layers, tables, cache.k, cache.v, cache.lengths, x.dtype, shape):
         plan = cache.step_plan = native.StepPlan(
-            b, layers, num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim,
-            rope=tables, cache_k=cache.k, cache_v=cache.v, lengths=cache.lengths, scale=float(layer.scale),
-            dtype=x.dtype)
+            b, layers, num_heads=shape[0], num_kv_heads=shape[1], head_dim=shape[2], rope=tables, cache_k=cache.k,
+            cache_v=cache.v, lengths=cache.lengths, scale=shape[3], dtype=x.dtype)
     held = cache.host_lengths()
     x2 = x.reshape(b, e)
     y = plan.run(x2 if x2.is_contiguous() else x2.contiguous())

@@ -138,8 +138,9 @@ def _stepwise(layer: mh.MultiHeadAttention, cache: mh.KVCache, token: torch.Tens
 @pytest.mark.skipif(not FUSED, reason=f"no AVX-512 or AVX2 native kernel here ({native.status()})")
 def test_the_steps_marshalled_arguments_follow_every_tensor_they_point_into() -> None:
     """The eager step's plan (its C arguments, kept on the cache) is reused while nothing it
-    points into changes, and remade when a weight is replaced or moved, the RoPE table grows,
-    or the thread count changes: each step equals the step-by-step path."""
+    points into changes, and remade when a weight is replaced or moved, the RoPE tables are
+    replaced, the thread count or the layer's scale changes: each step equals the
+    step-by-step path."""
     layer = _layer()
     cache, token = _prefilled(layer)
     # (change, whether the plan must be remade)
@@ -150,6 +151,7 @@ def test_the_steps_marshalled_arguments_follow_every_tensor_they_point_into() ->
         (lambda: setattr(layer.o_proj.weight, "data", layer.o_proj.weight.data.clone() * 2), True),  # moved
         (lambda: setattr(layer.k_proj, "bias", nn.Parameter(torch.randn(32))), True),  # a bias where none was
         (lambda: torch.set_num_threads(1), True),
+        (lambda: setattr(layer, "scale", 0.2), True),  # the layer's logit scale reassigned
         (lambda: setattr(layer, "rope", mh.RoPE(16, max_positions=64)), True),  # new tables
     ]
     threads = torch.get_num_threads()

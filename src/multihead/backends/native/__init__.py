@@ -417,7 +417,8 @@ class StepPlan:
                  num_kv_heads: int, head_dim: int, rope: tuple[torch.Tensor, torch.Tensor, int, bool] | None,
                  cache_k: torch.Tensor, cache_v: torch.Tensor, lengths: torch.Tensor, scale: float,
                  dtype: torch.dtype) -> None:
-        self.key = StepPlan.key_of(rows, layers, rope, cache_k, cache_v, lengths, dtype)
+        self.key = StepPlan.key_of(rows, layers, rope, cache_k, cache_v, lengths, dtype,
+                                   (num_heads, num_kv_heads, head_dim, float(scale)))
         self._held = (layers, rope, cache_k, cache_v, lengths)
         e = layers[0][0].shape[1]
         cos, sin, rotary_dim, interleaved = rope if rope is not None else (None, None, 0, False)
@@ -432,9 +433,11 @@ class StepPlan:
     @staticmethod
     def key_of(rows: int, layers: list[tuple[torch.Tensor, torch.Tensor | None]],
                rope: tuple[torch.Tensor, torch.Tensor, int, bool] | None, cache_k: torch.Tensor,
-               cache_v: torch.Tensor, lengths: torch.Tensor, dtype: torch.dtype) -> tuple[object, ...]:
-        """What a plan's arguments depend on: data pointers, strides, rows, dtype, threads."""
-        return (rows, dtype, torch.get_num_threads(), *(ptr(t) for pair in layers for t in pair),
+               cache_v: torch.Tensor, lengths: torch.Tensor, dtype: torch.dtype,
+               shape: tuple[int, int, int, float]) -> tuple[object, ...]:
+        """What a plan's arguments depend on: data pointers, strides, rows, dtype, threads, and
+        ``shape`` (H, Hkv, D, scale): the layer's, which a user may reassign (``layer.scale``)."""
+        return (rows, dtype, torch.get_num_threads(), shape, *(ptr(t) for pair in layers for t in pair),
                 None if rope is None else (rope[0].data_ptr(), rope[1].data_ptr(), rope[2], rope[3]),
                 cache_k.data_ptr(), cache_v.data_ptr(), cache_k.stride(), lengths.data_ptr())
 
