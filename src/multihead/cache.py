@@ -161,8 +161,9 @@ class KVCache:
 
     def __getstate__(self) -> dict:
         # A weak reference cannot be pickled: a saved and reloaded cache belongs to the
-        # first layer that uses it.
-        return {**self.__dict__, "_owner": None}
+        # first layer that uses it. The step's plan (C pointers into this cache's buffers,
+        # meaningless in a copy) is made again at the copy's first fused step.
+        return {**self.__dict__, "_owner": None, "step_plan": None}
 
     # -- state changes ---------------------------------------------------------------
     def reset(self) -> None:

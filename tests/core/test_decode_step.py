@@ -247,3 +247,23 @@ def test_from_config_builds_the_layer_a_config_describes() -> None:
     assert mh.interop.from_config(cfg).num_kv_heads == 2
     with pytest.raises(TypeError, match="AttentionConfig"):
         mh.MultiHeadAttention.from_config({"embed_dim": 64})
+
+
+@pytest.mark.skipif(not FUSED, reason=f"no AVX-512 or AVX2 native kernel here ({native.status()})")
+def test_a_copied_cache_decodes_into_its_own_buffers() -> None:
+    """A cache copied after fused steps (deepcopy, as beam search or a user might) does not
+    carry the original's marshalled pointers: its steps write its own buffers, the original
+    is untouched, and both continue alike."""
+    import copy
+
+    layer = _layer()
+    cache, token = _prefilled(layer)
+    with torch.no_grad():
+        layer(token, cache=cache)  # a fused step: the cache now holds a plan
+        twin = copy.deepcopy(cache)
+        before = cache.k.clone()
+        nxt = torch.randn_like(token)
+        got = layer(nxt, cache=twin)
+        assert torch.equal(cache.k, before) and cache.host_lengths() == [9, 9]
+        torch.testing.assert_close(got, layer(nxt, cache=cache), atol=0, rtol=0)
+    assert twin.step_plan is not cache.step_plan
