@@ -30,8 +30,9 @@ source, log = args[:2]
 if os.environ.get("STAND_IN_FAILS"):
     sys.exit("stand-in compiler: refusing to compile")
 shutil.copyfile(source, args[args.index("-o") + 1])
-with open(log, "a") as f:
-    f.write("built\n")
+if "-shared" in args:  # the link (the units are compiled first, one call each): one build
+    with open(log, "a") as f:
+        f.write("built\n")
 """
 
 SCRIPT = r"""
@@ -166,3 +167,13 @@ def test_only_a_private_regular_file_may_be_loaded(mode: int, uid: int | None, r
 def test_a_private_regular_file_may_be_loaded() -> None:
     assert _build.unsafe(_lstat(stat.S_IFREG | 0o700)) is None
     assert _build.unsafe(_lstat(stat.S_IFREG | 0o755)) is None
+
+
+def test_a_unit_that_fails_silently_still_fails_the_build(tmp_path) -> None:
+    """The units compile in parallel; one failing with no message is a failure all the same
+    (named by its exit status), never mistaken for success."""
+    units = [tmp_path / "a.cpp", tmp_path / "b.cpp"]
+    for u in units:
+        u.write_text("int f() { return 0; }\n")
+    assert _build._compile_units(["false"], units) == "exit status 1"
+    assert _build._run(["false"]) == "exit status 1"
