@@ -1,7 +1,7 @@
 """Building and loading the native kernels: compiler, private cache folder, verified build.
 
 The first call that needs the kernels compiles ``csrc/`` for this machine (``-O3
--march=native``, its units in parallel: about 10 s on 2 cores) into a cache folder, ``$MULTIHEAD_CACHE_DIR`` or
+-march=native``, its units in parallel: about 13 s on 2 cores) into a cache folder, ``$MULTIHEAD_CACHE_DIR`` or
 ``~/.cache/multihead`` (or, if that cannot be written, a private folder under the
 system's temporary folder), under a name that hashes the sources, the compiler and the
 CPU's flags, so a shared home folder or an upgraded compiler never loads a stale or
