@@ -240,6 +240,49 @@ def test_native_decoding_attention_over_a_half_cache(dtype: torch.dtype) -> None
     assert ours[0] <= 2 * theirs[0] and ours[1] <= 2 * theirs[1], (ours, theirs)
 
 
+# (H, Hkv, Sq, Sk, D, Dv, causal, window, key mask): the decoding loop's register blocks in half
+# precision (G·Sq rows in blocks of 4, then 1-3 left; keys two at a time, then one; blocks of 64
+# keys; chunks of 2048), head dims multiples of 16 (the blocked path) and one not (the other).
+DECODE_GRID = {
+    "1-row-1-key": (4, 4, 1, 1, 16, 16, True, None, False),
+    "2-rows-odd-keys-dv": (8, 4, 1, 67, 32, 48, True, None, False),
+    "3-rows-mask": (6, 2, 1, 129, 64, 64, False, None, True),
+    "4-rows-window": (8, 2, 1, 1001, 128, 128, True, 100, False),
+    "5-rows-mask": (10, 2, 1, 300, 80, 80, True, None, True),
+    "8-rows-chunks": (16, 2, 1, 4099, 64, 64, True, None, False),
+    "3-queries": (4, 1, 3, 77, 64, 64, True, None, False),
+    "4-rows-d-24": (8, 2, 1, 200, 24, 24, True, None, False),
+}
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("name", list(DECODE_GRID))
+def test_the_half_decoding_loop_at_every_block_edge(name: str, dtype: torch.dtype) -> None:
+    """Each case through the decoding loop (2 batch rows, the second's keys half masked where a
+    mask is asked for): within the criterion of float64 and of the float32-inside path's error."""
+    h, hkv, sq, sk, d, dv, causal, window, masked = DECODE_GRID[name]
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    q = torch.randn(2, h, sq, d, generator=gen).to(dtype)
+    k = torch.randn(2, hkv, sk, d, generator=gen).to(dtype)
+    v = torch.randn(2, hkv, sk, dv, generator=gen).to(dtype)
+    mask = None
+    if masked:
+        mask = torch.rand(2, 1, 1, sk, generator=gen) > 0.3
+        mask[..., 0] = True
+    scale = d ** -0.5
+    out, lse = native.run(q, k, v, scale=scale, causal=causal, window=window, mask=mask, return_lse=True,
+                          decode=True)
+    ref, ref_lse = mh.attention(q.double(), k.double(), v.double(), scale=scale, causal=causal, window=window,
+                                mask=mask, backend="explicit", return_lse=True)
+    naive = _naive(q, k, v, scale, _allowed(sq, sk, causal, window, mask))
+    explicit = mh.attention(q, k, v, scale=scale, causal=causal, window=window, mask=mask, backend="explicit")
+    ours, theirs, one_rounding = _errors(out, ref), _errors(naive, ref), _errors(explicit, ref)
+    assert out.dtype == dtype
+    assert ours[0] <= 2 * theirs[0] and ours[1] <= 2 * theirs[1], (ours, theirs)
+    assert ours[1] <= 1.1 * one_rounding[1] + 1e-7, (ours, one_rounding)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-5)
+
+
 def test_the_decoding_step_refuses_mixed_dtypes_by_name() -> None:
     """It reads raw memory of x's dtype: a weight or cache of another dtype is refused."""
     layer, _ = _layers(torch.bfloat16)

@@ -67,6 +67,192 @@ inline void pv_stream(const float* p, int64_t ldp, int64_t rows, int64_t n, cons
 }
 #endif
 
+#if MH_VECTOR_FLOATS == 8 && defined(__AVX2__)
+// Decoding's register-blocked products (AVX2), for D and Dv multiples of 16: up to 4 query rows
+// (the G heads sharing a K/V head) at once, so each K and V value is loaded and widened once
+// per block of rows, not once per row. bf16 K/V are widened 16 at a time as their
+// even- and odd-indexed halves (a shift and an and: bf16 is the high half of a float32), so
+// q (and the output's columns) are kept in that order: each block of 16 values as its 8
+// even-indexed, then its 8 odd-indexed ones (split16). float32 and float16 in plain order.
+template <class T>
+constexpr int PARTS = std::is_same_v<T, bf16> ? 2 : 1;  // vectors per widened load
+
+// PARTS<T> vectors from PARTS<T>·W consecutive values at p: bf16 [even, odd]; others one vector.
+template <class T>
+inline void widen(const T* p, vf* out) {
+    if constexpr (PARTS<T> == 2) {
+        const __m256i bits = _mm256_loadu_si256((const __m256i*)p);
+        out[0] = (vf)_mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+        out[1] = (vf)_mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
+    } else {
+        out[0] = load_f(p);
+    }
+}
+
+// Each block of 16 of x (n values, n % 16 == 0) as its 8 even-indexed, then its 8 odd-indexed
+// values (inverse: join16).
+inline void split16(float* x, int64_t n) {
+    for (int64_t t = 0; t < n; t += 2 * W) {
+        float tmp[2 * W];
+        for (int i = 0; i < W; ++i) { tmp[i] = x[t + 2 * i]; tmp[W + i] = x[t + 2 * i + 1]; }
+        std::memcpy(x + t, tmp, sizeof(tmp));
+    }
+}
+inline void join16(const float* x, int64_t n, float* out) {
+    for (int64_t t = 0; t < n; t += 2 * W)
+        for (int i = 0; i < W; ++i) { out[t + 2 * i] = x[t + i]; out[t + 2 * i + 1] = x[t + W + i]; }
+}
+
+// acc[r][s] = lane-wise partial sums of q row r (R rows of D, row stride D) · key s (NK keys
+// at k, row stride ldk).
+template <int R, int NK, class T>
+inline void qk_partial(const float* __restrict q, int64_t D, const T* __restrict k, int64_t ldk,
+                       vf (&acc)[R][NK]) {
+    constexpr int P = PARTS<T>;
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+        for (int s = 0; s < NK; ++s) acc[r][s] = (vf){};
+    for (int64_t t = 0; t < D; t += P * W) {
+        vf kv[NK][P];
+#pragma GCC unroll 2
+        for (int s = 0; s < NK; ++s) widen(k + s * ldk + t, kv[s]);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+            for (int p = 0; p < P; ++p) {
+                vf qv = load(q + r * D + t + p * W);
+                __asm__("" : "+x"(qv));  // in a register: loaded once for the NK keys, not once per FMA
+#pragma GCC unroll 2
+                for (int s = 0; s < NK; ++s) acc[r][s] += qv * kv[s][p];
+            }
+    }
+}
+
+// Distance in keys of the decoding loop's software prefetch (into L2): the hardware prefetcher
+// alone leaves the memory idle while the block's arithmetic runs (measured: time = read + compute).
+constexpr int64_t PREFETCH_KEYS = 64;
+
+// Rows [first, last) of x (row stride ld, `bytes` bytes each) prefetched into L2.
+template <class T>
+inline void prefetch_rows(const T* x, int64_t first, int64_t last, int64_t ld, int64_t bytes) {
+    for (int64_t j = first; j < last; ++j) {
+        const char* row = reinterpret_cast<const char*>(x + j * ld);
+        for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(row + c, _MM_HINT_T1);
+        _mm_prefetch(row + bytes - 1, _MM_HINT_T1);
+    }
+}
+
+// s[r][j0 + j] (row stride lds) = q row r · key j for R rows and the n keys at k.
+template <int R, class T>
+inline void qk_rows(const float* q, int64_t D, const T* k, int64_t ldk, int64_t n, float* s, int64_t lds) {
+    int64_t j = 0;
+    if constexpr (R == 4) {
+        for (; j + 2 <= n; j += 2) {  // 2 keys: their 8 sums reduced together in registers
+            if (j + PREFETCH_KEYS + 2 <= n) prefetch_rows(k, j + PREFETCH_KEYS, j + PREFETCH_KEYS + 2, ldk, D * sizeof(T));
+            vf acc[4][2];
+            qk_partial<4, 2>(q, D, k + j * ldk, ldk, acc);
+            __m256 h[4];
+            for (int r = 0; r < 4; ++r) h[r] = _mm256_hadd_ps((__m256)acc[r][0], (__m256)acc[r][1]);
+            const __m256 g01 = _mm256_hadd_ps(h[0], h[1]), g23 = _mm256_hadd_ps(h[2], h[3]);
+            // lanes: rows 0, 0, 1, 1, 2, 2, 3, 3 of keys j, j + 1, ...
+            const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(g01, g23, 0x20),
+                                             _mm256_permute2f128_ps(g01, g23, 0x31));
+            const __m128 lo = _mm256_castps256_ps128(sum), hi = _mm256_extractf128_ps(sum, 1);
+            _mm_storel_pi(reinterpret_cast<__m64*>(s + j), lo);
+            _mm_storeh_pi(reinterpret_cast<__m64*>(s + lds + j), lo);
+            _mm_storel_pi(reinterpret_cast<__m64*>(s + 2 * lds + j), hi);
+            _mm_storeh_pi(reinterpret_cast<__m64*>(s + 3 * lds + j), hi);
+        }
+    }
+    for (; j + W <= n; j += W) {  // W keys: their R·W sums reduced together
+        vf part[R][W];
+#pragma GCC unroll 4
+        for (int u = 0; u < W; u += 2) {
+            vf acc[R][2];
+            qk_partial<R, 2>(q, D, k + (j + u) * ldk, ldk, acc);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) { part[r][u] = acc[r][0]; part[r][u + 1] = acc[r][1]; }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) store(s + r * lds + j, reduce_w(part[r]));
+    }
+    for (; j < n; ++j) {
+        vf acc[R][1];
+        qk_partial<R, 1>(q, D, k + j * ldk, ldk, acc);
+        for (int r = 0; r < R; ++r) s[r * lds + j] = hsum(acc[r][0]);
+    }
+}
+
+// o rows (R, row stride ldo) += p (R × n, row stride ldp) · v (n keys, row stride ldv), for the
+// 2·W columns at v and o (bf16: one widened load, o's columns in split16 order).
+template <int R, class T>
+inline void pv_rows16(const float* __restrict p, int64_t ldp, int64_t n, const T* __restrict v, int64_t ldv,
+                      float* __restrict o, int64_t ldo) {
+    constexpr int P = PARTS<T>;
+    vf acc[R][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) { acc[r][0] = load(o + r * ldo); acc[r][1] = load(o + r * ldo + W); }
+    for (int64_t j = 0; j < n; ++j) {
+        vf vv[2];
+#pragma GCC unroll 2
+        for (int u = 0; u < 2; u += P) widen(v + j * ldv + u * W, vv + u);
+        __asm__("" : "+x"(vv[0]), "+x"(vv[1]));  // in registers: loaded once, not once per FMA
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+            const vf pr = splat(p[r * ldp + j]);
+            acc[r][0] += pr * vv[0];
+            acc[r][1] += pr * vv[1];
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) { store(o + r * ldo, acc[r][0]); store(o + r * ldo + W, acc[r][1]); }
+}
+
+// Rows [0, rows) in blocks of 4: f(block's first row, the block's rows as a constant).
+template <class F>
+inline void by_row_blocks(int64_t rows, F&& f) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) f(r, std::integral_constant<int, 4>{});
+    switch (rows - r) {
+        case 3: f(r, std::integral_constant<int, 3>{}); break;
+        case 2: f(r, std::integral_constant<int, 2>{}); break;
+        case 1: f(r, std::integral_constant<int, 1>{}); break;
+        default: break;
+    }
+}
+
+// s (rows × n, row stride lds) = q (rows × D) · kᵀ: key blocks of W outermost, so each block
+// of K is read from memory once and from L1 by the other row blocks.
+template <class T>
+inline void qk_blocked(const float* q, int64_t rows, int64_t D, const T* k, int64_t ldk, int64_t n, float* s,
+                       int64_t lds) {
+    for (int64_t j = 0; j < n; j += 8 * W) {
+        const int64_t nj = std::min<int64_t>(8 * W, n - j);
+        by_row_blocks(rows, [&](int64_t r, auto R) {
+            qk_rows<decltype(R)::value>(q + r * D, D, k + j * ldk, ldk, nj, s + r * lds + j, lds);
+        });
+    }
+}
+
+// o (rows × dv) += p (rows × n) · v (n × dv): blocks of PV_KEYS keys (in L1), then 16 columns,
+// then the row blocks.
+template <class T>
+inline void pv_blocked(const float* p, int64_t ldp, int64_t rows, int64_t n, const T* v, int64_t ldv, float* o,
+                       int64_t ldo, int64_t dv) {
+    for (int64_t j = 0; j < n; j += PV_KEYS) {
+        const int64_t nj = std::min(PV_KEYS, n - j), ahead = std::min(PV_KEYS, n - j - nj), passes = dv / (2 * W);
+        for (int64_t c = 0; c < dv; c += 2 * W) {
+            const int64_t pass = c / (2 * W);  // each pass prefetches its share of the next block
+            prefetch_rows(v + (j + nj) * ldv, ahead * pass / passes, ahead * (pass + 1) / passes, ldv, dv * sizeof(T));
+            by_row_blocks(rows, [&](int64_t r, auto R) {
+                pv_rows16<decltype(R)::value>(p + r * ldp + j, ldp, nj, v + j * ldv + c, ldv, o + r * ldo + c, ldo);
+            });
+        }
+    }
+}
+#endif
+
 // Decoding: few query rows per K/V head (G heads × Sq queries), so K and V are streamed
 // once, in place, with no packing: scores are dot products along D. An item is
 // (b, K/V head, key split); with fewer heads than threads the keys are split and the
@@ -82,6 +268,14 @@ void decode_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t
             for (int64_t t = 0; t < D; ++t)
                 buf.qbuf[(g * Sq + i) * D + t] = to_f32(src[i * P.qs[2] + t]) * P.scale;
     }
+#if MH_VECTOR_FLOATS == 8 && defined(__AVX2__)
+    // Half precision only: float32's K/V are read faster by the paths below (measured cold: the
+    // column passes of p·v cost more than the per-row reads of L1 they save).
+    const bool blocked = !std::is_same_v<T, float> && D % (2 * W) == 0 && Dv % (2 * W) == 0;
+    constexpr bool split = PARTS<T> == 2;  // q and o in split16 order
+    if (blocked && split)
+        for (int64_t r = 0; r < rows; ++r) split16(buf.qbuf + r * D, D);
+#endif
     for (int64_t r = 0; r < rows; ++r) { buf.m[r] = NEG_INF; buf.l[r] = 0.f; }
     std::memset(buf.o, 0, sizeof(float) * rows * Dv);
     int64_t lo, hi;
@@ -92,6 +286,18 @@ void decode_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t
     const T* vb = reinterpret_cast<const T*>(P.v) + b * P.vs[0] + kvh * P.vs[1];
     for (int64_t c0 = lo; c0 < hi; c0 += KD) {
         const int64_t n = std::min(KD, hi - c0), width = (n + W - 1) / W * W;
+#if MH_VECTOR_FLOATS == 8 && defined(__AVX2__)
+        if (blocked) {
+            qk_blocked(buf.qbuf, rows, D, kb + c0 * P.ks[2], P.ks[2], n, buf.s, KD);
+            for (int64_t r = 0; r < rows; ++r) {
+                const int64_t g = r / Sq, i = r % Sq;
+                const uint8_t* mrow = P.mask ? P.mask + b * P.ms[0] + (kvh * G + g) * P.ms[1] + i * P.ms[2] : nullptr;
+                row_update(P, buf.s + r * KD, width, n, c0, i + off, mrow, buf.m[r], buf.l[r], buf.o + r * Dv);
+            }
+            pv_blocked(buf.s, KD, rows, n, vb + c0 * P.vs[2], P.vs[2], buf.o, Dv, Dv);
+            continue;
+        }
+#endif
         int64_t j = 0;
         if (D % W == 0)  // W keys at a time, their W sums reduced together
             for (; j + W <= n; j += W) {
@@ -127,6 +333,13 @@ void decode_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t
         pv_stream(buf.s, KD, rows, n, vb + c0 * P.vs[2], P.vs[2], buf.o, Dv, Dv, buf.kt);
 #endif
     }
+#if MH_VECTOR_FLOATS == 8 && defined(__AVX2__)
+    if (blocked && split)  // o's columns back in order (buf.kt: at least 8·D floats)
+        for (int64_t r = 0; r < rows; ++r) {
+            join16(buf.o + r * Dv, Dv, buf.kt);
+            std::memcpy(buf.o + r * Dv, buf.kt, sizeof(float) * Dv);
+        }
+#endif
     if (part) {  // (rows, Dv + 2): o unnormalised, then m and l, merged by the caller
         for (int64_t r = 0; r < rows; ++r) {
             std::memcpy(part + r * (Dv + 2), buf.o + r * Dv, sizeof(float) * Dv);
