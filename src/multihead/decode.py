@@ -45,6 +45,17 @@ def _projections(layer: MultiHeadAttention) -> tuple[nn.Linear, ...]:
     return (mods["q_proj"], mods["k_proj"], mods["v_proj"], mods["o_proj"])  # type: ignore[return-value]
 
 
+def _weight_bias(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) of a projection. An ``nn.Linear``'s from its parameter registry, which
+    is what ``linear.weight`` returns for it (``nn.Module`` keeps a registered parameter
+    nowhere else), without ``__getattr__``'s search, a sizeable cost at every decoded token;
+    anything else by attribute."""
+    params = linear._parameters
+    if type(linear) is nn.Linear and "weight" in params and "bias" in params:
+        return params["weight"], params["bias"]  # type: ignore[return-value]
+    return linear.weight, linear.bias  # type: ignore[return-value]
+
+
 def _plain_rope(layer: MultiHeadAttention, cache: KVCache) -> bool:
     rope = layer.rope
     return rope is None or (type(rope) is RoPE and max(cache.host_lengths()) < rope.table_limit
@@ -72,13 +83,13 @@ FUSED_CONDITIONS: tuple[tuple[str, Check], ...] = (
     ("not float32, bfloat16 or float16", lambda layer, x, c, kw: x.dtype in native.SUFFIX),
     ("the projections' weights or the cache are not of the input's dtype",
      lambda layer, x, c, kw: c.k.dtype == c.v.dtype == x.dtype and all(
-         t is None or t.dtype == x.dtype for p in _projections(layer) for t in (p.weight, p.bias))),
+         t is None or t.dtype == x.dtype for p in _projections(layer) for t in _weight_bias(p))),
     ("not on the CPU", lambda layer, x, c, kw: x.device.type == "cpu"),
     ("the cache's K and V buffers have different or non-unit-stride rows",
      lambda layer, x, c, kw: c.k.stride() == c.v.stride() and c.k.stride(-1) == 1),
     ("a projection is not a plain contiguous nn.Linear (subclass, hooks, or strided weights)",
-     lambda layer, x, c, kw: all(plain_linear(p) and p.weight.is_contiguous()
-                             and (p.bias is None or p.bias.is_contiguous()) for p in _projections(layer))),
+     lambda layer, x, c, kw: all(plain_linear(p) and all(t is None or t.is_contiguous() for t in _weight_bias(p))
+                                 for p in _projections(layer))),
     ("the RoPE is not a plain multihead.RoPE whose CPU table covers the positions",
      lambda layer, x, c, kw: _plain_rope(layer, c)),
     ("the native kernel is not compiled here for AVX-512 or AVX2", lambda layer, x, c, kw: native.vector_bits() >= 256),
@@ -147,10 +158,10 @@ def _eager_step(layer: MultiHeadAttention, x: torch.Tensor, cache: KVCache) -> t
     Args, returns: as :func:`fused_step`'s. The kernel writes nothing unless it runs whole;
     it hands back the slots' old K and V, put back if anything fails after it.
     """
-    b, _, e = x.shape
+    b = x.shape[0]
     rope = layer.rope
     tables = None if rope is None else (rope.cos, rope.sin, rope.rotary_dim, rope.interleaved)
-    layers: list[tuple[torch.Tensor, torch.Tensor | None]] = [(p.weight, p.bias) for p in _projections(layer)]
+    layers = [_weight_bias(p) for p in _projections(layer)]
     shape = (layer.num_heads, layer.num_kv_heads, layer.head_dim, float(layer.scale))
     plan = cache.step_plan
     if not isinstance(plan, native.StepPlan) or plan.key != native.StepPlan.key_of(
@@ -159,14 +170,13 @@ def _eager_step(layer: MultiHeadAttention, x: torch.Tensor, cache: KVCache) -> t
             b, layers, num_heads=shape[0], num_kv_heads=shape[1], head_dim=shape[2], rope=tables, cache_k=cache.k,
             cache_v=cache.v, lengths=cache.lengths, scale=shape[3], dtype=x.dtype)
     held = cache.host_lengths()
-    x2 = x.reshape(b, e)
-    y = plan.run(x2 if x2.is_contiguous() else x2.contiguous())
+    y = plan.run(x if x.is_contiguous() else x.contiguous())  # (B, 1, E): B rows of E
     try:
         cache.commit([1] * b)
     except BaseException:
         plan.restore(held)
         raise
-    return y.view(b, 1, e)
+    return y
 
 
 def _traced() -> bool:

@@ -150,6 +150,8 @@ def test_the_steps_marshalled_arguments_follow_every_tensor_they_point_into() ->
         (lambda: layer.v_proj.weight.data.copy_(torch.randn(32, 64) / 8), False),  # in place: new values
         (lambda: setattr(layer.o_proj.weight, "data", layer.o_proj.weight.data.clone() * 2), True),  # moved
         (lambda: setattr(layer.k_proj, "bias", nn.Parameter(torch.randn(32))), True),  # a bias where none was
+        (lambda: (delattr(layer.q_proj, "weight"), setattr(layer.q_proj, "weight", torch.randn(64, 64) / 8)),
+         True),  # a plain tensor attribute where the parameter was (found by attribute, not the registry)
         (lambda: torch.set_num_threads(1), True),
         (lambda: setattr(layer, "scale", 0.2), True),  # the layer's logit scale reassigned
         (lambda: setattr(layer, "rope", mh.RoPE(16, max_positions=64)), True),  # new tables
@@ -265,5 +267,34 @@ def test_a_copied_cache_decodes_into_its_own_buffers() -> None:
         nxt = torch.randn_like(token)
         got = layer(nxt, cache=twin)
         assert torch.equal(cache.k, before) and cache.host_lengths() == [9, 9]
+        assert cache.lengths.tolist() == [9, 9] and twin.lengths.tolist() == [10, 10]  # counters of its own
+        assert (cache.slot_pos[:, 9] == -1).all() and (twin.slot_pos[:, 9] == 9).all()
         torch.testing.assert_close(got, layer(nxt, cache=cache), atol=0, rtol=0)
     assert twin.step_plan is not cache.step_plan
+    assert torch.equal(cache.lengths, twin.lengths) and torch.equal(cache.slot_pos, twin.slot_pos)
+
+
+def test_the_counters_are_written_by_operators_where_a_dispatch_mode_watches() -> None:
+    """commit writes the counters of a CPU cache through NumPy views (no operator per token),
+    except under a dispatch mode (or torch.compile), which must see every write; both give
+    the same counters."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    layer = _layer()
+    watched, _ = _prefilled(layer)
+    plain, _ = _prefilled(layer)
+    with Seen() as seen:
+        watched.commit([1, 1])
+    plain.commit([1, 1])
+    assert any(op.startswith("add_") for op in seen.ops), seen.ops
+    assert torch.equal(watched.lengths, plain.lengths) and torch.equal(watched.slot_pos, plain.slot_pos)
+    assert plain.lengths.tolist() == [9, 9] and (plain.slot_pos[:, 8] == 8).all()

@@ -425,7 +425,7 @@ class StepPlan:
         #: (B, 2, Hkv, D): the slots the last step wrote, as they were before (see :meth:`restore`).
         self.saved = torch.empty((rows, 2, num_kv_heads, head_dim), dtype=dtype)
         self._fn = kernel(_require(), "mh_decode_step_f32", dtype)
-        self._shape, self._dtype = (rows, e), dtype
+        self._shape, self._dtype = (rows, 1, e), dtype
         self._args = (rows, e, pointers([w for w, _ in layers]), pointers([b for _, b in layers]), num_heads,
                       num_kv_heads, head_dim, ptr(cos), ptr(sin), rotary_dim, int(interleaved), ptr(cache_k),
                       ptr(cache_v), int64s(cache_k.stride()[:3]), int64_ptr(lengths), float(scale))
@@ -442,8 +442,8 @@ class StepPlan:
                 cache_k.data_ptr(), cache_v.data_ptr(), cache_k.stride(), lengths.data_ptr())
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
-        """The step for x (B, E), contiguous, of the plan's dtype: y (B, E). The written
-        slots' old K and V are kept in :attr:`saved`; nothing is written if it fails."""
+        """The step for x (B, E) or (B, 1, E), contiguous, of the plan's dtype: y (B, 1, E).
+        The written slots' old K and V are kept in :attr:`saved`; nothing is written if it fails."""
         y = torch.empty(self._shape, dtype=self._dtype)
         code = self._fn(x.data_ptr(), *self._args, y.data_ptr(), self.saved.data_ptr(), torch.get_num_threads())
         if code == -1:
