@@ -73,7 +73,7 @@ inline void pv_stream(const float* p, int64_t ldp, int64_t rows, int64_t n, cons
 // per block of rows, not once per row. bf16 K/V are widened 16 at a time as their
 // even- and odd-indexed halves (a shift and an and: bf16 is the high half of a float32), so
 // q (and the output's columns) are kept in that order: each block of 16 values as its 8
-// even-indexed, then its 8 odd-indexed ones (split16). float32 and float16 in plain order.
+// even-indexed, then its 8 odd-indexed ones (split_even_odd). float32 and float16 in plain order.
 template <class T>
 constexpr int PARTS = std::is_same_v<T, bf16> ? 2 : 1;  // vectors per widened load
 
@@ -89,18 +89,21 @@ inline void widen(const T* p, vf* out) {
     }
 }
 
-// Each block of 16 of x (n values, n % 16 == 0) as its 8 even-indexed, then its 8 odd-indexed
-// values (inverse: join16).
-inline void split16(float* x, int64_t n) {
-    for (int64_t t = 0; t < n; t += 2 * W) {
-        float tmp[2 * W];
-        for (int i = 0; i < W; ++i) { tmp[i] = x[t + 2 * i]; tmp[W + i] = x[t + 2 * i + 1]; }
-        std::memcpy(x + t, tmp, sizeof(tmp));
-    }
+// xs (M × K) = x (M × K) with each block of 16 values reordered: the 8 even-indexed, then the
+// 8 odd-indexed (the order bf16 values are widened in: gemv_rows_bf16, widen).
+inline void split_even_odd(const float* x, int64_t M, int64_t K, float* xs) {
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t t = 0; t < K; t += 2 * W)
+            for (int i = 0; i < W; ++i) {
+                xs[m * K + t + i] = x[m * K + t + 2 * i];
+                xs[m * K + t + W + i] = x[m * K + t + 2 * i + 1];
+            }
 }
-inline void join16(const float* x, int64_t n, float* out) {
+
+// The inverse of split_even_odd for one row of n values.
+inline void join_even_odd(const float* xs, int64_t n, float* x) {
     for (int64_t t = 0; t < n; t += 2 * W)
-        for (int i = 0; i < W; ++i) { out[t + 2 * i] = x[t + i]; out[t + 2 * i + 1] = x[t + W + i]; }
+        for (int i = 0; i < W; ++i) { x[t + 2 * i] = xs[t + i]; x[t + 2 * i + 1] = xs[t + W + i]; }
 }
 
 // acc[r][s] = lane-wise partial sums of q row r (R rows of D, row stride D) · key s (NK keys
@@ -185,7 +188,7 @@ inline void qk_rows(const float* q, int64_t D, const T* k, int64_t ldk, int64_t 
 }
 
 // o rows (R, row stride ldo) += p (R × n, row stride ldp) · v (n keys, row stride ldv), for the
-// 2·W columns at v and o (bf16: one widened load, o's columns in split16 order).
+// 2·W columns at v and o (bf16: one widened load, o's columns in split_even_odd's order).
 template <int R, class T>
 inline void pv_rows16(const float* __restrict p, int64_t ldp, int64_t n, const T* __restrict v, int64_t ldv,
                       float* __restrict o, int64_t ldo) {
@@ -272,9 +275,12 @@ void decode_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t
     // Half precision only: float32's K/V are read faster by the paths below (measured cold: the
     // column passes of p·v cost more than the per-row reads of L1 they save).
     const bool blocked = !std::is_same_v<T, float> && D % (2 * W) == 0 && Dv % (2 * W) == 0;
-    constexpr bool split = PARTS<T> == 2;  // q and o in split16 order
+    constexpr bool split = PARTS<T> == 2;  // q and o in split_even_odd's order (buf.kt: at least 8·D floats)
     if (blocked && split)
-        for (int64_t r = 0; r < rows; ++r) split16(buf.qbuf + r * D, D);
+        for (int64_t r = 0; r < rows; ++r) {
+            split_even_odd(buf.qbuf + r * D, 1, D, buf.kt);
+            std::memcpy(buf.qbuf + r * D, buf.kt, sizeof(float) * D);
+        }
 #endif
     for (int64_t r = 0; r < rows; ++r) { buf.m[r] = NEG_INF; buf.l[r] = 0.f; }
     std::memset(buf.o, 0, sizeof(float) * rows * Dv);
@@ -302,8 +308,6 @@ void decode_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t
         if (D % W == 0)  // W keys at a time, their W sums reduced together
             for (; j + W <= n; j += W) {
                 const T* kj = kb + (c0 + j) * P.ks[2];
-                // K a few keys ahead into L1, and these keys' V rows into L2 for the p·v pass:
-                // the loads overlap the arithmetic instead of stalling it.
                 if constexpr (!std::is_same_v<T, float>) {
                     if (rows > 1) {  // half precision: the W keys widened once (buf.kt, L1), read by every row
                         for (int64_t s = 0; s < W; ++s)
@@ -334,9 +338,9 @@ void decode_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t
 #endif
     }
 #if MH_VECTOR_FLOATS == 8 && defined(__AVX2__)
-    if (blocked && split)  // o's columns back in order (buf.kt: at least 8·D floats)
+    if (blocked && split)  // o's columns back in order
         for (int64_t r = 0; r < rows; ++r) {
-            join16(buf.o + r * Dv, Dv, buf.kt);
+            join_even_odd(buf.o + r * Dv, Dv, buf.kt);
             std::memcpy(buf.o + r * Dv, buf.kt, sizeof(float) * Dv);
         }
 #endif
@@ -478,8 +482,6 @@ namespace {
 
 // Weight rows multiplied per pass: R·M accumulators (AVX-512: at most 16 of 32 registers;
 // AVX2: at most 8 of 16).
-// Longest row of x the bf16 GEMV de-interleaves on the stack (MAX_STEP_ROWS × this floats).
-constexpr int64_t SPLIT_X_MAX = 8192;
 
 template <int M>
 constexpr int gemv_block() { return W == 16 || M <= 2 ? 4 : 2; }
@@ -572,26 +574,15 @@ void gemv_rows_bf16(const float* __restrict xs, int64_t K, const bf16* __restric
         }
 }
 
-// xs (M × K) = x (M × K) with each block of 16 values reordered: the 8 even-indexed, then the
-// 8 odd-indexed (the order gemv_rows_bf16 widens weights in).
-inline void split_even_odd(const float* x, int64_t M, int64_t K, float* xs) {
-    for (int64_t m = 0; m < M; ++m)
-        for (int64_t t = 0; t < K; t += 2 * W)
-            for (int i = 0; i < W; ++i) {
-                xs[m * K + t + i] = x[m * K + t + 2 * i];
-                xs[m * K + t + W + i] = x[m * K + t + 2 * i + 1];
-            }
-}
 #endif
 
+// xs: x de-interleaved by split_even_odd where splits_x<TW>(K) (gemv_rows_bf16), else null.
 template <class TW>
-void gemv_any(int64_t M, const float* x, int64_t K, const TW* w, int64_t rows, const TW* bias, float* out,
-              int64_t ldo) {
+void gemv_any(int64_t M, const float* x, const float* xs, int64_t K, const TW* w, int64_t rows, const TW* bias,
+              float* out, int64_t ldo) {
 #if MH_VECTOR_FLOATS == 8 && defined(__AVX2__)
     if constexpr (std::is_same_v<TW, bf16>) {
-        if (K % (2 * W) == 0 && K <= SPLIT_X_MAX) {
-            alignas(64) float xs[MAX_STEP_ROWS * SPLIT_X_MAX];
-            split_even_odd(x, M, K, xs);
+        if (xs) {
             switch (M) {
                 case 1: gemv_rows_bf16<1>(xs, K, w, rows, bias, out, ldo); return;
                 case 2: gemv_rows_bf16<2>(xs, K, w, rows, bias, out, ldo); return;
@@ -609,10 +600,21 @@ void gemv_any(int64_t M, const float* x, int64_t K, const TW* w, int64_t rows, c
     }
 }
 
+// Whether the GEMV of TW weights with rows of K values reads x de-interleaved (gemv_rows_bf16).
+template <class TW>
+constexpr bool splits_x(int64_t K) {
+#if MH_VECTOR_FLOATS == 8 && defined(__AVX2__)
+    return std::is_same_v<TW, bf16> && K % (2 * W) == 0;
+#else
+    (void)K;
+    return false;
+#endif
+}
+
 // This thread's share (thread id of nt) of out_i (M, N_i; row stride ldo_i) = x · W_iᵀ + b_i:
 // the rows of all weights together, split evenly in multiples of 4.
 template <class TW>
-void gemv_share(int64_t id, int64_t nt, int64_t M, const float* x, int64_t K, int64_t count,
+void gemv_share(int64_t id, int64_t nt, int64_t M, const float* x, const float* xs, int64_t K, int64_t count,
                 const TW* const* W, const int64_t* N, const TW* const* bias, float* const* out,
                 const int64_t* ldo) {
     int64_t total = 0;
@@ -621,7 +623,8 @@ void gemv_share(int64_t id, int64_t nt, int64_t M, const float* x, int64_t K, in
     int64_t base = 0;
     for (int64_t i = 0; i < count; ++i) {
         const int64_t lo = std::max(begin, base) - base, hi = std::min(end, base + N[i]) - base;
-        if (hi > lo) gemv_any(M, x, K, W[i] + lo * K, hi - lo, bias[i] ? bias[i] + lo : nullptr, out[i] + lo, ldo[i]);
+        if (hi > lo)
+            gemv_any(M, x, xs, K, W[i] + lo * K, hi - lo, bias[i] ? bias[i] + lo : nullptr, out[i] + lo, ldo[i]);
         base += N[i];
     }
 }
@@ -634,7 +637,7 @@ extern "C" int mh_linear_few_rows_f32(const float* x, int64_t M, int64_t K, int6
                                       const int64_t* N, const float* const* bias, float* const* out, int threads) {
     if (M < 1 || M > MAX_STEP_ROWS || K < 1 || count < 1) return -2;
 #pragma omp parallel num_threads(threads)
-    gemv_share(omp_get_thread_num(), omp_get_num_threads(), M, x, K, count, W, N, bias, out, N);
+    gemv_share(omp_get_thread_num(), omp_get_num_threads(), M, x, nullptr, K, count, W, N, bias, out, N);
     return 0;
 }
 
@@ -671,14 +674,19 @@ int decode_step(const T* x, int64_t B, int64_t E, const T* const* W, const T* co
     float* heads = alloc(B * H * D);
     float* xf = wide ? nullptr : alloc(B * E);  // x widened (half precision only)
     float* yf = wide ? nullptr : alloc(B * E);  // y before rounding (half precision only)
+    // x and the heads de-interleaved once per step for the bf16 GEMV (null: it reads them as they are)
+    float* xs = splits_x<T>(E) ? alloc(B * E) : nullptr;
+    float* hs = splits_x<T>(H * D) ? alloc(B * H * D) : nullptr;
     int64_t longest = 0;
     for (int64_t b = 0; b < B; ++b) longest = std::max(longest, lengths[b] + 1);
     const int64_t heads_b = B * Hkv;
     const int64_t splits = key_splits(heads_b, longest);
     const int64_t per = (longest + splits - 1) / splits, items = heads_b * splits, rows = G;
     float* part = splits > 1 ? alloc(items * rows * (D + 2)) : nullptr;
-    if (!qkv || !heads || (splits > 1 && !part) || (!wide && (!xf || !yf))) {
-        std::free(qkv); std::free(heads); std::free(part); std::free(xf); std::free(yf);
+    const auto release = [&] { for (float* p : {qkv, heads, part, xf, yf, xs, hs}) std::free(p); };
+    if (!qkv || !heads || (splits > 1 && !part) || (!wide && (!xf || !yf)) || (splits_x<T>(E) && !xs) ||
+        (splits_x<T>(H * D) && !hs)) {
+        release();
         return -1;
     }
     const float* xw;
@@ -691,6 +699,9 @@ int decode_step(const T* x, int64_t B, int64_t E, const T* const* W, const T* co
         xw = xf;
         yw = yf;
     }
+#if MH_VECTOR_FLOATS == 8 && defined(__AVX2__)
+    if (xs) split_even_odd(xw, B, E, xs);
+#endif
     // One attention problem per row: its own key count.
     Problem Ps[MAX_STEP_ROWS];
     for (int64_t b = 0; b < B; ++b) {
@@ -724,7 +735,7 @@ int decode_step(const T* x, int64_t B, int64_t E, const T* const* W, const T* co
                 const T* bqkv[3] = {bias[0], bias[1], bias[2]};
                 const int64_t N[3] = {H * D, Hkv * D, Hkv * D}, ld[3] = {width, width, width};
                 float* out[3] = {qkv, qkv + H * D, qkv + (H + Hkv) * D};
-                gemv_share(id, nt, B, xw, E, 3, Wqkv, N, bqkv, out, ld);
+                gemv_share(id, nt, B, xw, xs, E, 3, Wqkv, N, bqkv, out, ld);
             }
 #pragma omp barrier
 #pragma omp for schedule(static)
@@ -767,18 +778,24 @@ int decode_step(const T* x, int64_t B, int64_t E, const T* const* W, const T* co
                     merge_splits<float>(Ps[head / Hkv], part + head * splits * rows * (D + 2), splits, head / Hkv,
                                         head % Hkv);
             }
+#if MH_VECTOR_FLOATS == 8 && defined(__AVX2__)
+            if (hs) {
+#pragma omp single
+                split_even_odd(heads, B, H * D, hs);  // (then every thread waits: the implicit barrier)
+            }
+#endif
             const T* Wo[1] = {W[3]};
             const T* bo[1] = {bias[3]};
             const int64_t N[1] = {E}, ld[1] = {E};
             float* out[1] = {yw};
-            gemv_share(id, nt, B, heads, H * D, 1, Wo, N, bo, out, ld);
+            gemv_share(id, nt, B, heads, hs, H * D, 1, Wo, N, bo, out, ld);
         }
         buf.release();
     }
     if constexpr (!wide)
         if (!failed)
             for (int64_t i = 0; i < B * E; ++i) y[i] = from_f32<T>(yf[i]);
-    std::free(qkv); std::free(heads); std::free(part); std::free(xf); std::free(yf);
+    release();
     // The cache's counters (lengths, slot positions) are advanced by its one writer,
     // KVCache.commit, after this returns.
     return failed ? -1 : 0;
