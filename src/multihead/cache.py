@@ -37,7 +37,6 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ._checks import check_int
@@ -101,8 +100,6 @@ class KVCache:
         self._owner: weakref.ref | None = None  # the layer whose K/V this holds (see claim)
         #: the native decoding step's marshalled arguments (multihead.decode; None until used)
         self.step_plan: object | None = None
-        # NumPy views of lengths and slot_pos on the CPU (see _counter_views; None until used)
-        self._views: tuple[tuple[int, int], np.ndarray, np.ndarray] | None = None
 
     # -- sizes -----------------------------------------------------------------------
     @property
@@ -166,7 +163,7 @@ class KVCache:
         # A weak reference cannot be pickled: a saved and reloaded cache belongs to the
         # first layer that uses it. The step's plan (C pointers into this cache's buffers,
         # meaningless in a copy) is made again at the copy's first fused step.
-        return {**self.__dict__, "_owner": None, "step_plan": None, "_views": None}
+        return {**self.__dict__, "_owner": None, "step_plan": None}
 
     # -- state changes ---------------------------------------------------------------
     def reset(self) -> None:
@@ -333,14 +330,9 @@ class KVCache:
                 raise ValueError("commit(counts) takes one in-order token per row of a linear cache; "
                                  "other appends go through append()")
             held = self._host_lengths
-            if all(n == held[0] for n in held):  # every row's next slot holds the same position
-                views = self._counter_views()
-                if views is None:
-                    self.slot_pos[:, held[0]] = held[0]
-                    self.lengths.add_(1)
-                else:  # the same writes through NumPy: no operator dispatch at every decoded token
-                    views[1][:, held[0]] = held[0]
-                    views[0][:] += 1
+            if not torch.compiler.is_compiling() and all(n == held[0] for n in held):
+                self.slot_pos[:, held[0]] = held[0]  # every row's next slot holds that position (fewer ops)
+                self.lengths.add_(1)
                 self._host_lengths = [n + 1 for n in held]
                 return
             gained = torch.tensor(counts, dtype=torch.int64, device=self.device)  # (B,)
@@ -348,20 +340,6 @@ class KVCache:
             self.slot_pos.scatter_(1, positions, positions)
         self.lengths.add_(gained)
         self._host_lengths = [length + c for length, c in zip(self._host_lengths, counts)]
-
-    def _counter_views(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """(lengths, slot_pos) as NumPy arrays over the tensors' memory, for :meth:`commit`'s
-        per-token writes; None where they must be operators (not on the CPU, or traced: under
-        ``torch.compile`` or a dispatch mode, which must see every write). Remade whenever
-        either tensor's storage changes (never a view of freed memory: the view keeps it alive)."""
-        if (self.lengths.device.type != "cpu" or torch.compiler.is_compiling()
-                or torch._C._len_torch_dispatch_stack() > 0):
-            return None
-        key = (self.lengths.data_ptr(), self.slot_pos.data_ptr())
-        views = self._views
-        if views is None or views[0] != key:
-            views = self._views = (key, self.lengths.numpy(), self.slot_pos.numpy())
-        return views[1], views[2]
 
     def rollback(self, step: Append) -> None:
         """Undo :meth:`append`'s writes (the attention that used it failed): the cache is
