@@ -272,4 +272,3 @@ def test_a_copied_cache_decodes_into_its_own_buffers() -> None:
         torch.testing.assert_close(got, layer(nxt, cache=cache), atol=0, rtol=0)
     assert twin.step_plan is not cache.step_plan
     assert torch.equal(cache.lengths, twin.lengths) and torch.equal(cache.slot_pos, twin.slot_pos)
-
