@@ -362,7 +362,8 @@ void decode_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t
     }
 }
 
-// Floats of decode_item's widening buffer (buf.kt): W keys of K, or PV_KEYS rows of V.
+// Floats of decode_item's scratch buffer (buf.kt): W widened keys of K, PV_KEYS rows of V, or one
+// row of q or o reordered (split_even_odd / join_even_odd).
 inline int64_t wide_floats(int64_t D, int64_t Dv) { return std::max(W * D, PV_KEYS * Dv); }
 
 // Merge the key splits of (b, kvh): weights 2^(m_s - max m) as in the online softmax; out of type T
