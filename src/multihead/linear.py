@@ -7,8 +7,9 @@ backward). On AMD CPUs torch's float32 matmul (MKL) runs AVX2 code and its singl
 GEMV uses one core; oneDNN reaches about twice the FLOP rate and twice the bandwidth.
 Without autograd, a few rows (decoding) go to
 :func:`multihead.backends.native.linear_few_rows`, which streams the weights faster
-still. Other dtypes and devices, or oneDNN disabled, use ``F.linear``. :func:`gemm_for`
-and :func:`mm_nt` are the same GEMM for the torch-only attention kernels.
+still, and small GEMMs to ``F.linear``, whose fixed cost per call is lower. Other dtypes
+and devices, or oneDNN disabled, use ``F.linear``. :func:`gemm_for` and :func:`mm_nt` are
+the same GEMM for the torch-only attention kernels.
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ from .backends.gemm import MatMul, _onednn_linear, compiled_onednn, gemm_for, mm
 from .backends.registry import needs_grad
 
 __all__ = ["linear", "linears", "onednn_available", "gemm_for", "mm_nt", "MatMul"]
+
+
+#: Without autograd, GEMMs of at most this many multiply-adds (N·in·out) run on ``F.linear``:
+#: oneDNN's op costs a fixed ~25 µs a call more (measured on a Zen 3 CPU, 2 threads: 20-40%
+#: of a 24 × 384 × 384 GEMM; 4M multiply-adds is 24 rows at 384 wide, 64 at 256).
+SMALL_GEMM = 1 << 22
 
 
 def _gemm() -> Callable[..., torch.Tensor]:
@@ -87,7 +94,8 @@ def linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | Non
     """:func:`linear` of one input through several layers: ``[x · wᵀ + b for w, b in layers]``.
 
     When decoding (few rows of x, no autograd, float32, the native kernel built) the
-    layers run in one call that streams all their weights across threads at once.
+    layers run in one call that streams all their weights across threads at once; small
+    GEMMs without autograd (:data:`SMALL_GEMM`) run on ``F.linear``.
 
     Args:
         x: (..., in). layers: (weight (out_i, in), bias (out_i,) or None).
@@ -111,6 +119,8 @@ def linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | Non
     if (0 < x2.shape[0] <= native.MAX_STEP_ROWS and all(t.is_contiguous() for t in tensors[1:])
             and native.vector_bits() >= 256):  # AVX-512 or AVX2 (measured: 1.2-1.7× oneDNN's on AVX2)
         outs = native.linear_few_rows(x2.contiguous(), layers)
+    elif all(x2.shape[0] * w.shape[0] * w.shape[1] <= SMALL_GEMM for w, _ in layers):
+        return [F.linear(x, w, b) for w, b in layers]
     else:
         outs = [op(x2, w, b, "none", [], "") for w, b in layers]
     return [o.view(*x.shape[:-1], o.shape[-1]) for o in outs]

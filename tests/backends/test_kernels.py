@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from unittest import mock
 
 import numpy as np
@@ -271,3 +271,27 @@ def test_blocked_at_real_block_sizes_meets_the_accuracy_criterion(sq: int, sk: i
     naive = mh.attention(q, k, v, causal=causal, backend="explicit")  # plain float32 softmax(QKᵀ)V
     err, naive_err = (got.double() - truth).abs().max().item(), (naive.double() - truth).abs().max().item()
     assert err <= 2 * naive_err + 1e-6, (err, naive_err)
+
+
+def _gemm_ops(fn: Callable[[], object]) -> set[str]:
+    """The GEMM operators ``fn`` runs (profiled)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.name for e in prof.events() if e.name in ("aten::addmm", "aten::mm", "mkldnn::_linear_pointwise")}
+
+
+@pytest.mark.parametrize("rows, width", [(24, 384), (64, 256), (25, 384), (128, 384)])
+def test_small_gemms_without_autograd_run_on_f_linear(rows: int, width: int) -> None:
+    """Without autograd a GEMM of at most SMALL_GEMM multiply-adds takes F.linear (oneDNN's op costs
+    a fixed ~25 µs a call more); larger ones oneDNN's, when it is there; the values are F.linear's."""
+    torch.manual_seed(0)
+    x, w, b = torch.randn(rows, width), torch.randn(width, width), torch.randn(width)
+    small = rows * width * width <= mh.linear.SMALL_GEMM
+    with torch.no_grad():
+        torch.testing.assert_close(kernels.linear(x, w, b), torch.nn.functional.linear(x, w, b),
+                                   atol=1e-4, rtol=1e-5)
+        used = _gemm_ops(lambda: kernels.linear(x, w, b))
+    if small or not gemm.onednn_available():
+        assert used == {"aten::addmm"}, used
+    else:
+        assert used == {"mkldnn::_linear_pointwise"}, used

@@ -243,3 +243,74 @@ def test_export_with_a_dynamic_sequence_length_runs_at_two_lengths(padded: bool)
             got = program.module()(x, **kw)
             assert got.shape == (2, length, 128)
             assert (got - layer(x, **kw)).abs().max() <= ATOL
+
+
+def _counting_impl(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the calls that run the operator's body directly (not through ``torch.ops``)."""
+    from multihead.backends.native import ops
+
+    calls: list[int] = []
+    real = ops.attention_impl
+
+    def counted(*args: object) -> object:
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(ops, "attention_impl", counted)
+    return calls
+
+
+def test_eager_calls_without_gradients_skip_the_operators_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eager and without gradients the kernel runs directly (the operator's Python dispatch costs
+    tens of µs, a sizeable part of a small layer); the result is bitwise the operator's."""
+    calls = _counting_impl(monkeypatch)
+    q, k, v = _qkv()
+    with torch.no_grad():
+        direct = mh.attention(q, k, v, causal=True, backend="native")
+    assert calls == [1]
+    via_op = torch.ops.multihead.attention(q, k, v, None, q.shape[-1] ** -0.5, True, None, False)[0]
+    assert torch.equal(direct, via_op)
+    mh.attention(q, k, v, backend="native")  # grad mode on, but nothing requires a gradient
+    assert calls == [1, 1]
+
+
+@pytest.mark.parametrize("watcher", ["grad", "profiler", "fake", "dispatch mode", "compile"])
+def test_anything_that_watches_operators_sees_the_operator(watcher: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gradients, the profiler, dispatch modes (fake tensors) and torch.compile get the operator,
+    never the direct call: it records the backward, shows in traces, and is traced."""
+    calls = _counting_impl(monkeypatch)
+    q, k, v = _qkv()
+    if watcher == "grad":
+        q.requires_grad_(True)
+        mh.attention(q, k, v, backend="native").sum().backward()
+        assert q.grad is not None
+    elif watcher == "profiler":
+        with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            mh.attention(q, k, v, backend="native")
+        assert "multihead::attention" in {e.name for e in prof.events()}
+    elif watcher == "fake":
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode() as mode, torch.no_grad():
+            out = mh.attention(*(mode.from_tensor(t) for t in (q, k, v)), backend="native")
+        assert out.shape == q.shape
+    elif watcher == "dispatch mode":  # real tensors, a mode that records every operator
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        seen: list[str] = []
+
+        class Record(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                seen.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        with Record(), torch.no_grad():
+            mh.attention(q, k, v, backend="native")
+        assert "multihead.attention.default" in seen, seen
+    else:
+        torch._dynamo.reset()
+        with torch.no_grad():
+            got = torch.compile(lambda a, b, c: mh.attention(a, b, c, backend="native"), fullgraph=True)(q, k, v)
+            torch.testing.assert_close(got, mh.attention(q, k, v, backend="native"), atol=ATOL, rtol=0)
+        calls.pop()  # the eager comparison's call
+    assert calls == []

@@ -75,7 +75,7 @@ def cmd_cost(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .models import run_model
+    from .models import TIMED_RUNS, run_model
 
     info = run_model(args.text or None, args.model, progress=not args.no_progress)
     cos = info["cosine_vs_sentence_transformers"]
@@ -96,7 +96,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         ("sentence embeddings vs sentence-transformers encode: cosine " +
          ", ".join(f"{c:.6f}" for c in cos)) if cos is not None else "not a sentence-transformers model",
         f"unpatch restored the original modules: {info['unpatch_restored']}",
-        "time per attention layer (one CPU run):",
+        f"time per attention layer (median of {TIMED_RUNS} runs on this CPU):",
         *timing,
     ])
     _emit(args, {k: v for k, v in info.items() if k != "table_text"}, text)

@@ -21,6 +21,7 @@ Nothing is downloaded: configs, tokenizers and weights are read from the directo
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -143,11 +144,16 @@ def _max_length(path: Path, config: Any) -> int:
     return int(limit)
 
 
+#: The model runs this many times, after a warm-up, for the per-layer times (their medians).
+TIMED_RUNS = 5
+
+
 class _Timer:
-    """Forward pre/post hooks that time each attention module (seconds, last call)."""
+    """Forward pre/post hooks that time each attention module: :attr:`seconds`, the median of
+    its calls (one call alone moves by tens of percent on a busy machine)."""
 
     def __init__(self, modules: Sequence[nn.Module]) -> None:
-        self.seconds = [0.0] * len(modules)
+        self.calls: list[list[float]] = [[] for _ in modules]
         self._start = [0.0] * len(modules)
         self._handles = []
         for i, m in enumerate(modules):
@@ -161,8 +167,12 @@ class _Timer:
 
     def _post(self, i: int):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            self.seconds[i] = time.perf_counter() - self._start[i]
+            self.calls[i].append(time.perf_counter() - self._start[i])
         return hook
+
+    @property
+    def seconds(self) -> list[float]:
+        return [statistics.median(c) if c else 0.0 for c in self.calls]
 
     def remove(self) -> None:
         for h in self._handles:
@@ -196,7 +206,8 @@ def run_model(
         ``max_abs_diff_hidden`` (patched vs unpatched, real tokens, every layer),
         ``cosine_vs_sentence_transformers`` (per text; None if not a
         sentence-transformers model) and ``min_cosine``, ``ms_per_layer``
-        (``{"hf": [...], "multihead": [...]}``), ``unpatch_restored``.
+        (``{"hf": [...], "multihead": [...]}``, medians of :data:`TIMED_RUNS` runs),
+        ``unpatch_restored``.
 
     Raises:
         ValueError: empty ``texts`` or non-strings, a bad ``model_dir`` or checkpoint, or a
@@ -231,9 +242,11 @@ def run_model(
         seen["position_ids"] = kwargs.get("position_ids")
 
     handle = originals[0][1].register_forward_pre_hook(capture, with_kwargs=True)
-    timer = _Timer([m for _, m in originals])
     with torch.no_grad():
         model(**inputs)  # warm-up, so that both timed runs start equal
+        timer = _Timer([m for _, m in originals])
+        for _ in range(TIMED_RUNS - 1):
+            model(**inputs)
         ref = model(**inputs, output_hidden_states=True)
     handle.remove()
     timer.remove()
@@ -243,9 +256,11 @@ def run_model(
 
     hf.patch(model)
     wrappers = [m for _, m in _attention_modules(model)]
-    timer = _Timer(wrappers)
     with torch.no_grad():
         model(**inputs)
+        timer = _Timer(wrappers)
+        for _ in range(TIMED_RUNS - 1):
+            model(**inputs)
         out = model(**inputs, output_hidden_states=True)
     timer.remove()
     ms_mh = [s * 1e3 for s in timer.seconds]

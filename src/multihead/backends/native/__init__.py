@@ -31,7 +31,7 @@ from ...masks import check_cu_seqlens, segment_bounds
 from ..registry import register_backend
 from . import _build, _ffi
 from ._ffi import int64_ptr, int64s, pointers, ptr
-from . import ops  # noqa: F401  (registers torch.ops.multihead.*: cheap, builds nothing)
+from . import ops  # registers torch.ops.multihead.*: cheap, builds nothing
 
 __all__ = ["available", "status", "build", "vector_bits", "attention_f32", "decode_f32", "linear_few_rows",
            "decode_step", "StepPlan", "MAX_STEP_ROWS", "FEW_ROWS", "native_backend", "key_panels"]
@@ -502,9 +502,11 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, caus
     if any(t is not None for t in (softcap, alibi_slopes, sinks, cu_seqlens)):
         decode = False  # the decoding loop takes none of them
     decode = rows_per_kv_head(q, k) <= DECODE_ROWS if decode is None else decode
-    out, lse = torch.ops.multihead.attention(q, k, v, mask, float(scale), bool(causal), window, decode,
-                                             None if softcap is None else float(softcap), alibi_slopes, sinks,
-                                             cu_seqlens)
+    # Eager without gradients the operator's body runs directly (ops.direct says when).
+    direct = ops.direct(q, k, v, mask, alibi_slopes, sinks, cu_seqlens)
+    fn = ops.attention_impl if direct else torch.ops.multihead.attention
+    out, lse = fn(q, k, v, mask, float(scale), bool(causal), window, decode,
+                  None if softcap is None else float(softcap), alibi_slopes, sinks, cu_seqlens)
     return out, (lse if return_lse else None)
 
 

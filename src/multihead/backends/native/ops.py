@@ -31,7 +31,7 @@ import torch
 
 from ._ffi import int64s, ptr
 
-__all__ = ["attention", "attention_backward", "decode_step"]
+__all__ = ["attention", "attention_impl", "attention_backward", "decode_step", "direct"]
 
 Tensor = torch.Tensor
 
@@ -78,12 +78,27 @@ def _check(code: int, what: str) -> None:
         raise RuntimeError(f"the native {what} refused the problem (code {code})")
 
 
-@torch.library.custom_op("multihead::attention", mutates_args=())
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, causal: bool,
+def direct(*tensors: Tensor | None) -> bool:
+    """Whether a call with these tensors may run a kernel's implementation directly rather than
+    through its operator (the operator's Python dispatch costs tens of µs a call, a sizeable part
+    of a small layer's): in eager mode, with no gradient to record, plain tensors, and nothing
+    tracing or watching the operators (``torch.compile``, ``torch.export``, a ``TorchDispatchMode``
+    such as fake tensors, functorch transforms, ``torch.jit.trace``, the profiler), all of which
+    need to see the operator."""
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+            or torch._C._functorch.peek_interpreter_stack() is not None or torch.jit.is_tracing()
+            or torch.autograd._profiler_enabled()):
+        return False
+    grad = torch.is_grad_enabled()
+    return all(t is None or (type(t) is Tensor and not (grad and t.requires_grad)) for t in tensors)
+
+
+def attention_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, causal: bool,
               window: Optional[int], decode: bool, softcap: Optional[float] = None,
               alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
               cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """Attention with the native kernels: ``(out (B, H, Sq, Dv), lse (B, H, Sq))``.
+    """Attention with the native kernels: ``(out (B, H, Sq, Dv), lse (B, H, Sq))``; the body of
+    the operator ``multihead::attention`` (:data:`attention`), called directly when :func:`direct`.
 
     Args:
         q: (B, H, Sq, D); k: (B, Hkv, Sk, D); v: (B, Hkv, Sk, Dv); CPU, float32, float16,
@@ -113,6 +128,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: fl
     k, v = k.to(q.dtype), v.to(q.dtype)
     return _run(name, q, k, v, scale, causal, window, mask, True, *extra, checked=True,  # type: ignore[return-value]
                 logits=logits)
+
+
+attention = torch.library.custom_op("multihead::attention", mutates_args=())(attention_impl)
 
 
 @attention.register_fake
