@@ -27,10 +27,13 @@ from .backends.registry import needs_grad
 __all__ = ["linear", "linears", "onednn_available", "gemm_for", "mm_nt", "MatMul"]
 
 
-#: Without autograd, GEMMs of at most this many multiply-adds (N·in·out) run on ``F.linear``:
-#: oneDNN's op costs a fixed ~25 µs a call more (measured on a Zen 3 CPU, 2 threads: 20-40%
-#: of a 24 × 384 × 384 GEMM; 4M multiply-adds is 24 rows at 384 wide, 64 at 256).
-SMALL_GEMM = 1 << 22
+#: Without autograd, GEMMs of at most this many multiply-adds (N·in·out) run on ``F.linear``.
+#: Measured on a Zen 3 CPU (AVX2, 2 threads, medians): alone and warm, oneDNN's op costs a
+#: fixed ~25 µs a call more (20-40% of a 24 × 384 × 384 GEMM, even at 72 rows); inside a BERT
+#: model, weights read from memory, F.linear's projections take 0.87-0.89× oneDNN's time at
+#: 72 rows × 384 (11M multiply-adds), the same at 72 × 768 (42M), 0.96-1.04× at 128 × 768,
+#: and oneDNN is ahead from 1024 × 768 (0.85-0.9×).
+SMALL_GEMM = 1 << 24
 
 
 def _gemm() -> Callable[..., torch.Tensor]:

@@ -280,10 +280,11 @@ def _gemm_ops(fn: Callable[[], object]) -> set[str]:
     return {e.name for e in prof.events() if e.name in ("aten::addmm", "aten::mm", "mkldnn::_linear_pointwise")}
 
 
-@pytest.mark.parametrize("rows, width", [(24, 384), (64, 256), (25, 384), (128, 384)])
+@pytest.mark.parametrize("rows, width", [(24, 384), (256, 256), (113, 384), (114, 384), (64, 768)])
 def test_small_gemms_without_autograd_run_on_f_linear(rows: int, width: int) -> None:
-    """Without autograd a GEMM of at most SMALL_GEMM multiply-adds takes F.linear (oneDNN's op costs
-    a fixed ~25 µs a call more); larger ones oneDNN's, when it is there; the values are F.linear's."""
+    """Without autograd a GEMM of at most SMALL_GEMM multiply-adds (2^24: 113 rows at 384 wide) takes
+    F.linear (oneDNN's op costs a fixed ~25 µs a call more); larger ones oneDNN's, when it is there;
+    the values are F.linear's."""
     torch.manual_seed(0)
     x, w, b = torch.randn(rows, width), torch.randn(width, width), torch.randn(width)
     small = rows * width * width <= mh.linear.SMALL_GEMM

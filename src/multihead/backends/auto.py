@@ -73,41 +73,27 @@ NATIVE_MIN_GRAD_SCORES: dict[int, int] = {256: 1 << 20}
 NATIVE_MIN_GRAD_LSE_SCORES: dict[int, int] = {512: 1 << 22, 256: 1 << 16}
 
 
-@dataclass(frozen=True)
 class Call:
-    """What "auto" decides on: the tensors' shapes, dtype and device, and the flags."""
+    """What "auto" decides on: the tensors' shapes, dtype and device, and the flags; the facts
+    the rules ask several times computed once (a plain slotted class: it is made per call)."""
 
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    dropout_p: float = 0.0
-    return_weights: bool = False
-    return_lse: bool = False
-    softcap: bool = False
-    alibi: bool = False
-    sinks: bool = False
-    varlen: bool = False  # packed sequences (cu_seqlens)
-    learned_grad: bool = False  # alibi_slopes or sinks require grad
+    __slots__ = ("q", "k", "v", "dropout_p", "return_weights", "return_lse", "softcap", "alibi", "sinks",
+                 "varlen", "learned_grad", "differentiable", "logits", "few_rows", "scores")
 
-    @property
-    def differentiable(self) -> bool:
-        """Gradients or dropout are needed, or the tensors are not on the CPU."""
-        return (self.dropout_p > 0 or self.learned_grad or needs_grad(self.q, self.k, self.v)
-                or self.q.device.type != "cpu")
-
-    @property
-    def logits(self) -> bool:
-        """A logit feature (soft-capping, ALiBi, sinks) is asked for."""
-        return self.softcap or self.alibi or self.sinks
-
-    @property
-    def few_rows(self) -> bool:
-        return native.rows_per_kv_head(self.q, self.k) <= DECODE_ROWS
-
-    @property
-    def scores(self) -> int:
-        q = self.q
-        return q.shape[0] * q.shape[1] * q.shape[2] * self.k.shape[2]
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                 return_weights: bool = False, return_lse: bool = False, softcap: bool = False,
+                 alibi: bool = False, sinks: bool = False, varlen: bool = False, learned_grad: bool = False) -> None:
+        self.q, self.k, self.v = q, k, v
+        self.dropout_p, self.return_weights, self.return_lse = dropout_p, return_weights, return_lse
+        self.softcap, self.alibi, self.sinks = softcap, alibi, sinks  # the logit features asked for
+        self.varlen = varlen  # packed sequences (cu_seqlens)
+        self.learned_grad = learned_grad  # alibi_slopes or sinks require grad
+        #: Gradients or dropout are needed, or the tensors are not on the CPU.
+        self.differentiable = (dropout_p > 0 or learned_grad or needs_grad(q, k, v) or q.device.type != "cpu")
+        #: A logit feature (soft-capping, ALiBi, sinks) is asked for.
+        self.logits = softcap or alibi or sinks
+        self.few_rows = native.rows_per_kv_head(q, k) <= DECODE_ROWS
+        self.scores = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
 
     def native_fits(self, min_scores: dict[int, int]) -> bool:
         """The native kernel takes these tensors, is compiled here for a vector width with
@@ -278,9 +264,10 @@ def auto_backend(
     if cu_seqlens is not None and (call.differentiable or not rule.path.startswith("native")):
         segments = segment_mask(cu_seqlens, q.shape[2], q.device)  # (B|1, 1, S, S)
         mask, cu_seqlens = (segments if mask is None else mask & segments), None
-    features = dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, cu_seqlens=cu_seqlens)
-    structure = dict(scale=scale, causal=causal, window=window, mask=mask,
-                     **{key: value for key, value in features.items() if value is not None})
+    structure: dict[str, object] = dict(scale=scale, causal=causal, window=window, mask=mask)
+    if call.logits or cu_seqlens is not None:
+        features = dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, cu_seqlens=cu_seqlens)
+        structure.update((key, value) for key, value in features.items() if value is not None)
     if rule.path.startswith(("explicit", "sdpa")):
         return rule.run(q, k, v, return_lse=return_lse, dropout_p=dropout_p, return_weights=return_weights,
                         **structure)

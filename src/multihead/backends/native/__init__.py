@@ -498,15 +498,19 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, caus
     outside a query's sequences is computed) run in the FlashAttention loop only, so they
     take it whatever ``decode`` says. Runs the operator ``multihead::attention``
     (:mod:`.ops`): differentiable (the native backward) without them, traceable by
-    ``torch.compile`` and ``torch.export``."""
+    ``torch.compile`` and ``torch.export``; in eager calls without gradients its body
+    directly (:func:`.ops.direct`)."""
     if any(t is not None for t in (softcap, alibi_slopes, sinks, cu_seqlens)):
         decode = False  # the decoding loop takes none of them
     decode = rows_per_kv_head(q, k) <= DECODE_ROWS if decode is None else decode
-    # Eager without gradients the operator's body runs directly (ops.direct says when).
-    direct = ops.direct(q, k, v, mask, alibi_slopes, sinks, cu_seqlens)
-    fn = ops.attention_impl if direct else torch.ops.multihead.attention
-    out, lse = fn(q, k, v, mask, float(scale), bool(causal), window, decode,
-                  None if softcap is None else float(softcap), alibi_slopes, sinks, cu_seqlens)
+    if not ops.direct(q, k, v, mask, alibi_slopes, sinks, cu_seqlens):
+        out, lse = torch.ops.multihead.attention(q, k, v, mask, float(scale), bool(causal), window, decode,
+                                                 None if softcap is None else float(softcap), alibi_slopes, sinks,
+                                                 cu_seqlens)
+        return out, (lse if return_lse else None)
+    # Eager without gradients: the operator's body, directly (its dispatch costs tens of µs a call).
+    out, lse = ops.forward(q, k, v, mask, float(scale), bool(causal), window, decode, softcap, alibi_slopes, sinks,
+                           cu_seqlens, return_lse=return_lse)
     return out, (lse if return_lse else None)
 
 

@@ -31,7 +31,7 @@ import torch
 
 from ._ffi import int64s, ptr
 
-__all__ = ["attention", "attention_impl", "attention_backward", "decode_step", "direct"]
+__all__ = ["attention", "attention_impl", "attention_backward", "decode_step", "direct", "forward"]
 
 Tensor = torch.Tensor
 
@@ -97,8 +97,8 @@ def attention_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scal
               window: Optional[int], decode: bool, softcap: Optional[float] = None,
               alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
               cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """Attention with the native kernels: ``(out (B, H, Sq, Dv), lse (B, H, Sq))``; the body of
-    the operator ``multihead::attention`` (:data:`attention`), called directly when :func:`direct`.
+    """Attention with the native kernels: ``(out (B, H, Sq, Dv), lse (B, H, Sq))``, the body of
+    the operator ``multihead::attention`` (:data:`attention`): :func:`forward` with the lse.
 
     Args:
         q: (B, H, Sq, D); k: (B, Hkv, Sk, D); v: (B, Hkv, Sk, Dv); CPU, float32, float16,
@@ -114,6 +114,18 @@ def attention_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scal
         out in q's dtype (a view of a (B, Sq, H, Dv) buffer; contiguous for float64),
         zeros for rows with no key; lse float32 (float64 for float64), ``-inf`` there.
     """
+    out, lse = forward(q, k, v, mask, scale, causal, window, decode, softcap, alibi_slopes, sinks, cu_seqlens,
+                       return_lse=True)
+    assert lse is not None  # asked for
+    return out, lse
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, causal: bool,
+            window: Optional[int], decode: bool, softcap: Optional[float] = None,
+            alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+            cu_seqlens: Optional[Tensor] = None, *, return_lse: bool) -> tuple[Tensor, Tensor | None]:
+    """:func:`attention_impl`, with the lse only when ``return_lse`` (float32 and half precision:
+    the kernel then writes none); what eager calls run directly when :func:`direct`."""
     from . import _QUERY_TILE, Logits, _require, _run
 
     logits = Logits(softcap, alibi_slopes, sinks, cu_seqlens)
@@ -125,9 +137,10 @@ def attention_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scal
     name, extra = ("mh_decode_f32", ()) if decode else ("mh_attention_f32", (_QUERY_TILE,))
     # The caller (multihead.attention, the module) validated once: no second check here. Mixed
     # dtypes (not from multihead.attention) are brought to q's.
-    k, v = k.to(q.dtype), v.to(q.dtype)
-    return _run(name, q, k, v, scale, causal, window, mask, True, *extra, checked=True,  # type: ignore[return-value]
-                logits=logits)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    result = _run(name, q, k, v, scale, causal, window, mask, return_lse, *extra, checked=True, logits=logits)
+    return result if isinstance(result, tuple) else (result, None)
 
 
 attention = torch.library.custom_op("multihead::attention", mutates_args=())(attention_impl)
