@@ -77,6 +77,32 @@ def test_run_any_checkpoint_directory_with_texts(tmp_path: Path, capsys) -> None
     assert shapes["K"] == f"[16, {s}]" and shapes["K_k"] == f"2 × [8, {s}]" and shapes["RoPE(Q_k)"] == f"4 × [8, {s}]"
 
 
+def test_run_times_both_sides_alternately_and_leaves_the_patch_in_place() -> None:
+    """The per-layer times: TIMED_RUNS + 1 calls of every original and every wrapper, one model
+    run each in turn (the first round not counted), the wrappers in the tree afterwards and no
+    timing hook left on either side."""
+    from transformers import BertConfig, BertModel
+
+    from multihead import hf
+    from multihead.tools import models as tool
+
+    model = BertModel(BertConfig(hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                                 num_hidden_layers=2)).eval()
+    hf.patch(model)
+    wrappers = {n: m for n, m in model.named_modules() if isinstance(m, hf.PatchedAttention)}
+    order: list[str] = []
+    for name, w in wrappers.items():
+        w.original.register_forward_pre_hook(lambda *_, n=name: order.append(f"hf {n}"))
+        w.register_forward_pre_hook(lambda *_, n=name: order.append(f"mh {n}"))
+    ms_hf, ms_mh = tool._time_layers(model, {"input_ids": torch.randint(0, 100, (2, 7))}, wrappers)
+    assert len(ms_hf) == len(ms_mh) == 2 and all(t > 0 for t in ms_hf + ms_mh)
+    one_round = [f"{side} {n}" for side in ("hf", "mh") for n in wrappers]
+    assert order == one_round * (tool.TIMED_RUNS + 1)
+    assert {n: m for n, m in model.named_modules() if isinstance(m, hf.PatchedAttention)} == wrappers
+    for m in [*wrappers.values(), *(w.original for w in wrappers.values())]:
+        assert len(m._forward_hooks) == 0 and len(m._forward_pre_hooks) == 1  # only this test's
+
+
 def test_run_text_output_and_progress(tmp_path: Path, capsys) -> None:
     path = _tiny_llama_dir(tmp_path)
     assert cli.main(["run", "--model", str(path)]) == 0

@@ -96,7 +96,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         ("sentence embeddings vs sentence-transformers encode: cosine " +
          ", ".join(f"{c:.6f}" for c in cos)) if cos is not None else "not a sentence-transformers model",
         f"unpatch restored the original modules: {info['unpatch_restored']}",
-        f"time per attention layer (median of {TIMED_RUNS} runs on this CPU):",
+        f"time per attention layer (medians of {TIMED_RUNS} runs each, the two alternating, on this CPU):",
         *timing,
     ])
     _emit(args, {k: v for k, v in info.items() if k != "table_text"}, text)

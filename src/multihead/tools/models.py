@@ -144,7 +144,8 @@ def _max_length(path: Path, config: Any) -> int:
     return int(limit)
 
 
-#: The model runs this many times, after a warm-up, for the per-layer times (their medians).
+#: The model runs this many times with each side's modules, after a warm-up round, for the
+#: per-layer times (their medians; :func:`_time_layers`).
 TIMED_RUNS = 5
 
 
@@ -172,11 +173,42 @@ class _Timer:
 
     @property
     def seconds(self) -> list[float]:
-        return [statistics.median(c) if c else 0.0 for c in self.calls]
+        return self.seconds_after(0)
+
+    def seconds_after(self, skip: int) -> list[float]:
+        """The medians of each module's calls after its first ``skip`` ones."""
+        return [statistics.median(c[skip:]) if c[skip:] else 0.0 for c in self.calls]
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+
+
+def _time_layers(model: nn.Module, inputs: dict[str, Any], wrappers: dict[str, hf.PatchedAttention],
+                 ) -> tuple[list[float], list[float]]:
+    """Each attention layer's time in ms, Hugging Face's and ours: :data:`TIMED_RUNS` runs of the
+    model each, alternating (the original modules put back in place of the wrappers, then the
+    wrappers again), so that the machine's drift between minutes falls on both alike; medians.
+
+    ``wrappers``: the patched modules by name; they are in place again after."""
+    from ..interop.hf_patch import _set_submodule
+
+    sides = {"hf": {name: w.original for name, w in wrappers.items()}, "multihead": dict(wrappers)}
+    timers = {side: _Timer(list(modules.values())) for side, modules in sides.items()}
+    try:
+        with torch.no_grad():
+            for _ in range(TIMED_RUNS + 1):  # the first round warms both up and is not counted
+                for modules in sides.values():
+                    for name, module in modules.items():
+                        _set_submodule(model, name, module)
+                    model(**inputs)
+    finally:
+        for name, wrapper in wrappers.items():
+            _set_submodule(model, name, wrapper)
+        for timer in timers.values():
+            timer.remove()
+    hf_ms, mh_ms = ([s * 1e3 for s in timers[side].seconds_after(1)] for side in sides)
+    return hf_ms, mh_ms
 
 
 def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -206,7 +238,7 @@ def run_model(
         ``max_abs_diff_hidden`` (patched vs unpatched, real tokens, every layer),
         ``cosine_vs_sentence_transformers`` (per text; None if not a
         sentence-transformers model) and ``min_cosine``, ``ms_per_layer``
-        (``{"hf": [...], "multihead": [...]}``, medians of :data:`TIMED_RUNS` runs),
+        (``{"hf": [...], "multihead": [...]}``, medians of :data:`TIMED_RUNS` runs, alternating),
         ``unpatch_restored``.
 
     Raises:
@@ -243,27 +275,18 @@ def run_model(
 
     handle = originals[0][1].register_forward_pre_hook(capture, with_kwargs=True)
     with torch.no_grad():
-        model(**inputs)  # warm-up, so that both timed runs start equal
-        timer = _Timer([m for _, m in originals])
-        for _ in range(TIMED_RUNS - 1):
-            model(**inputs)
+        model(**inputs)  # warm-up
         ref = model(**inputs, output_hidden_states=True)
     handle.remove()
-    timer.remove()
-    ms_hf = [s * 1e3 for s in timer.seconds]
     bar.update(1)
     bar.set_postfix_str("patched")
 
     hf.patch(model)
-    wrappers = [m for _, m in _attention_modules(model)]
+    patched = _attention_modules(model)
+    wrappers = [m for _, m in patched]
     with torch.no_grad():
-        model(**inputs)
-        timer = _Timer(wrappers)
-        for _ in range(TIMED_RUNS - 1):
-            model(**inputs)
         out = model(**inputs, output_hidden_states=True)
-    timer.remove()
-    ms_mh = [s * 1e3 for s in timer.seconds]
+    ms_hf, ms_mh = _time_layers(model, inputs, {name: m for name, m in patched if isinstance(m, hf.PatchedAttention)})
     diff = max(float((a - b)[real].abs().max()) for a, b in zip(ref.hidden_states, out.hidden_states))
     diff = max(diff, float((ref.last_hidden_state - out.last_hidden_state)[real].abs().max()))
 
