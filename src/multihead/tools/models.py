@@ -150,7 +150,7 @@ TIMED_RUNS = 5
 
 
 class _Timer:
-    """Forward pre/post hooks that time each attention module: :attr:`seconds`, the median of
+    """Forward pre/post hooks that time each attention module: :meth:`seconds`, the median of
     its calls (one call alone moves by tens of percent on a busy machine)."""
 
     def __init__(self, modules: Sequence[nn.Module]) -> None:
@@ -171,12 +171,8 @@ class _Timer:
             self.calls[i].append(time.perf_counter() - self._start[i])
         return hook
 
-    @property
-    def seconds(self) -> list[float]:
-        return self.seconds_after(0)
-
-    def seconds_after(self, skip: int) -> list[float]:
-        """The medians of each module's calls after its first ``skip`` ones."""
+    def seconds(self, skip: int = 0) -> list[float]:
+        """The median of each module's calls after its first ``skip`` ones."""
         return [statistics.median(c[skip:]) if c[skip:] else 0.0 for c in self.calls]
 
     def remove(self) -> None:
@@ -207,7 +203,7 @@ def _time_layers(model: nn.Module, inputs: dict[str, Any], wrappers: dict[str, h
             _set_submodule(model, name, wrapper)
         for timer in timers.values():
             timer.remove()
-    hf_ms, mh_ms = ([s * 1e3 for s in timers[side].seconds_after(1)] for side in sides)
+    hf_ms, mh_ms = ([s * 1e3 for s in timers[side].seconds(skip=1)] for side in sides)
     return hf_ms, mh_ms
 
 

@@ -503,14 +503,13 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, caus
     if any(t is not None for t in (softcap, alibi_slopes, sinks, cu_seqlens)):
         decode = False  # the decoding loop takes none of them
     decode = rows_per_kv_head(q, k) <= DECODE_ROWS if decode is None else decode
-    if not ops.direct(q, k, v, mask, alibi_slopes, sinks, cu_seqlens):
+    if ops.direct(q, k, v, mask, alibi_slopes, sinks, cu_seqlens):  # the operator's body, without its dispatch
+        out, lse = ops.forward(q, k, v, mask, float(scale), bool(causal), window, decode, softcap, alibi_slopes,
+                               sinks, cu_seqlens, return_lse=return_lse)
+    else:
         out, lse = torch.ops.multihead.attention(q, k, v, mask, float(scale), bool(causal), window, decode,
                                                  None if softcap is None else float(softcap), alibi_slopes, sinks,
                                                  cu_seqlens)
-        return out, (lse if return_lse else None)
-    # Eager without gradients: the operator's body, directly (its dispatch costs tens of µs a call).
-    out, lse = ops.forward(q, k, v, mask, float(scale), bool(causal), window, decode, softcap, alibi_slopes, sinks,
-                           cu_seqlens, return_lse=return_lse)
     return out, (lse if return_lse else None)
 
 
