@@ -219,6 +219,62 @@ def test_commit_of_counts_is_one_in_order_token_per_row_of_a_linear_cache() -> N
     assert cache.host_lengths() == [1, 1]
 
 
+def _counters_after_two_steps(monkeypatch: pytest.MonkeyPatch, *, native_writer: bool) -> tuple[list, list[bool]]:
+    """A 3-row cache of lengths 3, 1, 2, then commit([1, 1, 1]) twice: (counters, what the native writer returned)."""
+    cache = mh.KVCache(3, 8, 2, 4)
+    k = torch.randn(3, 2, 3, 4)
+    cache.commit(cache.append(k, k, [3, 1, 2], structure=mh.Structure(causal=True)))
+    if not native_writer:
+        monkeypatch.setattr(native, "_advance", None)  # as before the library is loaded
+    wrote: list[bool] = []
+    real = native.advance_counters
+    monkeypatch.setattr(native, "advance_counters", lambda *a: wrote.append(real(*a)) or wrote[-1])
+    cache.commit([1, 1, 1])
+    cache.commit([1, 1, 1])
+    monkeypatch.undo()
+    return [cache.lengths.tolist(), cache.slot_pos.tolist(), cache.host_lengths()], wrote
+
+
+def test_commit_writes_the_counters_in_one_native_call_as_the_torch_operations_would(monkeypatch) -> None:
+    assert native.build(), native.status()
+    fast, wrote = _counters_after_two_steps(monkeypatch, native_writer=True)
+    slow, not_written = _counters_after_two_steps(monkeypatch, native_writer=False)
+    assert wrote == [True, True] and not_written == [False, False]  # each path taken where it should be
+    assert fast == slow == [[5, 3, 4], [[0, 1, 2, 3, 4, -1, -1, -1], [0, 1, 2, -1, -1, -1, -1, -1],
+                                        [0, 1, 2, 3, -1, -1, -1, -1]], [5, 3, 4]]
+
+
+def test_the_native_counter_writer_refuses_a_full_row_and_writes_nothing() -> None:
+    assert native.build(), native.status()
+    lengths, slot_pos = torch.tensor([1, 4]), torch.full((2, 4), -1)
+    with pytest.raises(ValueError, match=r"lengths must lie in \[0, 4\)"):
+        native.advance_counters(lengths, slot_pos)
+    assert lengths.tolist() == [1, 4] and (slot_pos == -1).all()
+
+
+def test_the_native_counter_writer_steps_aside_for_dispatch_modes_and_odd_tensors() -> None:
+    """Under a TorchDispatchMode (fake tensors, recorders) the writes must be operators it sees;
+    tensors it cannot write in place (not int64, not CPU-contiguous rows) go to torch too."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    assert native.build(), native.status()
+    cache = mh.KVCache(2, 4, 1, 2)
+    with Record() as seen:
+        cache.commit([1, 1])
+    assert seen.ops and cache.lengths.tolist() == [1, 1] and cache.slot_pos[:, 0].tolist() == [0, 0]
+    assert not native.advance_counters(torch.zeros(2, dtype=torch.int32), torch.full((2, 4), -1))
+    assert not native.advance_counters(torch.zeros(2, dtype=torch.int64), torch.full((4, 2), -1).t())
+
+
 def test_a_failing_backend_leaves_the_cache_as_it_was(monkeypatch) -> None:
     """The module writes the cache only when the whole call succeeds (failure inside the backend)."""
     from multihead.backends import registry

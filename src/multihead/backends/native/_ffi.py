@@ -51,6 +51,9 @@ SIGNATURES: dict[str, list[type]] = {
     "mh_attention_forward_f64": [_vp] * 6 + [_i64p, _i64p, _f64, _int, _i64, _int],
     # kind (0 bfloat16, 1 float16), to_half, src, dst, n: the scalar conversions (tests)
     "mh_convert_scalar": [_int, _int, _vp, _vp, _i64],
+    # lengths (B), slot_pos (B × C, row stride), B, row stride, C: a cache's counters after one token
+    # per row (multihead.KVCache.commit)
+    "mh_advance_counters": [_vp, _vp, _i64, _i64, _i64],
     "mh_vector_bits": [],
     "mh_max_step_rows": [],
 }
