@@ -214,16 +214,17 @@ class KVCache:
     def check_append(self, batch: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                      device: torch.device, new_tokens: int) -> None:
         """Raise before anything is written if ``new_tokens`` can't be appended."""
-        if batch != self.batch_size:
+        shape = self.k.shape  # (B, Hkv, C, D), read once (asked at every decoding step)
+        if batch != shape[0]:
             raise ValueError(f"cache has batch_size {self.batch_size}, got a batch of {batch}")
-        if (num_kv_heads, head_dim) != (self.num_kv_heads, self.head_dim):
+        if (num_kv_heads, head_dim) != (shape[1], shape[3]):
             raise ValueError(
                 f"cache holds {self.num_kv_heads} K/V heads of dim {self.head_dim}, "
                 f"the layer has {num_kv_heads} of dim {head_dim}"
             )
-        if dtype != self.dtype:
+        if dtype != self.k.dtype:
             raise TypeError(f"cache has dtype {self.dtype}, the layer computes in {dtype}")
-        if device != self.device:
+        if device != self.k.device:
             raise ValueError(f"cache is on device {self.device}, the layer on {device}")
         longest = max(self._host_lengths)
         if longest + new_tokens > self.max_len:

@@ -58,8 +58,7 @@ def _weight_bias(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 def _plain_rope(layer: MultiHeadAttention, cache: KVCache) -> bool:
     rope = layer.rope
-    return rope is None or (type(rope) is RoPE and max(cache.host_lengths()) < rope.table_limit
-                            and rope.cos.device.type == "cpu")
+    return rope is None or (type(rope) is RoPE and max(cache.host_lengths()) < rope.table_limit and rope.cos.is_cpu)
 
 
 Check = Callable[["MultiHeadAttention", torch.Tensor, KVCache, dict], bool]
@@ -84,7 +83,7 @@ FUSED_CONDITIONS: tuple[tuple[str, Check], ...] = (
     ("the projections' weights or the cache are not of the input's dtype",
      lambda layer, x, c, kw: c.k.dtype == c.v.dtype == x.dtype and all(
          t is None or t.dtype == x.dtype for p in _projections(layer) for t in _weight_bias(p))),
-    ("not on the CPU", lambda layer, x, c, kw: x.device.type == "cpu"),
+    ("not on the CPU", lambda layer, x, c, kw: x.is_cpu),
     ("the cache's K and V buffers have different or non-unit-stride rows",
      lambda layer, x, c, kw: c.k.stride() == c.v.stride() and c.k.stride(-1) == 1),
     ("a projection is not a plain contiguous nn.Linear (subclass, hooks, or strided weights)",
