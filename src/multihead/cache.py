@@ -343,9 +343,10 @@ class KVCache:
         operations (fewer when every row has the same length)."""
         held = self._host_lengths
         eager = not torch.compiler.is_compiling()
-        if eager and native.advance_counters(self.lengths, self.slot_pos):
-            pass
-        elif eager and all(n == held[0] for n in held):
+        if eager and native.advance_counters(self.lengths, self.slot_pos):  # both written
+            self._host_lengths = [n + 1 for n in held]
+            return
+        if eager and all(n == held[0] for n in held):
             self.slot_pos[:, held[0]] = held[0]  # every row's next slot holds that position
             self.lengths.add_(1)
         else:
