@@ -331,6 +331,9 @@ class KVCache:
             if self.ring or any(c != 1 for c in counts):
                 raise ValueError("commit(counts) takes one in-order token per row of a linear cache; "
                                  "other appends go through append()")
+            if max(self._host_lengths) >= self.max_len:
+                raise ValueError(f"commit(counts): a row already holds max_len={self.max_len} tokens "
+                                 f"(lengths {self._host_lengths}); nothing was advanced")
             self._advance_one_per_row()
             return
         self.lengths.add_(gained)

@@ -217,6 +217,13 @@ def test_commit_of_counts_is_one_in_order_token_per_row_of_a_linear_cache() -> N
     with pytest.raises(ValueError, match="2 counts"):
         cache.commit([1])
     assert cache.host_lengths() == [1, 1]
+    for _ in range(7):
+        cache.commit([1, 1])
+    before = [t.clone() for t in (cache.lengths, cache.slot_pos)]
+    with pytest.raises(ValueError, match="already holds max_len=8"):  # full: refused, whichever writer
+        cache.commit([1, 1])
+    assert cache.host_lengths() == [8, 8] and all(torch.equal(a, b) for a, b in zip(before, (cache.lengths,
+                                                                                          cache.slot_pos)))
 
 
 def _counters_after_two_steps(monkeypatch: pytest.MonkeyPatch, *, native_writer: bool) -> tuple[list, list[bool]]:
