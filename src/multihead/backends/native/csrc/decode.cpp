@@ -132,16 +132,6 @@ inline void qk_partial(const float* __restrict q, int64_t D, const T* __restrict
     }
 }
 
-// Distance in keys of the blocked loop's software prefetch of K (into L2), issued by the first
-// row block as it goes, up to the chunk's end (kn keys from k); with V's first PV_KEYS rows
-// prefetched as a chunk starts (decode_item), and pv_blocked's prefetch of the next V block.
-// The bf16 attention's time stays near the read's plus the arithmetic's (measured: 54 cycles
-// a key and K/V head from L2, one core), the hardware prefetchers hiding little of one under
-// the other. Measured at the benchmark's decoding shape, the bf16 step's kernel alone, cold,
-// interleaved and paired with the build without them: K at 64 keys and V's first block 0.95×
-// (twice), 128 keys 0.97× of 64's, 256 0.98× of 128's (within the noise: 128 kept).
-constexpr int64_t PREFETCH_KEYS = 128;
-
 // Rows [first, last) of x (row stride ld, `bytes` bytes each) prefetched into L2.
 template <class T>
 inline void prefetch_rows(const T* x, int64_t first, int64_t last, int64_t ld, int64_t bytes) {
@@ -152,15 +142,12 @@ inline void prefetch_rows(const T* x, int64_t first, int64_t last, int64_t ld, i
     }
 }
 
-// s[r][j0 + j] (row stride lds) = q row r · key j for R rows and the n keys at k; R = 4 also
-// prefetches K PREFETCH_KEYS keys ahead, among the kn keys from k.
+// s[r][j0 + j] (row stride lds) = q row r · key j for R rows and the n keys at k.
 template <int R, class T>
-inline void qk_rows(const float* q, int64_t D, const T* k, int64_t ldk, int64_t n, float* s, int64_t lds,
-                    int64_t kn = 0) {
+inline void qk_rows(const float* q, int64_t D, const T* k, int64_t ldk, int64_t n, float* s, int64_t lds) {
     int64_t j = 0;
     if constexpr (R == 4) {
         for (; j + 2 <= n; j += 2) {  // 2 keys: their 8 sums reduced together in registers
-            if (j + PREFETCH_KEYS + 2 <= kn) prefetch_rows(k, j + PREFETCH_KEYS, j + PREFETCH_KEYS + 2, ldk, D * sizeof(T));
             vf acc[4][2];
             qk_partial<4, 2>(q, D, k + j * ldk, ldk, acc);
             __m256 h[4];
@@ -241,14 +228,21 @@ inline void qk_blocked(const float* q, int64_t rows, int64_t D, const T* k, int6
     for (int64_t j = 0; j < n; j += 8 * W) {
         const int64_t nj = std::min<int64_t>(8 * W, n - j);
         by_row_blocks(rows, [&](int64_t r, auto R) {
-            qk_rows<decltype(R)::value>(q + r * D, D, k + j * ldk, ldk, nj, s + r * lds + j, lds,
-                                        r == 0 ? n - j : 0);  // the first row block prefetches
+            qk_rows<decltype(R)::value>(q + r * D, D, k + j * ldk, ldk, nj, s + r * lds + j, lds);
         });
     }
 }
 
 // o (rows × dv) += p (rows × n) · v (n × dv): blocks of PV_KEYS keys (in L1), then 16 columns,
-// then the row blocks.
+// then the row blocks, each block's pass prefetching its share of the next block into L2
+// (measured cold at the benchmark's decoding shape: about 0.1 ms less per bf16 attention, of
+// 1.1). K gets no software prefetch: one that ran 64-128 keys ahead, with V's first block
+// prefetched as a chunk starts, and chunks of 256 keys instead of whole splits, each measured
+// no faster (the bf16 step's kernel, 1,000 interleaved paired rounds against the build
+// without them: 0.98× and 1.00×, with the untouched float32 kernel at 0.98× in the same
+// loops; 100 rounds had shown 0.95-0.98×, within that noise). The time stays near the
+// read's plus the arithmetic's (54 cycles a key and K/V head from L2, one core), the
+// prefetchers hiding little of one under the other.
 template <class T>
 inline void pv_blocked(const float* p, int64_t ldp, int64_t rows, int64_t n, const T* v, int64_t ldv, float* o,
                        int64_t ldo, int64_t dv) {
@@ -303,8 +297,6 @@ void decode_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t
         const int64_t n = std::min(KD, hi - c0), width = (n + W - 1) / W * W;
 #if MH_VECTOR_FLOATS == 8 && defined(__AVX2__)
         if (blocked) {
-            // V's first block, read after the whole chunk's q·kᵀ (pv_blocked prefetches the next ones)
-            prefetch_rows(vb + c0 * P.vs[2], 0, std::min(PV_KEYS, n), P.vs[2], Dv * static_cast<int64_t>(sizeof(T)));
             qk_blocked(buf.qbuf, rows, D, kb + c0 * P.ks[2], P.ks[2], n, buf.s, KD);
             for (int64_t r = 0; r < rows; ++r) {
                 const int64_t g = r / Sq, i = r % Sq;
