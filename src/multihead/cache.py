@@ -346,15 +346,12 @@ class KVCache:
         else torch operations (fewer when every row has the same length)."""
         held = self._host_lengths
         eager = not torch.compiler.is_compiling()
-        if eager and native.advance_counters(self.lengths, self.slot_pos):  # both written
-            self._host_lengths = [n + 1 for n in held]
-            return
-        if eager and all(n == held[0] for n in held):
-            self.slot_pos[:, held[0]] = held[0]  # every row's next slot holds that position
-            self.lengths.add_(1)
-        else:
-            positions = self.positions(1)  # (B, 1)
-            self.slot_pos.scatter_(1, positions, positions)
+        if not (eager and native.advance_counters(self.lengths, self.slot_pos)):  # else one C call wrote both
+            if eager and all(n == held[0] for n in held):
+                self.slot_pos[:, held[0]] = held[0]  # every row's next slot holds that position
+            else:
+                positions = self.positions(1)  # (B, 1)
+                self.slot_pos.scatter_(1, positions, positions)
             self.lengths.add_(1)
         self._host_lengths = [n + 1 for n in held]
 
