@@ -142,8 +142,9 @@ inline void prefetch_rows(const T* x, int64_t first, int64_t last, int64_t ld, i
     }
 }
 
-// Keys ahead that the 4-row q·kᵀ prefetches K into L1 (float32 step 0.94× the time without it,
-// paired; bf16 0.99×, within noise; 8 and 32 keys no better; into L2 instead: 0.97×).
+// Keys ahead that the 4-row q·kᵀ prefetches K into L1 (the float32 step 0.94-0.95× the time
+// of the blocked loop's without any, where that was 0.96×; bf16 0.99-1.00×, noise; 8 and 32
+// keys no better; into L2 instead: 0.96×).
 constexpr int64_t K_AHEAD = 16;
 
 // Rows j and j + 1 of x (row stride ld, `bytes` bytes each) prefetched into L1; past the end of
@@ -291,10 +292,11 @@ void decode_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t
                 buf.qbuf[(g * Sq + i) * D + t] = to_f32(src[i * P.qs[2] + t]) * P.scale;
     }
 #if MH_VECTOR_FLOATS == 8 && defined(__AVX2__)
-    // q·kᵀ register-blocked in every type (float32: the step's attention 0.87× the time of the
-    // per-row dot products below, cold, paired, with 1, 2 and 4 heads per K/V head); p·v
-    // blocked in half precision only: float32's V is read faster by pv_stream (measured cold:
-    // its column passes cost more than the per-row reads of L1 they save, 1.09×).
+    // q·kᵀ register-blocked in every type (float32: the step's attention 0.92×, 0.85× and 0.87×
+    // the time of the per-row dot products below with 4, 2 and 1 heads per K/V head, cold,
+    // paired); p·v blocked in half precision only: float32's V is read faster by pv_stream
+    // (measured cold: its column passes cost more than the per-row reads of L1 they save,
+    // 1.09×; rows in pairs and 32 columns at a time, 1.08×).
     constexpr bool wide = std::is_same_v<T, float>;
     const bool blocked = !wide && D % (2 * W) == 0 && Dv % (2 * W) == 0;  // both products
     const bool qk_block = blocked || (wide && D % W == 0);
