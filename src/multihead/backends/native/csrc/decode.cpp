@@ -251,15 +251,15 @@ inline void qk_blocked(const float* q, int64_t rows, int64_t D, const T* k, int6
 }
 
 // o (rows × dv) += p (rows × n) · v (n × dv): blocks of PV_KEYS keys (in L1), then 16 columns,
-// then the row blocks, each block's pass prefetching its share of the next block into L2 (an
-// earlier round measured about 0.1 ms less per bf16 attention, of 1.1, cold at the benchmark's
-// decoding shape, in far fewer rounds than below). K gets no software prefetch: one running
-// 128 keys ahead (64 and 256 tried), with V's first block prefetched as a chunk starts and
-// chunks of 256 keys instead of whole splits, measured no faster (the bf16 step's kernel,
-// 1,000 interleaved paired rounds against the build without them: 0.98× and 1.00×, with the
-// untouched float32 kernel at 0.98× in the same loops; 100 rounds had shown 0.95-0.98×,
-// within that noise). The time stays near the read's plus the arithmetic's (54 cycles a key
-// and K/V head from L2, one core), the prefetchers hiding little of one under the other.
+// then the row blocks, each block's pass prefetching its share of the next block into L2
+// (without it the bf16 step's attention takes 1.14×, cold, 300 interleaved paired rounds;
+// the whole next block in the first pass 1.09×, two blocks ahead 1.05×, into L1 the same).
+// K is prefetched by the 4-row q·kᵀ (K_AHEAD). An earlier prefetch of K 128 keys ahead (64
+// and 256 tried), with V's first block prefetched as a chunk starts and chunks of 256 keys
+// instead of whole splits, measured no faster (1,000 interleaved paired rounds: 0.98× and
+// 1.00×, with an untouched control at 0.98× in the same loops). The time stays above both
+// the read's and the arithmetic's (54 cycles a key and K/V head from L2, one core), the
+// prefetchers hiding only part of one under the other.
 template <class T>
 inline void pv_blocked(const float* p, int64_t ldp, int64_t rows, int64_t n, const T* v, int64_t ldv, float* o,
                        int64_t ldo, int64_t dv) {
