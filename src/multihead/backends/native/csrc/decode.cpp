@@ -148,7 +148,8 @@ inline void prefetch_rows(const T* x, int64_t first, int64_t last, int64_t ld, i
 constexpr int64_t K_AHEAD = 16;
 
 // Rows j and j + 1 of x (row stride ld, `bytes` bytes each) prefetched into L1; past the end of
-// x (prefetches never fault) they are harmless, so the caller does not check.
+// x (prefetches never fault) they are harmless, so the caller does not check. (prefetch_rows'
+// bounded per-row loop in this place measured the float32 attention 0.91× against 0.87×.)
 template <class T>
 inline void prefetch_ahead(const T* x, int64_t j, int64_t ld, int64_t bytes) {
     const uintptr_t row = reinterpret_cast<uintptr_t>(x) + uintptr_t(j * ld) * sizeof(T);
@@ -557,11 +558,6 @@ void gemv_rows(const float* __restrict x, int64_t K, const TW* __restrict w, int
 }
 
 #if MH_VECTOR_FLOATS == 8 && defined(__AVX2__)
-// bfloat16 weights (AVX2): 16 weights per load, widened by two integer operations into their
-// even-indexed values (the bits shifted left by 16) and their odd ones (the high halves
-// kept), instead of a zero-extension and a shift per 8. The dot product is then taken
-// against x de-interleaved the same way (xs: per 16 values, the 8 even ones, then the 8 odd
-// ones; see split_even_odd), so only the order of the sum changes. K a multiple of 16.
 // Bytes ahead that the bf16 GEMV prefetches its weights (into L2; past the end they are
 // harmless, prefetches never fault): the rows of the next blocks, whose pages the hardware
 // prefetcher would reach only when their first line is read. The bf16 decoding step (issue
@@ -570,6 +566,11 @@ void gemv_rows(const float* __restrict x, int64_t K, const TW* __restrict w, int
 // (1.04-1.05×) and has none.
 constexpr int64_t GEMV_AHEAD = 32 * 1024;
 
+// bfloat16 weights (AVX2): 16 weights per load, widened by two integer operations into their
+// even-indexed values (the bits shifted left by 16) and their odd ones (the high halves
+// kept), instead of a zero-extension and a shift per 8. The dot product is then taken
+// against x de-interleaved the same way (xs: per 16 values, the 8 even ones, then the 8 odd
+// ones; see split_even_odd), so only the order of the sum changes. K a multiple of 16.
 template <int M>
 void gemv_rows_bf16(const float* __restrict xs, int64_t K, const bf16* __restrict w, int64_t rows,
                     const bf16* bias, float* __restrict out, int64_t ldo) {
