@@ -143,6 +143,10 @@ class KVCache:
                 f"ring={self.ring}, lengths={self._host_lengths})")
 
     # -- ownership ---------------------------------------------------------------------
+    def owner(self) -> object | None:
+        """The layer this cache is bound to (:meth:`claim`), or None (not yet, or it is gone)."""
+        return None if self._owner is None else self._owner()
+
     def claim(self, layer: object) -> None:
         """Bind the cache to ``layer``: the layer whose ``new_cache`` made it, or else the
         first layer that uses it. A cache holds one layer's K/V, so any other layer is refused.

@@ -366,6 +366,12 @@ class MultiHeadAttention(nn.Module):
                 if isinstance(t, torch.Tensor):
                     _check_finite(name, t)
         tap = self.__dict__.get("_heads_tap")  # set only while multihead.heads.capture records this layer
+        if (cache is not None and tap is None and type(self) is MultiHeadAttention and context is None
+                and mask is None and key_mask is None and positions is None
+                and not (return_weights or check_finite or packed)):
+            y = decode.repeat_step(self, x, cache)  # None unless the last step's checks still hold
+            if y is not None:
+                return y
         if packed and tap is not None:
             mask = self._packed_mask(x, context, mask, positions, cache)
         if tap is not None:
@@ -426,7 +432,7 @@ class MultiHeadAttention(nn.Module):
         if cache is not None and decode.why_not_fused(self, x, cache, key_mask=key_mask, positions=positions,
                                                       context=context, return_weights=return_weights,
                                                       observe=observe) is None:
-            return decode.fused_step(self, x, cache)
+            return decode.fused_step(self, x, cache, checked=True)
         own_positions = cache is not None and positions is None
         if cache is not None and positions is None:
             positions = cache.positions(x.shape[1])  # (B, S): each row continues from its length

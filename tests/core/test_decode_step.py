@@ -65,6 +65,7 @@ BREAKS: dict[str, Callable[[], tuple]] = {
     "K and V buffers": lambda: (lambda l: (l, torch.randn(2, 1, 64), _strided_cache(l), {}))(_layer()),
     "not a plain contiguous nn.Linear": lambda: (lambda l: (l, torch.randn(2, 1, 64), _prefilled(l)[0], {}))(
         _with_subclassed_projection(_layer())),
+    "not of the layer's shape": lambda: _narrow_weight_after_prefill(),
     "RoPE is not a plain": lambda: (lambda l: (l, torch.randn(2, 1, 64), _prefilled(l)[0], {}))(
         mh.MultiHeadAttention(64, 4, num_kv_heads=2, causal=True, rope=mh.RoPE(16, max_positions=8)).eval()),
 }
@@ -93,6 +94,13 @@ def _with_subclassed_projection(layer: mh.MultiHeadAttention) -> mh.MultiHeadAtt
     sub.load_state_dict(layer.o_proj.state_dict())
     layer.o_proj = sub
     return layer
+
+
+def _narrow_weight_after_prefill() -> tuple:
+    layer = _layer()
+    cache, token = _prefilled(layer)
+    layer.o_proj.weight.data = torch.randn(64, 32)  # (E, E/2): not the (E, H·D) the kernel would read
+    return layer, token, cache, {}
 
 
 def test_every_condition_has_a_case_here() -> None:

@@ -459,6 +459,13 @@ class StepPlan:
         self.key = StepPlan.key_of(rows, layers, rope, cache_k, cache_v, lengths, dtype,
                                    (num_heads, num_kv_heads, head_dim, float(scale)))
         self._held = (layers, rope, cache_k, cache_v, lengths)
+        #: Every tensor the plan points into, in a fixed order.
+        self.tensors: tuple[torch.Tensor, ...] = tuple(t for t in (
+            *(t for pair in layers for t in pair), *(rope[:2] if rope is not None else ()), cache_k, cache_v, lengths)
+            if t is not None)
+        #: Set by :mod:`multihead.decode` after a step that asked every condition: what they read
+        #: then, so that a later step may skip asking them while it is unchanged (opaque here).
+        self.guard: object = None
         e = layers[0][0].shape[1]
         cos, sin, rotary_dim, interleaved = rope if rope is not None else (None, None, 0, False)
         #: (B, 2, Hkv, D): the slots the last step wrote, as they were before (see :meth:`restore`).
