@@ -247,7 +247,8 @@ class KVCache:
         K/V are written into their slots (what those slots held is saved, so
         :meth:`rollback` restores the cache bitwise); a chunk that would wrap a ring is
         written only at :meth:`commit`. Nothing a reader sees changes until
-        :meth:`commit`, the only writer of ``lengths``, ``slot_pos`` and their host mirror.
+        :meth:`commit`, the writer of ``lengths``, ``slot_pos`` and their host mirror (but
+        for the eager fused decoding step, whose kernel advances them itself: :meth:`mirror_step`).
 
         Args:
             k, v: (B, Hkv, Sn, D) new keys (after RoPE) and values.
@@ -313,7 +314,7 @@ class KVCache:
         return Append(keys, values, mask, counts, None, new_pos, None, None, chunk=(k.detach(), v.detach()))
 
     def commit(self, step: Append | Sequence[int]) -> None:
-        """Advance the counters: the only writer of ``lengths``, ``slot_pos`` and their mirror.
+        """Advance the counters: their writer (with the fused step's kernel: :meth:`mirror_step`).
 
         Args:
             step: what :meth:`append` returned (after the attention that used it
@@ -342,6 +343,13 @@ class KVCache:
             return
         self.lengths.add_(gained)
         self._host_lengths = [length + c for length, c in zip(self._host_lengths, counts)]
+
+    def mirror_step(self, held: list[int], gained: int = 1) -> None:
+        """The host mirror of the counters after a native decoding step that advanced the
+        counters itself, in the same C call as :meth:`commit` would have
+        (:class:`multihead.backends.native.StepPlan`): ``held`` (each row's length before
+        it) plus ``gained`` (0 where the step was undone)."""
+        self._host_lengths = [n + gained for n in held]
 
     def _advance_one_per_row(self) -> None:
         """:meth:`commit` of one in-order token per row: ``slot_pos[b, L_b] = L_b``, ``L_b += 1``.

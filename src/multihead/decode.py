@@ -183,10 +183,10 @@ def _eager_step(layer: MultiHeadAttention, x: torch.Tensor, cache: KVCache, chec
     shape = (layer.num_heads, layer.num_kv_heads, layer.head_dim, float(layer.scale))
     plan = cache.step_plan
     if not isinstance(plan, native.StepPlan) or plan.key != native.StepPlan.key_of(
-            b, layers, tables, cache.k, cache.v, cache.lengths, x.dtype, shape):
+            b, layers, tables, cache.k, cache.v, cache.lengths, cache.slot_pos, x.dtype, shape):
         plan = cache.step_plan = native.StepPlan(
             b, layers, num_heads=shape[0], num_kv_heads=shape[1], head_dim=shape[2], rope=tables, cache_k=cache.k,
-            cache_v=cache.v, lengths=cache.lengths, scale=shape[3], dtype=x.dtype)
+            cache_v=cache.v, lengths=cache.lengths, slot_pos=cache.slot_pos, scale=shape[3], dtype=x.dtype)
     guard = _Guard(*_snapshot(layer, x, cache, plan), _limit(layer, cache)) if checked else None
     y = _run(plan, x, cache)
     plan.guard = guard
@@ -194,14 +194,16 @@ def _eager_step(layer: MultiHeadAttention, x: torch.Tensor, cache: KVCache, chec
 
 
 def _run(plan: native.StepPlan, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """The plan's kernel, then the counters committed: y (B, 1, E). The kernel writes nothing
-    unless it runs whole; it hands back the slots' old K and V, put back if the commit fails."""
+    """The plan's kernel (K and V written, the counters advanced; nothing written if it fails),
+    then the counters' host mirror: y (B, 1, E). Anything failing after the kernel (an
+    interrupt as it returns) has its writes undone: the cache is then bitwise as it was."""
     held = cache.host_lengths()
-    y = plan.run(x if x.is_contiguous() else x.contiguous())  # (B, 1, E): B rows of E
     try:
-        cache.commit([1] * x.shape[0])
+        y = plan.run(x if x.is_contiguous() else x.contiguous())  # (B, 1, E): B rows of E
+        cache.mirror_step(held)
     except BaseException:
-        plan.restore(held)
+        plan.undo(held)
+        cache.mirror_step(held, gained=0)
         raise
     return y
 
@@ -225,8 +227,8 @@ def _snapshot(layer: MultiHeadAttention, x: torch.Tensor, cache: KVCache,
     bias, ``scale``, ``window``, ``training``, a registry, an instance ``forward``), the
     cache's buffers and settings. Values: x's shape, dtype and device, the thread count,
     the number of forward hooks (global, and each module's), and the data pointer, shape,
-    strides, dtype and device of every tensor the plan points into and of the cache's
-    ``slot_pos`` (``.data`` replaced on the same tensor changes no identity).
+    strides, dtype and device of every tensor the plan points into (``.data`` replaced on
+    the same tensor changes no identity).
     """
     rope = layer.rope
     mods = (layer, *_projections(layer), *(() if rope is None else (rope,)))
@@ -238,7 +240,7 @@ def _snapshot(layer: MultiHeadAttention, x: torch.Tensor, cache: KVCache,
         for registry in (m.__dict__, m._parameters, m._buffers, m._modules):
             refs.extend(registry.values())
         values += (len(m._forward_hooks), len(m._forward_pre_hooks))
-    values.extend((t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for t in (*plan.tensors, cache.slot_pos))
+    values.extend((t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for t in plan.tensors)
     return refs, values
 
 

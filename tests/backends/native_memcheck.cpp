@@ -24,7 +24,7 @@ int mh_linear_few_rows_f32(const float*, int64_t, int64_t, int64_t, const float*
                            const float* const*, float* const*, int);
 int mh_decode_step_f32(const float*, int64_t, int64_t, const float* const*, const float* const*, int64_t, int64_t,
                        int64_t, const float*, const float*, int64_t, int, float*, float*, const int64_t*,
-                       const int64_t*, float, float*, float*, int);
+                       int64_t*, float, float*, float*, int, int64_t*, int64_t, int64_t);
 #define MH_HALF(suffix)                                                                                          \
     int mh_attention_##suffix(const void*, const void*, const void*, void*, float*, const uint8_t*,              \
                               const int64_t*, const int64_t*, float, int, int64_t, float, const float*,          \
@@ -33,7 +33,7 @@ int mh_decode_step_f32(const float*, int64_t, int64_t, const float* const*, cons
                            const int64_t*, float, int, int64_t, int);                                            \
     int mh_decode_step_##suffix(const void*, int64_t, int64_t, const void* const*, const void* const*, int64_t,  \
                                 int64_t, int64_t, const float*, const float*, int64_t, int, void*, void*,        \
-                                const int64_t*, const int64_t*, float, void*, void*, int);
+                                const int64_t*, int64_t*, float, void*, void*, int, int64_t*, int64_t, int64_t);
 MH_HALF(bf16)
 MH_HALF(f16)
 int mh_convert_scalar(int, int, const void*, void*, int64_t);
@@ -243,9 +243,10 @@ static int step_case(int kind) {
                 old_slots[((b * 2) * Hkv + h) * D + t] = ck[b * cs[0] + h * cs[1] + lengths[b] * cs[2] + t];
                 old_slots[((b * 2 + 1) * Hkv + h) * D + t] = cv[b * cs[0] + h * cs[1] + lengths[b] * cs[2] + t];
             }
+    std::vector<int64_t> slot_pos(B * C, -1);  // (B, C): given (float32 here), the step advances the counters
     if (kind == F32) {
         code = mh_decode_step_f32(x.data(), B, E, W, bias, H, Hkv, D, cp, sp, R, inter, ck.data(), cv.data(), cs,
-                                  lengths.data(), 0.3f, y.data(), saved.data(), 2);
+                                  lengths.data(), 0.3f, y.data(), saved.data(), 2, slot_pos.data(), C, C);
         for (size_t i = 0; code == 0 && i < saved.size(); ++i)  // the slots' old values, for a restore
             if (saved[i] != old_slots[i]) return fail("step saved slots", saved[i], old_slots[i]);
     } else {
@@ -257,12 +258,16 @@ static int step_case(int kind) {
         const void* bh[4] = {bqh.data(), nullptr, nullptr, boh.data()};
         code = (kind == BF16 ? mh_decode_step_bf16 : mh_decode_step_f16)(
             xh.data(), B, E, Wh, bh, H, Hkv, D, cp, sp, R, inter, ckh.data(), cvh.data(), cs, lengths.data(), 0.3f,
-            yh.data(), nullptr, 2);
+            yh.data(), nullptr, 2, nullptr, 0, 0);
         from_kind(kind, yh, y);
     }
     if (code != 0) return fail("step return code", 1, 0);
-    for (int64_t b = 0; b < B; ++b)  // the counters belong to KVCache.commit: the step leaves them
-        if (lengths[b] != before[b]) return fail("step lengths", lengths[b], before[b]);
+    for (int64_t b = 0; b < B; ++b) {  // advanced where slot_pos was given (float32), else left to the caller
+        const int64_t want = before[b] + (kind == F32 ? 1 : 0);
+        if (lengths[b] != want) return fail("step lengths", lengths[b], want);
+        if (kind == F32 && slot_pos[b * C + before[b]] != before[b])
+            return fail("step slot_pos", slot_pos[b * C + before[b]], before[b]);
+    }
     for (float t : y)
         if (!std::isfinite(t)) return fail("step output", t, 0);
     return 0;

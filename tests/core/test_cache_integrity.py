@@ -156,7 +156,15 @@ def test_a_failing_fused_decoding_step_leaves_the_cache_unchanged(monkeypatch) -
             raise MemoryError("the native decoding step failed after running")
         real_commit(self, step)
 
+    real_mirror = KVCache.mirror_step
+
+    def mirror_then_fail(self, held, gained=1):  # the eager step's kernel wrote K/V and the counters
+        if gained:
+            raise MemoryError("the native decoding step failed after running")  # e.g. an interrupt as it returns
+        real_mirror(self, held, gained)
+
     monkeypatch.setattr(KVCache, "commit", commit_then_fail)
+    monkeypatch.setattr(KVCache, "mirror_step", mirror_then_fail)
     before = snapshot(cache)
     with pytest.raises(MemoryError, match="failed after running"):
         lay(x, cache=cache)

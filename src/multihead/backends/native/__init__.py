@@ -104,7 +104,7 @@ def vector_bits() -> int:
 def advance_counters(lengths: torch.Tensor, slot_pos: torch.Tensor) -> bool:
     """A cache's counters after one token per row, in one C call: ``slot_pos[b, L_b] = L_b``, then
     ``lengths[b] = L_b + 1`` for every row b (``L_b = lengths[b]``), as
-    :meth:`multihead.KVCache.commit` (their only writer, which calls this) would with two torch
+    :meth:`multihead.KVCache.commit` (which calls this) would with two torch
     operations, whose dispatch, with the caches cold after a decoding step's kernel, costs about
     4× this call (110 vs 25 µs measured, the commit alone).
 
@@ -405,8 +405,9 @@ def decode_step(
     Projects x to q, k, v, rotates q and k at each row's position ``lengths[b]``, writes
     k and v into the cache at that slot, attends over the row's ``lengths[b] + 1`` keys
     and projects with W_o. It does **not** advance the cache's counters: the caller
-    (:func:`multihead.decode.fused_step`) commits them through ``KVCache.commit``, their
-    one writer. The caller has validated everything (:func:`multihead.decode.why_not_fused`).
+    (:func:`multihead.decode.fused_step`, traced) commits them through ``KVCache.commit``
+    (a :class:`StepPlan`'s step does). The caller has validated everything
+    (:func:`multihead.decode.why_not_fused`).
 
     Args:
         x: (B, E) float32, bfloat16 or float16, contiguous: the dtype of everything
@@ -429,7 +430,7 @@ def decode_step(
         ptr(x), b, e, pointers([w for w, _ in layers]), pointers([bias for _, bias in layers]),
         num_heads, num_kv_heads, head_dim, ptr(cos), ptr(sin), rotary_dim, int(interleaved),
         ptr(cache_k), ptr(cache_v), int64s(cache_k.stride()[:3]), int64_ptr(lengths),
-        float(scale), ptr(y), None, torch.get_num_threads())
+        float(scale), ptr(y), None, torch.get_num_threads(), None, 0, 0)
     if code == -1:
         raise MemoryError("the native decoding step could not allocate its buffers")
     if code != 0:
@@ -449,20 +450,26 @@ class StepPlan:
     makes a new plan, never a stale pointer. The caller has validated the tensors (as for
     :func:`decode_step`; :func:`multihead.decode.fused_step` does).
 
-    Args: as :func:`decode_step`'s, with ``rows`` B and ``dtype`` the step's.
+    Unlike :func:`decode_step`, a plan's step also advances the cache's counters, in the
+    same C call once everything else is written (as :func:`advance_counters`, which
+    ``KVCache.commit`` calls): after the kernel, a step of a model that streams its weights
+    finds the interpreter's caches cold again, and the commit's Python took 0.1-0.17 ms.
+
+    Args: as :func:`decode_step`'s, with ``rows`` B, ``dtype`` the step's and ``slot_pos``
+    the cache's (B, C) int64 slot positions, unit stride along C.
     """
 
     def __init__(self, rows: int, layers: list[tuple[torch.Tensor, torch.Tensor | None]], *, num_heads: int,
                  num_kv_heads: int, head_dim: int, rope: tuple[torch.Tensor, torch.Tensor, int, bool] | None,
-                 cache_k: torch.Tensor, cache_v: torch.Tensor, lengths: torch.Tensor, scale: float,
-                 dtype: torch.dtype) -> None:
-        self.key = StepPlan.key_of(rows, layers, rope, cache_k, cache_v, lengths, dtype,
+                 cache_k: torch.Tensor, cache_v: torch.Tensor, lengths: torch.Tensor, slot_pos: torch.Tensor,
+                 scale: float, dtype: torch.dtype) -> None:
+        self.key = StepPlan.key_of(rows, layers, rope, cache_k, cache_v, lengths, slot_pos, dtype,
                                    (num_heads, num_kv_heads, head_dim, float(scale)))
-        self._held = (layers, rope, cache_k, cache_v, lengths)
+        self._held = (layers, rope, cache_k, cache_v, lengths, slot_pos)
         #: Every tensor the plan points into, in a fixed order.
         self.tensors: tuple[torch.Tensor, ...] = tuple(t for t in (
-            *(t for pair in layers for t in pair), *(rope[:2] if rope is not None else ()), cache_k, cache_v, lengths)
-            if t is not None)
+            *(t for pair in layers for t in pair), *(rope[:2] if rope is not None else ()), cache_k, cache_v, lengths,
+            slot_pos) if t is not None)
         #: Set by :mod:`multihead.decode` after a step that asked every condition: what they read
         #: then, so that a later step may skip asking them while it is unchanged (opaque here).
         self.guard: object = None
@@ -475,36 +482,45 @@ class StepPlan:
         self._args = (rows, e, pointers([w for w, _ in layers]), pointers([b for _, b in layers]), num_heads,
                       num_kv_heads, head_dim, ptr(cos), ptr(sin), rotary_dim, int(interleaved), ptr(cache_k),
                       ptr(cache_v), int64s(cache_k.stride()[:3]), int64_ptr(lengths), float(scale))
+        self._counters = (slot_pos.data_ptr(), slot_pos.stride(0), slot_pos.shape[1])
 
     @staticmethod
     def key_of(rows: int, layers: list[tuple[torch.Tensor, torch.Tensor | None]],
                rope: tuple[torch.Tensor, torch.Tensor, int, bool] | None, cache_k: torch.Tensor,
-               cache_v: torch.Tensor, lengths: torch.Tensor, dtype: torch.dtype,
+               cache_v: torch.Tensor, lengths: torch.Tensor, slot_pos: torch.Tensor, dtype: torch.dtype,
                shape: tuple[int, int, int, float]) -> tuple[object, ...]:
         """What a plan's arguments depend on: data pointers, strides, rows, dtype, threads, and
         ``shape`` (H, Hkv, D, scale): the layer's, which a user may reassign (``layer.scale``)."""
         return (rows, dtype, torch.get_num_threads(), shape, *(ptr(t) for pair in layers for t in pair),
                 None if rope is None else (rope[0].data_ptr(), rope[1].data_ptr(), rope[2], rope[3]),
-                cache_k.data_ptr(), cache_v.data_ptr(), cache_k.stride(), lengths.data_ptr())
+                cache_k.data_ptr(), cache_v.data_ptr(), cache_k.stride(), lengths.data_ptr(), slot_pos.data_ptr(),
+                slot_pos.shape, slot_pos.stride())
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         """The step for x (B, E) or (B, 1, E), contiguous, of the plan's dtype: y (B, 1, E).
-        The written slots' old K and V are kept in :attr:`saved`; nothing is written if it fails."""
+        K and V written, the counters advanced; the written slots' old K and V are kept in
+        :attr:`saved`. Nothing is written if it fails (every row must have room)."""
         y = torch.empty(self._shape, dtype=self._dtype)
-        code = self._fn(x.data_ptr(), *self._args, y.data_ptr(), self.saved.data_ptr(), torch.get_num_threads())
+        code = self._fn(x.data_ptr(), *self._args, y.data_ptr(), self.saved.data_ptr(), torch.get_num_threads(),
+                        *self._counters)
         if code == -1:
             raise MemoryError("the native decoding step could not allocate its buffers")
         if code != 0:
             raise RuntimeError(f"the native decoding step refused the problem (code {code})")
         return y
 
-    def restore(self, lengths: list[int]) -> None:
-        """Put back the slots the last :meth:`run` wrote, at ``lengths`` (each row's length
-        before it): the cache is then bitwise as it was."""
-        _, _, cache_k, cache_v, _ = self._held
+    def undo(self, lengths: list[int]) -> None:
+        """Undo the last :meth:`run` if it ran (the counters say so; a failure after the kernel,
+        such as an interrupt as it returns): the slots it wrote at ``lengths`` (each row's
+        length before it) and the counters put back, the cache then bitwise as it was."""
+        _, _, cache_k, cache_v, counts, slot_pos = self._held
+        if counts.tolist() == lengths:
+            return  # it wrote nothing
         for b, n in enumerate(lengths):
             cache_k[b, :, n] = self.saved[b, 0]
             cache_v[b, :, n] = self.saved[b, 1]
+            slot_pos[b, n] = -1  # a linear cache's slots past its length hold -1
+        counts.copy_(torch.tensor(lengths, dtype=counts.dtype))
 
 
 def _check_step_dtypes(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | None]],

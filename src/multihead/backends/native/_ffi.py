@@ -21,10 +21,11 @@ _ptrs, _i64p = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64)
 _ATTENTION: list[type] = [_vp, _vp, _vp, _vp, _vp, _vp, _i64p, _i64p, _f32, _int, _i64]
 
 # The decoding step: x (B, E), B, E; weights and biases of q, k, v, o; H, Hkv, D; RoPE cos, sin
-# (float32 or null), rotary dim, interleaved; cache k, v, their strides (3), lengths (B) — read
-# only; scale, y (B, E), saved slots (B, 2, Hkv, D) or null, threads.
+# (float32 or null), rotary dim, interleaved; cache k, v, their strides (3), lengths (B); scale,
+# y (B, E), saved slots (B, 2, Hkv, D) or null, threads; slot_pos (B × C, row stride) or null,
+# its row stride, C: given, the step advances the counters (lengths too) as mh_advance_counters.
 _STEP: list[type] = [_vp, _i64, _i64, _ptrs, _ptrs, _i64, _i64, _i64, _vp, _vp, _i64, _int, _vp, _vp, _i64p, _i64p,
-                     _f32, _vp, _vp, _int]
+                     _f32, _vp, _vp, _int, _vp, _i64, _i64]
 
 # The _bf16 and _f16 kernels take the _f32 ones' arguments, tensors of that dtype (lse and RoPE
 # tables float32).

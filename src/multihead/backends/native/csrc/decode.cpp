@@ -674,17 +674,33 @@ void gemv_share(int64_t id, int64_t nt, int64_t M, const float* x, const float* 
 
 extern "C" int mh_max_step_rows() { return MAX_STEP_ROWS; }
 
-// A KV cache's counters after one token per row (multihead.KVCache.commit, their only writer,
-// calls this): slot_pos[b, L_b] = L_b, then lengths[b] = L_b + 1, with L_b = lengths[b]. Every
-// row is checked first (0 <= L_b < capacity): on -2 nothing is written.
-extern "C" int mh_advance_counters(int64_t* lengths, int64_t* slot_pos, int64_t rows, int64_t ld, int64_t capacity) {
+namespace {
+
+// Whether every row's length L_b lies in [0, capacity): it can take one more token.
+bool rows_have_room(const int64_t* lengths, int64_t rows, int64_t capacity) {
     for (int64_t b = 0; b < rows; ++b)
-        if (lengths[b] < 0 || lengths[b] >= capacity) return -2;
+        if (lengths[b] < 0 || lengths[b] >= capacity) return false;
+    return true;
+}
+
+// slot_pos[b, L_b] = L_b, then lengths[b] = L_b + 1: a cache's counters after one token per row.
+void advance(int64_t* lengths, int64_t* slot_pos, int64_t rows, int64_t ld) {
     for (int64_t b = 0; b < rows; ++b) {
         const int64_t n = lengths[b];
         slot_pos[b * ld + n] = n;
         lengths[b] = n + 1;
     }
+}
+
+}  // namespace
+
+// A KV cache's counters after one token per row (multihead.KVCache.commit calls this; the eager
+// fused step's plan has mh_decode_step do the same): slot_pos[b, L_b] = L_b, then lengths[b] =
+// L_b + 1, with L_b = lengths[b]. Every row is checked first (0 <= L_b < capacity): on -2
+// nothing is written.
+extern "C" int mh_advance_counters(int64_t* lengths, int64_t* slot_pos, int64_t rows, int64_t ld, int64_t capacity) {
+    if (!rows_have_room(lengths, rows, capacity)) return -2;
+    advance(lengths, slot_pos, rows, ld);
     return 0;
 }
 
@@ -703,13 +719,15 @@ extern "C" int mh_linear_few_rows_f32(const float* x, int64_t M, int64_t K, int6
 //   RoPE on q and k at each row's position; k, v written to cache slot lengths[b]
 //   heads = attention(q, cache[:lengths[b] + 1])   (decode_item, keys split if few heads)
 //   y = heads · W_oᵀ + b_o                    (B, E)
-//   (the cache's counters are then advanced by KVCache.commit, their one writer)
+//   given slot_pos (B rows of slot_ld): the counters advanced, as mh_advance_counters;
+//   else by the caller (KVCache.commit)
 //
 // Nothing is written to the cache unless the step runs whole (every buffer is allocated
 // first). `saved` (or null): (B, 2, Hkv, D) of T, receives the written slots' old K and V,
 // so that a caller that fails after the step can put the cache back bitwise.
 //
-// The caller has checked every shape and that each row has room (lengths[b] < capacity).
+// The caller has checked every shape and that each row has room (lengths[b] < capacity;
+// checked here again, before anything is written, where slot_pos is given).
 
 namespace {
 
@@ -720,9 +738,10 @@ namespace {
 template <class T>
 int decode_step(const T* x, int64_t B, int64_t E, const T* const* W, const T* const* bias, int64_t H, int64_t Hkv,
                 int64_t D, const float* rope_cos, const float* rope_sin, int64_t rotary_dim, int interleaved,
-                T* cache_k, T* cache_v, const int64_t* cache_strides, const int64_t* lengths, float scale, T* y,
-                T* saved, int threads) {
+                T* cache_k, T* cache_v, const int64_t* cache_strides, int64_t* lengths, float scale, T* y,
+                T* saved, int threads, int64_t* slot_pos, int64_t slot_ld, int64_t capacity) {
     if (B < 1 || B > MAX_STEP_ROWS || Hkv < 1 || H % Hkv != 0 || D < 1 || rotary_dim % 2 != 0 || rotary_dim > D) return -2;
+    if (slot_pos && !rows_have_room(lengths, B, capacity)) return -2;
     constexpr bool wide = std::is_same_v<T, float>;
     const int64_t G = H / Hkv, width = (H + 2 * Hkv) * D, half = rotary_dim / 2;
     float* qkv = alloc(B * width);
@@ -851,9 +870,11 @@ int decode_step(const T* x, int64_t B, int64_t E, const T* const* W, const T* co
         if (!failed)
             for (int64_t i = 0; i < B * E; ++i) y[i] = from_f32<T>(yf[i]);
     release();
-    // The cache's counters (lengths, slot positions) are advanced by its one writer,
-    // KVCache.commit, after this returns.
-    return failed ? -1 : 0;
+    if (failed) return -1;
+    // Given slot_pos, the cache's counters too, as mh_advance_counters (the eager fused step's
+    // plan; KVCache.commit otherwise): once everything else is written, so a failure leaves them.
+    if (slot_pos) advance(lengths, slot_pos, B, slot_ld);
+    return 0;
 }
 
 }  // namespace
@@ -861,32 +882,35 @@ int decode_step(const T* x, int64_t B, int64_t E, const T* const* W, const T* co
 extern "C" int mh_decode_step_f32(
     const float* x, int64_t B, int64_t E, const float* const* W, const float* const* bias, int64_t H,
     int64_t Hkv, int64_t D, const float* rope_cos, const float* rope_sin, int64_t rotary_dim, int interleaved,
-    float* cache_k, float* cache_v, const int64_t* cache_strides, const int64_t* lengths, float scale, float* y,
-    float* saved, int threads) {
+    float* cache_k, float* cache_v, const int64_t* cache_strides, int64_t* lengths, float scale, float* y,
+    float* saved, int threads, int64_t* slot_pos, int64_t slot_ld, int64_t capacity) {
     return decode_step<float>(x, B, E, W, bias, H, Hkv, D, rope_cos, rope_sin, rotary_dim, interleaved, cache_k,
-                              cache_v, cache_strides, lengths, scale, y, saved, threads);
+                              cache_v, cache_strides, lengths, scale, y, saved, threads, slot_pos, slot_ld,
+                              capacity);
 }
 
 // As mh_decode_step_f32 with x, weights, biases, cache and y bfloat16 (uint16 bits); RoPE float32.
 extern "C" int mh_decode_step_bf16(
     const void* x, int64_t B, int64_t E, const void* const* W, const void* const* bias, int64_t H,
     int64_t Hkv, int64_t D, const float* rope_cos, const float* rope_sin, int64_t rotary_dim, int interleaved,
-    void* cache_k, void* cache_v, const int64_t* cache_strides, const int64_t* lengths, float scale, void* y,
-    void* saved, int threads) {
+    void* cache_k, void* cache_v, const int64_t* cache_strides, int64_t* lengths, float scale, void* y,
+    void* saved, int threads, int64_t* slot_pos, int64_t slot_ld, int64_t capacity) {
     return decode_step<bf16>(static_cast<const bf16*>(x), B, E, reinterpret_cast<const bf16* const*>(W),
                              reinterpret_cast<const bf16* const*>(bias), H, Hkv, D, rope_cos, rope_sin, rotary_dim,
                              interleaved, static_cast<bf16*>(cache_k), static_cast<bf16*>(cache_v), cache_strides,
-                             lengths, scale, static_cast<bf16*>(y), static_cast<bf16*>(saved), threads);
+                             lengths, scale, static_cast<bf16*>(y), static_cast<bf16*>(saved), threads, slot_pos,
+                             slot_ld, capacity);
 }
 
 // As mh_decode_step_f32 with x, weights, biases, cache and y float16 (uint16 bits); RoPE float32.
 extern "C" int mh_decode_step_f16(
     const void* x, int64_t B, int64_t E, const void* const* W, const void* const* bias, int64_t H,
     int64_t Hkv, int64_t D, const float* rope_cos, const float* rope_sin, int64_t rotary_dim, int interleaved,
-    void* cache_k, void* cache_v, const int64_t* cache_strides, const int64_t* lengths, float scale, void* y,
-    void* saved, int threads) {
+    void* cache_k, void* cache_v, const int64_t* cache_strides, int64_t* lengths, float scale, void* y,
+    void* saved, int threads, int64_t* slot_pos, int64_t slot_ld, int64_t capacity) {
     return decode_step<f16>(static_cast<const f16*>(x), B, E, reinterpret_cast<const f16* const*>(W),
                             reinterpret_cast<const f16* const*>(bias), H, Hkv, D, rope_cos, rope_sin, rotary_dim,
                             interleaved, static_cast<f16*>(cache_k), static_cast<f16*>(cache_v), cache_strides,
-                            lengths, scale, static_cast<f16*>(y), static_cast<f16*>(saved), threads);
+                            lengths, scale, static_cast<f16*>(y), static_cast<f16*>(saved), threads, slot_pos,
+                            slot_ld, capacity);
 }
