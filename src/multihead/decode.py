@@ -222,25 +222,32 @@ def _snapshot(layer: MultiHeadAttention, x: torch.Tensor, cache: KVCache,
     rows' lengths, in two lists: objects compared by identity (held by the guard, so that an
     identity can never become another object's) and values compared by ``==``.
 
-    Objects: the classes of the layer, its projections and its RoPE, and the values of their
-    attribute, parameter, buffer and submodule registries (any reassignment: a weight, a
-    bias, ``scale``, ``window``, ``training``, a registry, an instance ``forward``), the
-    cache's buffers and settings. Values: x's shape, dtype and device, the thread count,
-    the number of forward hooks (global, and each module's), and the data pointer, shape,
-    strides, dtype and device of every tensor the plan points into (``.data`` replaced on
-    the same tensor changes no identity).
+    Objects: the classes of the layer, its projections and its RoPE, and the values of the
+    layer's attribute, parameter, buffer and submodule registries, the projections' attributes
+    and parameters, the RoPE's attributes and buffers (any reassignment: a weight, a bias,
+    ``scale``, ``window``, ``training``, a registry, an instance ``forward``), the cache's
+    buffers and settings. Values: x's shape, dtype and device, the thread count, the number
+    of forward hooks (global, and each projection's), and the data pointer, shape, strides
+    and dtype of every tensor the plan points into (``.data`` replaced on the same tensor
+    changes no identity).
     """
     rope = layer.rope
-    mods = (layer, *_projections(layer), *(() if rope is None else (rope,)))
-    refs: list[object] = [cache.k, cache.v, cache.lengths, cache.slot_pos, cache.max_len, cache.ring]
+    projections = _projections(layer)
+    refs: list[object] = [type(layer), cache.k, cache.v, cache.lengths, cache.slot_pos, cache.max_len, cache.ring]
     values: list[object] = [x.shape, x.dtype, x.device, torch.get_num_threads(), len(_GLOBAL_HOOKS[0]),
                             len(_GLOBAL_HOOKS[1])]
-    for m in mods:
+    for registry in (layer.__dict__, layer._parameters, layer._buffers, layer._modules):
+        refs.extend(registry.values())
+    for m in projections:  # what an nn.Linear's forward reads: its attributes and parameters
         refs.append(type(m))
-        for registry in (m.__dict__, m._parameters, m._buffers, m._modules):
-            refs.extend(registry.values())
+        refs.extend(m.__dict__.values())
+        refs.extend(m._parameters.values())
         values += (len(m._forward_hooks), len(m._forward_pre_hooks))
-    values.extend((t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for t in plan.tensors)
+    if rope is not None:  # what the step reads of a RoPE: its tables and settings (it never calls it)
+        refs.append(type(rope))
+        refs.extend(rope.__dict__.values())
+        refs.extend(rope._buffers.values())
+    values.extend((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in plan.tensors)  # the pointer: the device too
     return refs, values
 
 

@@ -96,6 +96,8 @@ CHANGES: dict[str, Callable[[mh.MultiHeadAttention, mh.KVCache], object]] = {
     "a projection replaced by a subclass": lambda at, c: _swap_class(at.k_proj),
     "other RoPE tables": lambda at, c: setattr(at, "rope", mh.RoPE(16, max_positions=64, base=500.0)),
     "a RoPE table too short for the position": lambda at, c: setattr(at, "rope", mh.RoPE(16, max_positions=8)),
+    "the RoPE's pairing": lambda at, c: setattr(at.rope, "interleaved", True),
+    "a layer buffer (ALiBi slopes)": lambda at, c: at.register_buffer("alibi_slopes", torch.full((4,), 0.5)),
     "the thread count": lambda at, c: _threads(1),
     "the cache's K buffer replaced": lambda at, c: setattr(c, "k", c.k.clone()),
     "the cache's V buffer restrided": lambda at, c: setattr(c, "v", c.v.transpose(2, 3).contiguous().transpose(2, 3)),
