@@ -56,9 +56,10 @@ def _check_cache(
                          "head); use multihead.parallel.shard_heads(layer, group).new_cache")
     check_tensor("x", x, ndim=3)
     _check_matches_weight("x", x, layer.q_proj.weight, layer.embed_dim, "[B, S, E]")
-    if torch.is_grad_enabled() and any(p.requires_grad for p in layer.parameters()):
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in layer.parameters())):
         raise ValueError("cache= is for inference: call the layer under torch.no_grad() or "
-                         "torch.inference_mode() (cached K/V keep no autograd history)")
+                         "torch.inference_mode() (cached K/V keep no autograd history; x or a parameter "
+                         "requires grad)")
     b, s, _ = x.shape
     real = None
     if key_mask is not None:

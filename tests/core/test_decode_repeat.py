@@ -161,7 +161,7 @@ def test_a_full_cache_is_refused_as_before_and_left_untouched() -> None:
 
 
 @pytest.mark.parametrize("call", ["another layer", "another dtype", "another width", "another batch",
-                                  "not a KVCache", "with gradients"])
+                                  "not a KVCache", "with gradients", "x requiring grad"])
 def test_calls_the_checks_refuse_are_refused_as_before(call: str) -> None:
     layer, cache, token = _stepped()
     before = [t.clone() for t in (cache.k, cache.v, cache.lengths, cache.slot_pos)]
@@ -176,6 +176,10 @@ def test_calls_the_checks_refuse_are_refused_as_before(call: str) -> None:
     if call == "with gradients":
         with pytest.raises(ValueError, match="is for inference"):
             layer(token, cache=cache)  # grad mode on, the weights require grad
+    elif call == "x requiring grad":  # frozen weights: the fused step would have dropped x's gradient silently
+        layer.requires_grad_(False)
+        with pytest.raises(ValueError, match="is for inference"):
+            layer(token.clone().requires_grad_(), cache=cache)
     else:
         run, error, message = calls[call]
         with torch.no_grad(), pytest.raises(error, match=message):
