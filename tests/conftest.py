@@ -198,3 +198,20 @@ def as_layout(kind: str, *tensors: torch.Tensor) -> list[torch.Tensor]:
         views.append(buffer[..., at : at + f.shape[-1]].view(b, s, t.shape[1], t.shape[3]).transpose(1, 2))
         at += f.shape[-1]
     return views
+
+
+def record_ops() -> Any:
+    """A TorchDispatchMode that runs every operator and records its name in ``.ops`` (as a
+    tracer or a fake-tensor mode would see the call): ``with record_ops() as seen: ...``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class RecordOps(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    return RecordOps()

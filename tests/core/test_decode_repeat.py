@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+from conftest import record_ops
 from torch import nn
 from torch.nn import functional as F
 
@@ -213,19 +214,8 @@ def test_a_projections_own_forward_is_run_by_every_path() -> None:
 def test_head_capture_and_dispatch_modes_see_the_call() -> None:
     """A head capture attached to the layer, and a TorchDispatchMode (fake tensors, recorders,
     tracing), each get the call as they did before: never the shortcut."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Record(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     layer, cache, token = _stepped()
-    with torch.no_grad(), Record() as seen:
+    with torch.no_grad(), record_ops() as seen:
         assert decode.repeat_step(layer, token, cache) is None
         layer(token, cache=cache)
     assert "multihead.decode_step.default" in seen.ops and cache.host_lengths() == [9, 9]

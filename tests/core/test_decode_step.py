@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from conftest import record_ops
 from torch import nn
 
 import multihead as mh
@@ -270,20 +271,9 @@ def test_the_native_counter_writer_refuses_a_full_row_and_writes_nothing() -> No
 def test_the_native_counter_writer_steps_aside_for_dispatch_modes_and_odd_tensors() -> None:
     """Under a TorchDispatchMode (fake tensors, recorders) the writes must be operators it sees;
     tensors it cannot write in place (not int64, not CPU-contiguous rows) go to torch too."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Record(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     assert native.build(), native.status()
     cache = mh.KVCache(2, 4, 1, 2)
-    with Record() as seen:
+    with record_ops() as seen:
         cache.commit([1, 1])
     assert seen.ops and cache.lengths.tolist() == [1, 1] and cache.slot_pos[:, 0].tolist() == [0, 0]
     assert not native.advance_counters(torch.zeros(2, dtype=torch.int32), torch.full((2, 4), -1))
