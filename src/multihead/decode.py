@@ -74,8 +74,15 @@ def _projection_shapes(layer: MultiHeadAttention) -> bool:
 
 
 def _plain_rope(layer: MultiHeadAttention, cache: KVCache) -> bool:
+    """No RoPE, or a plain one whose tables the kernel can read as they are (contiguous float32
+    on the CPU, the same shape) and which cover every row's next position."""
     rope = layer.rope
-    return rope is None or (type(rope) is RoPE and max(cache.host_lengths()) < rope.table_limit and rope.cos.is_cpu)
+    if rope is None:
+        return True
+    cos, sin = rope.cos, rope.sin
+    return (type(rope) is RoPE and max(cache.host_lengths()) < rope.table_limit and cos.is_cpu and sin.is_cpu
+            and cos.dtype == sin.dtype == torch.float32 and cos.shape == sin.shape and cos.is_contiguous()
+            and sin.is_contiguous())
 
 
 Check = Callable[["MultiHeadAttention", torch.Tensor, KVCache, dict], bool]
@@ -107,7 +114,7 @@ FUSED_CONDITIONS: tuple[tuple[str, Check], ...] = (
      lambda layer, x, c, kw: all(plain_linear(p) and all(t is None or t.is_contiguous() for t in _weight_bias(p))
                                  for p in _projections(layer))),
     ("a projection's weight or bias is not of the layer's shape", lambda layer, x, c, kw: _projection_shapes(layer)),
-    ("the RoPE is not a plain multihead.RoPE whose CPU table covers the positions",
+    ("the RoPE is not a plain multihead.RoPE whose contiguous float32 CPU tables cover the positions",
      lambda layer, x, c, kw: _plain_rope(layer, c)),
     ("the native kernel is not compiled here for AVX-512 or AVX2", lambda layer, x, c, kw: native.vector_bits() >= 256),
 )

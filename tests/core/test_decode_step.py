@@ -183,6 +183,21 @@ def test_the_steps_marshalled_arguments_follow_every_tensor_they_point_into() ->
         torch.set_num_threads(threads)
 
 
+@pytest.mark.skipif(not FUSED, reason=f"no AVX-512 or AVX2 native kernel here ({native.status()})")
+@pytest.mark.parametrize("table", ["float64", "strided", "sin of another length"])
+def test_rope_tables_the_kernel_cannot_read_as_they_are_are_not_fused(table: str) -> None:
+    layer = _layer()
+    cache, token = _prefilled(layer)
+    rope = layer.rope
+    if table == "float64":
+        rope.cos = rope.cos.double()
+    elif table == "strided":
+        rope.cos = torch.stack([rope.cos, rope.cos], -1)[..., 0]  # the same values, every other float
+    else:
+        rope.sin = rope.sin[:-1]
+    assert "the RoPE is not a plain" in decode.why_not_fused(layer, token, cache)
+
+
 def test_without_the_kernel_it_says_so(monkeypatch) -> None:
     monkeypatch.setattr(native, "vector_bits", lambda: 0)
     layer = _layer()
