@@ -68,6 +68,17 @@ def _threads(n: int) -> Iterator[None]:
     torch.set_num_threads(before)
 
 
+def _tensor_scale_changed_in_place(layer: mh.MultiHeadAttention, cache: mh.KVCache) -> None:
+    """A 0-d tensor scale, a checked step with it, then the same tensor changed in place."""
+    layer.scale = torch.tensor(0.25)
+    with torch.no_grad():
+        layer(torch.randn(2, 1, 64), cache=cache)  # asks every check (the scale is new): remembered
+        cache.crop(8)
+        assert decode.repeat_step(layer, torch.randn(2, 1, 64), cache) is not None  # remembered indeed
+    cache.crop(8)
+    layer.scale.fill_(0.1)
+
+
 class _Sub(nn.Linear):
     pass
 
@@ -86,6 +97,7 @@ CHANGES: dict[str, Callable[[mh.MultiHeadAttention, mh.KVCache], object]] = {
                                                           at.v_proj.weight.data.t().contiguous().t()),
     "a bias where there was none": lambda at, c: setattr(at.k_proj, "bias", nn.Parameter(torch.randn(32))),
     "the logit scale": lambda at, c: setattr(at, "scale", 0.2),
+    "a tensor logit scale changed in place": _tensor_scale_changed_in_place,
     "a sliding window": lambda at, c: setattr(at, "window", 4),
     "soft-capping": lambda at, c: setattr(at, "softcap", 5.0),
     "another backend": lambda at, c: setattr(at, "backend", "explicit"),
