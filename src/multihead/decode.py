@@ -234,16 +234,16 @@ def _snapshot(layer: MultiHeadAttention, x: torch.Tensor, cache: KVCache,
     and parameters, the RoPE's attributes and buffers (any reassignment: a weight, a bias,
     ``scale``, ``window``, ``training``, a registry, an instance ``forward``), the cache's
     buffers and settings. Values: x's shape, dtype and device, the thread count, the number
-    of forward hooks (global, and each projection's), the logit scale (as the plan's key reads
-    it, so a 0-d tensor changed in place counts too), and the data pointer, shape, strides
-    and dtype of every tensor the plan points into (``.data`` replaced on the same tensor
-    changes no identity).
+    of forward hooks (global, and each projection's), the logit scale and the dropout (as the
+    plan's key and the conditions read them, so a 0-d tensor changed in place counts too), and
+    the data pointer, shape, strides and dtype of every tensor the plan points into (``.data``
+    replaced on the same tensor changes no identity).
     """
     rope = layer.rope
     projections = _projections(layer)
     refs: list[object] = [type(layer), cache.k, cache.v, cache.lengths, cache.slot_pos, cache.max_len, cache.ring]
     values: list[object] = [x.shape, x.dtype, x.device, torch.get_num_threads(), len(_GLOBAL_HOOKS[0]),
-                            len(_GLOBAL_HOOKS[1]), float(layer.scale)]  # the scale: also a 0-d tensor changed in place
+                            len(_GLOBAL_HOOKS[1]), float(layer.scale), float(layer.dropout)]  # numbers as read
     for registry in (layer.__dict__, layer._parameters, layer._buffers, layer._modules):
         refs.extend(registry.values())
     for m in projections:  # what an nn.Linear's forward reads: its attributes and parameters
