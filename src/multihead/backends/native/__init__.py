@@ -465,8 +465,8 @@ class StepPlan:
                  scale: float, dtype: torch.dtype) -> None:
         self.key = StepPlan.key_of(rows, layers, rope, cache_k, cache_v, lengths, slot_pos, dtype,
                                    (num_heads, num_kv_heads, head_dim, float(scale)))
-        self._held = (layers, rope, cache_k, cache_v, lengths, slot_pos)
-        #: Every tensor the plan points into, in a fixed order.
+        #: Every tensor the plan points into, in a fixed order (the cache's four last), held so
+        #: that their storage lives as long as the plan.
         self.tensors: tuple[torch.Tensor, ...] = tuple(t for t in (
             *(t for pair in layers for t in pair), *(rope[:2] if rope is not None else ()), cache_k, cache_v, lengths,
             slot_pos) if t is not None)
@@ -475,7 +475,7 @@ class StepPlan:
         self.guard: object = None
         e = layers[0][0].shape[1]
         cos, sin, rotary_dim, interleaved = rope if rope is not None else (None, None, 0, False)
-        #: (B, 2, Hkv, D): the slots the last step wrote, as they were before (see :meth:`restore`).
+        #: (B, 2, Hkv, D): the slots the last step wrote, as they were before (see :meth:`undo`).
         self.saved = torch.empty((rows, 2, num_kv_heads, head_dim), dtype=dtype)
         self._fn = kernel(_require(), "mh_decode_step_f32", dtype)
         self._shape, self._dtype = (rows, 1, e), dtype
@@ -513,7 +513,7 @@ class StepPlan:
         """Undo the last :meth:`run` if it ran (the counters say so; a failure after the kernel,
         such as an interrupt as it returns): the slots it wrote at ``lengths`` (each row's
         length before it) and the counters put back, the cache then bitwise as it was."""
-        _, _, cache_k, cache_v, counts, slot_pos = self._held
+        cache_k, cache_v, counts, slot_pos = self.tensors[-4:]
         if counts.tolist() == lengths:
             return  # it wrote nothing
         for b, n in enumerate(lengths):
