@@ -124,12 +124,18 @@ inline vf load_f(const f16* p) {
 #endif
 }
 // ---------------------------------------------------------------------------------------
-#if MH_VECTOR_FLOATS == 8 && defined(__AVX__)
 // A broadcast (from memory: a load, no arithmetic; `(vf){} + x` would cost an add and a
-// shuffle on the FMA ports).
+// shuffle on the FMA ports, and turn -0 into +0: tanhv's sign mask was then 0 with AVX-512).
+#if MH_VECTOR_FLOATS == 16
+inline vf splat(float x) { return (vf)_mm512_set1_ps(x); }
+#elif defined(__AVX__)
 inline vf splat(float x) { return (vf)_mm256_set1_ps(x); }
 #else
-inline vf splat(float x) { return (vf){} + x; }
+inline vf splat(float x) {
+    vf r;
+    for (int i = 0; i < W; ++i) r[i] = x;
+    return r;
+}
 #endif
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 
