@@ -215,3 +215,13 @@ def record_ops() -> Any:
             return func(*args, **(kwargs or {}))
 
     return RecordOps()
+
+
+@pytest.fixture
+def amd_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU taken to be AMD's, where "auto" measured its native thresholds: tests of the native
+    forward through "auto" then take it on any machine (an Intel CPU with AVX-512 keeps a plain
+    forward on SDPA: tests/backends/test_router.py::test_intel_avx512_keeps_the_forward_on_sdpa)."""
+    from multihead.backends import native
+
+    monkeypatch.setattr(native, "cpu_vendor", lambda: "AuthenticAMD")

@@ -215,7 +215,7 @@ def test_float64_and_dropout_are_refused_by_name_never_substituted() -> None:
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
 
 
-def test_auto_uses_the_native_kernel_for_prefill() -> None:
+def test_auto_uses_the_native_kernel_for_prefill(amd_cpu) -> None:
     """"auto" names the native loop for a prefill and runs exactly it (bitwise); tiny problems
     take SDPA (its lower fixed cost)."""
     q = torch.randn(1, 12, 320, 32)  # 2^20.2 scores: native with AVX-512 (from 2^14) and AVX2 (from 2^20)

@@ -102,7 +102,7 @@ def _no_breaks(fn: object, *args: object, **kwargs: object) -> None:
 
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("kind", ["causal-gqa-rope", "bidirectional", "cross"])
-def test_compiled_prefill_matches_eager_with_no_graph_break(kind: str, padded: bool) -> None:
+def test_compiled_prefill_matches_eager_with_no_graph_break(amd_cpu, kind: str, padded: bool) -> None:
     """S = 256, 8 heads: "auto" takes the native FlashAttention loop (2^20 scores: at
     the threshold of AVX2 builds, above that of AVX-512 builds)."""
     layer = _layer() if kind == "causal-gqa-rope" else mh.MultiHeadAttention(128, 8).eval()
@@ -132,7 +132,7 @@ class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_compiled_prefill_runs_the_eager_kernels_and_nothing_else(causal: bool) -> None:
+def test_compiled_prefill_runs_the_eager_kernels_and_nothing_else(amd_cpu, causal: bool) -> None:
     """The benchmark's compiled prefill (here smaller: 2^20 scores, the native loop) is
     the eager layer's four oneDNN GEMMs and one native attention call, on the same
     strided views: no copy, no layout change, no kernel of Inductor's own. Compiled
@@ -224,7 +224,7 @@ def test_compiled_cached_decoding_matches_eager_and_compiles_twice() -> None:
 
 
 @pytest.mark.parametrize("padded", [False, True])
-def test_export_with_a_dynamic_sequence_length_runs_at_two_lengths(padded: bool) -> None:
+def test_export_with_a_dynamic_sequence_length_runs_at_two_lengths(amd_cpu, padded: bool) -> None:
     layer = _layer()
     # From 256 positions (2^20 scores): native for the whole range with AVX-512 and AVX2 builds
     # alike (their thresholds, 2^14 and 2^20, become guards on the symbolic length).

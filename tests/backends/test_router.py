@@ -45,9 +45,9 @@ def test_gradients_and_dropout_take_sdpa_and_with_lse_explicit() -> None:
 
 
 @pytest.mark.parametrize("bits", [512, 256], ids=["AVX-512", "AVX2"])
-def test_native_rules_per_vector_width(monkeypatch, bits: int) -> None:
+def test_native_rules_per_vector_width(monkeypatch, amd_cpu, bits: int) -> None:
     """Each width's thresholds (measured with its own tiles), asserted at their edges: the
-    rules read the build's width only, so both are checked on any machine."""
+    rules read the build's width and the CPU's vendor only, so both are checked on any machine."""
     monkeypatch.setattr(native, "vector_bits", lambda: bits)
     least, decode_least = auto.NATIVE_MIN_SCORES[bits], auto.NATIVE_MIN_DECODE_SCORES[bits]
     assert (least, decode_least) == {512: (1 << 14, 1 << 11), 256: (1 << 20, 1 << 14)}[bits]
@@ -101,6 +101,41 @@ def test_native_gradients_per_vector_width(monkeypatch, bits: int) -> None:
         torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD", ""])
+@pytest.mark.parametrize("bits", [512, 256], ids=["AVX-512", "AVX2"])
+def test_intel_avx512_keeps_the_forward_on_sdpa(monkeypatch, bits: int, vendor: str) -> None:
+    """On an Intel CPU with AVX-512 (MKL's own AVX-512 code, AMX for bfloat16: measured ahead of
+    the native loop and of "blocked") a plain forward takes SDPA in every dtype; decoding, logit
+    features and the log-sum-exp with gradients keep their native paths. Elsewhere, as before."""
+    monkeypatch.setattr(native, "vector_bits", lambda: bits)
+    monkeypatch.setattr(native, "cpu_vendor", lambda: vendor)
+    intel = bits == 512 and vendor == "GenuineIntel"
+    assert auto.torch_prefill_ahead() is intel
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert (mh.kernels.auto_path(*_qkv(1, 12, 12, 1024, 1024, dtype=dtype)) == "sdpa") is intel
+    assert mh.kernels.auto_path(*_qkv(1, 2, 2, 512, 512)) == (
+        "sdpa" if intel else "native" if bits == 512 else "blocked" if _blocked_fits(512, 512) else "sdpa")
+    assert mh.kernels.auto_path(*_qkv(1, 32, 8, 1, 4096)) == "native decode"
+    assert mh.kernels.auto_path(*_qkv(1, 12, 12, 1024, 1024), softcap=30.0) == "native (features)"
+    big = _qkv(1, 4, 4, 1024, 1024)
+    assert mh.kernels.auto_path(big[0].clone().requires_grad_(), *big[1:], return_lse=True) \
+        == "native (gradients, lse)"
+    assert mh.kernels.auto_path(*big, return_lse=True) == "native"  # ring attention's blocks: SDPA has no lse
+    if intel and native.vector_bits() == 512 and native.cpu_vendor() == "GenuineIntel":  # this machine: run it
+        q, k, v = _qkv(1, 4, 4, 1024, 1024)
+        torch.testing.assert_close(mh.attention(q, k, v, causal=True), mh.attention(q, k, v, causal=True,
+                                                                                     backend="sdpa"), rtol=0, atol=0)
+
+
+def test_cpu_vendor_reads_proc_cpuinfo() -> None:
+    import os
+    vendor = native.cpu_vendor()
+    assert isinstance(vendor, str)
+    if os.path.exists("/proc/cpuinfo"):
+        lines = [ln for ln in open("/proc/cpuinfo") if ln.startswith("vendor_id")]
+        assert vendor == (lines[0].partition(":")[2].strip() if lines else "")
+
+
 def _blocked_fits(sq: int, sk: int) -> bool:
     return min(sq, sk) >= auto.BLOCKED_MIN_SEQ and mh.kernels.onednn_available()
 
@@ -125,7 +160,7 @@ def test_the_machine_s_width_is_one_the_rules_know_or_none() -> None:
     bits = native.vector_bits()
     assert bits in (0, 128, 256, 512)
     path = mh.kernels.auto_path(*_qkv(1, 4, 4, 1024, 1024))
-    assert (path == "native") == (bits in auto.NATIVE_MIN_SCORES), (bits, path)
+    assert (path == "native") == (bits in auto.NATIVE_MIN_SCORES and not auto.torch_prefill_ahead()), (bits, path)
 
 
 def test_lse_rules_never_pick_a_path_without_lse(monkeypatch) -> None:
@@ -217,7 +252,8 @@ def test_the_module_refuses_a_named_backend_before_writing_the_cache() -> None:
                                 dict(cu_seqlens=torch.tensor([0, 3, 100, 256])),
                                 dict(alibi_slopes=torch.ones(4), return_lse=True)],
                          ids=["softcap", "alibi", "sinks", "packed", "alibi-lse"])
-def test_auto_takes_native_for_features_where_native_runs_without_them(monkeypatch, bits: int, kw: dict) -> None:
+def test_auto_takes_native_for_features_where_native_runs_without_them(monkeypatch, amd_cpu, bits: int,
+                                                                       kw: dict) -> None:
     """Logit features and packed sequences take the native FlashAttention loop wherever a native
     loop runs without them (same thresholds, per width), never with gradients (its backward
     applies none)."""

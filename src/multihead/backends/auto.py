@@ -26,7 +26,7 @@ from .gemm import onednn_available
 from .registry import needs_grad, register_backend
 from .sdpa import sdpa_attention
 
-__all__ = ["Call", "Rule", "AUTO_RULES", "AUTO_PATHS", "auto_path", "auto_backend"]
+__all__ = ["Call", "Rule", "AUTO_RULES", "AUTO_PATHS", "auto_path", "auto_backend", "torch_prefill_ahead"]
 
 #: Decoding: at most this many query rows per K/V head (Sq·G) take a decoding path.
 DECODE_ROWS = native.DECODE_ROWS
@@ -50,6 +50,17 @@ BLOCKED_MIN_HEAD_DIM = 64
 #: beats both SDPA and the torch-only decoding path (GQA 32/8 heads: 512 keys 1.0×, 4096
 #: keys 1.5× the torch path, 2× SDPA); below, their fixed cost is lower (64..512 keys: 0.8×).
 NATIVE_MIN_SCORES: dict[int, int] = {512: 1 << 14, 256: 1 << 20}
+#: Intel CPUs with AVX-512 take neither the native FlashAttention loop nor "blocked" for a
+#: forward without logit features (:func:`torch_prefill_ahead`): there MKL runs its own AVX-512
+#: code (on AMD CPUs it runs AVX2 code, against which the AVX-512 threshold above was measured)
+#: and oneDNN its AMX tiles for bfloat16. Measured (Intel Xeon with AVX-512, AVX512-BF16 and
+#: AMX, 2 cores, H=12, D=64, medians of 7 interleaved calls, SDPA's time / the native loop's):
+#: float32 without a mask 0.71-0.79× at S=128..2048, causal 0.96× at S=128, 1.06-1.31× at
+#: 256..1024, 0.94× at 2048 (the rules see shapes, not the mask); "blocked" 1.1-1.8× SDPA's
+#: time; bfloat16 0.29-0.49×; float16 0.75-0.78× without a mask, 0.95-1.08× causal. Decoding
+#: stays native there (SDPA 1.2-2.8× its time, 128..8192 keys, float32 and bfloat16), and so
+#: does a forward that asks for the log-sum-exp (ring attention's blocks: SDPA cannot return it).
+TORCH_PREFILL_VENDORS = ("GenuineIntel",)
 NATIVE_MIN_DECODE_SCORES: dict[int, int] = {512: 1 << 11, 256: 1 << 14}
 #: Gradients (no log-sum-exp asked for): the native forward and its backward from this many
 #: scores, per vector width; a width not listed takes SDPA (AVX-512: not measured since the
@@ -151,9 +162,15 @@ def _widths(least: dict[int, int]) -> str:
     return ", ".join(f"2^{n.bit_length() - 1} ({names.get(bits, f'{bits}-bit')})" for bits, n in least.items())
 
 
+def torch_prefill_ahead() -> bool:
+    """Whether torch's own kernels (SDPA) are ahead of the native FlashAttention loop and of
+    "blocked" here: native kernels built for AVX-512 on a CPU of :data:`TORCH_PREFILL_VENDORS`."""
+    return native.vector_bits() == 512 and native.cpu_vendor() in TORCH_PREFILL_VENDORS
+
+
 def _blocked_fits(c: Call) -> bool:
     return (c.q.dtype == torch.float32 and onednn_available() and min(c.q.shape[2], c.k.shape[2]) >= BLOCKED_MIN_SEQ
-            and c.q.shape[3] >= BLOCKED_MIN_HEAD_DIM)
+            and c.q.shape[3] >= BLOCKED_MIN_HEAD_DIM and (c.return_lse or not torch_prefill_ahead()))
 
 
 def _native_features_fit(c: Call) -> bool:
@@ -200,11 +217,14 @@ AUTO_RULES: tuple[Rule, ...] = (
          lambda c: c.few_rows and c.q.shape[1] > c.k.shape[1] and c.k.shape[2] >= DECODE_MIN_KEYS,
          _torch_kernel(decode_attention)),
     Rule("native", f"from {_widths(NATIVE_MIN_SCORES)} scores: the native FlashAttention loop (compiled here "
-         "for AVX-512 or AVX2; float32, and bfloat16/float16 read as such and computed in float32)",
-         lambda c: c.native_fits(NATIVE_MIN_SCORES), _native(decode=False)),
+         "for AVX-512 or AVX2; float32, and bfloat16/float16 read as such and computed in float32); on an Intel "
+         "CPU with AVX-512, where SDPA (MKL's AVX-512 code, oneDNN's AMX for bfloat16) is ahead, only with the "
+         "log-sum-exp (which SDPA does not return)",
+         lambda c: c.native_fits(NATIVE_MIN_SCORES) and (c.return_lse or not torch_prefill_ahead()),
+         _native(decode=False)),
     Rule("blocked", f"float32, Sq and Sk ≥ {BLOCKED_MIN_SEQ}, D ≥ {BLOCKED_MIN_HEAD_DIM}, not native (no "
-         "kernel, or below its threshold): the torch-only blocked kernel", _blocked_fits,
-         _torch_kernel(blocked_attention)),
+         "kernel, or below its threshold), not on an Intel CPU with AVX-512 unless the log-sum-exp is asked for "
+         "(SDPA ahead): the torch-only blocked kernel", _blocked_fits, _torch_kernel(blocked_attention)),
     Rule("sdpa", "a problem too small for the other paths' fixed costs (or an unsupported shape): SDPA",
          lambda c: not c.return_lse, _backend(sdpa_attention)),
     Rule("explicit (lse)", "the log-sum-exp of a problem too small for the kernels: 'explicit'",

@@ -33,8 +33,9 @@ from . import _build, _ffi
 from ._ffi import int64_ptr, int64s, pointers, ptr
 from . import ops  # registers torch.ops.multihead.*: cheap, builds nothing
 
-__all__ = ["available", "status", "build", "vector_bits", "advance_counters", "attention_f32", "decode_f32",
-           "linear_few_rows", "decode_step", "StepPlan", "MAX_STEP_ROWS", "FEW_ROWS", "native_backend", "key_panels"]
+__all__ = ["available", "status", "build", "vector_bits", "cpu_vendor", "advance_counters", "attention_f32",
+           "decode_f32", "linear_few_rows", "decode_step", "StepPlan", "MAX_STEP_ROWS", "FEW_ROWS", "native_backend",
+           "key_panels"]
 
 #: Most rows of x that :func:`linear_few_rows` and :func:`decode_step` take (the C++
 #: ``MAX_STEP_ROWS``, checked against the built library).
@@ -57,6 +58,7 @@ def kernel(lib: object, name: str, dtype: torch.dtype):  # type: ignore[no-untyp
 #: (:func:`advance_counters`) and :func:`vector_bits`, asked at every decoding step.
 _advance = None
 _bits = 0
+_vendor: str | None = None  # cpu_vendor()'s, read once
 
 
 @functools.cache
@@ -85,6 +87,22 @@ def build() -> bool:
 def available() -> bool:
     """Whether the native kernel can run here (builds it on first call)."""
     return _library() is not None
+
+
+@torch.compiler.assume_constant_result  # traced graphs take it as a constant (no file read in them)
+def cpu_vendor() -> str:
+    """The CPU's vendor as ``/proc/cpuinfo`` names it (``"GenuineIntel"``, ``"AuthenticAMD"``);
+    ``""`` where it cannot be read. ``"auto"`` asks it: torch's own CPU kernels (MKL, oneDNN)
+    run different code on different vendors' CPUs of the same vector width."""
+    global _vendor
+    if _vendor is None:
+        _vendor = ""
+        try:
+            with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+                _vendor = next((line.partition(":")[2].strip() for line in info if line.startswith("vendor_id")), "")
+        except OSError:
+            pass
+    return _vendor
 
 
 @torch.compiler.assume_constant_result
