@@ -205,6 +205,7 @@ def _core_case(s: int, causal: bool, h: int = 12, d: int = 64) -> tuple[dict[str
         "multihead": lambda: attention(q, k, v, causal=causal),
         "torch sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
     }
+    _add_native_row(fns, q, k, v, causal)
     return {"case": f"core/{'causal' if causal else 'full'}", "seq": s, "heads": h, "head_dim": d,
             "flops": flops, "limit": "compute"}, fns
 
@@ -220,9 +221,21 @@ def _core_bf16_case(s: int, causal: bool, h: int = 12, d: int = 64) -> tuple[dic
         "multihead float32": lambda: attention(q32, k32, v32, causal=causal),
         "torch sdpa bf16": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
     }
+    _add_native_row(fns, q, k, v, causal)
     flops = 4.0 * h * d * (s * (s + 1) / 2 if causal else s * s)
     return {"case": "core/bf16", "seq": s, "causal": causal, "heads": h, "head_dim": d, "flops": flops,
             "limit": "compute"}, fns
+
+
+def _add_native_row(fns: dict[str, Fn], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
+    """Where "auto" does not take the native loop for these tensors but it runs here (an Intel CPU
+    with AVX-512: SDPA), the loop itself as a peer row, so that its rate is still measured."""
+    from ..backends import native
+    from ..functional import attention
+    from ..kernels import auto_path
+
+    if native.available() and auto_path(q, k, v) != "native" and q.dtype in native.DTYPES:
+        fns["multihead backend=native"] = lambda: attention(q, k, v, causal=causal, backend="native")
 
 
 def _layer_flops(e: int, h: int, hkv: int, d: int, s: int, sk: int, causal: bool) -> float:
