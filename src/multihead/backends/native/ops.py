@@ -127,7 +127,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: floa
             cu_seqlens: Optional[Tensor] = None, *, return_lse: bool) -> tuple[Tensor, Tensor | None]:
     """:func:`attention_impl`, with the lse only when ``return_lse`` (float32 and half precision:
     the kernel then writes none); what eager calls run directly when :func:`direct`."""
-    from . import _QUERY_TILE, Logits, _require, _run
+    from . import Logits, _query_tile, _require, _run
 
     logits = Logits(softcap, alibi_slopes, sinks, cu_seqlens)
     if logits.any() and (decode or q.dtype == torch.float64):
@@ -135,7 +135,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: floa
                          f"(got decode={decode}, dtype {q.dtype})")
     if q.dtype == torch.float64:
         return _forward_f64(_require(), q, k, v, mask, scale, causal, window)
-    name, extra = ("mh_decode_f32", ()) if decode else ("mh_attention_f32", (_QUERY_TILE,))
+    name, extra = ("mh_decode_f32", ()) if decode else ("mh_attention_f32", (_query_tile(),))
     # The caller (multihead.attention, the module) validated once: no second check here. Mixed
     # dtypes (not from multihead.attention) are brought to q's.
     if k.dtype != q.dtype or v.dtype != q.dtype:

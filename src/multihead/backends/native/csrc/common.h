@@ -240,6 +240,34 @@ inline void transpose8(const float* const* rows, float* dst) {
 }
 #endif
 
+#if MH_VECTOR_FLOATS == 16
+// dst[t·NR + c] = rows[c][t] for t, c < 16: a 16 × 16 transpose in registers (pairs of rows
+// interleaved, then groups of four within 128-bit lanes, then the lanes themselves).
+inline void transpose16(const float* const* rows, float* dst) {
+    __m512 r[16], u[16];
+    for (int c = 0; c < 16; ++c) r[c] = _mm512_loadu_ps(rows[c]);
+    for (int c = 0; c < 16; c += 2) {  // per lane: rows c, c + 1 at columns 0, 1 / 2, 3
+        u[c] = _mm512_unpacklo_ps(r[c], r[c + 1]);
+        u[c + 1] = _mm512_unpackhi_ps(r[c], r[c + 1]);
+    }
+    for (int c = 0; c < 16; c += 4) {  // r[c + i], lane L: rows c..c+3 at column 4L + i
+        r[c] = _mm512_shuffle_ps(u[c], u[c + 2], 0x44);
+        r[c + 1] = _mm512_shuffle_ps(u[c], u[c + 2], 0xEE);
+        r[c + 2] = _mm512_shuffle_ps(u[c + 1], u[c + 3], 0x44);
+        r[c + 3] = _mm512_shuffle_ps(u[c + 1], u[c + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; ++i) {  // the 4 × 4 lanes of r[i], r[4 + i], r[8 + i], r[12 + i] transposed
+        const __m512 a0 = _mm512_shuffle_f32x4(r[i], r[4 + i], 0x44), a1 = _mm512_shuffle_f32x4(r[i], r[4 + i], 0xEE);
+        const __m512 b0 = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0x44);
+        const __m512 b1 = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0xEE);
+        _mm512_storeu_ps(dst + i * NR, _mm512_shuffle_f32x4(a0, b0, 0x88));
+        _mm512_storeu_ps(dst + (4 + i) * NR, _mm512_shuffle_f32x4(a0, b0, 0xDD));
+        _mm512_storeu_ps(dst + (8 + i) * NR, _mm512_shuffle_f32x4(a1, b1, 0x88));
+        _mm512_storeu_ps(dst + (12 + i) * NR, _mm512_shuffle_f32x4(a1, b1, 0xDD));
+    }
+}
+#endif
+
 // The W dot products of q (D) with keys k[0..W-1] (row stride ldk), D a multiple of W.
 template <class TK>
 inline vf dot_w(const float* __restrict q, const TK* __restrict k, int64_t ldk, int64_t d) {
