@@ -219,9 +219,10 @@ def record_ops() -> Any:
 
 @pytest.fixture
 def amd_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CPU taken to be AMD's, where "auto" measured its native thresholds: tests of the native
-    forward through "auto" then take it on any machine (an Intel CPU with AVX-512 keeps a plain
-    forward on SDPA: tests/backends/test_router.py::test_intel_avx512_keeps_the_forward_on_sdpa)."""
+    """The CPU taken to be AMD's (no AMX), where "auto" measured its native thresholds: tests of the
+    native forward through "auto" then take it on any machine (an Intel CPU with AVX-512 takes it
+    from 2^20 scores, bfloat16 with AMX never: tests/backends/test_router.py::test_intel_avx512_and_amx_rules)."""
     from multihead.backends import native
 
     monkeypatch.setattr(native, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(native, "amx_bf16", lambda: False)

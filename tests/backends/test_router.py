@@ -101,30 +101,36 @@ def test_native_gradients_per_vector_width(monkeypatch, bits: int) -> None:
         torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("amx", [True, False], ids=["AMX", "no AMX"])
 @pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD", ""])
 @pytest.mark.parametrize("bits", [512, 256], ids=["AVX-512", "AVX2"])
-def test_intel_avx512_keeps_the_forward_on_sdpa(monkeypatch, bits: int, vendor: str) -> None:
-    """On an Intel CPU with AVX-512 (MKL's own AVX-512 code, AMX for bfloat16: measured ahead of
-    the native loop and of "blocked") a plain forward takes SDPA in every dtype; decoding, logit
-    features and the log-sum-exp with gradients keep their native paths. Elsewhere, as before."""
+def test_intel_avx512_and_amx_rules(monkeypatch, bits: int, vendor: str, amx: bool) -> None:
+    """On an Intel CPU with AVX-512 (MKL's own AVX-512 code: measured) a forward takes the native
+    loop from 2^20 scores only, never "blocked"; bfloat16 on a CPU with AMX takes SDPA. Decoding,
+    logit features and the log-sum-exp keep their native paths. Elsewhere, as before."""
     monkeypatch.setattr(native, "vector_bits", lambda: bits)
     monkeypatch.setattr(native, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(native, "amx_bf16", lambda: amx)
     intel = bits == 512 and vendor == "GenuineIntel"
-    assert auto.torch_prefill_ahead() is intel
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        assert (mh.kernels.auto_path(*_qkv(1, 12, 12, 1024, 1024, dtype=dtype)) == "sdpa") is intel
-    assert mh.kernels.auto_path(*_qkv(1, 2, 2, 512, 512)) == (
-        "sdpa" if intel else "native" if bits == 512 else "blocked" if _blocked_fits(512, 512) else "sdpa")
-    assert mh.kernels.auto_path(*_qkv(1, 32, 8, 1, 4096)) == "native decode"
+    assert auto.intel_avx512() is intel
+    least = 1 << 20 if intel else auto.NATIVE_MIN_SCORES[bits]
+    s = int(least ** 0.5) // 2  # (1, 4, 4, s, s): exactly `least` scores
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        path = mh.kernels.auto_path(*_qkv(1, 4, 4, s, s, dtype=dtype))
+        assert path == ("sdpa" if dtype == torch.bfloat16 and amx else "native"), (dtype, path)
+    below = mh.kernels.auto_path(*_qkv(1, 4, 4, s - 1, s))
+    assert below == ("blocked" if _blocked_fits(s - 1, s) and not intel else "sdpa"), below
+    assert mh.kernels.auto_path(*_qkv(1, 4, 4, 512, 512)) == "native"  # 2^20 scores: every threshold
+    assert mh.kernels.auto_path(*_qkv(1, 2, 2, 256, 512)) == (  # 2^18 scores
+        "sdpa" if intel else "native" if bits == 512 else "sdpa")
+    for dtype in (torch.float32, torch.bfloat16):
+        assert mh.kernels.auto_path(*_qkv(1, 32, 8, 1, 4096, dtype=dtype)) == "native decode"
     assert mh.kernels.auto_path(*_qkv(1, 12, 12, 1024, 1024), softcap=30.0) == "native (features)"
     big = _qkv(1, 4, 4, 1024, 1024)
     assert mh.kernels.auto_path(big[0].clone().requires_grad_(), *big[1:], return_lse=True) \
         == "native (gradients, lse)"
-    assert mh.kernels.auto_path(*big, return_lse=True) == "native"  # ring attention's blocks: SDPA has no lse
-    if intel and native.vector_bits() == 512 and native.cpu_vendor() == "GenuineIntel":  # this machine: run it
-        q, k, v = _qkv(1, 4, 4, 1024, 1024)
-        torch.testing.assert_close(mh.attention(q, k, v, causal=True), mh.attention(q, k, v, causal=True,
-                                                                                     backend="sdpa"), rtol=0, atol=0)
+    small = _qkv(1, 4, 4, 64, 64, dtype=torch.bfloat16)  # 2^14 scores: native with the lse on AVX-512 anywhere
+    assert mh.kernels.auto_path(*small, return_lse=True) == ("native" if bits == 512 else "explicit (lse)")
 
 
 def test_cpu_vendor_reads_proc_cpuinfo() -> None:
@@ -160,7 +166,7 @@ def test_the_machine_s_width_is_one_the_rules_know_or_none() -> None:
     bits = native.vector_bits()
     assert bits in (0, 128, 256, 512)
     path = mh.kernels.auto_path(*_qkv(1, 4, 4, 1024, 1024))
-    assert (path == "native") == (bits in auto.NATIVE_MIN_SCORES and not auto.torch_prefill_ahead()), (bits, path)
+    assert (path == "native") == (bits in auto.NATIVE_MIN_SCORES), (bits, path)  # 2^22 scores: every rule
 
 
 def test_lse_rules_never_pick_a_path_without_lse(monkeypatch) -> None:

@@ -26,7 +26,7 @@ from .gemm import onednn_available
 from .registry import needs_grad, register_backend
 from .sdpa import sdpa_attention
 
-__all__ = ["Call", "Rule", "AUTO_RULES", "AUTO_PATHS", "auto_path", "auto_backend", "torch_prefill_ahead"]
+__all__ = ["Call", "Rule", "AUTO_RULES", "AUTO_PATHS", "auto_path", "auto_backend", "intel_avx512"]
 
 #: Decoding: at most this many query rows per K/V head (Sq·G) take a decoding path.
 DECODE_ROWS = native.DECODE_ROWS
@@ -50,17 +50,19 @@ BLOCKED_MIN_HEAD_DIM = 64
 #: beats both SDPA and the torch-only decoding path (GQA 32/8 heads: 512 keys 1.0×, 4096
 #: keys 1.5× the torch path, 2× SDPA); below, their fixed cost is lower (64..512 keys: 0.8×).
 NATIVE_MIN_SCORES: dict[int, int] = {512: 1 << 14, 256: 1 << 20}
-#: Intel CPUs with AVX-512 take neither the native FlashAttention loop nor "blocked" for a
-#: forward without logit features (:func:`torch_prefill_ahead`): there MKL runs its own AVX-512
-#: code (on AMD CPUs it runs AVX2 code, against which the AVX-512 threshold above was measured)
-#: and oneDNN its AMX tiles for bfloat16. Measured (Intel Xeon with AVX-512, AVX512-BF16 and
-#: AMX, 2 cores, H=12, D=64, medians of 7 interleaved calls, SDPA's time / the native loop's):
-#: float32 without a mask 0.71-0.79× at S=128..2048, causal 0.96× at S=128, 1.06-1.31× at
-#: 256..1024, 0.94× at 2048 (the rules see shapes, not the mask); "blocked" 1.1-1.8× SDPA's
-#: time; bfloat16 0.29-0.49×; float16 0.75-0.78× without a mask, 0.95-1.08× causal. Decoding
-#: stays native there (SDPA 1.2-2.8× its time, 128..8192 keys, float32 and bfloat16), and so
-#: does a forward that asks for the log-sum-exp (ring attention's blocks: SDPA cannot return it).
+#: Intel CPUs with AVX-512 (:func:`intel_avx512`): there MKL runs its own AVX-512 code (on AMD
+#: CPUs it runs AVX2 code, against which the AVX-512 threshold above was measured), so a forward
+#: without the log-sum-exp takes the native loop from INTEL_AVX512_MIN_SCORES only, and never
+#: "blocked". Measured (Intel Xeon with AVX-512, AVX512-BF16 and AMX, 2 cores, H=12, D=64,
+#: paired medians of 9, SDPA's time / the native loop's): float32 without a mask 0.81× at S=128,
+#: 0.89× at 256, 0.95-1.00× at 512..4096; causal 1.06× at 128, 1.15× at 256, 1.14-1.63× at
+#: 512..4096; float16 1.03-1.06× without a mask, 1.21-1.66× causal (S=512, 2048); "blocked"
+#: 1.1-1.8× SDPA's time. Decoding stays native (SDPA 1.2-2.8× its time, 128..8192 keys).
+INTEL_AVX512_MIN_SCORES = 1 << 20
 TORCH_PREFILL_VENDORS = ("GenuineIntel",)
+#: bfloat16 on a CPU with AMX (:func:`native.amx_bf16`) takes SDPA, not the native loop, for a
+#: forward without the log-sum-exp: oneDNN's AMX tiles run SDPA's products (measured on that Xeon:
+#: SDPA 0.36× the native loop's time without a mask, 0.43-0.66× causal, S=512 and 2048).
 NATIVE_MIN_DECODE_SCORES: dict[int, int] = {512: 1 << 11, 256: 1 << 14}
 #: Gradients (no log-sum-exp asked for): the native forward and its backward from this many
 #: scores, per vector width; a width not listed takes SDPA (AVX-512: not measured since the
@@ -162,15 +164,28 @@ def _widths(least: dict[int, int]) -> str:
     return ", ".join(f"2^{n.bit_length() - 1} ({names.get(bits, f'{bits}-bit')})" for bits, n in least.items())
 
 
-def torch_prefill_ahead() -> bool:
-    """Whether torch's own kernels (SDPA) are ahead of the native FlashAttention loop and of
-    "blocked" here: native kernels built for AVX-512 on a CPU of :data:`TORCH_PREFILL_VENDORS`."""
+def intel_avx512() -> bool:
+    """Whether the native kernels are built for AVX-512 on a CPU of :data:`TORCH_PREFILL_VENDORS`
+    (MKL's own AVX-512 code there: see :data:`INTEL_AVX512_MIN_SCORES`)."""
     return native.vector_bits() == 512 and native.cpu_vendor() in TORCH_PREFILL_VENDORS
+
+
+def _native_prefill_fits(c: Call) -> bool:
+    """The native FlashAttention loop for a forward: at the width's threshold; on an Intel CPU
+    with AVX-512 from INTEL_AVX512_MIN_SCORES, and bfloat16 not where AMX runs SDPA's; with the
+    log-sum-exp (SDPA returns none) at the width's threshold everywhere."""
+    if not c.native_fits(NATIVE_MIN_SCORES):  # first: a small problem never builds the kernel
+        return False
+    if c.return_lse:
+        return True
+    if c.q.dtype == torch.bfloat16 and native.amx_bf16():
+        return False
+    return not intel_avx512() or c.scores >= INTEL_AVX512_MIN_SCORES
 
 
 def _blocked_fits(c: Call) -> bool:
     return (c.q.dtype == torch.float32 and onednn_available() and min(c.q.shape[2], c.k.shape[2]) >= BLOCKED_MIN_SEQ
-            and c.q.shape[3] >= BLOCKED_MIN_HEAD_DIM and (c.return_lse or not torch_prefill_ahead()))
+            and c.q.shape[3] >= BLOCKED_MIN_HEAD_DIM and (c.return_lse or not intel_avx512()))
 
 
 def _native_features_fit(c: Call) -> bool:
@@ -217,11 +232,11 @@ AUTO_RULES: tuple[Rule, ...] = (
          lambda c: c.few_rows and c.q.shape[1] > c.k.shape[1] and c.k.shape[2] >= DECODE_MIN_KEYS,
          _torch_kernel(decode_attention)),
     Rule("native", f"from {_widths(NATIVE_MIN_SCORES)} scores: the native FlashAttention loop (compiled here "
-         "for AVX-512 or AVX2; float32, and bfloat16/float16 read as such and computed in float32); on an Intel "
-         "CPU with AVX-512, where SDPA (MKL's AVX-512 code, oneDNN's AMX for bfloat16) is ahead, only with the "
-         "log-sum-exp (which SDPA does not return)",
-         lambda c: c.native_fits(NATIVE_MIN_SCORES) and (c.return_lse or not torch_prefill_ahead()),
-         _native(decode=False)),
+         "for AVX-512 or AVX2; float32, and bfloat16/float16 read as such and computed in float32); without the "
+         f"log-sum-exp, on an Intel CPU with AVX-512 (MKL's own AVX-512 code) from "
+         f"2^{INTEL_AVX512_MIN_SCORES.bit_length() - 1} scores, and bfloat16 not on a CPU with AMX (SDPA's products "
+         "run on it)",
+         _native_prefill_fits, _native(decode=False)),
     Rule("blocked", f"float32, Sq and Sk ≥ {BLOCKED_MIN_SEQ}, D ≥ {BLOCKED_MIN_HEAD_DIM}, not native (no "
          "kernel, or below its threshold), not on an Intel CPU with AVX-512 unless the log-sum-exp is asked for "
          "(SDPA ahead): the torch-only blocked kernel", _blocked_fits, _torch_kernel(blocked_attention)),

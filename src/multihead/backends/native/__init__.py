@@ -33,9 +33,9 @@ from . import _build, _ffi
 from ._ffi import int64_ptr, int64s, pointers, ptr
 from . import ops  # registers torch.ops.multihead.*: cheap, builds nothing
 
-__all__ = ["available", "status", "build", "vector_bits", "cpu_vendor", "advance_counters", "attention_f32",
-           "decode_f32", "linear_few_rows", "decode_step", "StepPlan", "MAX_STEP_ROWS", "FEW_ROWS", "native_backend",
-           "key_panels"]
+__all__ = ["available", "status", "build", "vector_bits", "cpu_vendor", "amx_bf16", "advance_counters",
+           "attention_f32", "decode_f32", "linear_few_rows", "decode_step", "StepPlan", "MAX_STEP_ROWS", "FEW_ROWS",
+           "native_backend", "key_panels"]
 
 #: Most rows of x that :func:`linear_few_rows` and :func:`decode_step` take (the C++
 #: ``MAX_STEP_ROWS``, checked against the built library).
@@ -58,7 +58,7 @@ def kernel(lib: object, name: str, dtype: torch.dtype):  # type: ignore[no-untyp
 #: (:func:`advance_counters`) and :func:`vector_bits`, asked at every decoding step.
 _advance = None
 _bits = 0
-_vendor: str | None = None  # cpu_vendor()'s, read once
+_cpu: tuple[str, frozenset[str]] | None = None  # _cpuinfo()'s, read once
 
 
 @functools.cache
@@ -89,20 +89,39 @@ def available() -> bool:
     return _library() is not None
 
 
+def _cpuinfo() -> tuple[str, frozenset[str]]:
+    """The CPU's vendor and flags as ``/proc/cpuinfo`` names them (first processor), read once;
+    ("", {}) where it cannot be read."""
+    global _cpu
+    if _cpu is None:
+        vendor, flags = "", ""
+        try:
+            with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+                for line in info:
+                    key, _, value = line.partition(":")
+                    if key.strip() == "vendor_id" and not vendor:
+                        vendor = value.strip()
+                    elif key.strip() == "flags" and not flags:
+                        flags = value
+        except OSError:
+            pass
+        _cpu = vendor, frozenset(flags.split())
+    return _cpu
+
+
 @torch.compiler.assume_constant_result  # traced graphs take it as a constant (no file read in them)
 def cpu_vendor() -> str:
     """The CPU's vendor as ``/proc/cpuinfo`` names it (``"GenuineIntel"``, ``"AuthenticAMD"``);
     ``""`` where it cannot be read. ``"auto"`` asks it: torch's own CPU kernels (MKL, oneDNN)
     run different code on different vendors' CPUs of the same vector width."""
-    global _vendor
-    if _vendor is None:
-        _vendor = ""
-        try:
-            with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
-                _vendor = next((line.partition(":")[2].strip() for line in info if line.startswith("vendor_id")), "")
-        except OSError:
-            pass
-    return _vendor
+    return _cpuinfo()[0]
+
+
+@torch.compiler.assume_constant_result
+def amx_bf16() -> bool:
+    """Whether the CPU has AMX tiles for bfloat16 (``amx_bf16``), which oneDNN, and so torch's
+    SDPA in bfloat16, runs on. ``"auto"`` asks it."""
+    return "amx_bf16" in _cpuinfo()[1]
 
 
 @torch.compiler.assume_constant_result
