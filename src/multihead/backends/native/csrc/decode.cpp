@@ -67,19 +67,29 @@ inline void pv_stream(const float* p, int64_t ldp, int64_t rows, int64_t n, cons
 }
 #endif
 
-#if MH_VECTOR_FLOATS == 8 && defined(__AVX2__)
-// Decoding's register-blocked products (AVX2), for D and Dv multiples of 16: up to 4 query rows
+#if (MH_VECTOR_FLOATS == 8 && defined(__AVX2__)) || MH_VECTOR_FLOATS == 16
+#define MH_BLOCKED_DECODE 1
+// Decoding's register-blocked products (AVX2; q·kᵀ also AVX-512), D a multiple of 2·W: up to 4 query rows
 // (the G heads sharing a K/V head) at once, so each K and V value is loaded and widened once
 // per block of rows, not once per row. bf16 K/V are widened 16 at a time as their
 // even- and odd-indexed halves (a shift and an and: bf16 is the high half of a float32), so
-// q (and the output's columns) are kept in that order: each block of 16 values as its 8
-// even-indexed, then its 8 odd-indexed ones (split_even_odd). float32 and float16 in plain order.
+// q (and the output's columns) are kept in that order: each block of 2·W values as its W
+// even-indexed, then its W odd-indexed ones (split_even_odd). float32 and float16 in plain order.
 template <class T>
 constexpr int PARTS = std::is_same_v<T, bf16> ? 2 : 1;  // vectors per widened load
 
 // PARTS<T> vectors from PARTS<T>·W consecutive values at p: bf16 [even, odd]; others one vector.
 template <class T>
 inline void widen(const T* p, vf* out) {
+#if MH_VECTOR_FLOATS == 16
+    if constexpr (PARTS<T> == 2) {
+        const __m512i bits = _mm512_loadu_si512(p);
+        out[0] = (vf)_mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+        out[1] = (vf)_mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+    } else {
+        out[0] = load_f(p);
+    }
+#else
     if constexpr (PARTS<T> == 2) {
         const __m256i bits = _mm256_loadu_si256((const __m256i*)p);
         out[0] = (vf)_mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
@@ -87,10 +97,11 @@ inline void widen(const T* p, vf* out) {
     } else {
         out[0] = load_f(p);
     }
+#endif
 }
 
-// xs (M × K) = x (M × K) with each block of 16 values reordered: the 8 even-indexed, then the
-// 8 odd-indexed (the order bf16 values are widened in: gemv_rows_bf16, widen).
+// xs (M × K) = x (M × K) with each block of 2·W values reordered: the W even-indexed, then the
+// W odd-indexed (the order bf16 values are widened in: gemv_rows_bf16, widen).
 inline void split_even_odd(const float* x, int64_t M, int64_t K, float* xs) {
     for (int64_t m = 0; m < M; ++m)
         for (int64_t t = 0; t < K; t += 2 * W)
@@ -114,11 +125,11 @@ inline void qk_partial(const float* __restrict q, int64_t D, const T* __restrict
     constexpr int P = PARTS<T>;
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
+#pragma GCC unroll 4
         for (int s = 0; s < NK; ++s) acc[r][s] = (vf){};
     for (int64_t t = 0; t < D; t += P * W) {
         vf kv[NK][P];
-#pragma GCC unroll 2
+#pragma GCC unroll 4
         for (int s = 0; s < NK; ++s) widen(k + s * ldk + t, kv[s]);
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r)
@@ -126,12 +137,65 @@ inline void qk_partial(const float* __restrict q, int64_t D, const T* __restrict
             for (int p = 0; p < P; ++p) {
                 vf qv = load(q + r * D + t + p * W);
                 __asm__("" : "+x"(qv));  // in a register: loaded once for the NK keys, not once per FMA
-#pragma GCC unroll 2
+#pragma GCC unroll 4
                 for (int s = 0; s < NK; ++s) acc[r][s] += qv * kv[s][p];
             }
     }
 }
 
+#if MH_VECTOR_FLOATS == 16
+// Keys ahead that the AVX-512 q·kᵀ prefetches K into L1; V is prefetched into L2 at the keys it
+// is on, so that K and V stream together and p·v finds V in L2. Measured (the bf16 decoding
+// step at the layer, cold, 200 interleaved paired rounds, Intel Xeon): K 32 keys ahead
+// took the attention to 0.78× (16, 64 and 128 keys and into L2 the same), V with it to 0.74×
+// of that again (64 or 128 keys ahead the same, into L1 the same); float32's attention 0.68×.
+constexpr int64_t K_AHEAD16 = 32;
+
+// Lines of rows [j, j + 4) of x (row stride ld, `bytes` bytes each) prefetched with `hint`;
+// past the end of x they are harmless (prefetches never fault).
+template <int HINT, class T>
+inline void prefetch4(const T* x, int64_t j, int64_t ld, int64_t bytes) {
+    for (int u = 0; u < 4; ++u)
+        for (int64_t b = 0; b < bytes; b += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(x + (j + u) * ld) + b, static_cast<_mm_hint>(HINT));
+}
+
+// s[r][j + u] (row stride lds) = q row r · key j + u for R ≤ 4 rows and the n keys at k (AVX-512):
+// 4 keys at a time, their R × 4 partial sums (16 accumulators of the 32 registers) reduced
+// together by one reduce_w; each K value is loaded and widened once for the R rows. (The plain
+// loop, dot_w over keys widened into a buffer, took 68% of the bf16 decoding item's time, ~30
+// cycles a key for 4 rows; this one 0.62× the item's time from L2; Intel Xeon, perf.) Given v
+// (row stride ldv), V's rows of the same keys are prefetched into L2 (K_AHEAD16).
+template <int R, class T>
+inline void qk_rows(const float* q, int64_t D, const T* k, int64_t ldk, int64_t n, float* s, int64_t lds,
+                    const T* v = nullptr, int64_t ldv = 0) {
+    const int64_t bytes = D * int64_t(sizeof(T));
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        prefetch4<_MM_HINT_T0>(k, j + K_AHEAD16, ldk, bytes);
+        if (v) prefetch4<_MM_HINT_T1>(v, j, ldv, bytes);
+        vf acc[R][4];
+        qk_partial<R, 4>(q, D, k + j * ldk, ldk, acc);
+        vf x[16];  // x[4·r + u]: row r, key j + u (zero past R rows): lane 4·r + u of the sums
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r)
+#pragma GCC unroll 4
+            for (int u = 0; u < 4; ++u) x[4 * r + u] = r < R ? acc[r < R ? r : 0][u] : (vf){};
+        const __m512 sums = (__m512)reduce_w(x);  // 128-bit lane r: row r's 4 scores
+        _mm_storeu_ps(s + j, _mm512_castps512_ps128(sums));
+        if (R > 1) _mm_storeu_ps(s + lds + j, _mm512_extractf32x4_ps(sums, 1));
+        if (R > 2) _mm_storeu_ps(s + 2 * lds + j, _mm512_extractf32x4_ps(sums, 2));
+        if (R > 3) _mm_storeu_ps(s + 3 * lds + j, _mm512_extractf32x4_ps(sums, 3));
+    }
+    for (; j < n; ++j) {
+        vf acc[R][1];
+        qk_partial<R, 1>(q, D, k + j * ldk, ldk, acc);
+        for (int r = 0; r < R; ++r) s[r * lds + j] = hsum(acc[r][0]);
+    }
+}
+#endif
+
+#if MH_VECTOR_FLOATS == 8
 // Rows [first, last) of x (row stride ld, `bytes` bytes each) prefetched into L2.
 template <class T>
 inline void prefetch_rows(const T* x, int64_t first, int64_t last, int64_t ld, int64_t bytes) {
@@ -224,6 +288,7 @@ inline void pv_rows16(const float* __restrict p, int64_t ldp, int64_t n, const T
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) { store(o + r * ldo, acc[r][0]); store(o + r * ldo + W, acc[r][1]); }
 }
+#endif  // MH_VECTOR_FLOATS == 8
 
 // Rows [0, rows) in blocks of 4: f(block's first row, the block's rows as a constant).
 template <class F>
@@ -242,15 +307,21 @@ inline void by_row_blocks(int64_t rows, F&& f) {
 // of K is read from memory once and from L1 by the other row blocks.
 template <class T>
 inline void qk_blocked(const float* q, int64_t rows, int64_t D, const T* k, int64_t ldk, int64_t n, float* s,
-                       int64_t lds) {
+                       int64_t lds, [[maybe_unused]] const T* v = nullptr, [[maybe_unused]] int64_t ldv = 0) {
     for (int64_t j = 0; j < n; j += 8 * W) {
         const int64_t nj = std::min<int64_t>(8 * W, n - j);
         by_row_blocks(rows, [&](int64_t r, auto R) {
+#if MH_VECTOR_FLOATS == 16  // the first row block prefetches V (qk_rows)
+            qk_rows<decltype(R)::value>(q + r * D, D, k + j * ldk, ldk, nj, s + r * lds + j, lds,
+                                        r == 0 && v ? v + j * ldv : nullptr, ldv);
+#else
             qk_rows<decltype(R)::value>(q + r * D, D, k + j * ldk, ldk, nj, s + r * lds + j, lds);
+#endif
         });
     }
 }
 
+#if MH_VECTOR_FLOATS == 8
 // o (rows × dv) += p (rows × n) · v (n × dv): blocks of PV_KEYS keys (in L1), then 16 columns,
 // then the row blocks, each block's pass prefetching its share of the next block into L2
 // (without it the bf16 step's attention takes 1.14×, cold, 300 interleaved paired rounds;
@@ -275,7 +346,8 @@ inline void pv_blocked(const float* p, int64_t ldp, int64_t rows, int64_t n, con
         }
     }
 }
-#endif
+#endif  // MH_VECTOR_FLOATS == 8
+#endif  // MH_BLOCKED_DECODE
 
 // Decoding: few query rows per K/V head (G heads × Sq queries), so K and V are streamed
 // once, in place, with no packing: scores are dot products along D. An item is
@@ -307,6 +379,14 @@ void decode_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t
             split_even_odd(buf.qbuf + r * D, 1, D, buf.kt);
             std::memcpy(buf.qbuf + r * D, buf.kt, sizeof(float) * D);
         }
+#elif MH_VECTOR_FLOATS == 16
+    // q·kᵀ register-blocked in every type (qk_rows: 4 rows × 4 keys), p·v by the pv tiles below.
+    const bool qk_block = D % (PARTS<T> * W) == 0;
+    if (qk_block && PARTS<T> == 2)  // q in split_even_odd's order, as bf16 K is widened
+        for (int64_t r = 0; r < rows; ++r) {
+            split_even_odd(buf.qbuf + r * D, 1, D, buf.kt);
+            std::memcpy(buf.qbuf + r * D, buf.kt, sizeof(float) * D);
+        }
 #endif
     for (int64_t r = 0; r < rows; ++r) { buf.m[r] = NEG_INF; buf.l[r] = 0.f; }
     std::memset(buf.o, 0, sizeof(float) * rows * Dv);
@@ -334,6 +414,12 @@ void decode_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t
         }
 #endif
         int64_t j = 0;
+#if MH_VECTOR_FLOATS == 16
+        if (qk_block) {
+            qk_blocked(buf.qbuf, rows, D, kb + c0 * P.ks[2], P.ks[2], n, buf.s, KD, vb + c0 * P.vs[2], P.vs[2]);
+            j = n;
+        }
+#endif
         if (D % W == 0)  // W keys at a time, their W sums reduced together
             for (; j + W <= n; j += W) {
                 const T* kj = kb + (c0 + j) * P.ks[2];
