@@ -78,14 +78,21 @@ def test_native_rules_per_vector_width(monkeypatch, amd_cpu, bits: int) -> None:
 
 @pytest.mark.parametrize("bits", [512, 256], ids=["AVX-512", "AVX2"])
 def test_native_gradients_per_vector_width(monkeypatch, bits: int) -> None:
-    """Plain gradients: the native backward from AVX2's measured threshold (2^20 scores),
-    SDPA below it, with dropout, and on AVX-512 (not measured: SDPA, as before)."""
+    """Plain gradients: the native backward from the measured threshold (2^20 scores, both
+    widths), SDPA below it and with dropout; bfloat16 on a CPU with AMX takes SDPA."""
     monkeypatch.setattr(native, "vector_bits", lambda: bits)
-    assert auto.NATIVE_MIN_GRAD_SCORES == {256: 1 << 20}
+    monkeypatch.setattr(native, "amx_bf16", lambda: False)
+    assert auto.NATIVE_MIN_GRAD_SCORES == {512: 1 << 20, 256: 1 << 20}
     s = 512  # (1, 4, 4, s, s): exactly 2^20 scores
     q, k, v = _qkv(1, 4, 4, s, s)
     grad = q.clone().requires_grad_()
-    assert mh.kernels.auto_path(grad, k, v) == ("native (gradients)" if bits == 256 else "sdpa (gradients)")
+    assert mh.kernels.auto_path(grad, k, v) == "native (gradients)"
+    half = _qkv(1, 4, 4, s, s, dtype=torch.bfloat16)
+    assert mh.kernels.auto_path(half[0].clone().requires_grad_(), *half[1:]) == "native (gradients)"
+    monkeypatch.setattr(native, "amx_bf16", lambda: True)
+    assert mh.kernels.auto_path(half[0].clone().requires_grad_(), *half[1:]) == "sdpa (gradients)"
+    assert mh.kernels.auto_path(grad, k, v) == "native (gradients)"  # float32: AMX does not matter
+    monkeypatch.setattr(native, "amx_bf16", lambda: False)
     assert mh.kernels.auto_path(q, k.clone().requires_grad_(), v) == mh.kernels.auto_path(grad, k, v)
     assert mh.kernels.auto_path(grad[:, :, 1:], k, v) == "sdpa (gradients)"  # one row fewer: below
     assert mh.kernels.auto_path(grad, k, v, dropout_p=0.1) == "sdpa (gradients)"

@@ -65,8 +65,12 @@ TORCH_PREFILL_VENDORS = ("GenuineIntel",)
 #: SDPA 0.36× the native loop's time without a mask, 0.43-0.66× causal, S=512 and 2048).
 NATIVE_MIN_DECODE_SCORES: dict[int, int] = {512: 1 << 11, 256: 1 << 14}
 #: Gradients (no log-sum-exp asked for): the native forward and its backward from this many
-#: scores, per vector width; a width not listed takes SDPA (AVX-512: not measured since the
-#: backward's register tiles). AVX2 (2-core AMD EPYC, Zen 3, H=12 or GQA 32/8, D=64,
+#: scores, per vector width; a width not listed takes SDPA; bfloat16 where the CPU has AMX
+#: takes SDPA (its products on AMX: SDPA 0.57-0.64× the native time, 1.04× causal at S=512).
+#: AVX-512 (Intel Xeon, where MKL runs its own AVX-512 code, so SDPA is at its strongest; not
+#: measured on AMD's AVX-512; H=12, D=64, 2 threads, paired medians of 7, SDPA's time / the
+#: native's): without a mask S=256 0.87×, S=512 1.04×, 1024 1.09×, 2048 1.08×; causal S=256
+#: 1.15×, 512 1.53×, 1024 1.49×, 2048 1.28×. AVX2 (2-core AMD EPYC, Zen 3, H=12 or GQA 32/8, D=64,
 #: forward+backward vs SDPA's, interleaved medians, 1 / 2 threads): without a mask S=512
 #: 1.05×/1.25×, S=1024 1.2×/1.3×, S=2048 1.2×; causal S=512 1.8×/1.5×, S=1024 1.6×/1.7×,
 #: S=2048 1.4×; GQA 32/8 alike (S=512..2048: 1.1-1.3× without a mask, 1.4-1.8× causal);
@@ -75,7 +79,7 @@ NATIVE_MIN_DECODE_SCORES: dict[int, int] = {512: 1 << 11, 256: 1 << 14}
 #: without a mask). Measured on a shared machine (load 2-11 on 2 cores; single runs vary
 #: by 5-45%); a quiet spell at 2 threads gave S=512/1024/2048 1.15×/1.16×/1.12× without a
 #: mask, 1.9×/1.5×/1.4× causal.
-NATIVE_MIN_GRAD_SCORES: dict[int, int] = {256: 1 << 20}
+NATIVE_MIN_GRAD_SCORES: dict[int, int] = {512: 1 << 20, 256: 1 << 20}
 #: Gradients with the log-sum-exp (ring attention's blocks): the native backward from this
 #: many scores; 'explicit' materialises S×S (measured on a 2-core AMD EPYC, causal, H=12,
 #: D=64, forward+backward: S=1024 native 271 ms vs explicit 1929 ms; S=256 112 vs 47 ms,
@@ -212,9 +216,11 @@ AUTO_RULES: tuple[Rule, ...] = (
     Rule("explicit (bias, lse)", "ALiBi with the log-sum-exp, with gradients or below the native thresholds: "
          "'explicit'", lambda c: c.alibi or c.sinks, _backend(explicit_attention)),
     Rule("native (gradients)", f"gradients on the CPU, no dropout, from {_widths(NATIVE_MIN_GRAD_SCORES)} scores: "
-         "the native kernel and its FlashAttention-2 backward (faster than SDPA's there)",
+         "the native kernel and its FlashAttention-2 backward (faster than SDPA's there); bfloat16 not on a CPU "
+         "with AMX (SDPA's products run on it)",
          lambda c: (c.differentiable and c.dropout_p == 0 and c.q.device.type == "cpu" and not c.return_lse
-                    and c.native_fits(NATIVE_MIN_GRAD_SCORES)), _native(decode=False)),
+                    and c.native_fits(NATIVE_MIN_GRAD_SCORES)
+                    and not (c.q.dtype == torch.bfloat16 and native.amx_bf16())), _native(decode=False)),
     Rule("sdpa (gradients)", "gradients or dropout are needed (or the tensors are not on the CPU): "
          "SDPA is differentiable", lambda c: c.differentiable and not c.return_lse, _backend(sdpa_attention)),
     Rule("native (gradients, lse)", f"gradients and the log-sum-exp on the CPU, no dropout, from "
