@@ -1,7 +1,8 @@
 """Building and loading the native kernels: compiler, private cache folder, verified build.
 
 The first call that needs the kernels compiles ``csrc/`` for this machine (``-O3
--march=native``, its units in parallel: about 13 s on 2 cores) into a cache folder, ``$MULTIHEAD_CACHE_DIR`` or
+-march=native``, or ``$MULTIHEAD_NATIVE_ARCH``; its units in parallel: about 13 s on 2 cores) into a cache
+folder, ``$MULTIHEAD_CACHE_DIR`` or
 ``~/.cache/multihead`` (or, if that cannot be written, a private folder under the
 system's temporary folder), under a name that hashes the sources, the compiler and the
 CPU's flags, so a shared home folder or an upgraded compiler never loads a stale or
@@ -29,6 +30,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import stat
@@ -39,9 +41,19 @@ from pathlib import Path
 
 __all__ = ["load"]
 
-_COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++17")  # each unit, in parallel
+_COMPILE_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-std=c++17")  # each unit, in parallel, with _march()
 _LINK_FLAGS = ("-fopenmp", "-shared")
-_FLAGS = (*_COMPILE_FLAGS, *_LINK_FLAGS)  # what the build's name hashes
+_ARCH = re.compile(r"[a-z0-9][a-z0-9.-]{0,39}")
+
+
+def _march() -> str:
+    """``-march=native``, or ``-march=$MULTIHEAD_NATIVE_ARCH`` (e.g. ``haswell`` on an AVX-512
+    machine: the AVX2 kernels, so that the tests can run the other width's code here too).
+    The build's name hashes it. A value that is not a plain CPU name is refused."""
+    arch = os.environ.get("MULTIHEAD_NATIVE_ARCH", "native")
+    if not _ARCH.fullmatch(arch):
+        raise ValueError(f"MULTIHEAD_NATIVE_ARCH must name a CPU for -march (letters, digits, '.', '-'), got {arch!r}")
+    return f"-march={arch}"
 _SOURCES = ("common.h", "attention.cpp", "decode.cpp", "backward.cpp")
 _DIR_MODE = 0o700  # folders and the kernel: the user's only (umask can only remove bits; set explicitly)
 _FILE_MODE = 0o700
@@ -185,7 +197,8 @@ def _run_all(commands: list[list[str]]) -> str:
 
 def _compile_units(compiler: list[str], units: list[Path]) -> str:
     """Compile each unit to its ``.o`` beside it, in parallel (they take 5-8 s each at -O3)."""
-    return _run_all([[*compiler, *_COMPILE_FLAGS, "-c", "-o", str(u.with_suffix(".o")), str(u)] for u in units])
+    return _run_all([[*compiler, *_COMPILE_FLAGS, _march(), "-c", "-o", str(u.with_suffix(".o")), str(u)]
+                     for u in units])
 
 
 def _run(command: list[str]) -> str:
@@ -224,6 +237,10 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     compiler, reason = _compiler()
     if compiler is None:
         return None, reason
+    try:
+        march = _march()
+    except ValueError as err:
+        return None, str(err)
     csrc = resources.files("multihead.backends.native").joinpath("csrc")
     sources = {name: csrc.joinpath(name).read_bytes() for name in _SOURCES}
     try:
@@ -231,7 +248,8 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     except (OSError, subprocess.SubprocessError) as err:
         return None, f"compiler {shlex.join(compiler)!r} does not run: {err}"
     key = hashlib.sha256(b"\0".join([*sources.values(), shlex.join(compiler).encode(), version.encode(),
-                                     " ".join(_FLAGS).encode(), _cpu_flags().encode()])).hexdigest()[:20]
+                                     " ".join((*_COMPILE_FLAGS, march, *_LINK_FLAGS)).encode(),
+                                     _cpu_flags().encode()])).hexdigest()[:20]
     folder = next((d for d in _cache_dirs() if _private_dir(d)), None)
     if folder is None:
         return None, f"no private folder to build into (tried {', '.join(map(str, _cache_dirs()))})"

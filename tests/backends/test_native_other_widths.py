@@ -1,0 +1,113 @@
+"""The native kernels built for other vector widths than this machine's (``MULTIHEAD_NATIVE_ARCH``),
+run here: the AVX2 tiles on an AVX-512 machine, and the generic 128-bit build (no AVX) anywhere.
+
+The register tiles, the decoding loop and the GEMV are chosen when the kernels are compiled, so a
+CI machine only ever runs its own width's code; this runs the others' on the same machine (each
+in a subprocess with its own build folder) against float64 references: the FlashAttention loop
+(GQA, causal, window, key padding) in float32 and bfloat16, the decoding loop, the layer's fused
+decoding step against a whole-sequence forward (float32 and bfloat16, RoPE, GQA), and the
+native backward's gradients.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from multihead.backends import native
+
+_FLAGS = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+
+_SCRIPT = r"""
+import sys
+import torch
+import multihead as mh
+from multihead import decode
+from multihead.backends import native
+
+assert native.available(), native.status()
+bits = native.vector_bits()
+assert bits == int(sys.argv[1]), (bits, sys.argv[1])
+torch.manual_seed(0)
+D64 = torch.float64
+
+
+def close(name, got, want, tol):
+    err = (got.to(D64) - want.to(D64)).abs().max().item()
+    assert err <= tol, (name, err, tol)
+
+
+# The FlashAttention loop: GQA 8/2, S = 77 (tile edges), causal, window, key padding; float32 and bf16.
+q, k, v = torch.randn(2, 8, 77, 64), torch.randn(2, 2, 77, 64), torch.randn(2, 2, 77, 64)
+keys = torch.ones(2, 1, 1, 77, dtype=torch.bool)
+keys[1, ..., 60:] = False
+for kw in ({}, {"causal": True}, {"causal": True, "window": 17}, {"mask": keys}):
+    want = mh.attention(q.double(), k.double(), v.double(), backend="explicit", **kw)
+    close(f"f32 {kw}", mh.attention(q, k, v, backend="native", **kw), want, 2e-5)
+    half = [t.bfloat16() for t in (q, k, v)]
+    want = mh.attention(*[t.double() for t in half], backend="explicit", **kw)
+    close(f"bf16 {kw}", mh.attention(*half, backend="native", **kw), want, 2e-2)
+
+# The decoding loop: one query row per head, 32/8 heads, 300 keys (splits, tails).
+q, k, v = torch.randn(1, 32, 1, 64), torch.randn(1, 8, 300, 64), torch.randn(1, 8, 300, 64)
+want = mh.attention(q.double(), k.double(), v.double(), causal=True, backend="explicit")
+close("decode f32", mh.attention(q, k, v, causal=True, backend="native"), want, 2e-5)
+half = [t.bfloat16() for t in (q, k, v)]
+want = mh.attention(*[t.double() for t in half], causal=True, backend="explicit")
+close("decode bf16", mh.attention(*half, causal=True, backend="native"), want, 2e-2)
+
+# The fused decoding step (projections, RoPE, cache write, attention, W_o in one call) against a
+# whole-sequence causal forward of the same layer.
+for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 3e-2)):
+    layer = mh.MultiHeadAttention(256, 8, num_kv_heads=2, causal=True, rope=mh.RoPE(32)).eval().to(dtype)
+    x = torch.randn(1, 40, 256).to(dtype)
+    with torch.no_grad():
+        whole = layer.double()(x.double()) if dtype == torch.float32 else None
+        layer.to(dtype)
+        ref = layer(x) if whole is None else whole
+        cache = layer.new_cache(1, 64)
+        layer(x[:, :32], cache=cache)
+        steps = [layer(x[:, i : i + 1], cache=cache) for i in range(32, 40)]
+        why = decode.why_not_fused(layer, x[:, :1], cache)
+        assert (why is None) == (bits >= 256), why  # fused with AVX2 and AVX-512 builds only
+    close(f"fused step {dtype}", torch.cat(steps, 1), ref[:, 32:], tol)
+
+# The native backward (FlashAttention-2's) against float64 gradients.
+q, k, v = (torch.randn(1, 4, 70, 64, requires_grad=True) for _ in range(3))
+g = torch.randn(1, 4, 70, 64)
+ours = torch.autograd.grad(mh.attention(q, k, v, causal=True, backend="native"), (q, k, v), g)
+ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+want = torch.autograd.grad(mh.attention(*ref, causal=True, backend="explicit"), ref, g.double())
+for name, a, b in zip("qkv", ours, want):
+    close(f"grad {name}", a, b, 5e-5)
+print("ok", bits)
+"""
+
+# (-march target, its vector width, the CPU flags it needs)
+_TARGETS = {"haswell": (256, ("avx2", "fma", "bmi2", "f16c")), "x86-64-v2": (128, ("sse4_2", "popcnt"))}
+
+
+@pytest.mark.parametrize("arch", list(_TARGETS))
+def test_kernels_built_for_another_width_run_here(tmp_path, arch: str) -> None:
+    bits, needs = _TARGETS[arch]
+    if not all(f" {flag}" in _FLAGS for flag in needs):
+        pytest.skip(f"this CPU cannot run -march={arch} code")
+    if native.vector_bits() == bits:
+        pytest.skip(f"this machine's own build is {bits}-bit: the rest of the suite runs it")
+    done = subprocess.run([sys.executable, "-c", _SCRIPT, str(bits)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "MULTIHEAD_NATIVE_ARCH": arch, "MULTIHEAD_CACHE_DIR": str(tmp_path)})
+    assert done.returncode == 0 and done.stdout.startswith("ok"), (done.stdout + done.stderr)[-4000:]
+
+
+def test_a_target_that_is_not_a_cpu_name_is_refused(tmp_path) -> None:
+    code = "from multihead import native; print(native.available(), native.status())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "MULTIHEAD_NATIVE_ARCH": "native -fplugin=x",
+                               "MULTIHEAD_CACHE_DIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("False MULTIHEAD_NATIVE_ARCH must name a CPU"), done.stdout
+    assert list(tmp_path.iterdir()) == []
