@@ -443,3 +443,21 @@ def test_kernels_stay_inside_their_tensors_under_address_sanitizer(tmp_path, arc
     done = subprocess.run([str(exe), str(int(150 * SCALE))], capture_output=True, text=True, timeout=600,
                           env={**env, "ASAN_OPTIONS": "detect_leaks=1", "OMP_NUM_THREADS": "2"})
     assert done.returncode == 0 and done.stdout.startswith("ok"), (done.stdout + done.stderr)[-3000:]
+
+
+def test_flush_to_zero_stays_inside_the_kernels() -> None:
+    """The kernels flush subnormal results to zero while they run (a subnormal o takes microcode
+    assists on every later multiply-add), and restore each thread's floating-point state: after
+    a call, torch in this thread still makes subnormal numbers; and ALiBi's distant keys (whose
+    probabilities reach 2^-126) give the float64 reference's output."""
+    if not native.available():
+        pytest.skip(native.status())
+    tiny = torch.tensor([2.0 ** -126])
+    q, k, v = (torch.randn(1, 4, 300, 64) for _ in range(3))
+    slopes = torch.tensor([0.5, 1.0, 2.0, 4.0])
+    out = mh.attention(q, k, v, causal=True, backend="native", alibi_slopes=slopes)
+    mh.attention(q[:, :, :1], k, v, causal=True, backend="native")  # the decoding loop too
+    assert (tiny / 4).item() == 2.0 ** -128  # subnormal, not flushed: this thread's state is back
+    want = mh.attention(q.double(), k.double(), v.double(), causal=True, backend="explicit",
+                        alibi_slopes=slopes.double())
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=2e-5)

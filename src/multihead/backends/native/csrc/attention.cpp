@@ -189,6 +189,7 @@ int attention(const void* q, const void* k, const void* v, void* out, float* lse
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
+        const FlushToZero ftz;  // this thread, for the loop (restored as it ends)
         Buffers buf{alloc(G * qt_pad * P.D), alloc(KC * P.D), alloc(MR * KC), alloc(G * qt), alloc(G * qt),
                     alloc(G * qt * P.Dv)};
         if (!buf.ok()) {

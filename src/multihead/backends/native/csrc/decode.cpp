@@ -539,6 +539,7 @@ int decode_attention(const void* q, const void* k, const void* v, void* out, flo
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
+        const FlushToZero ftz;  // this thread, for the loop (restored as it ends)
         Buffers buf{alloc(rows * P.D), alloc(wide_floats(P.D, P.Dv)), alloc(rows * KD), alloc(rows), alloc(rows),
                     alloc(rows * P.Dv)};
         if (!buf.ok()) {
@@ -894,6 +895,7 @@ int decode_step(const T* x, int64_t B, int64_t E, const T* const* W, const T* co
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
+        const FlushToZero ftz;  // this thread, for the step (restored as it ends)
         const int64_t id = omp_get_thread_num(), nt = omp_get_num_threads();
         // Every buffer first: nothing is written to the cache unless the whole step can run.
         Buffers buf{alloc(rows * D), alloc(wide_floats(D, D)), alloc(rows * KD), alloc(rows), alloc(rows),
