@@ -50,6 +50,7 @@ BLOCKED_MIN_HEAD_DIM = 64
 #: beats both SDPA and the torch-only decoding path (GQA 32/8 heads: 512 keys 1.0×, 4096
 #: keys 1.5× the torch path, 2× SDPA); below, their fixed cost is lower (64..512 keys: 0.8×).
 NATIVE_MIN_SCORES: dict[int, int] = {512: 1 << 14, 256: 1 << 20}
+NATIVE_MIN_DECODE_SCORES: dict[int, int] = {512: 1 << 11, 256: 1 << 14}
 #: Intel CPUs with AVX-512 (:func:`intel_avx512`): there MKL runs its own AVX-512 code (on AMD
 #: CPUs it runs AVX2 code, against which the AVX-512 threshold above was measured), so a forward
 #: without the log-sum-exp takes the native loop from INTEL_AVX512_MIN_SCORES only, and never
@@ -62,10 +63,10 @@ NATIVE_MIN_SCORES: dict[int, int] = {512: 1 << 14, 256: 1 << 20}
 #: float bias, soft-capping 3.8-18× faster than "explicit").
 INTEL_AVX512_MIN_SCORES = 1 << 20
 TORCH_PREFILL_VENDORS = ("GenuineIntel",)
-#: bfloat16 on a CPU with AMX (:func:`native.amx_bf16`) takes SDPA, not the native loop, for a
-#: forward without the log-sum-exp: oneDNN's AMX tiles run SDPA's products (measured on that Xeon:
-#: SDPA 0.36× the native loop's time without a mask, 0.43-0.66× causal, S=512 and 2048).
-NATIVE_MIN_DECODE_SCORES: dict[int, int] = {512: 1 << 11, 256: 1 << 14}
+# bfloat16 on a CPU with AMX (native.amx_bf16) takes SDPA, not the native loop, for a forward
+# without the log-sum-exp: oneDNN's AMX tiles run SDPA's products (measured on that Xeon: SDPA
+# 0.36× the native loop's time without a mask, 0.43-0.66× causal, S=512 and 2048).
+
 #: Gradients (no log-sum-exp asked for): the native forward and its backward from this many
 #: scores, per vector width; a width not listed takes SDPA; bfloat16 where the CPU has AMX
 #: takes SDPA (its products on AMX: SDPA 0.57-0.64× the native time, 1.04× causal at S=512).

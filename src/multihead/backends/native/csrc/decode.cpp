@@ -67,9 +67,9 @@ inline void pv_stream(const float* p, int64_t ldp, int64_t rows, int64_t n, cons
 }
 #endif
 
-#if (MH_VECTOR_FLOATS == 8 && defined(__AVX2__)) || MH_VECTOR_FLOATS == 16
-#define MH_BLOCKED_DECODE 1
-// Decoding's register-blocked products (AVX2; q·kᵀ also AVX-512), D a multiple of 2·W: up to 4 query rows
+#if (MH_VECTOR_FLOATS == 8 && defined(__AVX2__)) || MH_VECTOR_FLOATS == 16  // AVX2 or AVX-512
+// Decoding's register-blocked products (AVX2; q·kᵀ also AVX-512), for D and Dv multiples of 2·W
+// (float32 q·kᵀ: of W): up to 4 query rows
 // (the G heads sharing a K/V head) at once, so each K and V value is loaded and widened once
 // per block of rows, not once per row. bf16 K/V are widened 16 at a time as their
 // even- and odd-indexed halves (a shift and an and: bf16 is the high half of a float32), so
@@ -347,7 +347,7 @@ inline void pv_blocked(const float* p, int64_t ldp, int64_t rows, int64_t n, con
     }
 }
 #endif  // MH_VECTOR_FLOATS == 8
-#endif  // MH_BLOCKED_DECODE
+#endif  // AVX2 or AVX-512
 
 // Decoding: few query rows per K/V head (G heads × Sq queries), so K and V are streamed
 // once, in place, with no packing: scores are dot products along D. An item is
