@@ -57,6 +57,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -712,8 +713,9 @@ def plot(suite: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     axes[0].legend(fontsize=8)
     m = suite["machine"]
     features = ", ".join(m.get("vector_features") or []) or "no AVX2/AVX-512"
-    fig.suptitle(f"multihead vs torch SDPA — {m.get('cpu', 'CPU')} ({features}), {m['cores']} cores, "
-                 f"{m['torch_threads']} threads, torch {m['torch']}")
+    title = (f"multihead vs torch SDPA — {m.get('cpu', 'CPU')} ({features}), {m['cores']} cores, "
+             f"{m['torch_threads']} threads, torch {m['torch']}")
+    fig.suptitle(textwrap.fill(title, 110))  # wrapped: a long feature list ran off both edges
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
