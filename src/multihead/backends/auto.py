@@ -177,6 +177,11 @@ def intel_avx512() -> bool:
     return native.vector_bits() == 512 and native.cpu_vendor() in TORCH_PREFILL_VENDORS
 
 
+def _bf16_on_amx(c: Call) -> bool:
+    """bfloat16 on a CPU with AMX tiles for it: SDPA's products run there (forward and gradients)."""
+    return c.q.dtype == torch.bfloat16 and native.amx_bf16()
+
+
 def _native_prefill_fits(c: Call) -> bool:
     """The native FlashAttention loop for a forward: at the width's threshold; on an Intel CPU
     with AVX-512 from INTEL_AVX512_MIN_SCORES, and bfloat16 not where AMX runs SDPA's; with the
@@ -185,7 +190,7 @@ def _native_prefill_fits(c: Call) -> bool:
         return False
     if c.return_lse:
         return True
-    if c.q.dtype == torch.bfloat16 and native.amx_bf16():
+    if _bf16_on_amx(c):
         return False
     return not intel_avx512() or c.scores >= INTEL_AVX512_MIN_SCORES
 
@@ -223,7 +228,7 @@ AUTO_RULES: tuple[Rule, ...] = (
          "with AMX (SDPA's products run on it)",
          lambda c: (c.differentiable and c.dropout_p == 0 and c.q.device.type == "cpu" and not c.return_lse
                     and c.native_fits(NATIVE_MIN_GRAD_SCORES)
-                    and not (c.q.dtype == torch.bfloat16 and native.amx_bf16())), _native(decode=False)),
+                    and not _bf16_on_amx(c)), _native(decode=False)),
     Rule("sdpa (gradients)", "gradients or dropout are needed (or the tensors are not on the CPU): "
          "SDPA is differentiable", lambda c: c.differentiable and not c.return_lse, _backend(sdpa_attention)),
     Rule("native (gradients, lse)", f"gradients and the log-sum-exp on the CPU, no dropout, from "

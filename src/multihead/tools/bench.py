@@ -161,19 +161,12 @@ VECTOR_FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnn
 
 def cpu_model() -> tuple[str, list[str]]:
     """The CPU's model name and which of :data:`VECTOR_FEATURES` it has (Linux; else the platform's words)."""
-    name, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and name in ("", platform.processor(), platform.machine()):
-                    name = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
-                    break
-    except OSError:
-        pass
-    return name, [f for f in VECTOR_FEATURES if f in flags]
+    from ..backends.native._build import cpuinfo
+
+    info = cpuinfo()
+    flags = set(info.get("flags", "").split())
+    return info.get("model name") or platform.processor() or platform.machine(), [f for f in VECTOR_FEATURES
+                                                                                   if f in flags]
 
 
 def machine_info() -> dict[str, Any]:

@@ -58,7 +58,6 @@ def kernel(lib: object, name: str, dtype: torch.dtype):  # type: ignore[no-untyp
 #: (:func:`advance_counters`) and :func:`vector_bits`, asked at every decoding step.
 _advance = None
 _bits = 0
-_cpu: tuple[str, frozenset[str]] | None = None  # _cpuinfo()'s, read once
 
 
 @functools.cache
@@ -89,39 +88,19 @@ def available() -> bool:
     return _library() is not None
 
 
-def _cpuinfo() -> tuple[str, frozenset[str]]:
-    """The CPU's vendor and flags as ``/proc/cpuinfo`` names them (first processor), read once;
-    ("", {}) where it cannot be read."""
-    global _cpu
-    if _cpu is None:
-        vendor, flags = "", ""
-        try:
-            with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
-                for line in info:
-                    key, _, value = line.partition(":")
-                    if key.strip() == "vendor_id" and not vendor:
-                        vendor = value.strip()
-                    elif key.strip() == "flags" and not flags:
-                        flags = value
-        except OSError:
-            pass
-        _cpu = vendor, frozenset(flags.split())
-    return _cpu
-
-
 @torch.compiler.assume_constant_result  # traced graphs take it as a constant (no file read in them)
 def cpu_vendor() -> str:
     """The CPU's vendor as ``/proc/cpuinfo`` names it (``"GenuineIntel"``, ``"AuthenticAMD"``);
     ``""`` where it cannot be read. ``"auto"`` asks it: torch's own CPU kernels (MKL, oneDNN)
     run different code on different vendors' CPUs of the same vector width."""
-    return _cpuinfo()[0]
+    return _build.cpuinfo().get("vendor_id", "")
 
 
 @torch.compiler.assume_constant_result
 def amx_bf16() -> bool:
     """Whether the CPU has AMX tiles for bfloat16 (``amx_bf16``), which oneDNN, and so torch's
     SDPA in bfloat16, runs on. ``"auto"`` asks it."""
-    return "amx_bf16" in _cpuinfo()[1]
+    return "amx_bf16" in _build.cpuinfo().get("flags", "").split()
 
 
 @torch.compiler.assume_constant_result

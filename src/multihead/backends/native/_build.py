@@ -26,6 +26,7 @@ would (:func:`shlex.split`).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import json
 import os
@@ -43,7 +44,32 @@ __all__ = ["load"]
 
 _COMPILE_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-std=c++17")  # each unit, in parallel, with _march()
 _LINK_FLAGS = ("-fopenmp", "-shared")
-_ARCH = re.compile(r"[a-z0-9][a-z0-9.-]{0,39}")
+_ARCH = re.compile(r"[a-z0-9][a-z0-9.-]{0,39}")  # a -march CPU name
+_SOURCES = ("common.h", "attention.cpp", "decode.cpp", "backward.cpp")
+_DIR_MODE = 0o700  # folders and the kernel: the user's only (umask can only remove bits; set explicitly)
+_FILE_MODE = 0o700
+_RECORD_MODE = 0o600
+
+
+@functools.cache
+def cpuinfo() -> dict[str, str]:
+    """The first processor's fields in ``/proc/cpuinfo`` (``"vendor_id"``, ``"model name"``,
+    ``"flags"``, ...), read once; empty where it cannot be read."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            for line in info:
+                if not line.strip():  # the first processor ends
+                    break
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return fields
+
+
+def _cpu_flags() -> str:
+    return cpuinfo().get("flags") or platform.processor() or platform.machine()
 
 
 def _march() -> str:
@@ -54,20 +80,6 @@ def _march() -> str:
     if not _ARCH.fullmatch(arch):
         raise ValueError(f"MULTIHEAD_NATIVE_ARCH must name a CPU for -march (letters, digits, '.', '-'), got {arch!r}")
     return f"-march={arch}"
-_SOURCES = ("common.h", "attention.cpp", "decode.cpp", "backward.cpp")
-_DIR_MODE = 0o700  # folders and the kernel: the user's only (umask can only remove bits; set explicitly)
-_FILE_MODE = 0o700
-_RECORD_MODE = 0o600
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _cache_dirs() -> list[Path]:
@@ -195,9 +207,9 @@ def _run_all(commands: list[list[str]]) -> str:
     return errors[0] if errors else ""
 
 
-def _compile_units(compiler: list[str], units: list[Path]) -> str:
+def _compile_units(compiler: list[str], march: str, units: list[Path]) -> str:
     """Compile each unit to its ``.o`` beside it, in parallel (they take 5-8 s each at -O3)."""
-    return _run_all([[*compiler, *_COMPILE_FLAGS, _march(), "-c", "-o", str(u.with_suffix(".o")), str(u)]
+    return _run_all([[*compiler, *_COMPILE_FLAGS, march, "-c", "-o", str(u.with_suffix(".o")), str(u)]
                      for u in units])
 
 
@@ -206,7 +218,7 @@ def _run(command: list[str]) -> str:
     return _run_all([command])
 
 
-def _compile(compiler: list[str], sources: dict[str, bytes], folder: Path, target: Path) -> str | None:
+def _compile(compiler: list[str], march: str, sources: dict[str, bytes], folder: Path, target: Path) -> str | None:
     """Compile into ``target`` (mode 0700) and record its size and SHA-256, each written
     atomically; None on success, else the reason."""
     try:
@@ -215,7 +227,7 @@ def _compile(compiler: list[str], sources: dict[str, bytes], folder: Path, targe
                 (Path(tmp) / name).write_bytes(text)
             out = Path(tmp) / target.name
             units = [Path(tmp) / name for name in _SOURCES if name.endswith(".cpp")]
-            failed = _compile_units(compiler, units) or _run(
+            failed = _compile_units(compiler, march, units) or _run(
                 [*compiler, *_LINK_FLAGS, "-o", str(out), *(str(u.with_suffix(".o")) for u in units)])
             if failed:
                 return f"compiling the native kernel failed ({shlex.join(compiler)}): {failed[-2000:]}"
@@ -260,7 +272,7 @@ def load() -> tuple[ctypes.CDLL | None, str]:
         if why is not None:
             rebuilt = f" (rebuilt: the cached build was refused: {why})"
     if rebuilt or not os.path.lexists(target):
-        failure = _compile(compiler, sources, folder, target)
+        failure = _compile(compiler, march, sources, folder, target)
         if failure is not None:
             return None, failure + rebuilt
         why = _verify(target)  # what is loaded is exactly what was just built

@@ -276,7 +276,8 @@ inline void transpose16(const float* const* rows, float* dst) {
         r[c + 3] = _mm512_shuffle_ps(u[c + 1], u[c + 3], 0xEE);
     }
     for (int i = 0; i < 4; ++i) {  // the 4 × 4 lanes of r[i], r[4 + i], r[8 + i], r[12 + i] transposed
-        const __m512 a0 = _mm512_shuffle_f32x4(r[i], r[4 + i], 0x44), a1 = _mm512_shuffle_f32x4(r[i], r[4 + i], 0xEE);
+        const __m512 a0 = _mm512_shuffle_f32x4(r[i], r[4 + i], 0x44);
+        const __m512 a1 = _mm512_shuffle_f32x4(r[i], r[4 + i], 0xEE);
         const __m512 b0 = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0x44);
         const __m512 b1 = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0xEE);
         _mm512_storeu_ps(dst + i * NR, _mm512_shuffle_f32x4(a0, b0, 0x88));
@@ -560,19 +561,16 @@ inline void row_update(const Problem& P, float* __restrict si, int64_t width, in
             if (!mrow[(j0 + j) * P.ms[3]]) si[j] = NEG_INF;
     // The row's max with four running maxima: one chain of dependent vmax (4 cycles each) took
     // 15% of row_update with AVX-512 (perf, the float32 forward).
-    vf mx = splat(NEG_INF);
+    vf mx = splat(NEG_INF), m1 = mx, m2 = mx, m3 = mx;
     int64_t j = 0;
-    if (width >= 4 * W) {
-        vf m1 = mx, m2 = mx, m3 = mx;
-        for (; j + 4 * W <= width; j += 4 * W) {
-            mx = vmax(mx, load(si + j));
-            m1 = vmax(m1, load(si + j + W));
-            m2 = vmax(m2, load(si + j + 2 * W));
-            m3 = vmax(m3, load(si + j + 3 * W));
-        }
-        mx = vmax(vmax(mx, m1), vmax(m2, m3));
+    for (; j + 4 * W <= width; j += 4 * W) {
+        mx = vmax(mx, load(si + j));
+        m1 = vmax(m1, load(si + j + W));
+        m2 = vmax(m2, load(si + j + 2 * W));
+        m3 = vmax(m3, load(si + j + 3 * W));
     }
     for (; j < width; j += W) mx = vmax(mx, load(si + j));
+    mx = vmax(vmax(mx, m1), vmax(m2, m3));
     const float m_new = std::max(m, hmax(mx));
     // No allowed key yet: keep probabilities 0 (2^-inf) without NaN.
     const float m_use = m_new == NEG_INF ? 0.f : m_new;

@@ -117,6 +117,17 @@ inline void join_even_odd(const float* xs, int64_t n, float* x) {
         for (int i = 0; i < W; ++i) { x[t + 2 * i] = xs[t + i]; x[t + 2 * i + 1] = xs[t + W + i]; }
 }
 
+// Rows [first, last) of x (row stride ld, `bytes` bytes each) prefetched (into L2 by default);
+// past the end of x they are harmless (prefetches never fault).
+template <int HINT = _MM_HINT_T1, class T>
+inline void prefetch_rows(const T* x, int64_t first, int64_t last, int64_t ld, int64_t bytes) {
+    for (int64_t j = first; j < last; ++j) {
+        const char* row = reinterpret_cast<const char*>(x + j * ld);
+        for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(row + c, static_cast<_mm_hint>(HINT));
+        _mm_prefetch(row + bytes - 1, static_cast<_mm_hint>(HINT));
+    }
+}
+
 // acc[r][s] = lane-wise partial sums of q row r (R rows of D, row stride D) · key s (NK keys
 // at k, row stride ldk).
 template <int R, int NK, class T>
@@ -151,15 +162,6 @@ inline void qk_partial(const float* __restrict q, int64_t D, const T* __restrict
 // of that again (64 or 128 keys ahead the same, into L1 the same); float32's attention 0.68×.
 constexpr int64_t K_AHEAD16 = 32;
 
-// Lines of rows [j, j + 4) of x (row stride ld, `bytes` bytes each) prefetched with `hint`;
-// past the end of x they are harmless (prefetches never fault).
-template <int HINT, class T>
-inline void prefetch4(const T* x, int64_t j, int64_t ld, int64_t bytes) {
-    for (int u = 0; u < 4; ++u)
-        for (int64_t b = 0; b < bytes; b += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(x + (j + u) * ld) + b, static_cast<_mm_hint>(HINT));
-}
-
 // s[r][j + u] (row stride lds) = q row r · key j + u for R ≤ 4 rows and the n keys at k (AVX-512):
 // 4 keys at a time, their R × 4 partial sums (16 accumulators of the 32 registers) reduced
 // together by one reduce_w; each K value is loaded and widened once for the R rows. (The plain
@@ -172,8 +174,8 @@ inline void qk_rows(const float* q, int64_t D, const T* k, int64_t ldk, int64_t 
     const int64_t bytes = D * int64_t(sizeof(T));
     int64_t j = 0;
     for (; j + 4 <= n; j += 4) {
-        prefetch4<_MM_HINT_T0>(k, j + K_AHEAD16, ldk, bytes);
-        if (v) prefetch4<_MM_HINT_T1>(v, j, ldv, bytes);
+        prefetch_rows<_MM_HINT_T0>(k, j + K_AHEAD16, j + K_AHEAD16 + 4, ldk, bytes);
+        if (v) prefetch_rows(v, j, j + 4, ldv, bytes);
         vf acc[R][4];
         qk_partial<R, 4>(q, D, k + j * ldk, ldk, acc);
         vf x[16];  // x[4·r + u]: row r, key j + u (zero past R rows): lane 4·r + u of the sums
@@ -196,16 +198,6 @@ inline void qk_rows(const float* q, int64_t D, const T* k, int64_t ldk, int64_t 
 #endif
 
 #if MH_VECTOR_FLOATS == 8
-// Rows [first, last) of x (row stride ld, `bytes` bytes each) prefetched into L2.
-template <class T>
-inline void prefetch_rows(const T* x, int64_t first, int64_t last, int64_t ld, int64_t bytes) {
-    for (int64_t j = first; j < last; ++j) {
-        const char* row = reinterpret_cast<const char*>(x + j * ld);
-        for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(row + c, _MM_HINT_T1);
-        _mm_prefetch(row + bytes - 1, _MM_HINT_T1);
-    }
-}
-
 // Keys ahead that the 4-row q·kᵀ prefetches K into L1 (the float32 step 0.94-0.95× the time
 // of the blocked loop's without any, where that was 0.96×; bf16 0.99-1.00×, noise; 8 and 32
 // keys no better; into L2 instead: 0.96×).
