@@ -81,12 +81,17 @@ def _problem(name: str, dtype: torch.dtype) -> tuple:
     return (q.to(dtype), k.to(dtype), v.to(dtype)), causal, window, mask
 
 
+@pytest.mark.parametrize("amx", [True, False])
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("name", list(CASES))
-def test_half_precision_within_the_criterion_and_in_its_dtype(name: str, dtype: torch.dtype) -> None:
+def test_half_precision_within_the_criterion_and_in_its_dtype(name: str, dtype: torch.dtype, amx: bool) -> None:
+    """amx: the bfloat16 loop on AMX tiles where the CPU has them (p rounded to bfloat16 there, so
+    held to 1.5× the one-rounding error: test_native_amx.py), else the vector loop (1.1×)."""
     (q, k, v), causal, window, mask = _problem(name, dtype)
     scale = q.shape[-1] ** -0.5
-    out, lse = native.run(q, k, v, scale=scale, causal=causal, window=window, mask=mask, return_lse=True)
+    with native.amx_enabled(amx):
+        out, lse = native.run(q, k, v, scale=scale, causal=causal, window=window, mask=mask, return_lse=True)
+        tiles = dtype == torch.bfloat16 and q.shape[2] > 1 and native.amx()  # (one row: the decoding loop)
     assert out.dtype == dtype and lse is not None and lse.dtype == torch.float32
     ref, ref_lse = mh.attention(q.double(), k.double(), v.double(), scale=scale, causal=causal, window=window,
                                 mask=mask, backend="explicit", return_lse=True)
@@ -94,7 +99,7 @@ def test_half_precision_within_the_criterion_and_in_its_dtype(name: str, dtype: 
     explicit = mh.attention(q, k, v, scale=scale, causal=causal, window=window, mask=mask, backend="explicit")
     ours, theirs, one_rounding = _errors(out, ref), _errors(naive, ref), _errors(explicit, ref)
     assert ours[0] <= 2 * theirs[0] and ours[1] <= 2 * theirs[1], (ours, theirs)
-    assert ours[1] <= 1.1 * one_rounding[1] + 1e-7, (ours, one_rounding)
+    assert ours[1] <= (1.5 if tiles else 1.1) * one_rounding[1] + 1e-7, (ours, one_rounding)
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-5)
 
 

@@ -20,8 +20,10 @@ OpenMP threads can hang the child in any torch operation (ours or not): call
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -101,6 +103,30 @@ def amx_bf16() -> bool:
     """Whether the CPU has AMX tiles for bfloat16 (``amx_bf16``), which oneDNN, and so torch's
     SDPA in bfloat16, runs on. ``"auto"`` asks it."""
     return "amx_bf16" in _build.cpuinfo().get("flags", "").split()
+
+
+@torch.compiler.assume_constant_result
+def amx() -> bool:
+    """Whether the bfloat16 FlashAttention loop runs on AMX tiles here (a build with AMX, the
+    operating system's permission to use them, not switched off by :func:`amx_enabled`);
+    otherwise it runs on AVX-512 (or narrower) vectors. ``"auto"`` asks it for bfloat16."""
+    lib = _library()
+    return lib is not None and bool(lib.mh_amx_ready())
+
+
+@contextlib.contextmanager
+def amx_enabled(enabled: bool) -> Iterator[None]:
+    """Within the block, the bfloat16 loop runs on AMX (``True``, where it can) or never
+    (``False``: the AVX-512 loop, as on a CPU without AMX); restored after. Process-wide, for
+    tests and measurements: not for concurrent use."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    lib = _require()
+    before = lib.mh_amx_switch(int(enabled))
+    try:
+        yield
+    finally:
+        lib.mh_amx_switch(before)
 
 
 @torch.compiler.assume_constant_result

@@ -45,7 +45,7 @@ __all__ = ["load"]
 _COMPILE_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-std=c++17")  # each unit, in parallel, with _march()
 _LINK_FLAGS = ("-fopenmp", "-shared")
 _ARCH = re.compile(r"[a-z0-9][a-z0-9.-]{0,39}")  # a -march CPU name
-_SOURCES = ("common.h", "attention.cpp", "decode.cpp", "backward.cpp")
+_SOURCES = ("common.h", "attention.cpp", "attention_amx.cpp", "decode.cpp", "backward.cpp")
 _DIR_MODE = 0o700  # folders and the kernel: the user's only (umask can only remove bits; set explicitly)
 _FILE_MODE = 0o700
 _RECORD_MODE = 0o600

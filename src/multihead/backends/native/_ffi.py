@@ -56,6 +56,8 @@ SIGNATURES: dict[str, list[type]] = {
     # per row (multihead.KVCache.commit)
     "mh_advance_counters": [_vp, _vp, _i64, _i64, _i64],
     "mh_vector_bits": [],
+    "mh_amx_ready": [],  # 1 where mh_attention_bf16 runs its AMX loop now
+    "mh_amx_switch": [_int],  # on (1) or off (0); returns the previous position
     "mh_max_step_rows": [],
 }
 

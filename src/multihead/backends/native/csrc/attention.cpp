@@ -78,17 +78,6 @@ inline void pack_panel(const Problem& P, const T* kb, int64_t first, float* __re
     }
 }
 
-// What a row's o is multiplied by: 1 / l, or with a sink (P.sinks) 1 / (l + 2^(sink − m))
-// (the sink joins the denominator, contributes no value), computed against max(m, sink)
-// so that no exponential overflows; 0 for a row with no visible key, sink or not.
-inline float row_scale(const Problem& P, int64_t h, float m, float l) {
-    if (!(l > 0.f)) return 0.f;
-    if (!P.sinks) return 1.f / l;
-    const float sink = P.sinks[h] * 1.4426950408889634f, top = std::max(m, sink);
-    const float keys = std::exp2(m - top);
-    return keys / (l * keys + std::exp2(sink - top));
-}
-
 // T: the element type of q, k, v and out (float, bf16 or f16); P's pointers hold T data.
 template <class T>
 void run_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t p0, int64_t p1, int64_t qt_pad) {
@@ -181,6 +170,8 @@ int attention(const void* q, const void* k, const void* v, void* out, float* lse
     P.alibi = alibi; P.sinks = sinks; P.seg = seg; P.seg_bs = seg_bs; P.panels = panels;
     if (seg && P.Sq != P.Sk) return -2;
     if (!valid(P) || query_tile <= 0) return -2;
+    if constexpr (std::is_same_v<T, bf16>)
+        if (amx_takes(P)) return attention_amx(P, query_tile, threads);
     const int64_t G = P.H / P.Hkv;
     const int64_t qt = std::min(query_tile, std::max<int64_t>(P.Sq, 1));
     const int64_t tiles = (P.Sq + qt - 1) / qt;

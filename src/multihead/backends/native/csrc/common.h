@@ -159,9 +159,13 @@ inline vf splat(float x) {
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 
 inline float hmax(vf x) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_max_ps((__m512)x);
+#else
     float m = x[0];
     for (int i = 1; i < W; ++i) m = std::max(m, x[i]);
     return m;
+#endif
 }
 
 inline float hsum(vf x) {
@@ -260,9 +264,10 @@ inline void transpose8(const float* const* rows, float* dst) {
 #endif
 
 #if MH_VECTOR_FLOATS == 16
-// dst[t·NR + c] = rows[c][t] for t, c < 16: a 16 × 16 transpose in registers (pairs of rows
-// interleaved, then groups of four within 128-bit lanes, then the lanes themselves).
-inline void transpose16(const float* const* rows, float* dst) {
+// dst[t·ld + c] = rows[c][t] for t, c < 16: a 16 × 16 transpose in registers (pairs of rows
+// interleaved, then groups of four within 128-bit lanes, then the lanes themselves). Bitwise:
+// the AMX kernel moves pairs of bfloat16 through it as 32-bit lanes.
+inline void transpose16(const float* const* rows, float* dst, int64_t ld = NR) {
     __m512 r[16], u[16];
     for (int c = 0; c < 16; ++c) r[c] = _mm512_loadu_ps(rows[c]);
     for (int c = 0; c < 16; c += 2) {  // per lane: rows c, c + 1 at columns 0, 1 / 2, 3
@@ -280,10 +285,10 @@ inline void transpose16(const float* const* rows, float* dst) {
         const __m512 a1 = _mm512_shuffle_f32x4(r[i], r[4 + i], 0xEE);
         const __m512 b0 = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0x44);
         const __m512 b1 = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0xEE);
-        _mm512_storeu_ps(dst + i * NR, _mm512_shuffle_f32x4(a0, b0, 0x88));
-        _mm512_storeu_ps(dst + (4 + i) * NR, _mm512_shuffle_f32x4(a0, b0, 0xDD));
-        _mm512_storeu_ps(dst + (8 + i) * NR, _mm512_shuffle_f32x4(a1, b1, 0x88));
-        _mm512_storeu_ps(dst + (12 + i) * NR, _mm512_shuffle_f32x4(a1, b1, 0xDD));
+        _mm512_storeu_ps(dst + i * ld, _mm512_shuffle_f32x4(a0, b0, 0x88));
+        _mm512_storeu_ps(dst + (4 + i) * ld, _mm512_shuffle_f32x4(a0, b0, 0xDD));
+        _mm512_storeu_ps(dst + (8 + i) * ld, _mm512_shuffle_f32x4(a1, b1, 0x88));
+        _mm512_storeu_ps(dst + (12 + i) * ld, _mm512_shuffle_f32x4(a1, b1, 0xDD));
     }
 }
 #endif
@@ -541,13 +546,11 @@ inline void apply_logits(const Problem& P, float* __restrict si, int64_t a, int6
         }
     }
 }
-// One query row of a chunk: mask its scores si[0, width) (keys j0 + j; width a
-// multiple of W; columns from `valid` on are not keys), then the online softmax
-// (base 2): m' = max(m, max si), o *= 2^(m - m'), l = l·2^(m - m') + Σ 2^(si - m'),
-// leaving the probabilities 2^(si - m') in si for p · v.
-inline void row_update(const Problem& P, float* __restrict si, int64_t width, int64_t valid, int64_t j0,
-                       int64_t pos, const uint8_t* mrow, float& m, float& l, float* __restrict orow,
-                       int64_t b = 0, int64_t h = 0) {
+// The logit features, then -inf where a query row may not look: its scores si[0, width) (keys
+// j0 + j; width a multiple of W; columns from `valid` on are not keys), at key position pos of
+// batch row b, head h, mask row mrow (or null).
+inline void mask_row(const Problem& P, float* __restrict si, int64_t width, int64_t valid, int64_t j0,
+                     int64_t pos, const uint8_t* mrow, int64_t b, int64_t h) {
     // This query's span (key position pos, batch row b), as column indices into si.
     int64_t a, e;
     span(P, b, pos, a, e);
@@ -559,8 +562,11 @@ inline void row_update(const Problem& P, float* __restrict si, int64_t width, in
     if (mrow)
         for (int64_t j = a; j < e; ++j)
             if (!mrow[(j0 + j) * P.ms[3]]) si[j] = NEG_INF;
-    // The row's max with four running maxima: one chain of dependent vmax (4 cycles each) took
-    // 15% of row_update with AVX-512 (perf, the float32 forward).
+}
+
+// The largest of si[0, width), width a multiple of W, with four running maxima: one chain of
+// dependent vmax (4 cycles each) took 15% of row_update with AVX-512 (perf, the float32 forward).
+inline float row_max(const float* __restrict si, int64_t width) {
     vf mx = splat(NEG_INF), m1 = mx, m2 = mx, m3 = mx;
     int64_t j = 0;
     for (; j + 4 * W <= width; j += 4 * W) {
@@ -570,8 +576,17 @@ inline void row_update(const Problem& P, float* __restrict si, int64_t width, in
         m3 = vmax(m3, load(si + j + 3 * W));
     }
     for (; j < width; j += W) mx = vmax(mx, load(si + j));
-    mx = vmax(vmax(mx, m1), vmax(m2, m3));
-    const float m_new = std::max(m, hmax(mx));
+    return hmax(vmax(vmax(mx, m1), vmax(m2, m3)));
+}
+
+// One query row of a chunk: mask its scores si[0, width) (mask_row), then the online softmax
+// (base 2): m' = max(m, max si), o *= 2^(m - m'), l = l·2^(m - m') + Σ 2^(si - m'),
+// leaving the probabilities 2^(si - m') in si for p · v.
+inline void row_update(const Problem& P, float* __restrict si, int64_t width, int64_t valid, int64_t j0,
+                       int64_t pos, const uint8_t* mrow, float& m, float& l, float* __restrict orow,
+                       int64_t b = 0, int64_t h = 0) {
+    mask_row(P, si, width, valid, j0, pos, mrow, b, h);
+    const float m_new = std::max(m, row_max(si, width));
     // No allowed key yet: keep probabilities 0 (2^-inf) without NaN.
     const float m_use = m_new == NEG_INF ? 0.f : m_new;
     const float alpha = exp2v(splat(m - m_use))[0];
@@ -605,6 +620,23 @@ inline Problem make_problem(const float* q, const float* k, const float* v, floa
     P.window = window;
     return P;
 }
+
+// What a row's o is multiplied by: 1 / l, or with a sink (P.sinks) 1 / (l + 2^(sink − m))
+// (the sink joins the denominator, contributes no value), computed against max(m, sink)
+// so that no exponential overflows; 0 for a row with no visible key, sink or not.
+inline float row_scale(const Problem& P, int64_t h, float m, float l) {
+    if (!(l > 0.f)) return 0.f;
+    if (!P.sinks) return 1.f / l;
+    const float sink = P.sinks[h] * 1.4426950408889634f, top = std::max(m, sink);
+    const float keys = std::exp2(m - top);
+    return keys / (l * keys + std::exp2(sink - top));
+}
+
+// The bfloat16 FlashAttention loop on AMX tiles (attention_amx.cpp): whether it runs P here (a
+// build with AMX, the kernel's permission to use it, not switched off, P's features supported),
+// and the loop itself (mh_attention_bf16's return codes).
+bool amx_takes(const Problem& P);
+int attention_amx(const Problem& P, int64_t query_tile, int threads);
 
 // The natural log-sum-exp of a row from its base-2 running max m and sum l; -inf for none.
 inline float row_lse(float m, float l) {

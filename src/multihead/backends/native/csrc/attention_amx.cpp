@@ -1,0 +1,438 @@
+// The bfloat16 FlashAttention loop on AMX tiles (Intel's Advanced Matrix Extensions: eight tile
+// registers of 16 rows × 64 bytes; TDPBF16PS multiplies a 16 × 32 bfloat16 tile by a 32 × 16 one
+// into 16 × 16 float32 accumulators). mh_attention_bf16 runs it where amx_takes(P).
+//
+// Why it exists: on a CPU with AMX, torch's SDPA runs its bfloat16 products there (oneDNN), at
+// 2.5× the speed of our float32 loop; the AVX-512 loop (attention.cpp) widens bfloat16 to float32
+// and runs at a third of SDPA's speed. Here both products run on the tiles and the softmax
+// between them on AVX-512; the softmax then takes most of the time, and the products of the
+// neighbouring blocks run on the tiles while it does (below).
+//
+// Notation as attention.cpp's (B, H, Hkv, G = H / Hkv, Sq, Sk, D, Dv). Dp, Dvp: D and Dv rounded
+// up to 32 and 16 (zeros); Skp: Sk rounded up to 32 (zeros, masked as not keys).
+//
+//   first, all threads: K and V of each (b, K/V head) packed once, as the tiles take them
+//       K: per 16 keys and 32 dims, a 16 × 16 tile of bfloat16 pairs: row r, column j =
+//          (K[key j][2r], K[key j][2r + 1])  (a 32-bit transpose)                    (Skp · Dp)
+//       V: per 32 keys and 16 columns: row r, column j = (V[2r][j], V[2r + 1][j])          (Skp · Dvp)
+//   then a work item = (b, K/V head, tile of query positions): its G heads' queries copied
+//   (bfloat16, unscaled); for each head and each TR = 16 query rows, over the keys they may see
+//   in blocks of KB:
+//       s = q · kᵀ on the tiles (float32 sums of the exact products of the bfloat16 inputs)
+//       the logit features, then -inf where the masks forbid (common.h's mask_row)
+//       p = 2^(s · scale · log2 e − m), rounded to bfloat16 for the tiles; l += Σ rounded p (so
+//           that o / l is exactly the mean of v these p weigh; the log-sum-exp from Σ p)
+//       o += p · v on the tiles (float32; 16 × 16 columns in tile registers, the rest in memory)
+//   m is a lazy reference: it moves (and o, l are rescaled) only when a row's maximum exceeds it
+//   by more than LAZY (so p <= 2^LAZY); o / l is the same.
+//
+// Accuracy: p is rounded to bfloat16 before p · v, as FlashAttention and torch's SDPA do in
+// bfloat16; everything else is float32. The error against float64 is 1.2-1.4× that of the
+// float32 computation rounded once (the AVX-512 loop's) and about half a naive bfloat16
+// implementation's (tests/backends/test_native_bf16.py).
+//
+// Where AMX is missing or refused (a kernel without it refuses the permission), or switched off
+// (mh_amx_switch(0)), the AVX-512 loop runs instead.
+
+#include "common.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define MH_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include <atomic>
+
+namespace mh {
+
+namespace {
+std::atomic<int> amx_switch{1};  // mh_amx_switch(0) turns the AMX loop off (the tests' fallback)
+}
+
+#if MH_AMX
+
+namespace {
+
+constexpr int64_t TR = 16;  // query rows per tile
+constexpr int64_t KB = 256;  // keys per block (a multiple of 32; 128 and 512: 1.02-1.08× the time)
+constexpr float LAZY = 8.f;  // base 2: the reference max trails a row's true one by at most this
+constexpr int64_t TILE = 512;  // bfloat16 values per 16 × 64-byte tile
+
+// Linux keeps AMX's 8 KiB of tile state off until a process asks (arch_prctl
+// ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); the first tile instruction would otherwise kill it.
+bool amx_permitted() {
+    static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                   18 /* XFEATURE_XTILEDATA */) == 0;
+    return ok;
+}
+
+// Palette 1, every tile 16 rows × 64 bytes.
+struct alignas(64) TileConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+    uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+
+// Thread-local scratch of a work item; s and p hold two blocks (the one in the softmax, the
+// one whose p · v or q · kᵀ runs on the tiles meanwhile).
+struct AmxBuffers {
+    uint16_t* q;  // (G, qt_pad, Dp) queries, bfloat16
+    float* s;  // (2, TR, KB) scores
+    uint16_t* p;  // (2, TR, KB) probabilities, bfloat16
+    float *o, *m, *l, *lx;  // (G, qt_pad, Dvp); (G, qt_pad) ×3: m, l (of the rounded p), lx (of p: lse's)
+    bool ok() const { return q && s && p && o && m && l && lx; }
+    void release() {
+        for (void* x : {(void*)q, (void*)s, (void*)p, (void*)o, (void*)m, (void*)l, (void*)lx}) std::free(x);
+    }
+};
+
+inline uint16_t* alloc16(int64_t n) { return reinterpret_cast<uint16_t*>(alloc((n + 1) / 2)); }
+
+// K of one (b, K/V head), keys [32u, 32u + 32): two 16-key tiles per 32 dims (pack layout above).
+void pack_k(const Problem& P, const uint16_t* kb, int64_t u, int64_t Dp, uint16_t* __restrict dst) {
+    for (int64_t n = 2 * u; n < 2 * u + 2; ++n)
+        for (int64_t t = 0; t < Dp / 32; ++t) {
+            uint16_t* tile = dst + (n * (Dp / 32) + t) * TILE;
+            if (16 * n + 16 <= P.Sk && 32 * t + 32 <= P.D) {
+                const float* rows[16];
+                for (int j = 0; j < 16; ++j)
+                    rows[j] = reinterpret_cast<const float*>(kb + (16 * n + j) * P.ks[2] + 32 * t);
+                transpose16(rows, reinterpret_cast<float*>(tile), 16);
+                continue;
+            }
+            for (int64_t r = 0; r < 16; ++r)
+                for (int64_t j = 0; j < 16; ++j)
+                    for (int64_t e = 0; e < 2; ++e) {
+                        const int64_t key = 16 * n + j, d = 32 * t + 2 * r + e;
+                        tile[(r * 16 + j) * 2 + e] = key < P.Sk && d < P.D ? kb[key * P.ks[2] + d] : 0;
+                    }
+        }
+}
+
+// V of one (b, K/V head), keys [32u, 32u + 32): one tile per 16 columns (pack layout above).
+void pack_v(const Problem& P, const uint16_t* vb, int64_t u, int64_t Dvp, uint16_t* __restrict dst) {
+    for (int64_t c = 0; c < Dvp / 16; ++c) {
+        uint16_t* tile = dst + (u * (Dvp / 16) + c) * TILE;
+        if (32 * u + 32 <= P.Sk && 16 * c + 16 <= P.Dv) {
+            for (int64_t r = 0; r < 16; ++r) {
+                const uint16_t* even = vb + (32 * u + 2 * r) * P.vs[2] + 16 * c;
+                const uint16_t* odd = vb + (32 * u + 2 * r + 1) * P.vs[2] + 16 * c;
+                const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)even));
+                const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)odd));
+                _mm512_storeu_si512(tile + r * 32, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            }
+            continue;
+        }
+        for (int64_t r = 0; r < 16; ++r)
+            for (int64_t j = 0; j < 16; ++j)
+                for (int64_t e = 0; e < 2; ++e) {
+                    const int64_t key = 32 * u + 2 * r + e, col = 16 * c + j;
+                    tile[(r * 16 + j) * 2 + e] = key < P.Sk && col < P.Dv ? vb[key * P.vs[2] + col] : 0;
+                }
+    }
+}
+
+// Tiles: 0-3 o's first 64 columns (a whole row group long), 4 and 7 scores, 5 queries or o's
+// further columns, 6 keys or values, 7 p.
+
+// Key tiles [n0, n1) (16 keys each, from key0; n0, n1 even) of the scores q · kᵀ, into s (row
+// stride KB), two at a time.
+inline void score_tiles(const uint16_t* q, int64_t Dp, const uint16_t* kp, int64_t key0, int64_t n0, int64_t n1,
+                        float* s) {
+    const int64_t steps = Dp / 32;
+    for (int64_t n = n0; n < n1; n += 2) {
+        const uint16_t* kt = kp + (key0 / 16 + n) * steps * TILE;
+        _tile_zero(4);
+        _tile_zero(7);
+        for (int64_t t = 0; t < steps; ++t) {
+            _tile_loadd(5, q + 32 * t, Dp * 2);
+            _tile_loadd(6, kt + t * TILE, 64);
+            _tile_dpbf16ps(4, 5, 6);
+            _tile_loadd(6, kt + (steps + t) * TILE, 64);
+            _tile_dpbf16ps(7, 5, 6);
+        }
+        _tile_stored(4, s + 16 * n, KB * 4);
+        _tile_stored(7, s + 16 * n + 16, KB * 4);
+    }
+}
+
+// Steps [u0, u1) (32 keys each, from key0) of o += p · v for o's first min(cols, 4) column tiles,
+// held in tiles 0-3.
+inline void pv_steps(const uint16_t* p, const uint16_t* vp, int64_t cols, int64_t key0, int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+        const uint16_t* vt = vp + (key0 / 32 + u) * cols * TILE;
+        _tile_loadd(7, p + 32 * u, KB * 2);
+        _tile_loadd(6, vt, 64);
+        _tile_dpbf16ps(0, 7, 6);
+        if (cols < 2) continue;
+        _tile_loadd(6, vt + TILE, 64);
+        _tile_dpbf16ps(1, 7, 6);
+        if (cols < 3) continue;
+        _tile_loadd(6, vt + 2 * TILE, 64);
+        _tile_dpbf16ps(2, 7, 6);
+        if (cols < 4) continue;
+        _tile_loadd(6, vt + 3 * TILE, 64);
+        _tile_dpbf16ps(3, 7, 6);
+    }
+}
+
+// o += p · v for o's column tiles from the fifth on, in memory (o: TR rows, stride 16 · cols),
+// keys [key0, key0 + width).
+inline void pv_memory(const uint16_t* p, const uint16_t* vp, int64_t cols, int64_t key0, int64_t width, float* o) {
+    for (int64_t c = 4; c < cols; ++c) {
+        _tile_loadd(5, o + 16 * c, cols * 64);
+        for (int64_t u = 0; u < width / 32; ++u) {
+            _tile_loadd(7, p + 32 * u, KB * 2);
+            _tile_loadd(6, vp + ((key0 / 32 + u) * cols + c) * TILE, 64);
+            _tile_dpbf16ps(5, 7, 6);
+        }
+        _tile_stored(5, o + 16 * c, cols * 64);
+    }
+}
+
+// o's tiles 0..min(cols, 4)-1 stored to (store) or loaded from o (TR rows, stride 16 · cols floats).
+inline void o_tiles(bool store, float* o, int64_t cols) {
+    const int64_t ld = cols * 64;
+    if (store) {
+        _tile_stored(0, o, ld);
+        if (cols > 1) _tile_stored(1, o + 16, ld);
+        if (cols > 2) _tile_stored(2, o + 32, ld);
+        if (cols > 3) _tile_stored(3, o + 48, ld);
+    } else {
+        _tile_loadd(0, o, ld);
+        if (cols > 1) _tile_loadd(1, o + 16, ld);
+        if (cols > 2) _tile_loadd(2, o + 32, ld);
+        if (cols > 3) _tile_loadd(3, o + 48, ld);
+    }
+}
+
+// 2^x for x <= LAZY + 1 in float32 (relative error < 3e-6, far below p's bfloat16 rounding);
+// exactly 0 for x <= -127 (-inf: masked); NaN stays NaN. n = round(x) by the addition of
+// 1.5·2^23 + 127, which leaves n + 127 in the low bits: shifted into the exponent field they are
+// 2^n (0 for n = -127); 2^f, f = x - n in [-1/2, 1/2], by a degree-4 minimax polynomial.
+inline __m512 exp2_amx(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-127.f), x);  // NaN stays (the second operand)
+    const __m512 magic = _mm512_set1_ps(12583039.f);  // 1.5 · 2^23 + 127
+    const __m512 t = _mm512_add_ps(x, magic);
+    const __m512 f = _mm512_sub_ps(x, _mm512_sub_ps(t, magic));
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(9.570101276e-3f), f, _mm512_set1_ps(5.591785908e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402474433e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931217909e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999992847e-1f));
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(t), 23)));
+}
+
+
+// One row's softmax step on its scores si[0, width) (q·k, times `scale` here; masked by the
+// caller): the lazy reference m (base 2), l (the sum of the rounded p), with LSE lx (the sum of
+// p in float32, for the log-sum-exp), and the probabilities into p (bfloat16). Returns the
+// factor o's row must be multiplied by first (1: none).
+template <bool LSE>
+float softmax_row(const float* __restrict si, int64_t width, float scale, float& m, float& l, float& lx,
+                  uint16_t* __restrict p) {
+    const float top = row_max(si, width) * scale;
+    float alpha = 1.f;
+    if (top > m + LAZY) {  // also the first finite maximum (m = -inf)
+        alpha = m == NEG_INF ? 0.f : std::exp2(m - top);
+        l *= alpha;
+        lx *= alpha;
+        m = top;
+    }
+    const __m512 sv = _mm512_set1_ps(scale), mv = _mm512_set1_ps(m == NEG_INF ? 0.f : m);
+    __m512 sum = _mm512_setzero_ps(), exact = sum;
+    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80);  // bfloat16 1.0
+    for (int64_t j = 0; j < width; j += 2 * W) {
+        const __m512 p0 = exp2_amx(_mm512_fmsub_ps(_mm512_loadu_ps(si + j), sv, mv));
+        const __m512 p1 = exp2_amx(_mm512_fmsub_ps(_mm512_loadu_ps(si + j + W), sv, mv));
+        if constexpr (LSE) exact = _mm512_add_ps(exact, _mm512_add_ps(p0, p1));
+        const __m512bh h = _mm512_cvtne2ps_pbh(p1, p0);  // nearest even
+        _mm512_storeu_si512(p + j, (__m512i)h);
+        // l sums the rounded p that p · v weighs v with (pairs of them times 1, in one instruction):
+        // the output is then their weighted mean exactly (with float32 p in l, a row whose weight
+        // sits on one key would be off by p's rounding: 1.2× the RMS error, not 1.05×, measured).
+        sum = _mm512_dpbf16_ps(sum, h, ones);
+    }
+    l += _mm512_reduce_add_ps(sum);
+    if constexpr (LSE) lx += _mm512_reduce_add_ps(exact);
+    return alpha;
+}
+
+// One row group: TR query rows (nr of them real) of head h, from query position pos0.
+struct Group {
+    const Problem& P;
+    AmxBuffers& buf;
+    const uint16_t *q, *kp, *vp;  // the rows' packed queries; packed K and V of (b, K/V head)
+    int64_t b, h, pos0, nr, row0, Dp, cols;  // row0: the first row's index into buf.o, m, l
+    bool prescale;  // logit features: scale the scores first (else inside the exponential)
+
+    float* o() const { return buf.o + row0 * cols * 16; }
+
+    // The masked softmax of row i of the scores s (keys [key0, key0 + width)) into p (row
+    // stride KB); the factor o's row must be multiplied by (1: none).
+    float softmax(int64_t i, float* s, int64_t key0, int64_t width, uint16_t* p) {
+        float* si = s + i * KB;
+        const uint8_t* mrow = P.mask ? P.mask + b * P.ms[0] + h * P.ms[1] + (pos0 + i) * P.ms[2] : nullptr;
+        if (prescale)
+            for (int64_t j = 0; j < width; j += W) store(si + j, load(si + j) * P.scale);
+        mask_row(P, si, width, std::min(key0 + width, P.Sk) - key0, key0, pos0 + i + P.Sk - P.Sq, mrow, b, h);
+        const float sc = prescale ? 1.f : P.scale;
+        float &m = buf.m[row0 + i], &l = buf.l[row0 + i], &lx = buf.lx[row0 + i];
+        return P.lse ? softmax_row<true>(si, width, sc, m, l, lx, p + i * KB)
+                     : softmax_row<false>(si, width, sc, m, l, lx, p + i * KB);
+    }
+
+    // Keys [first, end) (first a multiple of 32) in blocks of KB, the last rounded up to 32. While
+    // block j's rows go through the softmax, block j - 1's p · v and block j + 1's q · kᵀ run on
+    // the tiles, in slices issued between the rows: either product whole would fill the reorder
+    // buffer and stall the softmax behind it.
+    void run(int64_t first, int64_t end) {
+        const int64_t blocks = (end - first + KB - 1) / KB;
+        auto width = [&](int64_t j) { return std::min(KB, (end - first - j * KB + 31) / 32 * 32); };
+        o_tiles(false, o(), cols);  // zeros
+        score_tiles(q, Dp, kp, first, 0, width(0) / 16, buf.s);
+        for (int64_t j = 0; j < blocks; ++j) {
+            const int64_t cur = (j & 1) * TR * KB, prev = TR * KB - cur;  // this block's buffers, the other's
+            const int64_t steps = j > 0 ? width(j - 1) / 32 : 0, pairs = j + 1 < blocks ? width(j + 1) / 32 : 0;
+            float alpha[TR];
+            bool rescale = false;
+            for (int64_t i = 0; i < TR; ++i) {
+                if (i < nr) rescale |= (alpha[i] = softmax(i, buf.s + cur, first + j * KB, width(j), buf.p + cur)) != 1.f;
+                if (steps)
+                    pv_steps(buf.p + prev, vp, cols, first + (j - 1) * KB, steps * i / TR, steps * (i + 1) / TR);
+                if (pairs)
+                    score_tiles(q, Dp, kp, first + (j + 1) * KB, 2 * (pairs * i / TR), 2 * (pairs * (i + 1) / TR),
+                                buf.s + prev);
+            }
+            if (steps) pv_memory(buf.p + prev, vp, cols, first + (j - 1) * KB, width(j - 1), o());
+            if (rescale) {  // o so far (block j - 1's products included) rescaled before block j's
+                o_tiles(true, o(), cols);
+                for (int64_t i = 0; i < nr; ++i)
+                    if (alpha[i] != 1.f)
+                        for (int64_t t = 0; t < 16 * cols; ++t) o()[i * 16 * cols + t] *= alpha[i];
+                o_tiles(false, o(), cols);
+            }
+        }
+        const int64_t last = ((blocks - 1) & 1) * TR * KB;
+        pv_steps(buf.p + last, vp, cols, first + (blocks - 1) * KB, 0, width(blocks - 1) / 32);
+        pv_memory(buf.p + last, vp, cols, first + (blocks - 1) * KB, width(blocks - 1), o());
+        o_tiles(true, o(), cols);
+    }
+};
+
+// Work item (b, K/V head kvh, query positions [p0, p1)) on the packed K (kp) and V (vp) of (b, kvh).
+void run_item(const Problem& P, AmxBuffers& buf, const uint16_t* kp, const uint16_t* vp, int64_t b, int64_t kvh,
+              int64_t p0, int64_t p1, int64_t qt_pad) {
+    const int64_t G = P.H / P.Hkv, rows = p1 - p0, Dp = (P.D + 31) / 32 * 32, cols = (P.Dv + 15) / 16;
+    for (int64_t g = 0; g < G; ++g) {
+        const uint16_t* src = reinterpret_cast<const uint16_t*>(P.q) + b * P.qs[0] + (kvh * G + g) * P.qs[1];
+        uint16_t* dst = buf.q + g * qt_pad * Dp;
+        std::memset(dst, 0, sizeof(uint16_t) * qt_pad * Dp);
+        for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * Dp, src + (p0 + r) * P.qs[2], 2 * P.D);
+    }
+    for (int64_t r = 0; r < G * qt_pad; ++r) { buf.m[r] = NEG_INF; buf.l[r] = buf.lx[r] = 0.f; }
+    std::memset(buf.o, 0, sizeof(float) * G * qt_pad * cols * 16);
+    int64_t panels = 0;
+    for (int64_t g = 0; g < G; ++g)
+        for (int64_t r0 = 0; r0 < rows; r0 += TR) {
+            const int64_t row0 = g * qt_pad + r0;
+            Group group{P, buf, buf.q + row0 * Dp, kp, vp, b, kvh * G + g, p0 + r0, std::min(TR, rows - r0), row0,
+                        Dp, cols, P.softcap > 0.f || P.alibi || !(P.scale > 0.f)};
+            int64_t lo, hi;  // keys these rows may see
+            key_range(P, group.pos0, group.pos0 + group.nr, lo, hi, b);
+            lo = lo / 32 * 32;
+            if (hi <= lo) continue;
+            panels += (hi - lo + NR - 1) / NR;
+            group.run(lo, hi);
+        }
+    if (P.panels) {
+#pragma omp atomic
+        *P.panels += panels;
+    }
+    for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = kvh * G + g;
+        bf16* ob = reinterpret_cast<bf16*>(P.out) + b * P.os[0] + h * P.os[1];
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t row = g * qt_pad + r;
+            const float inv = row_scale(P, h, buf.m[row], buf.l[row]);
+            store_lse(P, b, h, p0 + r, buf.m[row], buf.lx[row]);
+            for (int64_t t = 0; t < P.Dv; ++t) ob[(p0 + r) * P.os[2] + t] = from_f32<bf16>(buf.o[row * cols * 16 + t] * inv);
+        }
+    }
+}
+
+}  // namespace
+
+bool amx_takes(const Problem& P) { return amx_switch.load() && P.Sk > 0 && amx_permitted(); }
+
+int attention_amx(const Problem& P, int64_t query_tile, int threads) {
+    const int64_t G = P.H / P.Hkv, Dp = (P.D + 31) / 32 * 32, Dvp = (P.Dv + 15) / 16 * 16;
+    const int64_t Skp = (P.Sk + 31) / 32 * 32, heads = P.B * P.Hkv;
+    const int64_t qt = std::min(query_tile, std::max<int64_t>(P.Sq, 1));
+    const int64_t tiles = (P.Sq + qt - 1) / qt, items = heads * tiles, qt_pad = (qt + TR - 1) / TR * TR;
+    uint16_t *kp = alloc16(heads * Skp * Dp), *vp = alloc16(heads * Skp * Dvp);
+    if (!kp || !vp) {
+        std::free(kp);
+        std::free(vp);
+        return -1;
+    }
+    const uint16_t *k = reinterpret_cast<const uint16_t*>(P.k), *v = reinterpret_cast<const uint16_t*>(P.v);
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        const FlushToZero ftz;  // this thread, for the loop (restored as it ends)
+        const TileConfig config;
+        _tile_loadconfig(&config);
+        AmxBuffers buf{alloc16(G * qt_pad * Dp), alloc(2 * TR * KB), alloc16(2 * TR * KB),
+                       alloc(G * qt_pad * Dvp), alloc(G * qt_pad), alloc(G * qt_pad), alloc(G * qt_pad)};
+        if (!buf.ok()) {
+#pragma omp atomic write
+            failed = 1;
+        } else {  // rows past a tile's last query are multiplied too (and never read): no stale NaN there
+            std::memset(buf.p, 0, sizeof(uint16_t) * 2 * TR * KB);
+        }
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < heads * (Skp / 32); ++it) {
+            const int64_t bh = it / (Skp / 32), u = it % (Skp / 32), b = bh / P.Hkv, kvh = bh % P.Hkv;
+            pack_k(P, k + b * P.ks[0] + kvh * P.ks[1], u, Dp, kp + bh * Skp * Dp);
+            pack_v(P, v + b * P.vs[0] + kvh * P.vs[1], u, Dvp, vp + bh * Skp * Dvp);
+        }  // (a barrier)
+        if (!failed) {
+            // Later query tiles see more keys under a causal mask: hand them out first.
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t it = 0; it < items; ++it) {
+                const int64_t tile = tiles - 1 - it % tiles, bh = it / tiles;
+                const int64_t p0 = tile * qt, p1 = std::min(p0 + qt, P.Sq);
+                run_item(P, buf, kp + bh * Skp * Dp, vp + bh * Skp * Dvp, bh / P.Hkv, bh % P.Hkv, p0, p1, qt_pad);
+            }
+        }
+        buf.release();
+        _tile_release();
+    }
+    std::free(kp);
+    std::free(vp);
+    return failed ? -1 : 0;
+}
+
+#else  // no AMX in this build
+
+bool amx_takes(const Problem&) { return false; }
+int attention_amx(const Problem&, int64_t, int) { return -2; }
+
+#endif
+
+}  // namespace mh
+
+// Whether mh_attention_bf16 runs its AMX loop now: built with AMX, permitted by the kernel,
+// switched on; 1 or 0.
+extern "C" int mh_amx_ready() {
+#if MH_AMX
+    return mh::amx_switch.load() && mh::amx_permitted();
+#else
+    return 0;
+#endif
+}
+
+// Switches the AMX loop on (1) or off (0: mh_attention_bf16 runs the AVX-512 loop, as without
+// AMX; the tests' fallback) for the process; returns the switch's previous position.
+extern "C" int mh_amx_switch(int on) { return mh::amx_switch.exchange(on != 0); }
