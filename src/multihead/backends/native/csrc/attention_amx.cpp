@@ -76,14 +76,19 @@ struct alignas(64) TileConfig {
 
 // Thread-local scratch of a work item; s and p hold two blocks (the one in the softmax, the
 // one whose p · v or q · kᵀ runs on the tiles meanwhile).
+struct Group;
 struct AmxBuffers {
     uint16_t* q;  // (G, qt_pad, Dp) queries, bfloat16
     float* s;  // (2, TR, KB) scores
     uint16_t* p;  // (2, TR, KB) probabilities, bfloat16
     float *o, *m, *l, *lx;  // (G, qt_pad, Dvp); (G, qt_pad) ×3: m, l (of the rounded p), lx (of p: lse's)
-    bool ok() const { return q && s && p && o && m && l && lx; }
+    Group* groups;  // (G · qt_pad / TR) an item's row groups
+    int64_t cur = 0;  // the half of s and p the softmax works on (the other: the tiles')
+    int64_t other() const { return TR * KB - cur; }
+    bool ok() const { return q && s && p && o && m && l && lx && groups; }
     void release() {
-        for (void* x : {(void*)q, (void*)s, (void*)p, (void*)o, (void*)m, (void*)l, (void*)lx}) std::free(x);
+        for (void* x : {(void*)q, (void*)s, (void*)p, (void*)o, (void*)m, (void*)l, (void*)lx, (void*)groups})
+            std::free(x);
     }
 };
 
@@ -240,8 +245,8 @@ float softmax_row(const float* __restrict si, int64_t width, float scale, float&
         m = top;
     }
     const __m512 sv = _mm512_set1_ps(scale), mv = _mm512_set1_ps(m == NEG_INF ? 0.f : m);
-    __m512 sum = _mm512_setzero_ps(), exact = sum;
     const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80);  // bfloat16 1.0
+    __m512 sum = _mm512_setzero_ps(), exact = sum;
     for (int64_t j = 0; j < width; j += 2 * W) {
         const __m512 p0 = exp2_amx(_mm512_fmsub_ps(_mm512_loadu_ps(si + j), sv, mv));
         const __m512 p1 = exp2_amx(_mm512_fmsub_ps(_mm512_loadu_ps(si + j + W), sv, mv));
@@ -258,67 +263,87 @@ float softmax_row(const float* __restrict si, int64_t width, float scale, float&
     return alpha;
 }
 
-// One row group: TR query rows (nr of them real) of head h, from query position pos0.
+// One row group: TR query rows (nr of them real) of head h, from query position pos0, seeing
+// keys [first, end) (first a multiple of 32), in blocks of KB keys (the last rounded up to 32).
 struct Group {
-    const Problem& P;
-    AmxBuffers& buf;
-    const uint16_t *q, *kp, *vp;  // the rows' packed queries; packed K and V of (b, K/V head)
-    int64_t b, h, pos0, nr, row0, Dp, cols;  // row0: the first row's index into buf.o, m, l
+    const Problem* P;
+    AmxBuffers* buf;
+    const uint16_t* q;  // the rows' packed queries
+    int64_t b, h, pos0, nr, row0, first, end;  // row0: the first row's index into buf.o, m, l
     bool prescale;  // logit features: scale the scores first (else inside the exponential)
 
-    float* o() const { return buf.o + row0 * cols * 16; }
+    int64_t blocks() const { return (end - first + KB - 1) / KB; }
+    int64_t key0(int64_t j) const { return first + j * KB; }
+    int64_t width(int64_t j) const { return std::min(KB, (end - key0(j) + 31) / 32 * 32); }
+    float* o(int64_t cols) const { return buf->o + row0 * cols * 16; }
 
-    // The masked softmax of row i of the scores s (keys [key0, key0 + width)) into p (row
-    // stride KB); the factor o's row must be multiplied by (1: none).
-    float softmax(int64_t i, float* s, int64_t key0, int64_t width, uint16_t* p) {
+    // The masked softmax of row i of block j's scores s into p (row stride KB); the factor o's
+    // row must be multiplied by (1: none).
+    float softmax(int64_t i, int64_t j, float* s, uint16_t* p) const {
+        const Problem& Q = *P;
         float* si = s + i * KB;
-        const uint8_t* mrow = P.mask ? P.mask + b * P.ms[0] + h * P.ms[1] + (pos0 + i) * P.ms[2] : nullptr;
+        const uint8_t* mrow = Q.mask ? Q.mask + b * Q.ms[0] + h * Q.ms[1] + (pos0 + i) * Q.ms[2] : nullptr;
         if (prescale)
-            for (int64_t j = 0; j < width; j += W) store(si + j, load(si + j) * P.scale);
-        mask_row(P, si, width, std::min(key0 + width, P.Sk) - key0, key0, pos0 + i + P.Sk - P.Sq, mrow, b, h);
-        const float sc = prescale ? 1.f : P.scale;
-        float &m = buf.m[row0 + i], &l = buf.l[row0 + i], &lx = buf.lx[row0 + i];
-        return P.lse ? softmax_row<true>(si, width, sc, m, l, lx, p + i * KB)
-                     : softmax_row<false>(si, width, sc, m, l, lx, p + i * KB);
+            for (int64_t c = 0; c < width(j); c += W) store(si + c, load(si + c) * Q.scale);
+        mask_row(Q, si, width(j), std::min(key0(j) + width(j), Q.Sk) - key0(j), key0(j), pos0 + i + Q.Sk - Q.Sq,
+                 mrow, b, h);
+        const float sc = prescale ? 1.f : Q.scale;
+        float &m = buf->m[row0 + i], &l = buf->l[row0 + i], &lx = buf->lx[row0 + i];
+        return Q.lse ? softmax_row<true>(si, width(j), sc, m, l, lx, p + i * KB)
+                     : softmax_row<false>(si, width(j), sc, m, l, lx, p + i * KB);
     }
-
-    // Keys [first, end) (first a multiple of 32) in blocks of KB, the last rounded up to 32. While
-    // block j's rows go through the softmax, block j - 1's p · v and block j + 1's q · kᵀ run on
-    // the tiles, in slices issued between the rows: either product whole would fill the reorder
-    // buffer and stall the softmax behind it.
-    void run(int64_t first, int64_t end) {
-        const int64_t blocks = (end - first + KB - 1) / KB;
-        auto width = [&](int64_t j) { return std::min(KB, (end - first - j * KB + 31) / 32 * 32); };
-        o_tiles(false, o(), cols);  // zeros
-        score_tiles(q, Dp, kp, first, 0, width(0) / 16, buf.s);
-        for (int64_t j = 0; j < blocks; ++j) {
-            const int64_t cur = (j & 1) * TR * KB, prev = TR * KB - cur;  // this block's buffers, the other's
-            const int64_t steps = j > 0 ? width(j - 1) / 32 : 0, pairs = j + 1 < blocks ? width(j + 1) / 32 : 0;
-            float alpha[TR];
-            bool rescale = false;
-            for (int64_t i = 0; i < TR; ++i) {
-                if (i < nr) rescale |= (alpha[i] = softmax(i, buf.s + cur, first + j * KB, width(j), buf.p + cur)) != 1.f;
-                if (steps)
-                    pv_steps(buf.p + prev, vp, cols, first + (j - 1) * KB, steps * i / TR, steps * (i + 1) / TR);
-                if (pairs)
-                    score_tiles(q, Dp, kp, first + (j + 1) * KB, 2 * (pairs * i / TR), 2 * (pairs * (i + 1) / TR),
-                                buf.s + prev);
-            }
-            if (steps) pv_memory(buf.p + prev, vp, cols, first + (j - 1) * KB, width(j - 1), o());
-            if (rescale) {  // o so far (block j - 1's products included) rescaled before block j's
-                o_tiles(true, o(), cols);
-                for (int64_t i = 0; i < nr; ++i)
-                    if (alpha[i] != 1.f)
-                        for (int64_t t = 0; t < 16 * cols; ++t) o()[i * 16 * cols + t] *= alpha[i];
-                o_tiles(false, o(), cols);
-            }
-        }
-        const int64_t last = ((blocks - 1) & 1) * TR * KB;
-        pv_steps(buf.p + last, vp, cols, first + (blocks - 1) * KB, 0, width(blocks - 1) / 32);
-        pv_memory(buf.p + last, vp, cols, first + (blocks - 1) * KB, width(blocks - 1), o());
-        o_tiles(true, o(), cols);
+    // o's rows (in memory) times alpha where it is not 1.
+    void rescale(const float* alpha, int64_t cols) const {
+        for (int64_t i = 0; i < nr; ++i)
+            if (alpha[i] != 1.f)
+                for (int64_t t = 0; t < 16 * cols; ++t) o(cols)[i * 16 * cols + t] *= alpha[i];
     }
 };
+
+// The item's row groups' blocks as one stream: while block t's rows go through the softmax,
+// block t - 1's p · v and block t + 1's q · kᵀ run on the tiles (the row groups' boundaries
+// included), in slices issued between the rows: either product whole would fill the reorder
+// buffer and stall the softmax behind it. o of block t - 1's group sits in tiles 0-3.
+void run_blocks(const Group* gs, int64_t count, AmxBuffers& buf, const uint16_t* kp, const uint16_t* vp, int64_t Dp,
+                int64_t cols) {
+    struct Pos { int64_t a, j; };  // group gs[a], its block j; a == count: past the end
+    auto next = [&](Pos x) { return x.j + 1 < gs[x.a].blocks() ? Pos{x.a, x.j + 1} : Pos{x.a + 1, 0}; };
+    buf.cur = 0;
+    o_tiles(false, gs[0].o(cols), cols);  // zeros
+    score_tiles(gs[0].q, Dp, kp, gs[0].key0(0), 0, gs[0].width(0) / 16, buf.s);
+    Pos prev{-1, 0};
+    for (Pos cur{0, 0}; cur.a < count; prev = cur, cur = next(cur)) {
+        const Pos after = next(cur);
+        const Group& g = gs[cur.a];
+        const int64_t steps = prev.a >= 0 ? gs[prev.a].width(prev.j) / 32 : 0;
+        const int64_t pairs = after.a < count ? gs[after.a].width(after.j) / 32 : 0;
+        float alpha[TR];
+        bool rescale = false;
+        for (int64_t i = 0; i < TR; ++i) {
+            if (i < g.nr) rescale |= (alpha[i] = g.softmax(i, cur.j, buf.s + buf.cur, buf.p + buf.cur)) != 1.f;
+            if (steps)
+                pv_steps(buf.p + buf.other(), vp, cols, gs[prev.a].key0(prev.j), steps * i / TR, steps * (i + 1) / TR);
+            if (pairs)
+                score_tiles(gs[after.a].q, Dp, kp, gs[after.a].key0(after.j), 2 * (pairs * i / TR),
+                            2 * (pairs * (i + 1) / TR), buf.s + buf.other());
+        }
+        if (steps) pv_memory(buf.p + buf.other(), vp, cols, gs[prev.a].key0(prev.j), gs[prev.a].width(prev.j),
+                             gs[prev.a].o(cols));
+        if (prev.a >= 0 && prev.a != cur.a) {  // the previous group is done: its o out, this one's (zeros) in
+            o_tiles(true, gs[prev.a].o(cols), cols);
+            o_tiles(false, g.o(cols), cols);
+        } else if (rescale) {  // o so far (block t - 1's products included) rescaled before block t's
+            o_tiles(true, g.o(cols), cols);
+            g.rescale(alpha, cols);
+            o_tiles(false, g.o(cols), cols);
+        }
+        buf.cur = buf.other();
+    }
+    const Group& last = gs[prev.a];
+    pv_steps(buf.p + buf.other(), vp, cols, last.key0(prev.j), 0, last.width(prev.j) / 32);
+    pv_memory(buf.p + buf.other(), vp, cols, last.key0(prev.j), last.width(prev.j), last.o(cols));
+    o_tiles(true, last.o(cols), cols);
+}
 
 // Work item (b, K/V head kvh, query positions [p0, p1)) on the packed K (kp) and V (vp) of (b, kvh).
 void run_item(const Problem& P, AmxBuffers& buf, const uint16_t* kp, const uint16_t* vp, int64_t b, int64_t kvh,
@@ -332,19 +357,19 @@ void run_item(const Problem& P, AmxBuffers& buf, const uint16_t* kp, const uint1
     }
     for (int64_t r = 0; r < G * qt_pad; ++r) { buf.m[r] = NEG_INF; buf.l[r] = buf.lx[r] = 0.f; }
     std::memset(buf.o, 0, sizeof(float) * G * qt_pad * cols * 16);
-    int64_t panels = 0;
+    int64_t panels = 0, count = 0;
     for (int64_t g = 0; g < G; ++g)
         for (int64_t r0 = 0; r0 < rows; r0 += TR) {
-            const int64_t row0 = g * qt_pad + r0;
-            Group group{P, buf, buf.q + row0 * Dp, kp, vp, b, kvh * G + g, p0 + r0, std::min(TR, rows - r0), row0,
-                        Dp, cols, P.softcap > 0.f || P.alibi || !(P.scale > 0.f)};
+            const int64_t row0 = g * qt_pad + r0, nr = std::min(TR, rows - r0);
             int64_t lo, hi;  // keys these rows may see
-            key_range(P, group.pos0, group.pos0 + group.nr, lo, hi, b);
+            key_range(P, p0 + r0, p0 + r0 + nr, lo, hi, b);
             lo = lo / 32 * 32;
-            if (hi <= lo) continue;
+            if (hi <= lo) continue;  // o stays 0, m -inf: zeros out
             panels += (hi - lo + NR - 1) / NR;
-            group.run(lo, hi);
+            buf.groups[count++] = Group{&P, &buf, buf.q + row0 * Dp, b, kvh * G + g, p0 + r0, nr, row0, lo, hi,
+                                        P.softcap > 0.f || P.alibi || !(P.scale > 0.f)};
         }
+    if (count) run_blocks(buf.groups, count, buf, kp, vp, Dp, cols);
     if (P.panels) {
 #pragma omp atomic
         *P.panels += panels;
@@ -384,7 +409,8 @@ int attention_amx(const Problem& P, int64_t query_tile, int threads) {
         const TileConfig config;
         _tile_loadconfig(&config);
         AmxBuffers buf{alloc16(G * qt_pad * Dp), alloc(2 * TR * KB), alloc16(2 * TR * KB),
-                       alloc(G * qt_pad * Dvp), alloc(G * qt_pad), alloc(G * qt_pad), alloc(G * qt_pad)};
+                       alloc(G * qt_pad * Dvp), alloc(G * qt_pad), alloc(G * qt_pad), alloc(G * qt_pad),
+                       static_cast<Group*>(std::malloc(sizeof(Group) * (G * qt_pad / TR)))};
         if (!buf.ok()) {
 #pragma omp atomic write
             failed = 1;
