@@ -138,59 +138,73 @@ void pack_v(const Problem& P, const uint16_t* vb, int64_t u, int64_t Dvp, uint16
     }
 }
 
-// Tiles: 0-3 o's first 64 columns (a whole row group long), 4 and 7 scores, 5 queries or o's
-// further columns, 6 keys or values, 7 p.
+// Tiles: 0-3 o's first 64 columns (a row group long); 4 and 7 two key tiles' scores; 5 queries,
+// p or an o column past the fourth; 6 keys or values.
 
-// Key tiles [n0, n1) (16 keys each, from key0; n0, n1 even) of the scores q · kᵀ, into s (row
-// stride KB), two at a time.
-inline void score_tiles(const uint16_t* q, int64_t Dp, const uint16_t* kp, int64_t key0, int64_t n0, int64_t n1,
-                        float* s) {
-    const int64_t steps = Dp / 32;
-    for (int64_t n = n0; n < n1; n += 2) {
-        const uint16_t* kt = kp + (key0 / 16 + n) * steps * TILE;
-        _tile_zero(4);
-        _tile_zero(7);
-        for (int64_t t = 0; t < steps; ++t) {
-            _tile_loadd(5, q + 32 * t, Dp * 2);
-            _tile_loadd(6, kt + t * TILE, 64);
-            _tile_dpbf16ps(4, 5, 6);
-            _tile_loadd(6, kt + (steps + t) * TILE, 64);
-            _tile_dpbf16ps(7, 5, 6);
-        }
-        _tile_stored(4, s + 16 * n, KB * 4);
-        _tile_stored(7, s + 16 * n + 16, KB * 4);
+// Scores q · kᵀ of two key tiles at a time into tiles 4 and 7, each stored (to s) only at the next
+// issue or flush: a tile store waits for the products it stores, and waiting at the head of the
+// reorder buffer it would stall the softmax issued after it (measured: the store right after its
+// products cost the loop 1.5× the time of the softmax and the products side by side; a row of
+// softmax later, nothing).
+struct ScoreTiles {
+    float* dst[2] = {nullptr, nullptr};  // where tiles 4 and 7 go; null: nothing pending
+
+    void flush() {
+        if (dst[0]) _tile_stored(4, dst[0], KB * 4);
+        if (dst[1]) _tile_stored(7, dst[1], KB * 4);
+        dst[0] = dst[1] = nullptr;
     }
-}
+    // Key tiles [n0, n1) (16 keys each, from key0; n0, n1 even) of q (TR rows, stride Dp) · kᵀ,
+    // bound for s (row stride KB).
+    void issue(const uint16_t* q, int64_t Dp, const uint16_t* kp, int64_t key0, int64_t n0, int64_t n1, float* s) {
+        const int64_t steps = Dp / 32;
+        for (int64_t n = n0; n < n1; n += 2) {
+            flush();
+            const uint16_t* kt = kp + (key0 / 16 + n) * steps * TILE;
+            _tile_zero(4);
+            _tile_zero(7);
+            for (int64_t t = 0; t < steps; ++t) {
+                _tile_loadd(5, q + 32 * t, Dp * 2);
+                _tile_loadd(6, kt + t * TILE, 64);
+                _tile_dpbf16ps(4, 5, 6);
+                _tile_loadd(6, kt + (steps + t) * TILE, 64);
+                _tile_dpbf16ps(7, 5, 6);
+            }
+            dst[0] = s + 16 * n;
+            dst[1] = s + 16 * n + 16;
+        }
+    }
+};
 
 // Steps [u0, u1) (32 keys each, from key0) of o += p · v for o's first min(cols, 4) column tiles,
 // held in tiles 0-3.
 inline void pv_steps(const uint16_t* p, const uint16_t* vp, int64_t cols, int64_t key0, int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
         const uint16_t* vt = vp + (key0 / 32 + u) * cols * TILE;
-        _tile_loadd(7, p + 32 * u, KB * 2);
+        _tile_loadd(5, p + 32 * u, KB * 2);
         _tile_loadd(6, vt, 64);
-        _tile_dpbf16ps(0, 7, 6);
+        _tile_dpbf16ps(0, 5, 6);
         if (cols < 2) continue;
         _tile_loadd(6, vt + TILE, 64);
-        _tile_dpbf16ps(1, 7, 6);
+        _tile_dpbf16ps(1, 5, 6);
         if (cols < 3) continue;
         _tile_loadd(6, vt + 2 * TILE, 64);
-        _tile_dpbf16ps(2, 7, 6);
+        _tile_dpbf16ps(2, 5, 6);
         if (cols < 4) continue;
         _tile_loadd(6, vt + 3 * TILE, 64);
-        _tile_dpbf16ps(3, 7, 6);
+        _tile_dpbf16ps(3, 5, 6);
     }
 }
 
 // o += p · v for o's column tiles from the fifth on, in memory (o: TR rows, stride 16 · cols),
-// keys [key0, key0 + width).
+// keys [key0, key0 + width), with no scores pending in tiles 4 and 7 (it uses 4-6).
 inline void pv_memory(const uint16_t* p, const uint16_t* vp, int64_t cols, int64_t key0, int64_t width, float* o) {
     for (int64_t c = 4; c < cols; ++c) {
         _tile_loadd(5, o + 16 * c, cols * 64);
         for (int64_t u = 0; u < width / 32; ++u) {
-            _tile_loadd(7, p + 32 * u, KB * 2);
+            _tile_loadd(4, p + 32 * u, KB * 2);
             _tile_loadd(6, vp + ((key0 / 32 + u) * cols + c) * TILE, 64);
-            _tile_dpbf16ps(5, 7, 6);
+            _tile_dpbf16ps(5, 4, 6);
         }
         _tile_stored(5, o + 16 * c, cols * 64);
     }
@@ -310,7 +324,9 @@ void run_blocks(const Group* gs, int64_t count, AmxBuffers& buf, const uint16_t*
     auto next = [&](Pos x) { return x.j + 1 < gs[x.a].blocks() ? Pos{x.a, x.j + 1} : Pos{x.a + 1, 0}; };
     buf.cur = 0;
     o_tiles(false, gs[0].o(cols), cols);  // zeros
-    score_tiles(gs[0].q, Dp, kp, gs[0].key0(0), 0, gs[0].width(0) / 16, buf.s);
+    ScoreTiles scores;
+    scores.issue(gs[0].q, Dp, kp, gs[0].key0(0), 0, gs[0].width(0) / 16, buf.s);
+    scores.flush();
     Pos prev{-1, 0};
     for (Pos cur{0, 0}; cur.a < count; prev = cur, cur = next(cur)) {
         const Pos after = next(cur);
@@ -324,9 +340,10 @@ void run_blocks(const Group* gs, int64_t count, AmxBuffers& buf, const uint16_t*
             if (steps)
                 pv_steps(buf.p + buf.other(), vp, cols, gs[prev.a].key0(prev.j), steps * i / TR, steps * (i + 1) / TR);
             if (pairs)
-                score_tiles(gs[after.a].q, Dp, kp, gs[after.a].key0(after.j), 2 * (pairs * i / TR),
-                            2 * (pairs * (i + 1) / TR), buf.s + buf.other());
+                scores.issue(gs[after.a].q, Dp, kp, gs[after.a].key0(after.j), 2 * (pairs * i / TR),
+                             2 * (pairs * (i + 1) / TR), buf.s + buf.other());
         }
+        scores.flush();  // block t + 1's scores complete
         if (steps) pv_memory(buf.p + buf.other(), vp, cols, gs[prev.a].key0(prev.j), gs[prev.a].width(prev.j),
                              gs[prev.a].o(cols));
         if (prev.a >= 0 && prev.a != cur.a) {  // the previous group is done: its o out, this one's (zeros) in
