@@ -108,23 +108,33 @@ def test_native_gradients_per_vector_width(monkeypatch, bits: int) -> None:
         torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("tiles", [True, False], ids=["loop on AMX", "loop not on AMX"])
 @pytest.mark.parametrize("amx", [True, False], ids=["AMX", "no AMX"])
 @pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD", ""])
 @pytest.mark.parametrize("bits", [512, 256], ids=["AVX-512", "AVX2"])
-def test_intel_avx512_and_amx_rules(monkeypatch, bits: int, vendor: str, amx: bool) -> None:
+def test_intel_avx512_and_amx_rules(monkeypatch, bits: int, vendor: str, amx: bool, tiles: bool) -> None:
     """On an Intel CPU with AVX-512 (MKL's own AVX-512 code: measured) a forward takes the native
-    loop from 2^20 scores only, never "blocked"; bfloat16 on a CPU with AMX takes SDPA. Decoding,
-    logit features and the log-sum-exp keep their native paths. Elsewhere, as before."""
+    loop from 2^20 scores only, never "blocked"; bfloat16 on a CPU with AMX takes the native loop
+    from 2^21 scores where it runs on the tiles (native.amx()), SDPA below and where it cannot.
+    Decoding, logit features and the log-sum-exp keep their native paths. Elsewhere, as before."""
     monkeypatch.setattr(native, "vector_bits", lambda: bits)
     monkeypatch.setattr(native, "cpu_vendor", lambda: vendor)
     monkeypatch.setattr(native, "amx_bf16", lambda: amx)
+    monkeypatch.setattr(native, "amx", lambda: amx and tiles)
     intel = bits == 512 and vendor == "GenuineIntel"
     assert auto.intel_avx512() is intel
     least = 1 << 20 if intel else auto.NATIVE_MIN_SCORES[bits]
     s = int(least ** 0.5) // 2  # (1, 4, 4, s, s): exactly `least` scores
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         path = mh.kernels.auto_path(*_qkv(1, 4, 4, s, s, dtype=dtype))
-        assert path == ("sdpa" if dtype == torch.bfloat16 and amx else "native"), (dtype, path)
+        bf16_amx = dtype == torch.bfloat16 and amx and least < auto.AMX_MIN_SCORES
+        assert path == ("sdpa" if bf16_amx else "native"), (dtype, path)
+    half = _qkv(1, 8, 8, 512, 512, dtype=torch.bfloat16)  # 2^21 scores
+    assert mh.kernels.auto_path(*half) == ("sdpa" if amx and not tiles else "native")
+    assert mh.kernels.auto_path(*_qkv(1, 8, 8, 511, 512, dtype=torch.bfloat16)) == (
+        "sdpa" if amx else "native")
+    assert mh.kernels.auto_path(half[0].clone().requires_grad_(), *half[1:]) == (
+        "sdpa (gradients)" if amx else "native (gradients)")
     below = mh.kernels.auto_path(*_qkv(1, 4, 4, s - 1, s))
     assert below == ("blocked" if _blocked_fits(s - 1, s) and not intel else "sdpa"), below
     assert mh.kernels.auto_path(*_qkv(1, 4, 4, 512, 512)) == "native"  # 2^20 scores: every threshold

@@ -63,9 +63,14 @@ NATIVE_MIN_DECODE_SCORES: dict[int, int] = {512: 1 << 11, 256: 1 << 14}
 #: float bias, soft-capping 3.8-18× faster than "explicit").
 INTEL_AVX512_MIN_SCORES = 1 << 20
 TORCH_PREFILL_VENDORS = ("GenuineIntel",)
-# bfloat16 on a CPU with AMX (native.amx_bf16) takes SDPA, not the native loop, for a forward
-# without the log-sum-exp: oneDNN's AMX tiles run SDPA's products (measured on that Xeon: SDPA
-# 0.36× the native loop's time without a mask, 0.43-0.66× causal, S=512 and 2048).
+#: bfloat16 on a CPU with AMX (native.amx_bf16), a forward: the native loop runs on the tiles too
+#: (native.amx(): csrc/attention_amx.cpp) and takes it from AMX_MIN_SCORES; below, and where the
+#: kernel cannot use them (native.amx() False: then SDPA's oneDNN products on AMX run at 2.8× our
+#: vector loop's speed), SDPA. Measured (that Xeon, 2 cores, paired medians, SDPA's time / the
+#: loop's): H=12, D=64: S=128 1.03× / 0.99× causal, S=256 0.98× / 1.11×, S=512 1.24× / 1.52×,
+#: S=1024 1.31× / 1.58×, S=2048 1.43× / 1.57×; GQA 32/8, D=128: S=128 0.75×, S=256 0.90× / 1.11×,
+#: S=512 1.01× / 1.40×, S=1024..2048 1.16-1.30× / 1.43-1.48×.
+AMX_MIN_SCORES = 1 << 21
 
 #: Gradients (no log-sum-exp asked for): the native forward and its backward from this many
 #: scores, per vector width; a width not listed takes SDPA; bfloat16 where the CPU has AMX
@@ -178,20 +183,22 @@ def intel_avx512() -> bool:
 
 
 def _bf16_on_amx(c: Call) -> bool:
-    """bfloat16 on a CPU with AMX tiles for it: SDPA's products run there (forward and gradients)."""
+    """bfloat16 on a CPU with AMX tiles for it: SDPA's products run there (forward and gradients),
+    and the native loop's too where it can use them (native.amx())."""
     return c.q.dtype == torch.bfloat16 and native.amx_bf16()
 
 
 def _native_prefill_fits(c: Call) -> bool:
     """The native FlashAttention loop for a forward: at the width's threshold; on an Intel CPU
-    with AVX-512 from INTEL_AVX512_MIN_SCORES, and bfloat16 not where AMX runs SDPA's; with the
-    log-sum-exp (SDPA returns none) at the width's threshold everywhere."""
+    with AVX-512 from INTEL_AVX512_MIN_SCORES; bfloat16 on a CPU with AMX from AMX_MIN_SCORES
+    where the loop runs on the tiles, never where it cannot; with the log-sum-exp (SDPA returns
+    none) at the width's threshold everywhere."""
     if not c.native_fits(NATIVE_MIN_SCORES):  # first: a small problem never builds the kernel
         return False
     if c.return_lse:
         return True
     if _bf16_on_amx(c):
-        return False
+        return c.scores >= AMX_MIN_SCORES and native.amx()
     return not intel_avx512() or c.scores >= INTEL_AVX512_MIN_SCORES
 
 
@@ -248,8 +255,9 @@ AUTO_RULES: tuple[Rule, ...] = (
     Rule("native", f"from {_widths(NATIVE_MIN_SCORES)} scores: the native FlashAttention loop (compiled here "
          "for AVX-512 or AVX2; float32, and bfloat16/float16 read as such and computed in float32); without the "
          f"log-sum-exp, on an Intel CPU with AVX-512 (MKL's own AVX-512 code) from "
-         f"2^{INTEL_AVX512_MIN_SCORES.bit_length() - 1} scores, and bfloat16 not on a CPU with AMX (SDPA's products "
-         "run on it)",
+         f"2^{INTEL_AVX512_MIN_SCORES.bit_length() - 1} scores; bfloat16 on a CPU with AMX from "
+         f"2^{AMX_MIN_SCORES.bit_length() - 1} scores where the loop runs on its tiles (native.amx()), never where "
+         "it cannot (SDPA's products run on them)",
          _native_prefill_fits, _native(decode=False)),
     Rule("blocked", f"float32, Sq and Sk ≥ {BLOCKED_MIN_SEQ}, D ≥ {BLOCKED_MIN_HEAD_DIM}, not native (no "
          "kernel, or below its threshold), not on an Intel CPU with AVX-512 unless the log-sum-exp is asked for "
