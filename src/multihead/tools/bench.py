@@ -25,7 +25,8 @@ layer/prefill  a layer, E=768, H=12, S=1024, ± causal      projections + core F
                (peers include the layer under torch.compile)
 layer/decode   one token, E=2048, H=32, Hkv=8, RoPE, L     weights + K/V bytes read
 core/bf16      the core in bfloat16, ± causal, S ≥ 1024   as core/* (peers: ours in
-               (peers: ours in float32, SDPA in bfloat16)  float32, SDPA in bfloat16)
+               (peers: ours in float32, SDPA in bfloat16;  float32, SDPA in bfloat16)
+               with AMX, ours with AMX switched off)
 layer/decode-bf16  layer/decode with bfloat16 weights and  weights + K/V bytes read
                cache (peers: ours in float32, HF in bf16)
 layer/train    forward + backward, E=768, H=12, S=1024     3 × forward FLOPs
@@ -216,6 +217,7 @@ def _core_bf16_case(s: int, causal: bool, h: int = 12, d: int = 64) -> tuple[dic
         "torch sdpa bf16": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
     }
     _add_native_row(fns, q, k, v, causal)
+    _add_vector_row(fns, q, k, v, causal)
     flops = 4.0 * h * d * (s * (s + 1) / 2 if causal else s * s)
     return {"case": "core/bf16", "seq": s, "causal": causal, "heads": h, "head_dim": d, "flops": flops,
             "limit": "compute"}, fns
@@ -230,6 +232,20 @@ def _add_native_row(fns: dict[str, Fn], q: torch.Tensor, k: torch.Tensor, v: tor
 
     if native.available() and auto_path(q, k, v) != "native" and q.dtype in native.DTYPES:
         fns["multihead backend=native"] = lambda: attention(q, k, v, causal=causal, backend="native")
+
+
+def _add_vector_row(fns: dict[str, Fn], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
+    """Where the bfloat16 loop runs on AMX tiles here, the same loop on vectors (AMX switched off,
+    as on a CPU without it) as a peer row."""
+    from ..backends import native
+    from ..functional import attention
+
+    def vectors() -> torch.Tensor:
+        with native.amx_enabled(False):
+            return attention(q, k, v, causal=causal, backend="native")
+
+    if native.available() and native.amx():
+        fns["multihead backend=native, AMX off"] = vectors
 
 
 def _layer_flops(e: int, h: int, hkv: int, d: int, s: int, sk: int, causal: bool) -> float:

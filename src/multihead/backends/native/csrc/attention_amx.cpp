@@ -5,8 +5,12 @@
 // Why it exists: on a CPU with AMX, torch's SDPA runs its bfloat16 products there (oneDNN), at
 // 2.5× the speed of our float32 loop; the AVX-512 loop (attention.cpp) widens bfloat16 to float32
 // and runs at a third of SDPA's speed. Here both products run on the tiles and the softmax
-// between them on AVX-512; the softmax then takes most of the time, and the products of the
-// neighbouring blocks run on the tiles while it does (below).
+// between them on AVX-512, and the products of the neighbouring blocks are issued between the
+// softmax's rows (run_blocks). Measured limits (Intel Xeon, 2 cores, H=12, D=64): any tile
+// product lowers the core's clock (the softmax alone takes 1.4× as long once one runs); a block's
+// products, K and V read from L2, take about as long as its softmax and overlap it less than a
+// loop with K and V in L1 does (K and V tiles forced into L1: 0.85× the time; software prefetch
+// into L1 cost 1.05-1.13×, tried).
 //
 // Notation as attention.cpp's (B, H, Hkv, G = H / Hkv, Sq, Sk, D, Dv). Dp, Dvp: D and Dv rounded
 // up to 32 and 16 (zeros); Skp: Sk rounded up to 32 (zeros, masked as not keys).
@@ -27,16 +31,16 @@
 //   by more than LAZY (so p <= 2^LAZY); o / l is the same.
 //
 // Accuracy: p is rounded to bfloat16 before p · v, as FlashAttention and torch's SDPA do in
-// bfloat16; everything else is float32. The error against float64 is 1.2-1.4× that of the
+// bfloat16; everything else is float32. The RMS error against float64 is 1.05-1.4× that of the
 // float32 computation rounded once (the AVX-512 loop's) and about half a naive bfloat16
-// implementation's (tests/backends/test_native_bf16.py).
+// implementation's (tests/backends/test_native_amx.py).
 //
 // Where AMX is missing or refused (a kernel without it refuses the permission), or switched off
 // (mh_amx_switch(0)), the AVX-512 loop runs instead.
 
 #include "common.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define MH_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
