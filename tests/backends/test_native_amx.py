@@ -172,7 +172,9 @@ def test_amx_with_logit_features(names: tuple[str, ...]) -> None:
 
 
 def test_amx_results_do_not_depend_on_the_thread_count() -> None:
-    q, k, v = (torch.randn(1, 4, 600, 64).to(BF16) for _ in range(3))
+    """3 heads: one thread takes them whole, packing each (b, K/V head) itself; two share the
+    packing, then the work items (3 pairs do not split evenly over 2 threads): the same bits."""
+    q, k, v = (torch.randn(1, 3, 600, 64).to(BF16) for _ in range(3))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
