@@ -436,8 +436,9 @@ def test_kernels_stay_inside_their_tensors_under_address_sanitizer(tmp_path, arc
     exe = tmp_path / "memcheck"
     build = subprocess.run([compiler, "-std=c++17", "-O1", "-g", f"-march={arch}", "-fopenmp",
                             "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", f"-I{csrc}",
-                            str(Path(__file__).parent / "native_memcheck.cpp"), str(csrc / "attention.cpp"), str(csrc / "attention_amx.cpp"),
-                            str(csrc / "decode.cpp"), "-o", str(exe)], capture_output=True, text=True, timeout=300)
+                            str(Path(__file__).parent / "native_memcheck.cpp"), str(csrc / "attention.cpp"),
+                            str(csrc / "attention_amx.cpp"), str(csrc / "decode.cpp"), "-o", str(exe)],
+                           capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr[-3000:]
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     done = subprocess.run([str(exe), str(int(150 * SCALE))], capture_output=True, text=True, timeout=600,

@@ -633,8 +633,8 @@ inline float row_scale(const Problem& P, int64_t h, float m, float l) {
 }
 
 // The bfloat16 FlashAttention loop on AMX tiles (attention_amx.cpp): whether it runs P here (a
-// build with AMX, the kernel's permission to use it, not switched off, P's features supported),
-// and the loop itself (mh_attention_bf16's return codes).
+// build with AMX, the operating system's permission to use it, not switched off, some key), and
+// the loop itself (every feature of mh_attention_bf16, its return codes).
 bool amx_takes(const Problem& P);
 int attention_amx(const Problem& P, int64_t query_tile, int threads);
 
