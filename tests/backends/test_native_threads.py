@@ -1,4 +1,5 @@
-"""Decoding results do not depend on the thread count: bitwise equal with 1, 2 and 3 threads.
+"""Results do not depend on the thread count: the decoding kernels and the FlashAttention loops
+give the same bits with 1, 2 and 3 threads.
 
 Notation: B batch, H query heads, Hkv key/value heads, Sq queries, Sk keys, D head dim.
 
@@ -67,3 +68,20 @@ def test_a_decoding_step_gives_the_same_bits_for_any_thread_count(kv_heads: int)
     fused = decode.why_not_fused(layer, token, cache) is None
     assert fused == (native.vector_bits() >= 256)
     assert_bitwise_equal(with_threads(step))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hkv", [3, 6])
+def test_the_flash_loop_gives_the_same_bits_for_any_thread_count(dtype: torch.dtype, hkv: int) -> None:
+    """The FlashAttention loops share work two ways: each thread packing and running whole (b, K/V
+    head) pairs (3 pairs with 1 or 3 threads, 6 with any), or all threads packing first and then
+    taking query tiles one at a time (3 pairs over 2 threads): the same bits every way."""
+    torch.manual_seed(hkv)
+    q, k, v = (torch.randn(1, 6, 300, 64).to(dtype), torch.randn(1, hkv, 300, 64).to(dtype),
+               torch.randn(1, hkv, 300, 64).to(dtype))
+    for causal in (False, True):
+        def run(causal: bool = causal) -> torch.Tensor:
+            return native.run(q, k, v, scale=0.125, causal=causal, window=None, mask=None, decode=False)[0]
+
+        assert_bitwise_equal(with_threads(run))
