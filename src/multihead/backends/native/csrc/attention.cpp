@@ -190,7 +190,7 @@ int attention(const void* q, const void* k, const void* v, void* out, float* lse
     // With enough (b, K/V head) pairs for the threads and K small enough to stay in L2 once packed,
     // each thread takes whole pairs and packs each one's K once (not once per query tile).
     const int64_t heads = P.B * P.Hkv, kpanels = (P.Sk + NR - 1) / NR;
-    const bool own = (heads % threads == 0 || heads >= 4 * threads) && kpanels * NR * P.D * 4 <= OWN_K_BYTES;
+    const bool own = whole_pairs(heads, threads) && kpanels * NR * P.D * 4 <= OWN_K_BYTES;
     float* own_kt = own ? alloc(threads * kpanels * P.D * NR) : nullptr;
     if (own && !own_kt) return -1;
     int failed = 0;

@@ -446,7 +446,7 @@ int attention_amx(const Problem& P, int64_t query_tile, int threads) {
     const int64_t Skp = (P.Sk + 31) / 32 * 32, heads = P.B * P.Hkv;
     const int64_t qt = std::min(query_tile, std::max<int64_t>(P.Sq, 1));
     const int64_t tiles = (P.Sq + qt - 1) / qt, items = heads * tiles, qt_pad = (qt + TR - 1) / TR * TR;
-    const bool own = heads % threads == 0 || heads >= 4 * threads;
+    const bool own = whole_pairs(heads, threads);
     const int64_t packed = own ? threads : heads;  // K, V packs: one per thread, or one per pair
     uint16_t *kp = alloc16(packed * Skp * Dp), *vp = alloc16(packed * Skp * Dvp);
     if (!kp || !vp) {

@@ -632,6 +632,11 @@ inline float row_scale(const Problem& P, int64_t h, float m, float l) {
     return keys / (l * keys + std::exp2(sink - top));
 }
 
+// Whether the FlashAttention loops give each thread whole (b, K/V head) pairs (heads of them),
+// packing a pair's K (and V) once, rather than sharing out (pair, query tile) items: where the
+// pairs split evenly over the threads, or are many enough that an uneven split costs little.
+inline bool whole_pairs(int64_t heads, int threads) { return heads % threads == 0 || heads >= 4 * threads; }
+
 // The bfloat16 FlashAttention loop on AMX tiles (attention_amx.cpp): whether it runs P here (a
 // build with AMX, the operating system's permission to use it, not switched off, some key), and
 // the loop itself (every feature of mh_attention_bf16, its return codes).
