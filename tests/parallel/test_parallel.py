@@ -220,11 +220,16 @@ def test_ring_memory_per_rank_falls_as_one_over_p() -> None:
     """Peak memory of a ring forward per rank is O(S/P). In units u of a local shard of q at
     P = 2: q, k, v, the float32 accumulator and one foreign K/V shard make ~7.5u at P = 2; at
     P >= 3 a second foreign shard is in flight (overlap) and the shards halve: ~4.75u, a ratio
-    of ~0.63 (measured). All-gathering K and V instead (torch's CPU fallback) holds 3u + 2P
+    of ~0.63-0.66 (measured). All-gathering K and V instead (torch's CPU fallback) holds 3u + 2P
     shards: 7u then 5.5u, a ratio of ~0.79, so this would fail."""
     peak = {p: max(r["memory/ring"]["peak"] for r in world(p)) for p in (2, 4)}
     assert all(r["memory/ring"]["finite"] for p in (2, 4) for r in world(p))
     assert peak[4] <= 0.7 * peak[2], f"per-rank peak {peak} does not fall as 1/P"
+    # However the ranks are scheduled: with every shard received before its step starts, a
+    # step that still held the previous shard while the next one arrives (three foreign
+    # shards at P = 4, a ratio of ~0.75, as one CI run measured) would fail here.
+    at_once = {p: max(r["memory/ring_at_once"]["peak"] for r in world(p)) for p in (2, 4)}
+    assert at_once[4] <= 0.7 * at_once[2], f"per-rank peak, shards arriving at once: {at_once}"
     # And what the design holds (q, k, v, out + min(P-1, 2) foreign K/V shards), plus the
     # blocks' temporaries: on this 2-core AVX2 VM (blocked kernel) 1.98x and 1.89x of the design
     # at this small size (at S = 16384, H = 8 the benchmark sees 1.2-1.3x: their part is partly

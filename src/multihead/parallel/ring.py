@@ -284,10 +284,12 @@ class _RingAttention(torch.autograd.Function):
         for step in range(spec.world):
             src = (spec.rank - step) % spec.world
             nxt = (src - 1) % spec.world
-            wait = (ring_shift(current, _kv_shapes(spec, nxt, k, v, km), spec.comm, tag=16 * step)
-                    if step < spec.world - 1 else None)
+            # bound before the shift allocates the next shard: the previous one has no name left,
+            # so at most two foreign shards live at once, however the ranks are scheduled
             kk, vv = current[0], current[1]
             kmask = current[2] if km is not None else None
+            wait = (ring_shift(current, _kv_shapes(spec, nxt, k, v, km), spec.comm, tag=16 * step)
+                    if step < spec.world - 1 else None)
             for a in mine:
                 for rb in spec.runs(src):
                     kind = _classify(a, rb, spec.causal, spec.window)
@@ -301,6 +303,7 @@ class _RingAttention(torch.autograd.Function):
                         window=spec.window if flags else None, mask=mask, scale=spec.scale)
                     merge_into(out[:, :, a.offset:a.offset + a.count], lse[:, :, a.offset:a.offset + a.count],
                                o_blk, l_blk)
+                    del o_blk, l_blk  # freed before the next block's output is allocated
             if wait is not None:
                 current = wait()
         result = out.to(q.dtype)
@@ -326,10 +329,10 @@ class _RingAttention(torch.autograd.Function):
             src = (spec.rank - step) % spec.world
             nxt = (src - 1) % spec.world
             last = step == spec.world - 1
+            kk, vv = current[0], current[1]  # bound before the shift allocates: as in the forward
+            kmask = current[2] if km is not None else None
             wait = None if last else ring_shift(current, _kv_shapes(spec, nxt, k, v, km), spec.comm,
                                                 tag=16 * step)
-            kk, vv = current[0], current[1]
-            kmask = current[2] if km is not None else None
             dk = torch.zeros(kk.shape, dtype=work, device=q.device)
             dv = torch.zeros(vv.shape, dtype=work, device=q.device)
             for a in mine:
