@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -63,10 +64,16 @@ def test_timed_results_carry_medians_and_rates(suite: dict[str, Any]) -> None:
         assert len(row["times_s"]) >= 2
         assert math.isfinite(row["times_limit"]) and row["times_limit"] > 0
         assert ("gflops" in row) != ("gbps" in row)
+        if "gflops" in row:  # compute-bound: also rated against the best GEMM timed in its own loop
+            probe = row["gemm_loop_times_s"]
+            assert row["gemm_loop_gflops"] > 0 and len(probe) == len(row["times_s"])
+            ratios = [g / t for g, t in zip(probe, row["times_s"])]
+            paired = row["flops"] / row["gemm_loop_flops"] * statistics.median(ratios)
+            assert row["frac_gemm_loop"] == pytest.approx(paired)
         if "gbps" in row:  # bandwidth-bound: rated against a copy and a plain read timed in its own loop
             assert row["copy_gbps"] > 0 and row["read_s"] > 0
             assert row["times_read"] == pytest.approx(row["median_s"] / row["read_s"])
-    assert not {"(copy)", "(read)"} & {row["impl"] for row in suite["results"]}  # probes are not peers
+    assert not {"(copy)", "(read)", "(gemm)"} & {row["impl"] for row in suite["results"]}  # probes are not peers
 
 
 def test_peers_from_transformers_are_included_when_installed(suite: dict[str, Any]) -> None:
