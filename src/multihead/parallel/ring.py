@@ -349,6 +349,7 @@ class _RingAttention(torch.autograd.Function):
                 got_k, got_v = pending()
                 dk += got_k
                 dv += got_v
+                del got_k, got_v  # not held through the next step
             if last:  # the accumulators of shard r+1 go home; ours arrive from r-1
                 dk, dv = ring_shift([dk, dv], [k.shape, v.shape], spec.comm, tag=16 * step + 8)()
             else:
