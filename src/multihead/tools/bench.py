@@ -584,8 +584,9 @@ def run_suite(*, quick: bool = False, progress: Callable[[str], None] | None = N
 def _gemm_probe(limits: dict[str, Any], quick: bool) -> tuple[Fn, float]:
     """The run's best GEMM kind (oneDNN's where it beat ``torch.matmul`` at the start) as a probe
     timed inside each compute-bound case's loop: (callable, its FLOPs). n = 2048 (quick: 256):
-    measured as fast as n = 4096 or faster (AMD EPYC Zen 3, oneDNN 120 against 110 GFLOP/s),
-    so rating against it never flatters, at an eighth of the time per round."""
+    measured as fast as n = 4096 or faster on an AMD EPYC Zen 3 (oneDNN 120 against 110 GFLOP/s),
+    so it did not flatter there, at an eighth of the time per round; elsewhere the JSON keeps
+    both rates to compare (``gemm_loop_gflops`` per case, ``gemm_peak_gflops`` at the start)."""
     from ..backends.gemm import mm_nt
 
     n = 256 if quick else 2048
