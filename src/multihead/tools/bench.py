@@ -731,7 +731,8 @@ def write_json(suite: dict[str, Any], path: str | os.PathLike[str]) -> Path:
 
 
 def plot(suite: dict[str, Any], path: str | os.PathLike[str]) -> Path:
-    """PNG: GFLOP/s of the attention core vs S, ours and peers, with the GEMM limits."""
+    """PNG: GFLOP/s of the attention core vs S, ours and peers, with the GEMM limits of the run's
+    start and, per point, the best GEMM's rate in that case's own loop (the machine drifts)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never a window
@@ -744,15 +745,19 @@ def plot(suite: dict[str, Any], path: str | os.PathLike[str]) -> Path:
         for impl in dict.fromkeys(r["impl"] for r in rows):
             pts = sorted((r["seq"], r["gflops"]) for r in rows if r["impl"] == impl)
             ax.plot(*zip(*pts), marker="o", label=impl, linewidth=2.5 if impl == "multihead" else 1.5)
-        ax.axhline(lim["sgemm_gflops"], color="k", linestyle="--", label="sgemm (torch.matmul)")
+        loop = sorted((r["seq"], r["gemm_loop_gflops"]) for r in rows if r["is_ours"] and "gemm_loop_gflops" in r)
+        if loop:
+            ax.plot(*zip(*loop), color="gray", marker="x", linestyle="none", label="best GEMM, same loop")
+        ax.axhline(lim["sgemm_gflops"], color="k", linestyle="--", label="sgemm (torch.matmul), run's start")
         if lim.get("onednn_gflops"):
-            ax.axhline(lim["onednn_gflops"], color="gray", linestyle=":", label="oneDNN GEMM")
+            ax.axhline(lim["onednn_gflops"], color="gray", linestyle=":", label="oneDNN GEMM, run's start")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length S")
         ax.set_title(f"{case} (H=12, D=64, float32)" + (", unmasked FLOPs" if "causal" in case else ""))
         ax.grid(alpha=0.3)
     # one scale for both panels, set after plotting (sharey freezes the first panel's autoscale)
-    tops = [r["gflops"] for r in suite["results"] if r["case"] in ("core/full", "core/causal")]
+    tops = [r.get(key, 0.0) for r in suite["results"] if r["case"] in ("core/full", "core/causal")
+            for key in ("gflops", "gemm_loop_gflops")]
     axes[0].set_ylim(0, 1.08 * max([*tops, lim["sgemm_gflops"], lim.get("onednn_gflops") or 0]))
     axes[0].set_ylabel("GFLOP/s")
     axes[0].legend(fontsize=8)
