@@ -352,11 +352,17 @@ inline vf exp2v(vf x) {
     const __mmask16 keep = _mm512_cmp_ps_mask(n, _mm512_set1_ps(-127.f), _CMP_NLE_UQ);  // n = -127: exactly 0
     return (vf)_mm512_maskz_scalef_ps(keep, (__m512)p, n);
 #else
+#if defined(__AVX__)
+    x = (vf)_mm256_max_ps(_mm256_set1_ps(-127.f), (__m256)x);  // NaN stays (second operand)
+#else
     x = x < -127.f ? splat(-127.f) : x;
-    const float round = 12582912.f;  // 1.5 · 2^23: adding it rounds to an integer
-    vf n = (x + round) - round;
-    const vf p = exp2_poly(x - n);
-    vi bits = (__builtin_convertvector(n, vi) + 127) << 23;  // 2^n; n = -127 gives +0
+#endif
+    // t = n + 1.5·2^23 (the addition rounds), so t's bits are those of 1.5·2^23 plus n: its low
+    // 9 bits + 127, shifted into the exponent, are 2^n (n = -127 gives +0), without a conversion.
+    const float round = 12582912.f;
+    const vf t = x + round;
+    const vf p = exp2_poly(x - (t - round));
+    const vi bits = ((vi)t + 127) << 23;
     return p * (vf)bits;
 #endif
 }
@@ -590,13 +596,22 @@ inline void row_update(const Problem& P, float* __restrict si, int64_t width, in
     // No allowed key yet: keep probabilities 0 (2^-inf) without NaN.
     const float m_use = m_new == NEG_INF ? 0.f : m_new;
     const float alpha = exp2v(splat(m - m_use))[0];
-    vf sum = (vf){};
+    vf sum = (vf){}, sum1 = (vf){};
     const vf mv = splat(m_use);
-    for (int64_t j = 0; j < width; j += W) {
-        vf pj = exp2v(load(si + j) - mv);
+    int64_t j = 0;
+    for (; j + 2 * W <= width; j += 2 * W) {  // two independent chains of exp2v's latency
+        const vf p0 = exp2v(load(si + j) - mv), p1 = exp2v(load(si + j + W) - mv);
+        store(si + j, p0);
+        store(si + j + W, p1);
+        sum += p0;
+        sum1 += p1;
+    }
+    for (; j < width; j += W) {
+        const vf pj = exp2v(load(si + j) - mv);
         store(si + j, pj);
         sum += pj;
     }
+    sum += sum1;
     m = m_new;
     l = l * alpha + hsum(sum);
     if (alpha != 1.f)
