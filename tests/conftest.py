@@ -14,6 +14,10 @@ import os
 
 # Tests never download anything: Hugging Face classes are built from configs.
 os.environ["HF_HUB_OFFLINE"] = "1"
+# The suite computes with oneDNN's GEMM wherever torch has it, whatever this machine would measure
+# faster (multihead.backends.gemm.gemm_choice); tests/backends/test_gemm_choice.py covers the rest.
+# Set MULTIHEAD_GEMM=torch to run the whole suite on torch.matmul instead.
+os.environ.setdefault("MULTIHEAD_GEMM", "onednn")
 
 from typing import Any  # noqa: E402
 

@@ -1,14 +1,14 @@
-"""The projections' GEMMs: ``F.linear`` on oneDNN, and a few-row path for decoding.
+"""The projections' GEMMs: ``F.linear`` on this machine's faster GEMM, and a few-row path for decoding.
 
 Notation: N rows of x, ``in``/``out`` the layer's widths.
 
-:func:`linear` is ``F.linear`` with oneDNN's GEMM for float32 CPU tensors (forward and
-backward). On AMD CPUs torch's float32 matmul (MKL) runs AVX2 code and its single-row
-GEMV uses one core; oneDNN reaches about twice the FLOP rate and twice the bandwidth.
-Without autograd, a few rows (decoding) go to
+:func:`linear` is ``F.linear`` with this machine's float32 GEMM (forward and backward):
+oneDNN's or torch.matmul's, whichever was measured faster here
+(:func:`multihead.backends.gemm.gemm_choice`; oneDNN reached 1.2-1.3× MKL's rate on an Intel
+Xeon and on one AMD VM, 0.85× on another). Without autograd, a few rows (decoding) go to
 :func:`multihead.backends.native.linear_few_rows`, which streams the weights faster
 still, and small GEMMs to ``F.linear``, whose fixed cost per call is lower. Other dtypes
-and devices, or oneDNN disabled, use ``F.linear``. :func:`gemm_for` and :func:`mm_nt` are
+and devices use ``F.linear``. :func:`gemm_for` and :func:`mm_nt` are
 the same GEMM for the torch-only attention kernels.
 """
 
@@ -112,18 +112,20 @@ def linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | Non
             return [onednn_linear_op(x, w, b) for w, b in layers]
         return [F.linear(x, w, b) for w, b in layers]
     tensors = [x] + [t for layer in layers for t in layer if t is not None]
-    op = _onednn_linear()
-    if (op is None or not torch.backends.mkldnn.enabled or x.device.type != "cpu"
-            or any(t.dtype != torch.float32 for t in tensors)):
+    if x.device.type != "cpu" or any(t.dtype != torch.float32 for t in tensors):
         return [F.linear(x, w, b) for w, b in layers]
+    onednn = onednn_available()  # this machine's GEMM (measured once: gemm_choice)
     if needs_grad(*tensors):
-        return list(_OneDNNLinear.apply(x, *(t for layer in layers for t in layer)))
+        if onednn:
+            return list(_OneDNNLinear.apply(x, *(t for layer in layers for t in layer)))
+        return [F.linear(x, w, b) for w, b in layers]
     x2 = x.reshape(-1, x.shape[-1])  # (N, in)
     if (0 < x2.shape[0] <= native.MAX_STEP_ROWS and all(t.is_contiguous() for t in tensors[1:])
             and native.vector_bits() >= 256):  # AVX-512 or AVX2 (measured: 1.2-1.7× oneDNN's on AVX2)
         outs = native.linear_few_rows(x2.contiguous(), layers)
-    elif all(x2.shape[0] * w.shape[0] * w.shape[1] <= SMALL_GEMM for w, _ in layers):
+    elif not onednn or all(x2.shape[0] * w.shape[0] * w.shape[1] <= SMALL_GEMM for w, _ in layers):
         return [F.linear(x, w, b) for w, b in layers]
     else:
+        op = _gemm()
         outs = [op(x2, w, b, "none", [], "") for w, b in layers]
     return [o.view(*x.shape[:-1], o.shape[-1]) for o in outs]

@@ -1,17 +1,41 @@
-"""oneDNN's float32 GEMM as torch exposes it, for the projections and the torch-only kernels.
+"""The float32 GEMM of the projections and the torch-only kernels: oneDNN's or torch.matmul's.
 
 Notation: M, N, K the GEMM's sizes (x (M, K) · wᵀ with w (N, K)).
+
+Which of the two is faster depends on the machine, not on its vendor: oneDNN's GEMM ran at
+198 GFLOP/s against torch.matmul's (MKL) 148 on an Intel Xeon, 107-120 against 88-99 on one
+AMD EPYC Zen 3 VM, and 128-148 against 131-172 on another of the same CPU model (2 threads,
+the layer's shapes). So it is measured, once per machine (:func:`gemm_choice`), and the
+verdict kept in the cache folder, so that every process on the machine computes with the
+same GEMM (bitwise the same results run to run). ``$MULTIHEAD_GEMM`` (``onednn`` or
+``torch``) chooses without measuring; ``torch.backends.mkldnn.enabled = False`` means
+torch.matmul.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
+import os
+import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["MatMul", "onednn_available", "gemm_for", "mm_nt", "onednn_linear_op", "compiled_onednn"]
+__all__ = ["MatMul", "onednn_available", "onednn_usable", "gemm_choice", "gemm_measurement", "gemm_for",
+           "mm_nt", "onednn_mm_nt", "onednn_linear_op", "compiled_onednn"]
+
+#: The choices of ``$MULTIHEAD_GEMM``.
+GEMM_CHOICES = ("onednn", "torch")
+#: torch.matmul is chosen where its time is below this fraction of oneDNN's (paired rounds);
+#: at near-equal rates oneDNN stays, the faster on the machines measured before.
+TORCH_WINS_BELOW = 0.95
+#: The shape measured: the projections of a d = 768 layer at 1,024 tokens (x (M, K), w (N, K)).
+PROBE_SHAPE = (1024, 768, 768)
+_CHOICE_FILE = "gemm-choice.json"
 
 MatMul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -27,15 +51,107 @@ def _onednn_linear() -> Callable[..., torch.Tensor] | None:
         return None
 
 
+def onednn_usable() -> bool:
+    """Whether torch has oneDNN's GEMM here and it is enabled (``torch.backends.mkldnn``)."""
+    # torch's stub declares the module attribute as its ContextProp descriptor; it reads a bool.
+    return _onednn_linear() is not None and torch.backends.mkldnn.enabled  # type: ignore[return-value]
+
+
 def onednn_available() -> bool:
-    """Whether float32 GEMMs run on oneDNN (else on ``torch.matmul``).
+    """Whether float32 GEMMs run on oneDNN here (else on ``torch.matmul``): oneDNN exists, is
+    enabled, and is this machine's choice (:func:`gemm_choice`).
 
     False while ``torch.compile`` traces: Inductor cannot lower the oneDNN op that
     eager mode calls, and picks its own GEMMs for ``torch.matmul``."""
     if torch.compiler.is_compiling():
         return False
-    # torch's stub declares the module attribute as its ContextProp descriptor; it reads a bool.
-    return _onednn_linear() is not None and torch.backends.mkldnn.enabled  # type: ignore[return-value]
+    return gemm_choice() == "onednn"
+
+
+def gemm_choice() -> str:
+    """``"onednn"`` or ``"torch"``: the float32 GEMM of this machine's projections.
+
+    ``"torch"`` where oneDNN is missing or disabled (``torch.backends.mkldnn.enabled``);
+    else ``$MULTIHEAD_GEMM`` if set; else the verdict of :func:`gemm_measurement`, taken
+    once per machine (CPU, torch version, thread count) and kept in the cache folder.
+
+    Raises:
+        ValueError: ``$MULTIHEAD_GEMM`` is set to something else than ``onednn`` or ``torch``.
+    """
+    if not onednn_usable():
+        return "torch"
+    env = os.environ.get("MULTIHEAD_GEMM")
+    if env is not None:
+        if env not in GEMM_CHOICES:
+            raise ValueError(f"MULTIHEAD_GEMM must be one of {GEMM_CHOICES}, got {env!r}")
+        return env
+    return _measured_choice(torch.get_num_threads())
+
+
+def _machine_key(threads: int) -> str:
+    from .native._build import cpuinfo
+
+    info = cpuinfo()
+    flags = hashlib.sha256(info.get("flags", "?").encode()).hexdigest()[:16]
+    return "|".join((info.get("model name", "?"), f"flags={flags}", f"torch={torch.__version__}", f"threads={threads}"))
+
+
+@functools.cache
+def _measured_choice(threads: int) -> str:
+    """The kept verdict for this machine, or a new measurement (kept where the folder allows)."""
+    from .native._build import _cache_dirs, _private_dir, _write_atomically, unsafe
+
+    key = _machine_key(threads)
+    folders = [f for f in _cache_dirs() if _private_dir(f)]
+    kept: dict[str, Any] = {}
+    if folders:
+        path = folders[0] / _CHOICE_FILE
+        try:
+            if unsafe(os.lstat(path)) is None:
+                kept = json.loads(path.read_text())
+        except (OSError, ValueError):
+            kept = {}
+        entry = kept.get(key) if isinstance(kept, dict) else None
+        if isinstance(entry, dict) and entry.get("choice") in GEMM_CHOICES:
+            return str(entry["choice"])
+    found = gemm_measurement()
+    if folders:
+        kept = kept if isinstance(kept, dict) else {}
+        kept[key] = found
+        try:
+            _write_atomically(folders[0] / _CHOICE_FILE, json.dumps(kept, indent=1).encode(), 0o600)
+        except OSError:
+            pass  # measured again by the next process
+    return str(found["choice"])
+
+
+def gemm_measurement(rounds: int = 7) -> dict[str, Any]:
+    """Time oneDNN's GEMM and ``torch.matmul`` on :data:`PROBE_SHAPE` in interleaved rounds
+    (after one warm-up call each; about a tenth of a second on a 2-core machine).
+
+    Returns:
+        ``{"choice", "torch_over_onednn", "onednn_ms", "torch_ms"}``: the median over the
+        rounds of torch.matmul's time over oneDNN's in the same round; ``"torch"`` where it is
+        below :data:`TORCH_WINS_BELOW`. ``"torch"`` without timing where oneDNN is missing.
+    """
+    op = _onednn_linear()
+    if op is None:
+        return {"choice": "torch", "torch_over_onednn": None, "onednn_ms": None, "torch_ms": None}
+    m, k, n = PROBE_SHAPE
+    x, w = torch.randn(m, k), torch.randn(n, k)
+    kinds: dict[str, Callable[[], torch.Tensor]] = {
+        "onednn": lambda: op(x, w, None, "none", [], ""), "torch": lambda: torch.matmul(x, w.t())}
+    times: dict[str, list[float]] = {name: [] for name in kinds}
+    with torch.no_grad():
+        for r in range(rounds + 1):
+            for name, fn in kinds.items():
+                start = time.perf_counter()
+                fn()
+                if r:  # round 0 warms up
+                    times[name].append(time.perf_counter() - start)
+    ratio = statistics.median(t / o for t, o in zip(times["torch"], times["onednn"]))
+    return {"choice": "torch" if ratio < TORCH_WINS_BELOW else "onednn", "torch_over_onednn": ratio,
+            "onednn_ms": statistics.median(times["onednn"]) * 1e3, "torch_ms": statistics.median(times["torch"]) * 1e3}
 
 
 def _matmul_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -45,16 +161,29 @@ def _matmul_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def gemm_for(x: torch.Tensor) -> MatMul:
     """The GEMM ``(x, w) -> x · wᵀ`` to use for tensors like ``x``, chosen once per call.
 
-    oneDNN for float32 CPU tensors when available (and not disabled through
-    ``torch.backends.mkldnn``), else ``torch.matmul``. oneDNN needs ``w`` with contiguous
+    oneDNN for float32 CPU tensors where it is this machine's choice (:func:`gemm_choice`),
+    else ``torch.matmul``. oneDNN needs ``w`` with contiguous
     rows or a plain transpose of such a matrix: a row-strided ``w`` is copied slowly
     inside it, so callers pass contiguous K/V rows.
     """
     op = None if torch.compiler.is_compiling() else _onednn_linear()
-    if op is not None and x.dtype == torch.float32 and x.device.type == "cpu" and torch.backends.mkldnn.enabled:
+    if op is not None and x.dtype == torch.float32 and x.device.type == "cpu" and onednn_available():
         empty: list[float] = []
         return lambda a, w: op(a, w, None, "none", empty, "")
     return _matmul_nt
+
+
+def onednn_mm_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x · wᵀ`` on oneDNN's GEMM whatever this machine's choice (the benchmark's limits).
+    x (M, K), w (N, K) float32 CPU -> (M, N).
+
+    Raises:
+        RuntimeError: this torch has no oneDNN GEMM.
+    """
+    op = _onednn_linear()
+    if op is None:
+        raise RuntimeError("oneDNN's linear is not available in this torch build")
+    return op(x, w, None, "none", [], "")
 
 
 def mm_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -64,8 +193,9 @@ def mm_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @torch.compiler.assume_constant_result  # a traced graph takes it as a constant
 def compiled_onednn() -> bool:
-    """Whether traced graphs may call :func:`onednn_linear_op` (oneDNN is there and enabled)."""
-    return _onednn_linear() is not None and torch.backends.mkldnn.enabled  # type: ignore[return-value]
+    """Whether traced graphs call :func:`onednn_linear_op`: oneDNN is this machine's GEMM
+    (:func:`gemm_choice`)."""
+    return gemm_choice() == "onednn"
 
 
 @torch.library.custom_op("multihead::linear", mutates_args=())

@@ -138,14 +138,14 @@ def time_interleaved(
 
 def machine_limits(*, quick: bool = False) -> dict[str, Any]:
     """Compute and bandwidth limits of this machine, measured now (see module docstring)."""
-    from ..backends.gemm import mm_nt, onednn_available
+    from ..backends.gemm import onednn_usable, onednn_mm_nt
 
     n = 512 if quick else 4096
     a, b = torch.randn(n, n), torch.randn(n, n)
     bt = b.t().contiguous()
     fns: dict[str, Fn] = {"sgemm": lambda: torch.matmul(a, b)}
-    if onednn_available():
-        fns["onednn"] = lambda: mm_nt(a, bt)
+    if onednn_usable():
+        fns["onednn"] = lambda: onednn_mm_nt(a, bt)
     t = time_interleaved(fns, reps=3 if quick else 7)
     flops = 2.0 * n ** 3
     sgemm = flops / t["sgemm"]["median_s"] / 1e9
@@ -187,14 +187,14 @@ def machine_info() -> dict[str, Any]:
     except ImportError:
         hf = None
     from ..backends import native
-    from ..backends.gemm import onednn_available
+    from ..backends.gemm import onednn_usable, gemm_choice
 
     model, features = cpu_model()
     return {
         "python": platform.python_version(), "torch": torch.__version__, "transformers": hf,
         "cpu": model, "vector_features": features, "native_vector_bits": native.vector_bits(),
         "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(), "onednn": onednn_available(),
+        "torch_threads": torch.get_num_threads(), "onednn": onednn_usable(), "gemm": gemm_choice(),
     }
 
 
@@ -584,12 +584,12 @@ def _gemm_probe(limits: dict[str, Any], quick: bool) -> tuple[Fn, float]:
     measured as fast as n = 4096 or faster on an AMD EPYC Zen 3 (oneDNN 120 against 110 GFLOP/s),
     so it did not flatter there, at an eighth of the time per round; elsewhere the JSON keeps
     both rates to compare (``gemm_loop_gflops`` per case, ``gemm_peak_gflops`` at the start)."""
-    from ..backends.gemm import mm_nt
+    from ..backends.gemm import onednn_mm_nt
 
     n = 256 if quick else 2048
     a, b = torch.randn(n, n), torch.randn(n, n)
     onednn = (limits.get("onednn_gflops") or 0.0) >= limits["sgemm_gflops"]
-    fn: Fn = functools.partial(mm_nt, a, b.t().contiguous()) if onednn else functools.partial(torch.matmul, a, b)
+    fn: Fn = functools.partial(onednn_mm_nt, a, b.t().contiguous()) if onednn else functools.partial(torch.matmul, a, b)
     return fn, 2.0 * n ** 3
 
 
@@ -642,6 +642,9 @@ def _label(row: Result) -> str:
     return " ".join(f"{k}={row[k]}" for k in keys if k in row)
 
 
+_GEMM_NAMES = {"onednn": "oneDNN", "torch": "torch.matmul"}  # gemm_choice()'s words in the report
+
+
 def format_report(suite: dict[str, Any]) -> str:
     """The suite as text: limits, then one table per case (ours vs each peer)."""
     m, lim = suite["machine"], suite["limits"]
@@ -650,7 +653,8 @@ def format_report(suite: dict[str, Any]) -> str:
         f"CPU: {m['cpu']}; vector features: {', '.join(m.get('vector_features') or ['none listed'])}; "
         f"native kernels built for {m.get('native_vector_bits', 0)}-bit vectors",
         f"torch {m['torch']}, transformers {m['transformers']}, {m['cores']} cores, torch threads "
-        f"{m['torch_threads']}, oneDNN {m['onednn']}",
+        f"{m['torch_threads']}, oneDNN {m['onednn']}, projections on "
+        f"{_GEMM_NAMES.get(m.get('gemm', ''), 'oneDNN' if m['onednn'] else 'torch.matmul')}",
         f"limits: sgemm (torch.matmul) {lim['sgemm_gflops']:.0f} GFLOP/s, oneDNN GEMM {onednn} GFLOP/s, "
         f"copy {lim['copy_gbps']:.1f} GB/s (read + write)",
     ]
