@@ -64,6 +64,23 @@ def test_the_measurement_times_both_and_picks_by_the_paired_ratio() -> None:
 
 
 @needs_onednn
+def test_the_measurement_times_real_kernels_when_first_asked_inside_a_tracer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asked first while export traces (fake tensors), it still times real GEMMs on real tensors."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    seen = []
+
+    def op(x: torch.Tensor, w: torch.Tensor, *rest: object) -> torch.Tensor:
+        seen.append(isinstance(x, FakeTensor) or isinstance(w, FakeTensor))
+        return torch.matmul(x, w.t())
+
+    monkeypatch.setattr(gemm, "_onednn_linear", lambda: op)
+    with FakeTensorMode():
+        found = gemm.gemm_measurement(rounds=2)
+    assert seen == [False] * 3 and found["onednn_ms"] > 0
+
+
+@needs_onednn
 def test_the_verdict_is_measured_once_per_machine_and_kept(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The first process measures and writes the record (mode 0600); later processes read it
     without timing anything, so every process on the machine uses the same GEMM."""
