@@ -327,21 +327,24 @@ inline float dot(const float* __restrict a, const TB* __restrict b, int64_t d) {
     return s;
 }
 
-// 2^f for f in [-1/2, 1/2]: exp2v's Taylor polynomial.
+// 2^f for f in [-1/2, 1/2]: exp2v's polynomial, degree 6, fitted to 2^f in relative error
+// (equioscillating, 1.9e-9 at most; the degree-7 Taylor series it replaced reached 2.3e-8, with
+// one more FMA in the softmax's chain: the float32 forward 1.02× as fast on AVX2). Evaluated
+// in float32 (Horner, FMAs) it is within 0.93 ulp of 2^f, 0.26 ulp on average (the Taylor
+// series: 0.83 / 0.25).
 inline vf exp2_poly(vf f) {
-    vf p = splat(1.525273e-5f);
-    p = p * f + 1.540353e-4f;
-    p = p * f + 1.333355e-3f;
-    p = p * f + 9.618129e-3f;
-    p = p * f + 5.550411e-2f;
-    p = p * f + 2.402265e-1f;
-    p = p * f + 6.931472e-1f;
+    vf p = splat(1.534581242594868e-4f);
+    p = p * f + 1.3399930903688073e-3f;
+    p = p * f + 9.618489071726799e-3f;
+    p = p * f + 5.550328642129898e-2f;
+    p = p * f + 2.4022646248340607e-1f;
+    p = p * f + 6.931471824645996e-1f;
     return p * f + 1.f;
 }
 
 // 2^x for x <= 0 (scores minus their row maximum); exactly 0 for x <= -127, so -inf
-// (masked) gives 0. 2^x = 2^n · 2^f, n = round(x), f in [-1/2, 1/2], 2^f by its Taylor
-// series to degree 7 (relative error < 1e-8, below float32 rounding). NaN stays NaN.
+// (masked) gives 0. 2^x = 2^n · 2^f, n = round(x), f in [-1/2, 1/2], 2^f by a
+// polynomial (exp2_poly: within an ulp of 2^f). NaN stays NaN.
 inline vf exp2v(vf x) {
 #if MH_VECTOR_FLOATS == 16
     // The same numbers in fewer operations: a rounding, and a scaling by 2^n masked to 0 at
