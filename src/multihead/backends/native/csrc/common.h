@@ -225,6 +225,7 @@ inline void qk_tile(const float* __restrict a, int64_t lda, int64_t d, const flo
     vf c0[MR], c1[MR];
 #pragma GCC unroll 12
     for (int i = 0; i < MR; ++i) c0[i] = c1[i] = (vf){};
+#pragma GCC unroll 4  // with the p·v loop's: the float32 forward 1.013-1.015× (AVX2, paired builds)
     for (int64_t t = 0; t < d; ++t) {
         const vf b0 = load(panel + t * NR), b1 = load(panel + t * NR + W);
 #pragma GCC unroll 12
@@ -380,6 +381,7 @@ inline void pv_tile(const float* __restrict p, int64_t ldp, int64_t n, const TV*
     for (int i = 0; i < ROWS; ++i)
 #pragma GCC unroll 8
         for (int t = 0; t < NV; ++t) acc[i][t] = load(o + i * ldo + W * t);
+#pragma GCC unroll 4
     for (int64_t j = 0; j < n; ++j) {
         vf vj[NV];
 #pragma GCC unroll 8
