@@ -85,23 +85,27 @@ def gemm_choice() -> str:
         if env not in GEMM_CHOICES:
             raise ValueError(f"MULTIHEAD_GEMM must be one of {GEMM_CHOICES}, got {env!r}")
         return env
-    return _measured_choice(torch.get_num_threads())
+    return _measured_choice()
 
 
-def _machine_key(threads: int) -> str:
+def _machine_key() -> str:
     from .native._build import cpuinfo
 
     info = cpuinfo()
     flags = hashlib.sha256(info.get("flags", "?").encode()).hexdigest()[:16]
-    return "|".join((info.get("model name", "?"), f"flags={flags}", f"torch={torch.__version__}", f"threads={threads}"))
+    return "|".join((info.get("model name", "?"), f"flags={flags}", f"torch={torch.__version__}"))
 
 
 @functools.cache
-def _measured_choice(threads: int) -> str:
-    """The kept verdict for this machine, or a new measurement (kept where the folder allows)."""
+def _measured_choice() -> str:
+    """The kept verdict for this machine, or a new measurement (kept where the folder allows).
+
+    One verdict per machine (CPU, torch version), measured at the thread count of the
+    process that asks first: with another thread count the same GEMM keeps running, so
+    results do not change with it."""
     from .native._build import _cache_dirs, _private_dir, _write_atomically, unsafe
 
-    key = _machine_key(threads)
+    key = _machine_key()
     folders = [f for f in _cache_dirs() if _private_dir(f)]
     kept: dict[str, Any] = {}
     if folders:
