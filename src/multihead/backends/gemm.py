@@ -73,19 +73,17 @@ def gemm_choice() -> str:
 
     ``"torch"`` where oneDNN is missing or disabled (``torch.backends.mkldnn.enabled``);
     else ``$MULTIHEAD_GEMM`` if set; else the verdict of :func:`gemm_measurement`, taken
-    once per machine (CPU, torch version, thread count) and kept in the cache folder.
+    once per machine (CPU, torch version) and kept in the cache folder.
 
     Raises:
         ValueError: ``$MULTIHEAD_GEMM`` is set to something else than ``onednn`` or ``torch``.
     """
+    env = os.environ.get("MULTIHEAD_GEMM")
+    if env is not None and env not in GEMM_CHOICES:
+        raise ValueError(f"MULTIHEAD_GEMM must be one of {GEMM_CHOICES}, got {env!r}")
     if not onednn_usable():
         return "torch"
-    env = os.environ.get("MULTIHEAD_GEMM")
-    if env is not None:
-        if env not in GEMM_CHOICES:
-            raise ValueError(f"MULTIHEAD_GEMM must be one of {GEMM_CHOICES}, got {env!r}")
-        return env
-    return _measured_choice()
+    return env or _measured_choice()
 
 
 def _machine_key() -> str:
