@@ -115,6 +115,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"torch threads: {torch.get_num_threads()}", file=sys.stderr, flush=True)
     if args.hf_generate:
         return _bench_hf_generate(args)
+    if not args.quick:  # a quiet moment: this machine's GEMM measured again and kept (gemm_choice)
+        from ..backends.gemm import keep_gemm_measurement
+
+        keep_gemm_measurement()
     suite = bench.run_suite(quick=args.quick,
                             progress=lambda line: print(f"  running {line}", file=sys.stderr, flush=True))
     out = Path(args.out)
