@@ -5,7 +5,7 @@ Notation: N rows of x, ``in``/``out`` the layer's widths.
 :func:`linear` is ``F.linear`` with this machine's float32 GEMM (forward and backward):
 oneDNN's or torch.matmul's, whichever was measured faster here
 (:func:`multihead.backends.gemm.gemm_choice`; oneDNN reached 1.2-1.3× MKL's rate on an Intel
-Xeon and on one AMD VM, 0.85× on another). Without autograd, a few rows (decoding) go to
+Xeon and on one AMD VM, 0.78-0.92× on another). Without autograd, a few rows (decoding) go to
 :func:`multihead.backends.native.linear_few_rows`, which streams the weights faster
 still, and small GEMMs to ``F.linear``, whose fixed cost per call is lower. Other dtypes
 and devices use ``F.linear``. :func:`gemm_for` and :func:`mm_nt` are
