@@ -40,7 +40,7 @@ def test_limits_are_positive_rates(suite: dict[str, Any]) -> None:
 def test_every_case_has_ours_and_a_peer(suite: dict[str, Any]) -> None:
     cases = {r["case"] for r in suite["results"]}
     assert cases == {"core/full", "core/causal", "core/bf16", "layer/prefill", "layer/decode", "layer/decode-bf16",
-                     "layer/train", "memory"}
+                     "core/train", "layer/train", "memory"}
     for case in cases:
         impls = {r["impl"] for r in suite["results"] if r["case"] == case}
         assert "multihead" in impls and len(impls) >= 2, (case, impls)
@@ -86,7 +86,7 @@ def test_peers_from_transformers_are_included_when_installed(suite: dict[str, An
 def test_report_has_a_table_per_case(suite: dict[str, Any]) -> None:
     text = bench.format_report(suite)
     for case in ("core/full", "core/causal", "core/bf16", "layer/prefill", "layer/decode", "layer/decode-bf16",
-                 "layer/train", "memory"):
+                 "core/train", "layer/train", "memory"):
         assert f"== {case} ==" in text
     assert "torch threads" in text and "speedup" in text
 
@@ -130,28 +130,52 @@ def test_run_script_prints_the_report_and_writes_files(suite: dict[str, Any], tm
 
 
 def test_train_case_reports_its_projection_gemm_floor(suite: dict[str, Any]) -> None:
-    """layer/train times its floor, the step's projection GEMMs alone (9 of 2·S·E² FLOPs), among
-    its peers; every row carries the floor's share of its step, which the report prints
-    apart from the peers' rows."""
+    """layer/train (causal and not) times its floor, the step's projection GEMMs alone (9 of
+    2·S·E² FLOPs), among its peers; every row carries the floor's share of its step, which the
+    report prints apart from the peers' rows, with what each step takes beyond the floor."""
     rows = [r for r in suite["results"] if r["case"] == "layer/train"]
-    floor = next(r for r in rows if r["impl"] == "(projection GEMMs only)")
-    assert not floor["is_ours"] and floor["flops"] == 9 * 2.0 * floor["seq"] * floor["embed_dim"] ** 2
-    assert floor["gflops"] == pytest.approx(floor["flops"] / floor["median_s"] / 1e9)
-    for row in rows:
-        assert row["gemm_fraction"] == pytest.approx(floor["median_s"] / row["median_s"])
+    assert sorted({r["causal"] for r in rows}) == [False, True]
     text = bench.format_report(suite)
     section = text[text.index("== layer/train =="):text.index("== memory ==")].splitlines()
     assert not any(line.startswith("seq=") and "(projection GEMMs only)" in line for line in section)
-    shares = next(line for line in section if "their share of each step" in line)
-    for row in rows:
-        if row is not floor:
-            assert f"{row['impl']} {100 * row['gemm_fraction']:.0f}%" in shares
+    shares = [line for line in section if "their share of each step" in line]
+    beyond = [line for line in section if "each step beyond them" in line]
+    assert len(shares) == len(beyond) == 2
+    for causal, share, rest in zip((False, True), shares, beyond):
+        group = [r for r in rows if r["causal"] is causal]
+        floor = next(r for r in group if r["impl"] == "(projection GEMMs only)")
+        assert not floor["is_ours"] and floor["flops"] == 9 * 2.0 * floor["seq"] * floor["embed_dim"] ** 2
+        assert floor["gflops"] == pytest.approx(floor["flops"] / floor["median_s"] / 1e9)
+        ours = next(r for r in group if r["is_ours"])
+        for row in group:
+            assert row["gemm_fraction"] == pytest.approx(floor["median_s"] / row["median_s"])
+            if row is not floor:
+                assert f"{row['impl']} {100 * row['gemm_fraction']:.0f}%" in share
+                extra = (row["median_s"] - floor["median_s"]) * 1e3
+                assert f"{row['impl']} {extra:.2f} ms" in rest
+                if row is not ours:
+                    ratio = (row["median_s"] - floor["median_s"]) / (ours["median_s"] - floor["median_s"])
+                    assert f"({ratio:.2f}x ours)" in rest
+
+
+def test_core_train_case_times_the_same_gradients_and_counts_flash_attention_2s_flops() -> None:
+    """core/train: ours and SDPA's forward + backward give the same gradients of q, k, v (the
+    two rows time the same work, and nothing accumulates between calls); FLOPs 3.5 × the forward's."""
+    for causal in (False, True):
+        spec, fns = bench._core_train_case(96, causal, h=2, d=16)
+        pairs = 96 * 97 / 2 if causal else 96 * 96
+        assert spec["flops"] == 3.5 * 4.0 * 2 * 16 * pairs and spec["causal"] is causal
+        ours, again, peer = fns["multihead"](), fns["multihead"](), fns["torch sdpa"]()
+        assert len(ours) == 3
+        for a, b, c in zip(ours, again, peer):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+            torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-5)
 
 
 def test_train_floor_runs_the_gemms_of_the_layer_step_and_nothing_else() -> None:
     """The floor calls as many GEMMs as the layer's step does (its 9: the native backend's
     attention runs none of torch's)."""
-    _, fns, resets = bench._train_case(64, 4, 128)
+    _, fns, resets = bench._train_case(True, 64, 4, 128)
     gemm_ops = {"mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm"}
 
     def gemms(name: str) -> int:

@@ -35,7 +35,10 @@ core/bf16      the core in bfloat16, ± causal, S ≥ 1024   as core/* (peers: o
                with AMX, ours with AMX switched off)
 layer/decode-bf16  layer/decode with bfloat16 weights and  weights + K/V bytes read
                cache (peers: ours in float32, HF in bf16)
-layer/train    forward + backward, E=768, H=12, S=1024     3 × forward FLOPs
+core/train     the core's forward + backward, ± causal,    3.5 × forward FLOPs
+               S = 1024, 2048 (peer: SDPA)                 (FlashAttention-2's count)
+layer/train    forward + backward, E=768, H=12, S=1024,    3 × forward FLOPs
+               ± causal
                (peers: torch MHA, the layer on backend="native" and "sdpa";
                its floor: the step's projection GEMMs     9 GEMMs of 2·S·E²
                alone, "(projection GEMMs only)", with the
@@ -89,6 +92,8 @@ CORE_SEQ = (512, 1024, 2048, 4096)
 QUICK_CORE_SEQ = (64, 128)
 #: Sequence lengths of the bfloat16 core cases (full run; --quick runs QUICK_CORE_SEQ).
 BF16_CORE_SEQ = (1024, 2048, 4096)
+#: Sequence lengths of the core's forward + backward (full run; --quick runs the last of QUICK_CORE_SEQ).
+TRAIN_CORE_SEQ = (1024, 2048)
 
 
 # -- timing and machine limits ---------------------------------------------------------
@@ -397,21 +402,24 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bf16", torch.float16:
 _KERNEL_ALONE = "multihead kernel alone"
 
 
-def _train_case(e: int = 768, h: int = 12, s: int = 1024) -> tuple[dict[str, Any], dict[str, Fn], dict[str, Fn]]:
+def _train_case(causal: bool = False, e: int = 768, h: int = 12,
+                s: int = 1024) -> tuple[dict[str, Any], dict[str, Fn], dict[str, Fn]]:
     from ..module import MultiHeadAttention
 
     x = torch.randn(1, s, e)
     grad = torch.randn(1, s, e)
-    ours = MultiHeadAttention(e, h).train()
-    native = MultiHeadAttention(e, h, backend="native").train()  # the native FlashAttention-2 backward
-    sdpa = MultiHeadAttention(e, h, backend="sdpa").train()
+    ours = MultiHeadAttention(e, h, causal=causal).train()
+    native = MultiHeadAttention(e, h, causal=causal, backend="native").train()  # the FlashAttention-2 backward
+    sdpa = MultiHeadAttention(e, h, causal=causal, backend="sdpa").train()
     mha = torch.nn.MultiheadAttention(e, h, batch_first=True).train()
+    # torch MHA takes causality as a mask, with is_causal as the hint that lets it skip reading it
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(s) if causal else None
     gemms, gemms_reset, gemm_flops = _projection_gemms(ours, x, grad)
     fns: dict[str, Fn] = {
         "multihead": lambda: ours(x).backward(grad),
         "multihead backend=native": lambda: native(x).backward(grad),
         "multihead backend=sdpa": lambda: sdpa(x).backward(grad),
-        "torch MHA": lambda: mha(x, x, x, need_weights=False)[0].backward(grad),
+        "torch MHA": lambda: mha(x, x, x, attn_mask=mask, is_causal=causal, need_weights=False)[0].backward(grad),
         _GEMMS: gemms,
     }
     resets: dict[str, Fn] = {"multihead": lambda: ours.zero_grad(set_to_none=True),
@@ -419,9 +427,33 @@ def _train_case(e: int = 768, h: int = 12, s: int = 1024) -> tuple[dict[str, Any
                              "multihead backend=sdpa": lambda: sdpa.zero_grad(set_to_none=True),
                              "torch MHA": lambda: mha.zero_grad(set_to_none=True),
                              _GEMMS: gemms_reset}
-    return {"case": "layer/train", "embed_dim": e, "heads": h, "seq": s,
-            "flops": 3.0 * _layer_flops(e, h, h, e // h, s, s, False), "gemm_flops": gemm_flops,
+    return {"case": "layer/train", "embed_dim": e, "heads": h, "seq": s, "causal": causal,
+            "flops": 3.0 * _layer_flops(e, h, h, e // h, s, s, causal), "gemm_flops": gemm_flops,
             "limit": "compute"}, fns, resets
+
+
+def _core_train_case(s: int, causal: bool, h: int = 12, d: int = 64) -> tuple[dict[str, Any], dict[str, Fn]]:
+    """The core's forward + backward, ours ("auto") against SDPA's; each call returns the
+    gradients of q, k and v (``torch.autograd.grad``: nothing accumulates between calls).
+
+    FLOPs by FlashAttention-2's count: the backward's five products (the scores recomputed,
+    dV, dP, dQ, dK) are 2.5 times the forward's two, so 3.5 times the forward in all.
+    """
+    from ..functional import attention
+
+    q, k, v = (torch.randn(1, h, s, d, requires_grad=True) for _ in range(3))
+    grad = torch.randn(1, h, s, d)
+
+    def step(fn: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return torch.autograd.grad(fn(q, k, v, causal), (q, k, v), grad)
+
+    fns: dict[str, Fn] = {
+        "multihead": functools.partial(step, lambda q, k, v, c: attention(q, k, v, causal=c)),
+        "torch sdpa": functools.partial(step, lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c)),
+    }
+    pairs = s * (s + 1) / 2 if causal else s * s
+    return {"case": "core/train", "seq": s, "causal": causal, "heads": h, "head_dim": d,
+            "flops": 3.5 * 4.0 * h * d * pairs, "limit": "compute"}, fns
 
 
 def _projection_gemms(layer: Any, x: torch.Tensor, grad: torch.Tensor) -> tuple[Fn, Fn, float]:
@@ -564,8 +596,13 @@ def run_suite(*, quick: bool = False, progress: Callable[[str], None] | None = N
         for dtype in (torch.float32, torch.bfloat16):
             say(f"layer decode {_DTYPE_NAMES[dtype]}")
             results.extend(_bandwidth_rows(*_decode_case(quick, dtype), limits, quick, budget))
-    say("layer train (forward + backward)")
-    _gemm_floor(record(*(_train_case(64, 4, 128) if quick else _train_case())), limits)
+    for causal in (False, True):
+        for s in QUICK_CORE_SEQ[-1:] if quick else TRAIN_CORE_SEQ:
+            say(f"core train (forward + backward) causal={causal} S={s}")
+            record(*_core_train_case(s, causal))
+    for causal in (False, True):
+        say(f"layer train (forward + backward) causal={causal}")
+        _gemm_floor(record(*(_train_case(causal, 64, 4, 128) if quick else _train_case(causal))), limits)
     say("memory")
     for row in measure_memory(memory_seq or (1024 if quick else 32768)):
         results.append(row)
@@ -689,11 +726,19 @@ def format_report(suite: dict[str, Any]) -> str:
 
 
 def _floor_lines(floor: Result, rows: list[Result]) -> list[str]:
-    """layer/train's floor: its time and GEMM rate, and the share of each implementation's step it is."""
-    shares = ", ".join(f"{r['impl']} {100 * r['gemm_fraction']:.0f}%" for r in rows if r is not floor)
+    """layer/train's floor: its time and GEMM rate, the share of each implementation's step it is,
+    and what each step takes beyond it (the attention's forward and backward, and the glue around it)."""
+    steps = [r for r in rows if r is not floor]
+    shares = ", ".join(f"{r['impl']} {100 * r['gemm_fraction']:.0f}%" for r in steps)
+    ours = next(r for r in steps if r["is_ours"])
+    own = ours["median_s"] - floor["median_s"]
+    rest = ", ".join(f"{r['impl']} {(r['median_s'] - floor['median_s']) * 1e3:.2f} ms"
+                     + ("" if r is ours else f" ({(r['median_s'] - floor['median_s']) / own:.2f}x ours)")
+                     for r in steps)
     return [f"{_GEMMS} {floor['median_s'] * 1e3:.2f} ms ({100 * floor['frac_sgemm']:.0f}% of sgemm): the step's 9 "
             "projection GEMMs alone, a floor no attention kernel can go below;",
-            f"  their share of each step: {shares}"]
+            f"  their share of each step: {shares}",
+            f"  each step beyond them (attention forward + backward and the rest): {rest}"]
 
 
 def _header(case: str) -> str:
