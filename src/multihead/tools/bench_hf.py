@@ -13,6 +13,12 @@ vocab 32000, MLP 2816; float32, ``attn_implementation="sdpa"``) on a P=1536 prom
   :func:`multihead.decode.why_not_fused` allows (else the reason is reported and the
   wrapper's step writes in place through ``update``).
 
+and, for the prefill only, its floor: ``FLOOR``, the unpatched model with every attention
+module reduced to its four projections (q, k, v from the input, the output projection on q;
+no positions, scores or cache), the time below which no attention implementation can take
+the prompt. What each way takes beyond it is the attention's own work (RoPE, the cache, the
+scores and the glue), reported as ``beyond_floor_s`` and as a ratio to HF's.
+
 Timed: the prefill (a fresh cache each call, ``logits_to_keep=1``) and one decoding step
 after the prompt (rolled back with ``crop(-1)`` between calls), interleaved round-robin
 with :func:`multihead.tools.bench.time_interleaved`, so machine noise hits all three alike;
@@ -39,6 +45,30 @@ FULL = {"layers": 8, "embed_dim": 1024, "heads": 16, "kv_heads": 4, "vocab": 320
         "prompt": 1536}
 QUICK = {"layers": 2, "embed_dim": 64, "heads": 4, "kv_heads": 2, "vocab": 128, "intermediate": 128, "prompt": 32}
 WAYS = ("HF", "patched + DynamicCache", "patched + KVCacheAdapter")
+FLOOR = "HF, attention = projections only"
+
+
+class _ProjectionsOnly(torch.nn.Module):
+    """Stands in for a Llama attention module in the prefill's floor: its four projections
+    at the prompt's shapes and nothing else. Returns ``(o_proj(q), None)`` as the module does."""
+
+    def __init__(self, attn: torch.nn.Module) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        """hidden_states (B, P, E) -> ((B, P, E), None)."""
+        self.k_proj(hidden_states)
+        self.v_proj(hidden_states)
+        return self.o_proj(self.q_proj(hidden_states)), None
+
+
+def _floor_model(hf: Any) -> Any:
+    """A copy of ``hf`` whose attention modules are :class:`_ProjectionsOnly`."""
+    floor = copy.deepcopy(hf)
+    for layer in floor.model.layers:
+        layer.self_attn = _ProjectionsOnly(layer.self_attn)
+    return floor
 
 
 def _models(sizes: dict[str, int]) -> tuple[Any, Any]:
@@ -66,8 +96,10 @@ def run_hf_generate(*, quick: bool = False, reps: int | None = None,
         progress: called with a short line before each phase.
 
     Returns:
-        ``{"sizes", "paths", "prefill": {way: stats}, "decode": {way: stats}, "same_logits"}``,
-        stats as :func:`time_interleaved`'s plus ``tokens_per_s`` and ``vs_hf`` (time ratio).
+        ``{"sizes", "paths", "prefill": {way: stats}, "decode": {way: stats}, "same_logits",
+        "prefill_floor"}``, stats as :func:`time_interleaved`'s plus ``tokens_per_s`` and ``vs_hf``
+        (time ratio); ``prefill_floor``: the :data:`FLOOR` model's times, timed among the prefill's
+        ways, and ``beyond_floor_s`` per way (its median less the floor's).
     """
     from transformers import DynamicCache
 
@@ -95,7 +127,9 @@ def run_hf_generate(*, quick: bool = False, reps: int | None = None,
         say(f"prefill P={p}, interleaved")
         prefill_fns: dict[str, Fn] = {way: functools.partial(lambda w: prefill(w, new_cache(w)), way)
                                       for way in WAYS}
+        prefill_fns[FLOOR] = functools.partial(_floor_model(hf), input_ids=ids, use_cache=False, logits_to_keep=1)
         pre = time_interleaved(prefill_fns, reps=reps or (2 if quick else 3), warmup=0)
+        floor = pre.pop(FLOOR)
         say("decoding step after the prompt, interleaved")
         step_fns: dict[str, Fn] = {way: functools.partial(models[way], input_ids=step_ids, cache=caches[way],
                                                           use_cache=True) for way in WAYS}
@@ -103,7 +137,9 @@ def run_hf_generate(*, quick: bool = False, reps: int | None = None,
         dec = time_interleaved(step_fns, reps=reps or (3 if quick else 15), warmup=1, resets=resets)
     same = all(torch.allclose(logits[w], logits["HF"], rtol=1e-4, atol=1e-4) for w in WAYS)
     return {"sizes": dict(sizes), "threads": torch.get_num_threads(), "paths": caches[WAYS[2]].paths,
-            "same_logits": same, "prefill": _rated(pre, p), "decode": _rated(dec, 1)}
+            "same_logits": same, "prefill": _rated(pre, p), "decode": _rated(dec, 1),
+            "prefill_floor": {"median_s": floor["median_s"], "min_s": floor["min_s"], "times_s": floor["times_s"],
+                              "beyond_floor_s": {way: st["median_s"] - floor["median_s"] for way, st in pre.items()}}}
 
 
 def _roll_back(cache: Any, held: int) -> None:
@@ -134,4 +170,15 @@ def format_hf_generate(result: dict[str, Any]) -> str:
         for way, st in result[phase].items():
             lines.append(f"  {way:<28}{st['median_s'] * 1e3:>12.2f}{st['tokens_per_s']:>18.1f}{st['vs_hf']:>12.3f}"
                          f"{st['paired_vs_hf']:>8.3f}")
+        if phase == "prefill" and "prefill_floor" in result:
+            lines += _floor_lines(result["prefill_floor"])
     return "\n".join(lines)
+
+
+def _floor_lines(floor: dict[str, Any]) -> list[str]:
+    """The prefill's floor and each way's time beyond it (its attention's own work), as a ratio to HF's."""
+    beyond = floor["beyond_floor_s"]
+    rest = ", ".join(f"{way} {s * 1e3:.1f} ms" + ("" if way == "HF" else f" ({s / beyond['HF']:.3f}x HF's)")
+                     for way, s in beyond.items())
+    return [f"  floor, {FLOOR}: {floor['median_s'] * 1e3:.2f} ms (no attention implementation can take less);",
+            f"  beyond it (the attention's own work): {rest}"]
