@@ -270,22 +270,33 @@ class KVCache:
         if self.ring and sn > 1 and max(old) + sn > self.capacity:  # the chunk would wrap the ring
             return self._stage_ring_chunk(k, v, counts, positions, new_pos, structure)
         slots = positions % self.capacity if self.ring else positions  # (B, Sn)
-        index = slots[:, None, :, None].expand(b, self.num_kv_heads, sn, self.head_dim)
+        index = self._write_index(old, slots, sn)
         used = min(self.capacity, max(length + sn for length in old))
         mask = None
         if not self._plain_tail(old, sn, real is None, structure):
             key_pos = self.slot_pos[:, :used].scatter(1, slots.clamp(max=used - 1), new_pos)  # (B, Sk), staged
             mask = self._mask(positions, key_pos, structure)
-        saved = (self.k.gather(2, index), self.v.gather(2, index))
+        saved = (_read_slots(self.k, index), _read_slots(self.v, index))
         # Everything is allocated: the writes come last, and a failed V write undoes the K write.
-        self.k.scatter_(2, index, k.detach())
+        _write_slots(self.k, index, k.detach())
         try:
-            self.v.scatter_(2, index, v.detach())
+            _write_slots(self.v, index, v.detach())
         except BaseException:
-            self.k.scatter_(2, index, saved[0])
+            _write_slots(self.k, index, saved[0])
             raise
         keys, values = self.k[:, :, :used], self.v[:, :, :used]  # (B, Hkv, Sk, D)
         return Append(keys, values, mask, counts, slots, new_pos, index, saved)
+
+    def _write_index(self, old: list[int], slots: torch.Tensor, sn: int) -> torch.Tensor | slice:
+        """Where :meth:`append` writes: the slots' range along the sequence dimension where every
+        row's Sn slots are the same consecutive ones (eager mode: a copy, 0.08× the time of a
+        scatter at a 1,536-token prompt), else a (B, Hkv, Sn, D) scatter index of ``slots``."""
+        start = old[0] % self.capacity if self.ring else old[0]
+        if (not torch.compiler.is_compiling() and all(n == old[0] for n in old)
+                and start + sn <= self.k.shape[2]):
+            return slice(start, start + sn)
+        b = slots.shape[0]
+        return slots[:, None, :, None].expand(b, self.num_kv_heads, sn, self.head_dim)
 
     def _plain_tail(self, old: list[int], sn: int, all_real: bool, structure: Structure) -> bool:
         """The new queries see the cache in order, bottom-right aligned: no mask needed.
@@ -372,8 +383,8 @@ class KVCache:
         then bitwise what it was before."""
         if step.saved is not None:
             assert step.index is not None  # recorded together with saved
-            self.k.scatter_(2, step.index, step.saved[0])
-            self.v.scatter_(2, step.index, step.saved[1])
+            _write_slots(self.k, step.index, step.saved[0])
+            _write_slots(self.v, step.index, step.saved[1])
 
     def _write_ring_chunk(self, k: torch.Tensor, v: torch.Tensor, real: list[int]) -> None:
         """Keep each row's last C *real* tokens of a chunk (chunk index real_b - C + i for slot i)."""
@@ -402,6 +413,19 @@ class KVCache:
         return ((kp >= 0) & structure.allows(qp, kp))[:, None]  # (B, 1, Sn, Sk)
 
 
+def _read_slots(buf: torch.Tensor, index: torch.Tensor | slice) -> torch.Tensor:
+    """(B, Hkv, Sn, D) copy of what ``buf`` (B, Hkv, C, D) holds at ``index`` (:meth:`KVCache._write_index`)."""
+    return buf[:, :, index].clone() if isinstance(index, slice) else buf.gather(2, index)
+
+
+def _write_slots(buf: torch.Tensor, index: torch.Tensor | slice, rows: torch.Tensor) -> None:
+    """Write ``rows`` (B, Hkv, Sn, D) into ``buf`` (B, Hkv, C, D) at ``index``, in place."""
+    if isinstance(index, slice):
+        buf[:, :, index] = rows
+    else:
+        buf.scatter_(2, index, rows)
+
+
 def _integral(value: object) -> object:
     """``operator.index(value)`` for integral numbers that are not bools; anything else as given
     (for :func:`check_int` to refuse by name)."""
@@ -423,7 +447,8 @@ class Append:
         counts: real new tokens per row.
         slots: (B, Sn) the slots written, or None (a ring chunk, written at commit).
         key_pos: (B, Sn) the new tokens' positions, -1 for padding.
-        index: the scatter index of the write; saved: (K, V) the slots held before.
+        index: where the write went (a range of slots, or a scatter index); saved: (K, V) the slots
+            held before.
         chunk: (K, V) of a ring chunk, written at commit.
     """
 
@@ -433,6 +458,6 @@ class Append:
     counts: list[int]
     slots: torch.Tensor | None
     key_pos: torch.Tensor
-    index: torch.Tensor | None
+    index: torch.Tensor | slice | None
     saved: tuple[torch.Tensor, torch.Tensor] | None
     chunk: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -112,6 +112,39 @@ def test_a_backend_failing_after_it_ran_leaves_the_cache_unchanged(failing, sett
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("tokens", [1, 3], ids=["decode", "chunk"])
+def test_rows_of_different_lengths_write_by_scatter_and_a_failure_undoes_it(failing, tokens: int) -> None:
+    """After a padded prefill the rows hold 4 and 2 tokens, so the next write goes to different
+    slots per row (a scatter, not the one range of :meth:`KVCache._write_index`): a failure
+    after it leaves the cache unchanged, and the same call through a working backend writes
+    each row's slots."""
+    lay, cache = prepared({}, 16, [])
+    lay(**failing_call_args(4, [4, 2]), cache=cache)
+    assert cache.host_lengths() == [4, 2]
+    index = cache._write_index(cache.host_lengths(), cache.positions(tokens), tokens)
+    assert isinstance(index, torch.Tensor)
+    before = snapshot(cache)
+    lay.backend = failing
+    with pytest.raises((Boom, MemoryError, KeyboardInterrupt), match="failed after running"):
+        lay(torch.randn(2, tokens, E), cache=cache)
+    assert_unchanged(cache, before)
+    lay.backend = None
+    lay(torch.randn(2, tokens, E), cache=cache)
+    assert cache.host_lengths() == [4 + tokens, 2 + tokens]
+    assert torch.equal(cache.k[0, :, :4], before[0][0, :, :4]) and torch.equal(cache.k[1, :, :2], before[0][1, :, :2])
+    assert not torch.equal(cache.k[1, :, 2:2 + tokens], before[0][1, :, 2:2 + tokens])
+
+
+def test_rows_of_one_length_write_one_range_in_eager_mode() -> None:
+    """Every row at the same length: the write is the range of slots (ring included, where it
+    does not wrap); a range past the buffer is a scatter (the caller's room check refuses it)."""
+    cache = KVCache(2, 16, num_kv_heads=2, head_dim=4)
+    assert cache._write_index([5, 5], cache.positions(3) + 5, 3) == slice(5, 8)
+    assert isinstance(cache._write_index([5, 3], cache.positions(3), 3), torch.Tensor)
+    assert isinstance(cache._write_index([15, 15], cache.positions(3) + 15, 3), torch.Tensor)
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("ring", [False, True], ids=["linear", "ring"])
 def test_a_failing_output_projection_leaves_the_cache_unchanged(ring: bool) -> None:
     lay, cache = prepared({"window": 4} if ring else {}, 16, [5])
