@@ -52,9 +52,12 @@ class _ProjectionsOnly(torch.nn.Module):
     """Stands in for a Llama attention module in the prefill's floor: its four projections
     at the prompt's shapes and nothing else. Returns ``(o_proj(q), None)`` as the module does."""
 
-    def __init__(self, attn: torch.nn.Module) -> None:
+    def __init__(self, attn: Any) -> None:
         super().__init__()
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        self.q_proj: torch.nn.Module = attn.q_proj
+        self.k_proj: torch.nn.Module = attn.k_proj
+        self.v_proj: torch.nn.Module = attn.v_proj
+        self.o_proj: torch.nn.Module = attn.o_proj
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
         """hidden_states (B, P, E) -> ((B, P, E), None)."""
