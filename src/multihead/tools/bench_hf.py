@@ -95,7 +95,7 @@ def run_hf_generate(*, quick: bool = False, reps: int | None = None,
 
     Args:
         quick: :data:`QUICK` sizes instead of :data:`FULL`.
-        reps: timed repetitions of each (default 3 for prefill and 15 for a step; quick: 2, 3).
+        reps: timed repetitions of each (default 7 for prefill and 15 for a step; quick: 2, 3).
         progress: called with a short line before each phase.
 
     Returns:
@@ -131,7 +131,7 @@ def run_hf_generate(*, quick: bool = False, reps: int | None = None,
         prefill_fns: dict[str, Fn] = {way: functools.partial(lambda w: prefill(w, new_cache(w)), way)
                                       for way in WAYS}
         prefill_fns[FLOOR] = functools.partial(_floor_model(hf), input_ids=ids, use_cache=False, logits_to_keep=1)
-        pre = time_interleaved(prefill_fns, reps=reps or (2 if quick else 3), warmup=0)
+        pre = time_interleaved(prefill_fns, reps=reps or (2 if quick else 7), warmup=0)
         floor = pre.pop(FLOOR)
         say("decoding step after the prompt, interleaved")
         step_fns: dict[str, Fn] = {way: functools.partial(models[way], input_ids=step_ids, cache=caches[way],
