@@ -15,8 +15,8 @@ vocab 32000, MLP 2816; float32, ``attn_implementation="sdpa"``) on a P=1536 prom
 
 and, for the prefill only, its floor: ``FLOOR``, the unpatched model with every attention
 module reduced to its four projections (q, k, v from the input, the output projection on q;
-no positions, scores or cache), the time below which no attention implementation can take
-the prompt. What each way takes beyond it is the attention's own work (RoPE, the cache, the
+no positions, scores or cache): the GEMMs every way runs, below which no attention kernel
+can take the prompt. What each way takes beyond it is the attention's own work (RoPE, the cache, the
 scores and the glue), reported as ``beyond_floor_s`` and as a ratio to HF's.
 
 Timed: the prefill (a fresh cache each call, ``logits_to_keep=1``) and one decoding step
@@ -183,5 +183,5 @@ def _floor_lines(floor: dict[str, Any]) -> list[str]:
     beyond = floor["beyond_floor_s"]
     rest = ", ".join(f"{way} {s * 1e3:.1f} ms" + ("" if way == "HF" else f" ({s / beyond['HF']:.3f}x HF's)")
                      for way, s in beyond.items())
-    return [f"  floor, {FLOOR}: {floor['median_s'] * 1e3:.2f} ms (no attention implementation can take less);",
+    return [f"  floor, {FLOOR}: {floor['median_s'] * 1e3:.2f} ms (no attention kernel can take the prompt below it);",
             f"  beyond it (the attention's own work): {rest}"]
