@@ -187,11 +187,15 @@ def _bad_calls() -> list:
         ("overflow", lambda layer, c: layer(torch.randn(2, 5, E), cache=c), ValueError, "overflow"),
         ("batch", lambda layer, c: layer(torch.randn(3, 1, E), cache=c), ValueError, "batch"),
         ("heads", lambda layer, c: other_heads.eval()(torch.randn(2, 1, E), cache=c), ValueError, "K/V heads"),
-        ("dtype", lambda layer, c: layer.double()(torch.randn(2, 1, E, dtype=torch.float64), cache=c), TypeError, "dtype"),
-        ("mask", lambda layer, c: layer(torch.randn(2, 1, E), cache=c, mask=torch.ones(1, 1, 1, 5, dtype=torch.bool)), ValueError, "mask"),
+        ("dtype", lambda layer, c: layer.double()(torch.randn(2, 1, E, dtype=torch.float64), cache=c),
+         TypeError, "dtype"),
+        ("mask", lambda layer, c: layer(torch.randn(2, 1, E), cache=c, mask=torch.ones(1, 1, 1, 5, dtype=torch.bool)),
+         ValueError, "mask"),
         ("context", lambda layer, c: layer(torch.randn(2, 1, E), torch.randn(2, 3, E), cache=c), ValueError, "context"),
         ("not_a_cache", lambda layer, c: layer(torch.randn(2, 1, E), cache="cache"), TypeError, "cache"),
-        ("key_mask_shape", lambda layer, c: layer(torch.randn(2, 2, E), cache=c, key_mask=torch.ones(2, 3, dtype=torch.bool)), ValueError, "key_mask"),
+        ("key_mask_shape",
+         lambda layer, c: layer(torch.randn(2, 2, E), cache=c, key_mask=torch.ones(2, 3, dtype=torch.bool)),
+         ValueError, "key_mask"),
     ]
 
 

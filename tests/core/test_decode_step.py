@@ -37,37 +37,38 @@ class _Sub(nn.Linear):
 
 # (condition's reason fragment, how to break only that condition): each returns (layer, x, cache, call kwargs).
 BREAKS: dict[str, Callable[[], tuple]] = {
-    "not one new token per row": lambda: (lambda l: (l, torch.randn(2, 2, 64), _prefilled(l)[0], {}))(_layer()),
-    "more than": lambda: (lambda l: (l, torch.randn(native.MAX_STEP_ROWS + 1, 1, 64),
-                                     _prefilled(l, native.MAX_STEP_ROWS + 1)[0], {}))(_layer()),
-    "key_mask given": lambda: (lambda l: (l, torch.randn(2, 1, 64), _prefilled(l)[0],
+    "not one new token per row": lambda: (lambda lay: (lay, torch.randn(2, 2, 64), _prefilled(lay)[0], {}))(_layer()),
+    "more than": lambda: (lambda lay: (lay, torch.randn(native.MAX_STEP_ROWS + 1, 1, 64),
+                                     _prefilled(lay, native.MAX_STEP_ROWS + 1)[0], {}))(_layer()),
+    "key_mask given": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay)[0],
                                           {"key_mask": torch.ones(2, 1, dtype=torch.bool)}))(_layer()),
-    "positions given": lambda: (lambda l: (l, torch.randn(2, 1, 64), _prefilled(l)[0],
+    "positions given": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay)[0],
                                            {"positions": torch.tensor([8])}))(_layer()),
-    "context given": lambda: (lambda l: (l, torch.randn(2, 1, 64), _prefilled(l)[0],
+    "context given": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay)[0],
                                          {"context": torch.randn(2, 3, 64)}))(_layer()),
-    "weights asked for": lambda: (lambda l: (l, torch.randn(2, 1, 64), _prefilled(l)[0],
+    "weights asked for": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay)[0],
                                              {"return_weights": True}))(_layer()),
-    "an observer is attached": lambda: (lambda l: (l, torch.randn(2, 1, 64), _prefilled(l)[0],
+    "an observer is attached": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay)[0],
                                                    {"observe": lambda n, t: None}))(_layer()),
-    "sliding window": lambda: (lambda l: (l, torch.randn(2, 1, 64), _prefilled(l, ring=False)[0], {}))(
+    "sliding window": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay, ring=False)[0], {}))(
         _layer(window=4)),
-    "QK-norm, soft-capping, ALiBi or sinks": lambda: (lambda l: (l, torch.randn(2, 1, 64), _prefilled(l)[0], {}))(
+    "QK-norm, soft-capping, ALiBi or sinks": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay)[0], {}))(
         _layer(softcap=30.0)),
-    "a ring cache": lambda: (lambda l: (l, torch.randn(2, 1, 64), _ring_cache_without_window(l), {}))(_layer()),
-    "dropout in training mode": lambda: (lambda l: (l.train(), torch.randn(2, 1, 64), _prefilled(l)[0], {}))(
+    "a ring cache": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _ring_cache_without_window(lay), {}))(_layer()),
+    "dropout in training mode": lambda: (lambda lay: (lay.train(), torch.randn(2, 1, 64), _prefilled(lay)[0], {}))(
         _layer(dropout=0.1)),
-    "a backend other than": lambda: (lambda l: (l, torch.randn(2, 1, 64), _prefilled(l)[0], {}))(
+    "a backend other than": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay)[0], {}))(
         _layer(backend="sdpa")),
-    "not float32, bfloat16 or float16": lambda: (lambda l: (l, torch.randn(2, 1, 64, dtype=torch.float64),
-                                                            _prefilled(l)[0], {}))(_layer(dtype=torch.float64)),
-    "not of the input's dtype": lambda: (lambda l: (l, torch.randn(2, 1, 64), _half_cache(l), {}))(_layer()),
-    "not on the CPU": lambda: (lambda l: (l, torch.empty(2, 1, 64, device="meta"), _prefilled(l)[0], {}))(_layer()),
-    "K and V buffers": lambda: (lambda l: (l, torch.randn(2, 1, 64), _strided_cache(l), {}))(_layer()),
-    "not a plain contiguous nn.Linear": lambda: (lambda l: (l, torch.randn(2, 1, 64), _prefilled(l)[0], {}))(
+    "not float32, bfloat16 or float16": lambda: (lambda lay: (lay, torch.randn(2, 1, 64, dtype=torch.float64),
+                                                            _prefilled(lay)[0], {}))(_layer(dtype=torch.float64)),
+    "not of the input's dtype": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _half_cache(lay), {}))(_layer()),
+    "not on the CPU": lambda: (lambda lay: (lay, torch.empty(2, 1, 64, device="meta"), _prefilled(lay)[0], {}))(
+        _layer()),
+    "K and V buffers": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _strided_cache(lay), {}))(_layer()),
+    "not a plain contiguous nn.Linear": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay)[0], {}))(
         _with_subclassed_projection(_layer())),
     "not of the layer's shape": lambda: _narrow_weight_after_prefill(),
-    "RoPE is not a plain": lambda: (lambda l: (l, torch.randn(2, 1, 64), _prefilled(l)[0], {}))(
+    "RoPE is not a plain": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay)[0], {}))(
         mh.MultiHeadAttention(64, 4, num_kv_heads=2, causal=True, rope=mh.RoPE(16, max_positions=8)).eval()),
 }
 

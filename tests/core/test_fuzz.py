@@ -42,7 +42,8 @@ VALUES = st.recursive(
                                "gemma3_text", "openelm", "swin", "deepseek_v3", "bloom", "llama3", "yarn",
                                "longrope", "sliding_attention", "full_attention"]),
               st.text(max_size=8)),
-    lambda children: st.one_of(st.lists(children, max_size=4), st.dictionaries(st.sampled_from(KEYS), children, max_size=4)),
+    lambda children: st.one_of(st.lists(children, max_size=4),
+                               st.dictionaries(st.sampled_from(KEYS), children, max_size=4)),
     max_leaves=8,
 )
 BASE = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,

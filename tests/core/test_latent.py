@@ -14,7 +14,8 @@ F64 = torch.float64
 SIZES = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24,
              qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, max_position_embeddings=64,
              rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
-                           "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8, "rope_theta": 10000.0})
+                           "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8,
+                           "rope_theta": 10000.0})
 
 
 def _hf(dtype: torch.dtype, q_lora: bool = True):
@@ -90,7 +91,7 @@ def test_decoding_never_decompresses_the_cache() -> None:
     calls = []
     ours.kv_b_proj.register_forward_hook(lambda *a: calls.append(1))
     with torch.no_grad():
-        for t in range(3):
+        for _t in range(3):
             ours(torch.randn(1, 1, 64), cache=cache)
     assert calls == []  # kv_b_proj's weight is used only inside the absorbed query and output
 

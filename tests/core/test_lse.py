@@ -89,7 +89,8 @@ def test_lse_with_gradients_is_differentiable_through_auto() -> None:
 
 
 def test_lse_is_float64_for_float64_inputs_and_float32_otherwise() -> None:
-    for dtype, want in ((torch.float64, torch.float64), (torch.float32, torch.float32), (torch.bfloat16, torch.float32)):
+    pairs = ((torch.float64, torch.float64), (torch.float32, torch.float32), (torch.bfloat16, torch.float32))
+    for dtype, want in pairs:
         q = torch.randn(1, 2, 4, 8).to(dtype)
         for backend in ("explicit", "blocked", "auto"):
             assert mh.attention(q, q, q, return_lse=True, backend=backend)[1].dtype == want, (dtype, backend)

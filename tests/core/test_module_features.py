@@ -93,7 +93,8 @@ def _family(name: str, dtype: torch.dtype):
     params = params["full_attention"] if "full_attention" in params else params
     scaling = mh.RopeScaling.from_hf(params, max_positions=64)  # gpt-oss: yarn
     ours = mh.MultiHeadAttention(64, 4, num_kv_heads=2, head_dim=24, bias=bias, o_bias=hf.o_proj.bias is not None,
-                                 causal=True, rope=mh.RoPE(24, params["rope_theta"], max_positions=64, scaling=scaling), norm_eps=1e-6,
+                                 causal=True, rope=mh.RoPE(24, params["rope_theta"], max_positions=64, scaling=scaling),
+                                 norm_eps=1e-6,
                                  backend="explicit", dtype=dtype, **kw).eval()
     _load(ours, hf)
     rotary = R(cfg)

@@ -76,7 +76,8 @@ class Case:
     def inputs(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         gen = torch.Generator().manual_seed(self.seed + 1)
         x = torch.randn(self.batch, self.sq, self.embed_dim, generator=gen, dtype=torch.float64)
-        context = torch.randn(self.batch, self.sk, self.embed_dim, generator=gen, dtype=torch.float64) if self.cross else None
+        context = (torch.randn(self.batch, self.sk, self.embed_dim, generator=gen, dtype=torch.float64)
+                   if self.cross else None)
         sk = self.sk if self.cross else self.sq
         mask = key_mask = None
         if self.mask_kind == "random":
@@ -307,7 +308,6 @@ def test_cache_decoding_agrees_with_the_reference(params: tuple[Case, list[int],
 @profile(250)
 def test_float32_gradients_agree_with_float64_gradients(case: Case) -> None:
     """Gradients of x (and context) and of every parameter, every backend, vs float64 autograd."""
-    layer64 = case.build()
     x, context, mask, key_mask = case.inputs()
     gen = torch.Generator().manual_seed(case.seed + 3)
     upstream = torch.randn(case.batch, case.sq, case.embed_dim, generator=gen, dtype=torch.float64)

@@ -73,7 +73,8 @@ def test_q_and_k_are_recorded_after_rope_and_only_the_heads_asked_for() -> None:
 
 def test_capture_of_some_layers_by_index_or_name() -> None:
     _, patched, batch, _ = minilm()
-    with torch.no_grad(), mh.heads.capture(patched, layers=[5, "encoder.layer.1.attention"], dtype=torch.float16) as cap:
+    layers = [5, "encoder.layer.1.attention"]
+    with torch.no_grad(), mh.heads.capture(patched, layers=layers, dtype=torch.float16) as cap:
         patched(**batch)
     assert cap.layers == ["encoder.layer.1.attention", "encoder.layer.5.attention"]
     assert cap.weights["encoder.layer.5.attention"].dtype == torch.float16

@@ -90,7 +90,8 @@ def test_the_page_works_offline_in_a_real_browser(tmp_path: Path) -> None:
         assert page.locator("canvas.mh-thumb").count() == 6 * 12
         assert page.locator("#mh-layer option").count() == 6 and page.locator("#mh-head option").count() == 12
         lines = lambda: page.eval_on_selector_all(  # noqa: E731
-            "#mh-lines line", "ls => ls.map(l => l.dataset.q + ':' + l.dataset.k + ':' + l.getAttribute('stroke-opacity'))")
+            "#mh-lines line",
+            "ls => ls.map(l => l.dataset.q + ':' + l.dataset.k + ':' + l.getAttribute('stroke-opacity'))")
         first = lines()
         page.select_option("#mh-layer", "2")
         after_layer = lines()

@@ -269,7 +269,7 @@ def plan_cases(rank: int, p: int) -> dict[str, Any]:
         done = [0]
 
         def counting(qb: torch.Tensor, kb: torch.Tensor, *a: Any, **kw: Any) -> Any:
-            done[0] += qb.shape[2] * kb.shape[2]
+            done[0] += qb.shape[2] * kb.shape[2]  # noqa: B023 (called only in this iteration)
             return original(qb, kb, *a, **kw)
 
         ring_mod.block_attention = counting
@@ -300,7 +300,8 @@ def count_cases(rank: int, p: int) -> dict[str, Any]:
         with count_comm() as bwd:
             out.sum().backward()
         res[f"count/{fn_name}"] = {"forward": dict(fwd), "backward": dict(bwd),
-                                   "kv_bytes_full": k.nbytes + v.nbytes, "kv_bytes_local": loc[1].nbytes + loc[2].nbytes}
+                                   "kv_bytes_full": k.nbytes + v.nbytes,
+                                   "kv_bytes_local": loc[1].nbytes + loc[2].nbytes}
     layer = make_layer(8, 2, causal=True)
     hp = mp_.shard_heads(layer) if 8 % p == 0 else None
     if hp is not None:
@@ -404,9 +405,9 @@ def world1_cases(rank: int, p: int) -> dict[str, Any]:
     if p != 1:
         return res
     x, km, gy = inputs(7)
-    for name, make in (("heads", lambda l: mp_.shard_heads(l)),
-                       ("ring", lambda l: mp_.context_parallel(l, method="ring")),
-                       ("ulysses", lambda l: mp_.context_parallel(l, method="ulysses"))):
+    for name, make in (("heads", lambda lay: mp_.shard_heads(lay)),
+                       ("ring", lambda lay: mp_.context_parallel(lay, method="ring")),
+                       ("ulysses", lambda lay: mp_.context_parallel(lay, method="ulysses"))):
         layer = make_layer(8, 2, causal=True)
         y_ref, dx_ref, g_ref = reference(layer, x, km, gy)
         mod = make(layer)

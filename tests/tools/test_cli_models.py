@@ -132,7 +132,8 @@ def test_explain_llama3_config_shows_gqa_shapes() -> None:
 
 
 @pytest.mark.parametrize("name, d, h, causal", [
-    ("bert-base-uncased.json", 768, 12, False), ("gpt2.json", 768, 12, True), ("vit-base-patch16-224.json", 768, 12, False),
+    ("bert-base-uncased.json", 768, 12, False), ("gpt2.json", 768, 12, True),
+    ("vit-base-patch16-224.json", 768, 12, False),
 ])
 def test_explain_reads_encoder_and_decoder_configs(capsys, name: str, d: int, h: int, causal: bool) -> None:
     info = _main_json(capsys, "explain", str(CONFIGS / name), "--seq", "8")
