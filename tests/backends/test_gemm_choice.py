@@ -157,7 +157,7 @@ def test_the_layer_on_torch_matmul_trains_against_the_float64_reference(monkeypa
     naive.load_state_dict(layer.state_dict())
     layer.zero_grad()
     outs = [m(x.to(dtype)) for m, dtype in ((layer, torch.float32), (naive, torch.float32), (double, torch.float64))]
-    for _m, y in zip((layer, naive, double), outs):
+    for y in outs:
         y.backward(grad.to(y.dtype))
     got, plain = outs[0].detach().double(), outs[1].detach().double()
     assert (got - want).abs().max() <= 2 * (plain - want).abs().max() + 1e-6

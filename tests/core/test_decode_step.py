@@ -39,17 +39,17 @@ class _Sub(nn.Linear):
 BREAKS: dict[str, Callable[[], tuple]] = {
     "not one new token per row": lambda: (lambda lay: (lay, torch.randn(2, 2, 64), _prefilled(lay)[0], {}))(_layer()),
     "more than": lambda: (lambda lay: (lay, torch.randn(native.MAX_STEP_ROWS + 1, 1, 64),
-                                     _prefilled(lay, native.MAX_STEP_ROWS + 1)[0], {}))(_layer()),
+                                       _prefilled(lay, native.MAX_STEP_ROWS + 1)[0], {}))(_layer()),
     "key_mask given": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay)[0],
-                                          {"key_mask": torch.ones(2, 1, dtype=torch.bool)}))(_layer()),
+                                            {"key_mask": torch.ones(2, 1, dtype=torch.bool)}))(_layer()),
     "positions given": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay)[0],
-                                           {"positions": torch.tensor([8])}))(_layer()),
+                                             {"positions": torch.tensor([8])}))(_layer()),
     "context given": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay)[0],
-                                         {"context": torch.randn(2, 3, 64)}))(_layer()),
+                                           {"context": torch.randn(2, 3, 64)}))(_layer()),
     "weights asked for": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay)[0],
-                                             {"return_weights": True}))(_layer()),
+                                               {"return_weights": True}))(_layer()),
     "an observer is attached": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay)[0],
-                                                   {"observe": lambda n, t: None}))(_layer()),
+                                                     {"observe": lambda n, t: None}))(_layer()),
     "sliding window": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay, ring=False)[0], {}))(
         _layer(window=4)),
     "QK-norm, soft-capping, ALiBi or sinks": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay)[0], {}))(
@@ -60,7 +60,7 @@ BREAKS: dict[str, Callable[[], tuple]] = {
     "a backend other than": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay)[0], {}))(
         _layer(backend="sdpa")),
     "not float32, bfloat16 or float16": lambda: (lambda lay: (lay, torch.randn(2, 1, 64, dtype=torch.float64),
-                                                            _prefilled(lay)[0], {}))(_layer(dtype=torch.float64)),
+                                                              _prefilled(lay)[0], {}))(_layer(dtype=torch.float64)),
     "not of the input's dtype": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _half_cache(lay), {}))(_layer()),
     "not on the CPU": lambda: (lambda lay: (lay, torch.empty(2, 1, 64, device="meta"), _prefilled(lay)[0], {}))(
         _layer()),

@@ -405,7 +405,7 @@ def world1_cases(rank: int, p: int) -> dict[str, Any]:
     if p != 1:
         return res
     x, km, gy = inputs(7)
-    for name, make in (("heads", lambda lay: mp_.shard_heads(lay)),
+    for name, make in (("heads", mp_.shard_heads),
                        ("ring", lambda lay: mp_.context_parallel(lay, method="ring")),
                        ("ulysses", lambda lay: mp_.context_parallel(lay, method="ulysses"))):
         layer = make_layer(8, 2, causal=True)

@@ -87,7 +87,7 @@ def test_parallelize_module_with_the_standard_plan_is_exact_or_refused(p: int) -
         return bool(h % p or hkv % p)
 
     assert_exact_or_refused(p, "tp_plan/", refuse)
-    for _key, per_rank in entries(p, "tp_plan/").items():
+    for per_rank in entries(p, "tp_plan/").values():
         for got in per_rank:
             if "refused" in got:
                 assert got["refused"].startswith("ValueError") and "whole heads" in got["refused"], got
@@ -132,7 +132,7 @@ def test_the_ring_runs_the_planned_blocks(p: int) -> None:
 
 @pytest.mark.parametrize("p", (2, 3, 4))
 def test_collectives_per_call_are_the_designs(p: int) -> None:
-    for _rank, got in enumerate(entries(p, "count/ring_attention")["count/ring_attention"]):
+    for got in entries(p, "count/ring_attention")["count/ring_attention"]:
         fwd, bwd = got["forward"], got["backward"]
         # one metadata all-gather, then P-1 K/V steps; backward: P-1 K/V steps + P dK/dV steps
         assert (fwd.get("all_gather"), fwd.get("batch_isend_irecv")) == (1, p - 1), fwd
