@@ -339,6 +339,31 @@ def cache_cases(rank: int, p: int) -> dict[str, Any]:
     return res
 
 
+def cache_chunk_cases(rank: int, p: int) -> dict[str, Any]:
+    """Prefill, then Sn = 3 tokens in one call, then 1, then 3 more, with a sharded cache vs the
+    single-process cached layer ``layer(x, cache=layer.new_cache(...))``: non-causal layers too,
+    whose new queries see the chunk's later tokens (and a window both ways), as the layer's own
+    ``Structure`` says. Errors per step: ``steps[0]`` the prefill."""
+    res: dict[str, Any] = {}
+    s0, chunks = 2 * p + 3, (3, 1, 3)
+    for method, (h, hkv) in (("ring", (8, 2)), ("ulysses", (8, 8) if p != 3 else (6, 3))):
+        for causal, window in ((False, None), (True, None), (True, 3), (False, 3)):
+            layer = make_layer(h, hkv, causal=causal, window=window).eval()  # RoPE
+            g = torch.Generator().manual_seed(9)
+            prompt = torch.randn(B, s0, E, generator=g, dtype=F64)
+            tokens = [torch.randn(B, sn, E, generator=g, dtype=F64) for sn in chunks]
+            with torch.no_grad():
+                ref_cache = layer.new_cache(B, s0 + sum(chunks))
+                ref = [layer(prompt, cache=ref_cache)] + [layer(t, cache=ref_cache) for t in tokens]
+                cp = mp_.context_parallel(layer, layout="zigzag", method=method)
+                cache = cp.new_cache(B, s0 + sum(chunks))
+                steps = [err(mp_.unshard_sequence(cp(mp_.shard_sequence(prompt, dim=1), cache=cache), dim=1),
+                             ref[0])]
+                steps += [err(cp(t, cache=cache), r) for t, r in zip(tokens, ref[1:])]
+            res[f"chunk/{method}/{'causal' if causal else 'full'}/w{window}"] = {"err": max(steps), "steps": steps}
+    return res
+
+
 def precision_cases(rank: int, p: int) -> dict[str, Any]:
     """fp32/bf16 ring error vs float64, against mh.attention's own error in that dtype."""
     res: dict[str, Any] = {}
@@ -484,7 +509,7 @@ def all_cases(rank: int, p: int) -> dict[str, Any]:
     """Every table, timed per table (seconds per table in ``"timing"``)."""
     out: dict[str, Any] = {"timing": {}}
     for fn in (world1_cases, refusal_cases, head_cases, tp_plan_cases, cp_cases, functional_cases, plan_cases,
-               count_cases, cache_cases, precision_cases, memory_cases):
+               count_cases, cache_cases, cache_chunk_cases, precision_cases, memory_cases):
         t0 = time.perf_counter()
         out.update(fn(rank, p))
         out["timing"][fn.__name__] = time.perf_counter() - t0

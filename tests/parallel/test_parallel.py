@@ -172,6 +172,15 @@ def test_sharded_cache_prefill_and_20_tokens_equal_the_cached_layer(p: int) -> N
                 assert got["bytes"] == pytest.approx(linear / p, rel=(p - 1) / total + 1e-9), got
 
 
+@pytest.mark.parametrize("p", WORLDS)
+def test_sharded_cache_decoding_chunks_equals_the_cached_layer_causal_or_not(p: int) -> None:
+    """Sn = 3 tokens in one call, then 1, then 3: each new query sees what the layer's structure
+    allows, its chunk's later tokens included when the layer is not causal (a window both ways)."""
+    for key, per_rank in entries(p, "chunk/").items():
+        for rank, got in enumerate(per_rank):
+            assert got["err"] <= ATOL, f"{key} P={p} rank {rank}: error per step (prefill first) {got['steps']}"
+
+
 @pytest.mark.parametrize("p", (2, 3, 4))
 def test_low_precision_ring_error_does_not_grow_with_the_world(p: int) -> None:
     """fp32/bf16 ring vs float64, against mh.attention's own error in that dtype (one process):

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._checks import check_int, check_tensor
+from ..masks import Structure
 from ..module import MultiHeadAttention, merge_heads, split_heads
 from ._comm import agree, resolve_group, world_and_rank
 from ._lse import block_attention, merge_into, work_dtype
@@ -218,11 +219,9 @@ class ContextParallelAttention(nn.Module):
                                                                                  device=x.device))
         cache.length += sn
         used = cache.held
-        kp = cache.positions[:used][None, :]  # (1, C_used)
-        qp = positions[:, None]  # (Sn, 1)
-        allowed = kp <= qp
-        if layer.window is not None:
-            allowed &= kp > qp - layer.window
+        # The layer's own rule on global positions (a non-causal layer's new queries see their
+        # chunk's later tokens), and the prompt's padding; every used slot holds a token.
+        allowed = Structure(layer.causal, layer.window).allows(positions[:, None], cache.positions[None, :used])
         mask = allowed[None, None] & cache.valid[:, None, None, :used]  # (B, 1, Sn, C_used)
         out, lse = block_attention(q, cache.k[:, :, :used], cache.v[:, :, :used], causal=False, window=None,
                                    mask=mask, scale=layer.scale)
