@@ -8,35 +8,82 @@ written to a cache: the layer's ``forward`` calls it first, then trusts its inpu
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, NamedTuple, Protocol
 
 import torch
+from torch import nn
 
-from ._checks import check_bool_mask, check_tensor
+from ._checks import check_bool_mask, check_finite as _check_finite, check_tensor
 from .cache import KVCache
-from .masks import key_padding_mask
-from .rope import check_positions
+from .masks import cu_seqlens_from_positions, key_padding_mask
+from .rope import RoPE, check_positions
 
-if TYPE_CHECKING:
-    from .module import MultiHeadAttention
-
-__all__ = ["validate_call"]
+__all__ = ["validate_call", "Inputs"]
 
 
-def validate_call(layer: MultiHeadAttention, x: torch.Tensor, context: torch.Tensor | None, mask: torch.Tensor | None,
-              key_mask: torch.Tensor | None, positions: torch.Tensor | None, cache: KVCache | None,
-              ) -> tuple[list[int] | None, torch.Tensor | None]:
-    """Every check of a call, once, before any work: (real tokens per row with a cache,
-    the combined 4-D bool mask or None)."""
+class Layer(Protocol):
+    """What the checks read of a :class:`multihead.MultiHeadAttention` (its sizes and parts)."""
+
+    embed_dim: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    kdim: int
+    causal: bool
+    rope: RoPE | None
+    alibi_slopes: torch.Tensor | None
+    q_proj: nn.Linear
+
+    def parameters(self, recurse: bool = True) -> Any: ...
+
+
+class Inputs(NamedTuple):
+    """A validated call, as the steps take it.
+
+    Attributes:
+        real: with a cache, real new tokens per row (right padding), or None (all real).
+        mask: the combined 4-D bool mask (B|1, H|1, S|1, Sk|1) (mask and key_mask), or None.
+        positions: RoPE positions (S,) or (B, S) as given, or None (see :meth:`rope_positions`).
+        cu_seqlens: (B|1, N+1) packed sequences' bounds (``packed=True``), or None.
+    """
+
+    real: list[int] | None
+    mask: torch.Tensor | None
+    positions: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None
+
+    def rope_positions(self, cache: KVCache | None, s: int) -> tuple[torch.Tensor | None, int | None]:
+        """(positions, bound) for the RoPE step: the given ones, or with a cache each row's next
+        ``s`` positions (B, S) with their exclusive bound known on the host (no device read)."""
+        if cache is None or self.positions is not None:
+            return self.positions, None
+        return cache.positions(s), max(cache.host_lengths()) + s
+
+
+def validate_call(layer: Layer, x: torch.Tensor, context: torch.Tensor | None, mask: torch.Tensor | None,
+                  key_mask: torch.Tensor | None, positions: torch.Tensor | None, cache: KVCache | None, *,
+                  packed: bool = False, check_finite: bool = False) -> Inputs:
+    """Every check of a call, once, before any work (``check_finite`` first)."""
+    if check_finite:
+        for name, t in (("x", x), ("context", context)):
+            if isinstance(t, torch.Tensor):
+                _check_finite(name, t)
+    if packed and (positions is None or context is not None or cache is not None):
+        raise ValueError("packed=True needs positions (restarting where each sequence begins) and no "
+                         "context or cache")
     real = _check_cache(layer, x, context, mask, key_mask, cache) if cache is not None else None
     attn_mask = _check_inputs(layer, x, context, mask, None if cache is not None else key_mask, positions)
     if attn_mask is not None:
         attn_mask = attn_mask[(None,) * (4 - attn_mask.dim())]  # (B|1, H|1, S|1, Sk|1)
-    return real, attn_mask
+    cu = None
+    if packed:
+        assert positions is not None  # checked above
+        cu = cu_seqlens_from_positions(check_positions(positions, x.shape[0], x.shape[1]))
+    return Inputs(real, attn_mask, positions, cu)
 
 
 def _check_cache(
-    layer: MultiHeadAttention,
+    layer: Layer,
     x: torch.Tensor,
     context: torch.Tensor | None,
     mask: torch.Tensor | None,
@@ -78,7 +125,7 @@ def _check_cache(
 
 
 def _check_inputs(
-    layer: MultiHeadAttention,
+    layer: Layer,
     x: torch.Tensor,
     context: torch.Tensor | None,
     mask: torch.Tensor | None,

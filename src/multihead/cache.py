@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import operator
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -43,7 +45,14 @@ from ._checks import check_int
 from .backends import native
 from .masks import Structure
 
-__all__ = ["KVCache", "Append"]
+__all__ = ["KVCache", "Append", "NativeStep"]
+
+
+class NativeStep(Protocol):
+    """A step bound to one layer and this cache that writes K/V and advances the counters in one
+    native call (:class:`multihead.decode.FusedStep`): held by the cache, made by its layer."""
+
+    def __call__(self, x: torch.Tensor, *, checked: bool = True) -> torch.Tensor: ...
 
 _MAX_CACHE_BYTES = 1 << 40  # 1 TiB: anything larger is a mistake, refused before allocating
 
@@ -99,8 +108,8 @@ class KVCache:
         self.window = window
         self.ring = bool(ring)
         self._owner: weakref.ref | None = None  # the layer whose K/V this holds (see claim)
-        #: the native decoding step's marshalled arguments (multihead.decode; None until used)
-        self.step_plan: object | None = None
+        #: the fused decoding step bound to this cache and its layer (multihead.decode; None until used)
+        self.fused: NativeStep | None = None
 
     # -- sizes -----------------------------------------------------------------------
     @property
@@ -166,9 +175,9 @@ class KVCache:
 
     def __getstate__(self) -> dict:
         # A weak reference cannot be pickled: a saved and reloaded cache belongs to the
-        # first layer that uses it. The step's plan (C pointers into this cache's buffers,
+        # first layer that uses it. The fused step (C pointers into this cache's buffers,
         # meaningless in a copy) is made again at the copy's first fused step.
-        return {**self.__dict__, "_owner": None, "step_plan": None}
+        return {**self.__dict__, "_owner": None, "fused": None}
 
     # -- state changes ---------------------------------------------------------------
     def reset(self) -> None:
@@ -285,7 +294,8 @@ class KVCache:
             _write_slots(self.k, index, saved[0])
             raise
         keys, values = self.k[:, :, :used], self.v[:, :, :used]  # (B, Hkv, Sk, D)
-        return Append(keys, values, mask, counts, slots, new_pos, index, saved)
+        return Append(keys, values, mask, counts, slots, new_pos, index, saved,
+                      structure=structure if mask is None else Structure())
 
     def _write_index(self, old: list[int], slots: torch.Tensor, sn: int) -> torch.Tensor | slice:
         """Where :meth:`append` writes: the slots' range along the sequence dimension where every
@@ -322,7 +332,25 @@ class KVCache:
         values = torch.cat((self.v, v.detach()), dim=2)
         key_pos = torch.cat((self.slot_pos, new_pos), dim=1)  # (B, C + Sn)
         mask = self._mask(positions, key_pos, structure)
-        return Append(keys, values, mask, counts, None, new_pos, None, None, chunk=(k.detach(), v.detach()))
+        return Append(keys, values, mask, counts, None, new_pos, None, None, chunk=(k.detach(), v.detach()),
+                      structure=Structure())
+
+    @contextmanager
+    def staged(self, k: torch.Tensor, v: torch.Tensor, real: Sequence[int] | None, *,
+               structure: Structure) -> Iterator[Append]:
+        """:meth:`append` for the block's attention, then :meth:`commit` if the block succeeds,
+        or :meth:`rollback` if it raises (the cache is then bitwise as it was).
+
+        Yields:
+            the :class:`Append`: ``keys``/``values`` (B, Hkv, Sk, D), ``mask`` and ``structure``.
+        """
+        step = self.append(k, v, real, structure=structure)
+        try:
+            yield step
+        except BaseException:
+            self.rollback(step)
+            raise
+        self.commit(step)
 
     def commit(self, step: Append | Sequence[int]) -> None:
         """Advance the counters: their writer (with the fused step's kernel: :meth:`mirror_step`).
@@ -355,12 +383,50 @@ class KVCache:
         self.lengths.add_(gained)
         self._host_lengths = [length + c for length, c in zip(self._host_lengths, counts)]
 
+    def native_counters(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(lengths (B,), slot_pos (B, C))``: the counters a native step bound to this cache
+        (``fused``) may advance in its own call, one in-order token per row of a linear cache;
+        the cache then mirrors them (:meth:`mirror_step`) or undoes the step (:meth:`undo_native_step`)."""
+        return self.lengths, self.slot_pos
+
     def mirror_step(self, held: list[int], gained: int = 1) -> None:
         """The host mirror of the counters after a native decoding step that advanced the
         counters itself, in the same C call as :meth:`commit` would have
         (:class:`multihead.backends.native.StepPlan`): ``held`` (each row's length before
         it) plus ``gained`` (0 where the step was undone)."""
         self._host_lengths = [n + gained for n in held]
+
+    def undo_native_step(self, held: list[int], saved: torch.Tensor) -> None:
+        """Undo a native step that failed after running (an interrupt as it returned): if the
+        device counters moved past ``held`` (each row's length before it), the slots it wrote
+        get back ``saved`` (B, 2, Hkv, D), their old K and V, and the counters are put back.
+        The cache is then bitwise as it was."""
+        if self.lengths.tolist() != held:
+            for b, n in enumerate(held):
+                self.k[b, :, n] = saved[b, 0]
+                self.v[b, :, n] = saved[b, 1]
+                self.slot_pos[b, n] = -1  # a linear cache's slots past its length hold -1
+            self.lengths.copy_(torch.tensor(held, dtype=self.lengths.dtype, device=self.device))
+        self.mirror_step(held, gained=0)
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Beam search: row b takes row ``rows[b]``'s tokens, in place (buffers and counters).
+
+        Args:
+            rows: (B,) integer indices of this cache's rows.
+
+        Raises:
+            ValueError: ``rows`` is not B indices in [0, B).
+        """
+        idx = torch.as_tensor(rows).to(self.device)
+        if idx.dim() != 1 or idx.numel() != self.batch_size or idx.dtype.is_floating_point or idx.dtype == torch.bool:
+            raise ValueError(f"rows must be {self.batch_size} integer row indices, got {list(idx.shape)} {idx.dtype}")
+        order = idx.tolist()
+        if min(order) < 0 or max(order) >= self.batch_size:
+            raise ValueError(f"rows must index the cache's {self.batch_size} rows, got {order}")
+        for buf in (self.k, self.v, self.slot_pos, self.lengths):
+            buf.copy_(buf.index_select(0, idx))
+        self._host_lengths = [self._host_lengths[i] for i in order]
 
     def _advance_one_per_row(self) -> None:
         """:meth:`commit` of one in-order token per row: ``slot_pos[b, L_b] = L_b``, ``L_b += 1``.
@@ -450,6 +516,8 @@ class Append:
         index: where the write went (a range of slots, or a scatter index); saved: (K, V) the slots
             held before.
         chunk: (K, V) of a ring chunk, written at commit.
+        structure: the causal/window rule the attention applies: the layer's, or none when
+            ``mask`` carries it.
     """
 
     keys: torch.Tensor
@@ -461,3 +529,4 @@ class Append:
     index: torch.Tensor | slice | None
     saved: tuple[torch.Tensor, torch.Tensor] | None
     chunk: tuple[torch.Tensor, torch.Tensor] | None = None
+    structure: Structure = Structure()

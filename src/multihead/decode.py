@@ -14,9 +14,11 @@ rounding (tested), and a user can always ask which one runs.
 
 from __future__ import annotations
 
+import functools
 import operator
+import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -25,10 +27,32 @@ from .backends import native
 from .cache import KVCache
 from .rope import RoPE
 
-if TYPE_CHECKING:
-    from .module import MultiHeadAttention
+__all__ = ["why_not_fused", "fused_for", "fused_step", "repeat_step", "FusedStep", "FUSED_CONDITIONS"]
 
-__all__ = ["why_not_fused", "fused_step", "repeat_step", "FUSED_CONDITIONS"]
+
+class Layer(Protocol):
+    """What the fused step reads of a :class:`multihead.MultiHeadAttention`: sizes, settings and
+    parts (the module is not imported here: it builds on this module)."""
+
+    embed_dim: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    dropout: float
+    window: int | None
+    backend: str | None
+    qk_norm: str | None
+    softcap: float | None
+    alibi_slopes: torch.Tensor | None
+    sinks: Any
+    rope: RoPE | None
+    watch: object | None
+    training: bool
+    __dict__: dict[str, Any]
+    _parameters: dict[str, Any]
+    _buffers: dict[str, Any]
+    _modules: dict[str, Any]
 
 
 def plain_linear(linear: nn.Module) -> bool:
@@ -46,7 +70,7 @@ def plain_linear(linear: nn.Module) -> bool:
 _GLOBAL_HOOKS = (nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks)
 
 
-def _projections(layer: MultiHeadAttention) -> tuple[nn.Linear, ...]:
+def _projections(layer: Layer) -> tuple[nn.Linear, ...]:
     mods = layer._modules  # the registry nn.Module's attribute lookup searches (asked at every step)
     return (mods["q_proj"], mods["k_proj"], mods["v_proj"], mods["o_proj"])  # type: ignore[return-value]
 
@@ -62,7 +86,7 @@ def _weight_bias(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     return linear.weight, linear.bias  # type: ignore[return-value]
 
 
-def _projection_shapes(layer: MultiHeadAttention) -> bool:
+def _projection_shapes(layer: Layer) -> bool:
     """Each projection's weight is (out, in) and bias (out,) as the layer's widths say:
     q (H·D, E), k and v (Hkv·D, E), o (E, H·D). The kernel reads them by those widths."""
     hd, kv, e = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim, layer.embed_dim
@@ -73,7 +97,7 @@ def _projection_shapes(layer: MultiHeadAttention) -> bool:
     return True
 
 
-def _plain_rope(layer: MultiHeadAttention, cache: KVCache) -> bool:
+def _plain_rope(layer: Layer, cache: KVCache) -> bool:
     """No RoPE, or a plain one whose tables the kernel can read as they are (contiguous float32
     on the CPU, the same shape) and which cover every row's next position."""
     rope = layer.rope
@@ -85,7 +109,10 @@ def _plain_rope(layer: MultiHeadAttention, cache: KVCache) -> bool:
             and sin.is_contiguous())
 
 
-Check = Callable[["MultiHeadAttention", torch.Tensor, KVCache, dict], bool]
+#: A fused step ready to run on x (B, 1, E): y (B, 1, E).
+Step = Callable[[torch.Tensor], torch.Tensor]
+
+Check = Callable[["Layer", torch.Tensor, KVCache, dict], bool]
 
 #: (reason it does not apply, test that must hold), in the order they are asked.
 FUSED_CONDITIONS: tuple[tuple[str, Check], ...] = (
@@ -95,7 +122,7 @@ FUSED_CONDITIONS: tuple[tuple[str, Check], ...] = (
     ("positions given", lambda layer, x, c, kw: kw.get("positions") is None),
     ("context given (cross-attention)", lambda layer, x, c, kw: kw.get("context") is None),
     ("weights asked for", lambda layer, x, c, kw: not kw.get("return_weights", False)),
-    ("an observer is attached (trace or capture)", lambda layer, x, c, kw: kw.get("observe") is None),
+    ("the layer is watched (multihead.trace or multihead.heads.capture)", lambda layer, x, c, kw: layer.watch is None),
     ("the layer has a sliding window", lambda layer, x, c, kw: layer.window is None),
     ("the layer has QK-norm, soft-capping, ALiBi or sinks",
      lambda layer, x, c, kw: layer.qk_norm is None and layer.softcap is None and layer.alibi_slopes is None
@@ -120,7 +147,7 @@ FUSED_CONDITIONS: tuple[tuple[str, Check], ...] = (
 )
 
 
-def why_not_fused(layer: MultiHeadAttention, x: torch.Tensor, cache: KVCache, **call: object) -> str | None:
+def why_not_fused(layer: Layer, x: torch.Tensor, cache: KVCache, **call: object) -> str | None:
     """None when ``layer(x, cache=cache, **call)`` runs as one native call; else the first reason not.
 
     Args:
@@ -138,7 +165,29 @@ def why_not_fused(layer: MultiHeadAttention, x: torch.Tensor, cache: KVCache, **
     return None
 
 
-def fused_step(layer: MultiHeadAttention, x: torch.Tensor, cache: KVCache, *, checked: bool = False) -> torch.Tensor:
+def fused_for(layer: Layer, x: torch.Tensor, cache: KVCache, **call: object) -> Step | str:
+    """The fused step for this call, or the first reason it does not apply (:func:`why_not_fused`).
+    The one question both the layer's ``forward`` and :class:`multihead.hf.KVCacheAdapter` ask,
+    once the call's checks passed.
+
+    In eager mode the step is the :class:`FusedStep` bound to ``(layer, cache)`` and held by the
+    cache (``cache.fused``, made again when a tensor it points into changed); traced
+    (``torch.compile``, a dispatch mode), the operator (:func:`fused_step`).
+
+    Args: as :func:`why_not_fused`'s.
+
+    Returns:
+        ``step(x) -> y`` (B, 1, E), or the reason (a str).
+    """
+    reason = why_not_fused(layer, x, cache, **call)
+    if reason is not None:
+        return reason
+    if _traced():
+        return functools.partial(fused_step, layer, cache=cache, checked=True)
+    return FusedStep.bind(layer, x, cache)
+
+
+def fused_step(layer: Layer, x: torch.Tensor, cache: KVCache, *, checked: bool = False) -> torch.Tensor:
     """One decoding step in one native call, then the cache's counters committed.
 
     Args:
@@ -151,7 +200,7 @@ def fused_step(layer: MultiHeadAttention, x: torch.Tensor, cache: KVCache, *, ch
         the slots it wrote are restored: the cache is left bitwise as it was.
     """
     if not _traced():
-        return _eager_step(layer, x, cache, checked)
+        return FusedStep.bind(layer, x, cache)(x, checked=checked)
     # Traced: the operator, so that torch.compile sees one opaque node that writes the cache.
     b, _, e = x.shape
     rope = layer.rope
@@ -174,45 +223,81 @@ def fused_step(layer: MultiHeadAttention, x: torch.Tensor, cache: KVCache, *, ch
     return y.view(b, 1, e)
 
 
-def _eager_step(layer: MultiHeadAttention, x: torch.Tensor, cache: KVCache, checked: bool) -> torch.Tensor:
-    """:func:`fused_step` in eager mode: the kernel called with the arguments marshalled
-    once per layer and cache (:class:`~multihead.backends.native.StepPlan`, kept on the
-    cache, remade whenever a tensor it points into changes). In a model that streams its
-    weights every step runs with the interpreter's caches cold, where the marshalling, the
-    operator's dispatch and copies of the written slots cost a sizeable part of a step.
+class FusedStep:
+    """The fused decoding step of one (layer, cache) pair, in eager mode: the kernel's arguments
+    marshalled once (:class:`~multihead.backends.native.StepPlan`) and, after a checked step,
+    the guard that lets the next step skip the call's checks (:meth:`repeat`).
 
-    Args, returns: as :func:`fused_step`'s.
+    Held by the cache (``cache.fused``): :meth:`bind` makes it again whenever a tensor it points
+    into changes. In a model that streams its weights every step runs with the interpreter's
+    caches cold, where the marshalling, the operator's dispatch and the checks cost a sizeable
+    part of a step. The kernel advances the counters the cache hands it
+    (:meth:`KVCache.native_counters`); the cache mirrors them, or undoes the step
+    (:meth:`KVCache.undo_native_step`).
     """
-    b = x.shape[0]
-    rope = layer.rope
-    tables = None if rope is None else (rope.cos, rope.sin, rope.rotary_dim, rope.interleaved)
-    layers = [_weight_bias(p) for p in _projections(layer)]
-    shape = (layer.num_heads, layer.num_kv_heads, layer.head_dim, float(layer.scale))
-    plan = cache.step_plan
-    if not isinstance(plan, native.StepPlan) or plan.key != native.StepPlan.key_of(
-            b, layers, tables, cache.k, cache.v, cache.lengths, cache.slot_pos, x.dtype, shape):
-        plan = cache.step_plan = native.StepPlan(
-            b, layers, num_heads=shape[0], num_kv_heads=shape[1], head_dim=shape[2], rope=tables, cache_k=cache.k,
-            cache_v=cache.v, lengths=cache.lengths, slot_pos=cache.slot_pos, scale=shape[3], dtype=x.dtype)
-    guard = _Guard(*_snapshot(layer, x, cache, plan), _limit(layer, cache)) if checked else None
-    y = _run(plan, x, cache)
-    plan.guard = guard
-    return y
 
+    def __init__(self, layer: Layer, cache: KVCache, plan: native.StepPlan) -> None:
+        self.plan = plan
+        self.guard: _Guard | None = None
+        self._layer = weakref.ref(layer)
+        self._cache = weakref.ref(cache)
 
-def _run(plan: native.StepPlan, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """The plan's kernel (K and V written, the counters advanced; nothing written if it fails),
-    then the counters' host mirror: y (B, 1, E). Anything failing after the kernel (an
-    interrupt as it returns) has its writes undone: the cache is then bitwise as it was."""
-    held = cache.host_lengths()
-    try:
-        y = plan.run(x if x.is_contiguous() else x.contiguous())  # (B, 1, E): B rows of E
-        cache.mirror_step(held)
-    except BaseException:
-        plan.undo(held)
-        cache.mirror_step(held, gained=0)
-        raise
-    return y
+    @staticmethod
+    def bind(layer: Layer, x: torch.Tensor, cache: KVCache) -> FusedStep:
+        """The cache's step for ``layer`` and rows like ``x`` (B, 1, E): kept, or made anew."""
+        b = x.shape[0]
+        rope = layer.rope
+        tables = None if rope is None else (rope.cos, rope.sin, rope.rotary_dim, rope.interleaved)
+        layers = [_weight_bias(p) for p in _projections(layer)]
+        shape = (layer.num_heads, layer.num_kv_heads, layer.head_dim, float(layer.scale))
+        lengths, slot_pos = cache.native_counters()
+        step = cache.fused
+        if (isinstance(step, FusedStep) and step._layer() is layer and step.plan.key == native.StepPlan.key_of(
+                b, layers, tables, cache.k, cache.v, lengths, slot_pos, x.dtype, shape)):
+            return step
+        plan = native.StepPlan(b, layers, num_heads=shape[0], num_kv_heads=shape[1], head_dim=shape[2], rope=tables,
+                               cache_k=cache.k, cache_v=cache.v, lengths=lengths, slot_pos=slot_pos, scale=shape[3],
+                               dtype=x.dtype)
+        step = FusedStep(layer, cache, plan)
+        cache.fused = step
+        return step
+
+    def __call__(self, x: torch.Tensor, *, checked: bool = True) -> torch.Tensor:
+        """The step on x (B, 1, E): y (B, 1, E). ``checked``: the call passed every check of the
+        layer's ``forward``, so what they read is remembered for :meth:`repeat`."""
+        layer, cache = self._layer(), self._cache()
+        if layer is None or cache is None:
+            raise ValueError("this fused step's layer or cache no longer exists")
+        guard = _Guard(*_snapshot(layer, x, cache, self.plan), _limit(layer, cache)) if checked else None
+        y = self._run(x, cache)
+        self.guard = guard
+        return y
+
+    def repeat(self, layer: Layer, x: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
+        """The step without asking the checks again, when everything they read is as it was at the
+        last checked step (:func:`_snapshot`): y (B, 1, E); else None, and nothing was done."""
+        guard = self.guard
+        if guard is None or torch.is_grad_enabled() or not native.ops.direct(x):
+            return None
+        refs, values = _snapshot(layer, x, cache, self.plan)
+        if (values != guard.values or len(refs) != len(guard.refs) or not all(map(operator.is_, refs, guard.refs))
+                or cache.owner() is not layer or self._layer() is not layer
+                or max(cache.host_lengths()) >= guard.limit):
+            return None
+        return self._run(x, cache)
+
+    def _run(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """The plan's kernel (K and V written, the counters advanced; nothing written if it fails),
+        then the counters' host mirror: y (B, 1, E). Anything failing after the kernel (an
+        interrupt as it returns) has its writes undone: the cache is then bitwise as it was."""
+        held = cache.host_lengths()
+        try:
+            y = self.plan.run(x if x.is_contiguous() else x.contiguous())  # (B, 1, E): B rows of E
+            cache.mirror_step(held)
+        except BaseException:
+            cache.undo_native_step(held, self.plan.saved)
+            raise
+        return y
 
 
 class _Guard(NamedTuple):
@@ -223,21 +308,21 @@ class _Guard(NamedTuple):
     limit: int
 
 
-def _snapshot(layer: MultiHeadAttention, x: torch.Tensor, cache: KVCache,
+def _snapshot(layer: Layer, x: torch.Tensor, cache: KVCache,
               plan: native.StepPlan) -> tuple[list[object], list[object]]:
     """Everything the call's checks, :data:`FUSED_CONDITIONS` and the plan's key read, but the
     rows' lengths, in two lists: objects compared by identity (held by the guard, so that an
     identity can never become another object's) and values compared by ``==``.
 
     Objects: the classes of the layer, its projections and its RoPE, and the values of the
-    layer's attribute, parameter, buffer and submodule registries, the projections' attributes
-    and parameters, the RoPE's attributes and buffers (any reassignment: a weight, a bias,
-    ``scale``, ``window``, ``training``, a registry, an instance ``forward``), the cache's
-    buffers and settings. Values: x's shape, dtype and device, the thread count, the number
-    of forward hooks (global, and each projection's), the logit scale and the dropout (as the
-    plan's key and the conditions read them, so a 0-d tensor changed in place counts too), and
-    the data pointer, shape, strides and dtype of every tensor the plan points into (``.data``
-    replaced on the same tensor changes no identity).
+    layer's attribute, parameter, buffer and submodule registries (its ``watch`` among them),
+    the projections' attributes and parameters, the RoPE's attributes and buffers (any
+    reassignment: a weight, a bias, ``scale``, ``window``, ``training``, a registry, an instance
+    ``forward``), the cache's buffers and settings. Values: x's shape, dtype and device, the
+    thread count, the number of forward hooks (global, and each projection's), the logit scale
+    and the dropout (as the plan's key and the conditions read them, so a 0-d tensor changed in
+    place counts too), and the data pointer, shape, strides and dtype of every tensor the plan
+    points into (``.data`` replaced on the same tensor changes no identity).
     """
     rope = layer.rope
     projections = _projections(layer)
@@ -259,12 +344,12 @@ def _snapshot(layer: MultiHeadAttention, x: torch.Tensor, cache: KVCache,
     return refs, values
 
 
-def _limit(layer: MultiHeadAttention, cache: KVCache) -> int:
+def _limit(layer: Layer, cache: KVCache) -> int:
     """Rows shorter than this take one more token: the cache's ``max_len`` and the RoPE table's reach."""
     return cache.max_len if layer.rope is None else min(cache.max_len, layer.rope.table_limit)
 
 
-def repeat_step(layer: MultiHeadAttention, x: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
+def repeat_step(layer: Layer, x: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
     """``layer(x, cache=cache)`` as the fused step without asking its checks again, when
     everything they read is as it was at the last step that asked them all: y (B, 1, E);
     else None, and nothing has been done (the caller asks them all).
@@ -279,16 +364,10 @@ def repeat_step(layer: MultiHeadAttention, x: torch.Tensor, cache: KVCache) -> t
 
     Args: as :func:`fused_step`'s.
     """
-    plan = cache.step_plan if type(cache) is KVCache else None  # anything else: the checks say what is wrong
-    if (type(plan) is not native.StepPlan or plan.guard is None or torch.is_grad_enabled()
-            or not native.ops.direct(x)):
+    step = cache.fused if type(cache) is KVCache else None  # anything else: the checks say what is wrong
+    if type(step) is not FusedStep:
         return None
-    guard: _Guard = plan.guard  # type: ignore[assignment]
-    refs, values = _snapshot(layer, x, cache, plan)
-    if (values != guard.values or len(refs) != len(guard.refs) or not all(map(operator.is_, refs, guard.refs))
-            or cache.owner() is not layer or max(cache.host_lengths()) >= guard.limit):
-        return None
-    return _run(plan, x, cache)
+    return step.repeat(layer, x, cache)
 
 
 def _traced() -> bool:

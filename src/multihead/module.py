@@ -20,31 +20,32 @@ The residual ``x + o`` belongs to the surrounding block (as in torch and Hugging
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from typing import TYPE_CHECKING, Any, Literal, overload
-
 from . import _call_checks, decode
+from ._call_checks import Inputs
 from . import linear as _linear
-from ._checks import check_finite as _check_finite
-from ._checks import check_bool_mask, check_float, check_int, check_tensor
+from ._checks import check_float, check_int
 from .backends import get_backend, resolve_backend
 from .backends.registry import Backend, get_spec, takes_segments
-from .cache import Append, KVCache
+from .cache import KVCache
 from .decode import plain_linear as _plain
 from .functional import default_backend
 from .logits import alibi_slopes
-from .masks import Structure, cu_seqlens_from_positions, segment_mask, segments_from_positions
+from .masks import Structure, segment_mask
 from .qk_norm import QK_NORMS, RMSNorm
-from .rope import RoPE, check_positions
+from .rope import RoPE
 
 if TYPE_CHECKING:
     from .config import AttentionConfig
 
-__all__ = ["MultiHeadAttention", "split_heads", "merge_heads"]
+__all__ = ["MultiHeadAttention", "split_heads", "merge_heads", "Watch"]
 
 Observer = Callable[[str, torch.Tensor], None]
 
@@ -190,6 +191,7 @@ class MultiHeadAttention(nn.Module):
                              persistent=False)  # (H,) float32
         self.sinks: nn.Parameter | None = (nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype))
                                            if sinks else None)  # (H,)
+        self.watch: Watch | None = None  # set while a trace or a capture watches the steps (watched)
 
     @classmethod
     def from_config(
@@ -316,6 +318,7 @@ class MultiHeadAttention(nn.Module):
             f"head_dim={self.head_dim}, causal={self.causal}, window={self.window}{extras}"
         )
 
+    # ---- the pipeline: forward composes the public steps -------------------------------------
     def forward(
         self,
         x: torch.Tensor,
@@ -330,6 +333,9 @@ class MultiHeadAttention(nn.Module):
         packed: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend from ``x`` to itself (or to ``context``), optionally through a KV cache.
+
+        The seed's pipeline, one public step each: :meth:`project`, :meth:`split`,
+        :meth:`rotate`, the cache's :meth:`KVCache.staged` write, :meth:`attend`, :meth:`output`.
 
         Args:
             x: (B, S, E).
@@ -361,130 +367,190 @@ class MultiHeadAttention(nn.Module):
             ValueError: wrong rank/width/device, bad mask shapes, causal or RoPE with
                 ``context`` (cross-attention is neither causal nor rotary).
         """
-        if check_finite:
-            for name, t in (("x", x), ("context", context)):
-                if isinstance(t, torch.Tensor):
-                    _check_finite(name, t)
-        tap = self.__dict__.get("_heads_tap")  # set only while multihead.heads.capture records this layer
-        if (cache is not None and tap is None and type(self) is MultiHeadAttention and context is None
-                and mask is None and key_mask is None and positions is None
-                and not (return_weights or check_finite or packed)):
-            y = decode.repeat_step(self, x, cache)  # None unless the last step's checks still hold
-            if y is not None:
-                return y
-        if packed and tap is not None:
-            mask = self._packed_mask(x, context, mask, positions, cache)
-        if tap is not None:
-            return tap(self, x, context, mask=mask, key_mask=key_mask, positions=positions, cache=cache,
-                       return_weights=return_weights)
-        # Packed: the sequences' bounds, as structure to a backend that takes them, else a mask (_attend).
-        cu = self._packed_bounds(x, context, positions, cache) if packed else None
-        return self._forward(x, context, mask=mask, key_mask=key_mask, positions=positions,
-                             cache=cache, return_weights=return_weights, observe=None, cu_seqlens=cu)
-
-    def _packed_bounds(self, x: torch.Tensor, context: torch.Tensor | None, positions: torch.Tensor | None,
-                       cache: KVCache | None) -> torch.Tensor:
-        """(B|1, S+1) cumulative lengths of the packed sequences in ``positions`` (no host read)."""
-        if positions is None or context is not None or cache is not None:
-            raise ValueError("packed=True needs positions (restarting where each sequence begins) and no "
-                             "context or cache")
-        check_tensor("x", x, ndim=3)
-        return cu_seqlens_from_positions(check_positions(positions, x.shape[0], x.shape[1]))
-
-    def _packed_mask(self, x: torch.Tensor, context: torch.Tensor | None, mask: torch.Tensor | None,
-                     positions: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
-        """``mask`` and-ed with the block-diagonal mask of the packed sequences in ``positions``."""
-        if positions is None or context is not None or cache is not None:
-            raise ValueError("packed=True needs positions (restarting where each sequence begins) and no "
-                             "context or cache")
-        check_tensor("x", x, ndim=3)
-        segments = segments_from_positions(check_positions(positions, x.shape[0], x.shape[1]))  # (B|1, 1, S, S)
-        if mask is None:
-            return segments
-        check_bool_mask("mask", mask, (x.shape[0], self.num_heads, x.shape[1], x.shape[1]), "[B, H, S, Sk]")
-        return mask & segments
-
-    # The body lives here so that :func:`multihead.trace` can watch every step.
-    @overload
-    def _forward(self, x: torch.Tensor, context: torch.Tensor | None, *, mask: torch.Tensor | None,
-                 key_mask: torch.Tensor | None, positions: torch.Tensor | None, return_weights: Literal[False],
-                 observe: Observer | None, cache: KVCache | None = None,
-                 cu_seqlens: torch.Tensor | None = None) -> torch.Tensor: ...
-    @overload
-    def _forward(self, x: torch.Tensor, context: torch.Tensor | None, *, mask: torch.Tensor | None,
-                 key_mask: torch.Tensor | None, positions: torch.Tensor | None, return_weights: bool,
-                 observe: Observer | None, cache: KVCache | None = None, cu_seqlens: torch.Tensor | None = None,
-                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
-    def _forward(
-        self,
-        x: torch.Tensor,
-        context: torch.Tensor | None,
-        *,
-        mask: torch.Tensor | None,
-        key_mask: torch.Tensor | None,
-        positions: torch.Tensor | None,
-        return_weights: bool,
-        observe: Observer | None,
-        cache: KVCache | None = None,
-        cu_seqlens: torch.Tensor | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        real, attn_mask = self._validate(x, context, mask, key_mask, positions, cache)
-        if cache is not None and decode.why_not_fused(self, x, cache, key_mask=key_mask, positions=positions,
-                                                      context=context, return_weights=return_weights,
-                                                      observe=observe) is None:
-            return decode.fused_step(self, x, cache, checked=True)
-        own_positions = cache is not None and positions is None
-        if cache is not None and positions is None:
-            positions = cache.positions(x.shape[1])  # (B, S): each row continues from its length
-        seen = observe or _no_tap
-        seen("X", x)
-
-        q, k, v = self._project(x, context)  # (B, S, H·D), (B, Sk, Hkv·D) ×2
-        seen("Q", q), seen("K", k), seen("V", v)
-        if self.qk_norm == "proj":
-            q, k = self.q_norm(q), self.k_norm(k)  # over H·D and Hkv·D (OLMo 2)
-
-        h, hkv = self._local_heads(q.shape[-1], k.shape[-1])  # fewer under tensor parallelism
-        q = split_heads(q, h)  # (B, H, S, D)
-        k = split_heads(k, hkv)  # (B, Hkv, Sk, D)
-        v = split_heads(v, hkv)  # (B, Hkv, Sk, D)
-        seen("Q_k", q), seen("K_k", k), seen("V_k", v)
-        if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)  # over D, per head (Qwen3, Gemma 3)
-
-        if self.rope is not None:
-            # With a cache the positions' range is known on the host: no device read.
-            bound = max(cache.host_lengths()) + x.shape[1] if cache is not None and own_positions else None
-            q, k = self.rope.rotate((q, k), positions, bound=bound)
-            seen("Q_rot", q), seen("K_rot", k)
-
-        name = default_backend(self.backend, return_weights)
-        fn = resolve_backend(name, q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                             return_weights=return_weights, **self._features())  # before anything is written
-        if cu_seqlens is not None and not takes_segments(get_spec(name), q, k, v, **self._features()):
-            segments = segment_mask(cu_seqlens, q.shape[2], q.device)  # (B, 1, S, S): the dense form
-            attn_mask, cu_seqlens = (segments if attn_mask is None else attn_mask & segments), None
-        structure = Structure(self.causal, self.window)
-        step = None if cache is None else cache.append(k, v, real, structure=structure)  # staged
-        try:  # the cache is committed only if the whole call succeeds; any failure rolls it back
-            heads, weights = self._attend(fn, q, k, v, attn_mask, structure, step, return_weights, seen,
-                                          cu_seqlens)  # (B, H, S, D)
-            seen("head_k", heads)
-
-            concat = merge_heads(heads)  # (B, S, H·D)
-            seen("concat", concat)
-            y = _apply_linear(self.o_proj, concat)  # (B, S, E)
-            seen("O", y)
-        except BaseException:
-            if cache is not None and step is not None:
-                cache.rollback(step)
-            raise
-        if cache is not None and step is not None:
-            cache.commit(step)
+        plain = not (context is not None or mask is not None or key_mask is not None or positions is not None
+                     or return_weights or check_finite or packed)
+        if cache is not None and plain and (y := decode.repeat_step(self, x, cache)) is not None:
+            return y  # the fused step whose checks, asked at the last step, still hold
+        call = self.check(x, context, mask=mask, key_mask=key_mask, positions=positions, cache=cache,
+                          packed=packed, check_finite=check_finite)
+        if cache is not None and not isinstance(step := decode.fused_for(
+                self, x, cache, key_mask=key_mask, positions=positions, context=context,
+                return_weights=return_weights), str):
+            return step(x)  # the whole cached call in one native call
+        q, k, v = self.split(*self.project(x, context))  # (B, H, S, D), (B, Hkv, Sk, D) ×2
+        at, bound = call.rope_positions(cache, x.shape[1])
+        q, k = self.rotate(q, k, at, bound=bound)
+        fn = self.resolve(q, k, v, return_weights=return_weights)  # refused before anything is written
+        if cache is None:
+            heads, weights = self.attend(q, k, v, mask=call.mask, return_weights=return_weights,
+                                         cu_seqlens=call.cu_seqlens, backend=fn)  # (B, H, S, D)
+            y = self.output(heads)
+        else:
+            with cache.staged(k, v, call.real, structure=self.structure) as held:  # committed if all succeeds
+                heads, weights = self.attend(q, held.keys, held.values, mask=held.mask, structure=held.structure,
+                                             return_weights=return_weights, cached=True, backend=fn)
+                y = self.output(heads)
         if return_weights:
             assert weights is not None  # the backend was resolved to return them
             return y, weights
         return y
+
+    def check(self, x: torch.Tensor, context: torch.Tensor | None = None, *, mask: torch.Tensor | None = None,
+              key_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+              cache: KVCache | None = None, packed: bool = False, check_finite: bool = False) -> Inputs:
+        """Every check of a :meth:`forward` call, once, before any work (arguments as there).
+
+        Returns:
+            the validated :class:`~multihead._call_checks.Inputs` the steps take: the combined
+            mask, the positions (with a cache, each row's next ones), their host bound, the
+            packed sequences' bounds, the real tokens per row.
+
+        Raises:
+            TypeError, ValueError: as :meth:`forward`; nothing has been computed or written.
+        """
+        return _call_checks.validate_call(self, x, context, mask, key_mask, positions, cache, packed=packed,
+                                          check_finite=check_finite)
+
+    @property
+    def structure(self) -> Structure:
+        """The layer's causal/window rule (:class:`~multihead.masks.Structure`)."""
+        return Structure(self.causal, self.window)
+
+    def project(self, x: torch.Tensor, context: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Step 1, the seed's projections: q (B, S, H·D) from x; k and v (B, Sk, Hkv·D) from
+        the context (default x); then QK-norm over H·D and Hkv·D when ``qk_norm="proj"`` (OLMo 2).
+
+        Plain ``nn.Linear`` projections run through :func:`multihead.linear.linears` (one call
+        for the three when they read x); any other module (LoRA, hooks) is called as itself.
+        """
+        self._see("X", x)
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        if context is None and all(map(_plain, projs)):  # one call: decoding streams all three at once
+            q, k, v = _linear.linears(x, [(p.weight, p.bias) for p in projs])
+        else:
+            src = x if context is None else context
+            q, k, v = _apply_linear(self.q_proj, x), _apply_linear(self.k_proj, src), _apply_linear(self.v_proj, src)
+        self._see("Q", q), self._see("K", k), self._see("V", v)
+        if self.qk_norm == "proj":
+            q, k = self.q_norm(q), self.k_norm(k)  # over H·D and Hkv·D (OLMo 2)
+        return q, k, v
+
+    def split(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Step 2, split into heads (views, no copy): (B, S, H·D) -> (B, H, S, D), k and v
+        (B, Sk, Hkv·D) -> (B, Hkv, Sk, D); then QK-norm over D when ``qk_norm="head"``
+        (Qwen3, Gemma 3). Under tensor parallelism the projections hold this rank's heads."""
+        h, hkv = self._local_heads(q.shape[-1], k.shape[-1])
+        q = split_heads(q, h)  # (B, H, S, D)
+        k = split_heads(k, hkv)  # (B, Hkv, Sk, D)
+        v = split_heads(v, hkv)  # (B, Hkv, Sk, D)
+        self._see("Q_k", q), self._see("K_k", k), self._see("V_k", v)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)  # over D, per head (Qwen3, Gemma 3)
+        return q, k, v
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None = None, *,
+               bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step 3, RoPE per head: q (B, H, S, D) and k (B, Hkv, S, D) rotated at ``positions``
+        ((S,) or (B, S); default 0 .. S-1); as given without a RoPE. ``bound``: a known
+        exclusive upper bound of the positions (no device read)."""
+        if self.rope is None:
+            return q, k
+        q, k = self.rope.rotate((q, k), positions, bound=bound)
+        self._see("Q_rot", q), self._see("K_rot", k)
+        return q, k
+
+    def resolve(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_weights: bool = False
+                ) -> Backend:
+        """The attention function :meth:`attend` runs for these heads: the layer's backend, one
+        that returns weights when they are asked for or a watcher needs them (:meth:`watched`).
+
+        Raises:
+            ValueError: the named backend cannot run this call (the missing capability named).
+        """
+        weights = return_weights or self._wants_weights()
+        name = default_backend(self.backend, weights)
+        return resolve_backend(name, q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                               return_weights=weights, **self._features())
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None = None,
+               structure: Structure | None = None, return_weights: bool = False, cached: bool = False,
+               cu_seqlens: torch.Tensor | None = None, backend: Backend | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Step 4, scaled dot-product attention per head (scale ``self.scale``, 1/√D by default),
+        with the layer's logit features (soft-capping, ALiBi, sinks) and dropout in training.
+
+        Args:
+            q: (B, H, S, D); k, v: (B, Hkv, Sk, D), the keys after RoPE (a cache's: all held).
+            mask: bool broadcastable to (B, H, S, Sk), True = may attend.
+            structure: the causal/window rule; default the layer's (:attr:`structure`).
+            return_weights: also return the weights (B, H, S, Sk).
+            cached: k and v are a cache's keys and values (reported to a watcher as such).
+            cu_seqlens: (B|1, N+1) packed sequences' bounds: structure to a backend that
+                takes them, else and-ed into ``mask``.
+            backend: the function :meth:`resolve` returned for this call (default: resolved here).
+
+        Returns:
+            heads (B, H, S, D) and the weights (B, H, S, Sk), or None when not asked for.
+        """
+        fn = self.resolve(q, k, v, return_weights=return_weights) if backend is None else backend
+        structure = self.structure if structure is None else structure
+        weights_wanted = return_weights or self._wants_weights()
+        packing = {}
+        if cu_seqlens is not None:
+            name = default_backend(self.backend, weights_wanted)
+            if takes_segments(get_spec(name), q, k, v, **self._features()):
+                packing = {"cu_seqlens": cu_seqlens}
+            else:
+                segments = segment_mask(cu_seqlens, q.shape[2], q.device)  # (B, 1, S, S): the dense form
+                mask = segments if mask is None else mask & segments
+        if cached:
+            self._see("K_cache", k), self._see("V_cache", v)
+        heads, weights, _ = fn(q, k, v, mask=mask, causal=structure.causal, window=structure.window,
+                               scale=self.scale, dropout_p=self.dropout if self.training else 0.0,
+                               return_weights=weights_wanted, return_lse=False, **self._features(), **packing)
+        self._see("head_k", heads)
+        if weights is not None:
+            self._see("weights", weights)
+        return heads, (weights if return_weights else None)
+
+    def output(self, heads: torch.Tensor) -> torch.Tensor:
+        """Step 5, concat and W_o: heads (B, H, S, D) -> merge_heads (B, S, H·D) -> o_proj (B, S, E)."""
+        concat = merge_heads(heads)  # (B, S, H·D)
+        self._see("concat", concat)
+        y = _apply_linear(self.o_proj, concat)  # (B, S, E)
+        self._see("O", y)
+        return y
+
+    # ---- watching the steps (multihead.trace, multihead.heads.capture) ----------------------
+    @contextmanager
+    def watched(self, observe: Observer, *, weights: bool = False) -> Iterator[None]:
+        """Within the block, every step reports what it computed: ``observe(name, tensor)`` with
+        the names of :mod:`multihead.tools.trace` (``"Q"``, ``"Q_k"``, ``"Q_rot"``, ``"K_cache"``,
+        ``"head_k"``, ``"O"``...) and ``"weights"`` (B, H, S, Sk) when ``weights``: then attention
+        runs on a backend that returns them. A watched layer never takes the fused decoding step.
+        Every path that composes the steps (the module, the Hugging Face wrappers) reports.
+
+        Raises:
+            ValueError: the layer is already watched (one watcher at a time).
+        """
+        if self.watch is not None:
+            raise ValueError("the layer is already being watched (multihead.trace or multihead.heads.capture); "
+                             "one watcher at a time")
+        self.watch = Watch(observe, weights)
+        try:
+            yield
+        finally:
+            self.watch = None
+
+    def _see(self, name: str, t: torch.Tensor) -> None:
+        watch = self.watch
+        if watch is not None:
+            watch.observe(name, t)
+
+    def _wants_weights(self) -> bool:
+        return self.watch is not None and self.watch.weights
 
     def _local_heads(self, q_width: int, k_width: int) -> tuple[int, int]:
         """(H, Hkv) in this call's projections: this rank's share when ``parallelize_module`` shards them
@@ -504,44 +570,13 @@ class MultiHeadAttention(nn.Module):
         return {name: value for name, value in (("softcap", self.softcap), ("alibi_slopes", self.alibi_slopes),
                                                 ("sinks", self.sinks)) if value is not None}
 
-    def _attend(self, fn: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                attn_mask: torch.Tensor | None, structure: Structure, step: Append | None,
-                return_weights: bool, seen: Observer, cu_seqlens: torch.Tensor | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Attention of the heads by the resolved backend ``fn``, over the cache's staged
-        keys and values when ``step`` (from :meth:`KVCache.append`) is given; packed sequences
-        as ``cu_seqlens`` (B, N+1) to a backend that takes them."""
-        packing = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
-        if step is not None:
-            k, v, attn_mask = step.keys, step.values, step.mask
-            seen("K_cache", k)
-            seen("V_cache", v)
-            if attn_mask is not None:  # the mask carries causality and the window
-                structure = Structure()
-        out, weights, _ = fn(q, k, v, mask=attn_mask, causal=structure.causal, window=structure.window,
-                             scale=self.scale, dropout_p=self.dropout if self.training else 0.0,
-                             return_weights=return_weights, return_lse=False, **self._features(), **packing)
-        return out, weights
 
-    def _project(self, x: torch.Tensor, context: torch.Tensor | None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q (B, S, H·D) from x; k and v (B, Sk, Hkv·D) from the context (default x)."""
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        if context is None and all(map(_plain, projs)):  # one call: decoding streams all three at once
-            q, k, v = _linear.linears(x, [(p.weight, p.bias) for p in projs])
-            return q, k, v
-        src = x if context is None else context
-        return _apply_linear(self.q_proj, x), _apply_linear(self.k_proj, src), _apply_linear(self.v_proj, src)
+@dataclass(frozen=True)
+class Watch:
+    """Who watches a layer's steps (:meth:`MultiHeadAttention.watched`)."""
 
-    def _validate(self, x: torch.Tensor, context: torch.Tensor | None, mask: torch.Tensor | None,
-                  key_mask: torch.Tensor | None, positions: torch.Tensor | None, cache: KVCache | None,
-                  ) -> tuple[list[int] | None, torch.Tensor | None]:
-        """Every check of a call, once, before any work (:func:`multihead._call_checks.validate_call`)."""
-        return _call_checks.validate_call(self, x, context, mask, key_mask, positions, cache)
-
-
-def _no_tap(name: str, t: torch.Tensor) -> None:
-    """The observer when nobody watches."""
+    observe: Observer
+    weights: bool  # attention must return its weights, for the watcher
 
 
 def _apply_linear(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:

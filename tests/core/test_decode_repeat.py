@@ -37,7 +37,7 @@ def _stepped(max_len: int = 32) -> tuple[mh.MultiHeadAttention, mh.KVCache, torc
         layer(x[:, :8], cache=cache)
         layer(x[:, 8:], cache=cache)
     cache.crop(8)
-    assert cache.step_plan.guard is not None
+    assert cache.fused.guard is not None
     return layer, cache, x[:, 8:]
 
 

@@ -14,8 +14,15 @@ from torch import nn
 import multihead as mh
 from multihead import decode
 from multihead.backends import native
+from multihead.module import Watch
 
 FUSED = native.vector_bits() >= 256  # AVX-512 or AVX2
+
+
+def _watched(layer: mh.MultiHeadAttention) -> mh.MultiHeadAttention:
+    """The layer as a trace or a capture leaves it while watching (its steps report)."""
+    layer.watch = Watch(lambda name, t: None, weights=False)
+    return layer
 
 
 def _layer(**kw) -> mh.MultiHeadAttention:
@@ -48,8 +55,8 @@ BREAKS: dict[str, Callable[[], tuple]] = {
                                            {"context": torch.randn(2, 3, 64)}))(_layer()),
     "weights asked for": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay)[0],
                                                {"return_weights": True}))(_layer()),
-    "an observer is attached": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay)[0],
-                                                     {"observe": lambda n, t: None}))(_layer()),
+    "the layer is watched": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay)[0], {}))(
+        _watched(_layer())),
     "sliding window": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay, ring=False)[0], {}))(
         _layer(window=4)),
     "QK-norm, soft-capping, ALiBi or sinks": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay)[0], {}))(
@@ -172,13 +179,13 @@ def test_the_steps_marshalled_arguments_follow_every_tensor_they_point_into() ->
             layer(token, cache=cache)
         cache.crop(8)
         for change, remade in changes:
-            before = cache.step_plan
+            before = cache.fused
             change()
             expected = _stepwise(layer, cache, token)
             with torch.no_grad():
                 got = layer(token, cache=cache)
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-            assert (cache.step_plan is not before) == remade
+            assert (cache.fused is not before) == remade
             cache.crop(8)
     finally:
         torch.set_num_threads(threads)
@@ -347,5 +354,5 @@ def test_a_copied_cache_decodes_into_its_own_buffers() -> None:
         assert cache.lengths.tolist() == [9, 9] and twin.lengths.tolist() == [10, 10]  # counters of its own
         assert (cache.slot_pos[:, 9] == -1).all() and (twin.slot_pos[:, 9] == 9).all()
         torch.testing.assert_close(got, layer(nxt, cache=cache), atol=0, rtol=0)
-    assert twin.step_plan is not cache.step_plan
+    assert twin.fused is not cache.fused
     assert torch.equal(cache.lengths, twin.lengths) and torch.equal(cache.slot_pos, twin.slot_pos)

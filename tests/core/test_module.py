@@ -209,8 +209,8 @@ def test_split_heads_is_a_view_sharing_storage() -> None:
 def test_layer_splits_heads_without_copying_the_projection() -> None:
     layer = mh.MultiHeadAttention(16, 4, num_kv_heads=2, rope=mh.RoPE(4))
     seen: dict[str, torch.Tensor] = {}
-    layer._forward(torch.randn(2, 5, 16), None, mask=None, key_mask=None, positions=None,
-                   return_weights=False, observe=seen.__setitem__)  # the hook mh.trace uses
+    with layer.watched(seen.__setitem__):  # what mh.trace watches
+        layer(torch.randn(2, 5, 16))
     q_heads, k_heads = seen["Q_k"], seen["K_k"]
     assert q_heads.shape == (2, 4, 5, 4) and k_heads.shape == (2, 2, 5, 4)
     assert q_heads.untyped_storage().data_ptr() == seen["Q"].untyped_storage().data_ptr()

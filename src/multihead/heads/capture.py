@@ -9,18 +9,26 @@ D head_dim, E embed_dim, L captured layers.
     cap.weights[name]          # (B, H, S, Sk) per head, never averaged
     cap.heads[name]            # (B, H, S, D) each head's output, before o_proj
 
-A captured layer runs its step-by-step path with weights requested (the ``"explicit"``
-backend, unless the layer names another backend that returns weights); every other layer,
-and every layer once the context has ended, keeps its fast path.
+A captured layer is watched (:meth:`multihead.MultiHeadAttention.watched`): each of its
+steps reports what it computed, and its attention runs on a backend that returns weights
+(the ``"explicit"`` backend, unless the layer names another one that does); every other
+layer, and every layer once the context has ended, keeps its fast path. The steps report
+on every path that composes them: the module, and every patched Hugging Face class, with
+or without a cache. Calls through a KV cache (``use_cache=True``, ``generate``) append
+their rows: after a prefill of P tokens and N single-token steps, ``cap.weights[name]``
+is (B, H, P+N, Sk), each call's rows zero-padded to the longest key count, and
+``cap.heads``/``cap.q`` (B, H, P+N, D); ``cap.k``/``cap.v`` are the last call's (the cache's
+keys and values: every token's).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..backends import get_spec
@@ -172,48 +180,88 @@ class Capture:
             total += b * sum(per[w] for w in self.what) * itemsize
         return total
 
-    def _tap(self, name: str):
-        """The function :meth:`MultiHeadAttention.forward` calls instead of its body."""
-        info = self.info[name]
+    def _recorder(self, name: str) -> _Recorder:
+        """What watches layer ``name``'s steps (:meth:`MultiHeadAttention.watched`) for this capture."""
+        return _Recorder(self, name)
 
-        def tap(layer: MultiHeadAttention, x: torch.Tensor, context: torch.Tensor | None, *,
-                mask: Any, key_mask: Any, positions: Any, cache: Any, return_weights: bool) -> Any:
-            if name in self.weights or name in self.heads or name in self.q or name in self.k or name in self.v:
-                raise ValueError(f"layer {name!r} was called twice inside one capture: record one forward "
-                                 "pass per `with multihead.heads.capture(...)` block")
-            itemsize = (self.dtype or x.dtype).itemsize
-            if name == self.layers[0] or self.nbytes == 0:
-                sk = x.shape[1] if context is None else context.shape[1]
-                if cache is not None:
-                    sk = max(cache.host_lengths()) + x.shape[1]
-                need = self._estimate(x.shape[0], x.shape[1], sk, itemsize)
-                if need > self.limit_bytes:
-                    raise ValueError(f"capture would hold {need:,} bytes for this call (B={x.shape[0]}, "
-                                     f"S={x.shape[1]}, Sk={sk}, {len(self.layers)} layers, what={self.what}), over "
-                                     f"limit_bytes={self.limit_bytes:,}: capture fewer layers/heads, a smaller "
-                                     "dtype, or raise limit_bytes")
-            seen: dict[str, torch.Tensor] = {}
-            y, weights = layer._forward(x, context, mask=mask, key_mask=key_mask, positions=positions,
-                                        return_weights=True, cache=cache,
-                                        observe=lambda n, t: seen.__setitem__(n, t))
-            # The layer always reports Q_k, K_k, V_k (and head_k); the others only on their paths.
-            q = seen.get("Q_rot", seen["Q_k"])
-            k = seen.get("K_cache", seen.get("K_rot", seen["K_k"]))
-            v = seen.get("V_cache", seen["V_k"])
-            sel = None if len(info.heads) == info.num_heads else torch.tensor(info.heads, device=x.device)
-            for what, store, t, per_query in (("weights", self.weights, weights, True),
-                                              ("heads", self.heads, seen["head_k"], True),
-                                              ("q", self.q, q, True), ("k", self.k, k, False),
-                                              ("v", self.v, v, False)):
-                if what in self.what:
-                    t = t.detach()
-                    if per_query and sel is not None:
-                        t = t.index_select(1, sel)
-                    store[name] = t.to(self.dtype or t.dtype, copy=True)  # never aliases the model's tensors
-                    self.nbytes += store[name].numel() * store[name].element_size()
-            return (y, weights) if return_weights else y
+    def _check_budget(self, name: str, b: int, s: int, sk: int, itemsize: int) -> None:
+        """Refuse, before attention runs, a call whose records would pass ``limit_bytes``: at the
+        first call, the estimate for every captured layer; later, this call's records on top."""
+        if not self.nbytes:
+            need = self._estimate(b, s, sk, itemsize)
+        else:
+            i = self.info[name]
+            h, hkv, d = len(i.heads), i.num_kv_heads, i.head_dim
+            per = {"weights": h * s * sk, "heads": h * s * d, "q": h * s * d, "k": hkv * sk * d, "v": hkv * sk * d}
+            need = self.nbytes + b * sum(per[w] for w in self.what) * itemsize
+        if need > self.limit_bytes:
+            raise ValueError(f"capture would hold {need:,} bytes for this call (B={b}, S={s}, Sk={sk}, "
+                             f"{len(self.layers)} layers, what={self.what}), over limit_bytes={self.limit_bytes:,}: "
+                             "capture fewer layers/heads, a smaller dtype, or raise limit_bytes")
 
-        return tap
+    def _store(self, name: str, what: str, t: torch.Tensor, rows: bool) -> None:
+        """Keep ``t`` (detached, a copy in the capture's dtype): rows of a later cached call are
+        appended along the query axis (weights zero-padded to the longest key count); k and v
+        are replaced (a cache's keys hold every earlier one)."""
+        store: dict[str, torch.Tensor] = getattr(self, what)
+        t = t.detach().to(self.dtype or t.dtype, copy=True)  # never aliases the model's tensors
+        old = store.get(name)
+        if old is not None:
+            self.nbytes -= old.numel() * old.element_size()
+            if rows:
+                if what == "weights" and old.shape[-1] != t.shape[-1]:
+                    width = max(old.shape[-1], t.shape[-1])
+                    old, t = (F.pad(a, (0, width - a.shape[-1])) for a in (old, t))
+                t = torch.cat((old, t), dim=2)  # (B, H', S_old + S, ...)
+        store[name] = t
+        self.nbytes += t.numel() * t.element_size()
+
+
+class _Recorder:
+    """The observer of one captured layer: collects a call's steps, stores them once it ends."""
+
+    def __init__(self, cap: Capture, name: str) -> None:
+        self.cap, self.name = cap, name
+        self.seen: dict[str, torch.Tensor] = {}
+        self.calls = 0  # calls stored
+        self.cached = True  # every stored call attended a cache (so later calls continue it)
+
+    def __call__(self, step: str, t: torch.Tensor) -> None:
+        seen, cap, name = self.seen, self.cap, self.name
+        if step == "X":
+            seen.clear()
+        seen[step] = t
+        if step in ("K_k", "K_cache"):  # before attention runs: refuse what would not fit
+            x = seen["X"]
+            cap._check_budget(name, x.shape[0], seen["Q_k"].shape[2], t.shape[2], (cap.dtype or x.dtype).itemsize)
+        elif step == "head_k":
+            cached = "K_cache" in seen
+            if self.calls and not (cached and self.cached):
+                raise ValueError(f"layer {name!r} was called twice inside one capture without a cache: record one "
+                                 "forward pass per `with multihead.heads.capture(...)` block (calls through a KV "
+                                 "cache, as in generate, append their rows)")
+            self.cached = self.cached and cached
+        elif step == "O":
+            self._finish()
+
+    def _finish(self) -> None:
+        """Store the call's records (the steps always report Q_k, K_k, V_k and head_k)."""
+        seen, cap, name = self.seen, self.cap, self.name
+        info = cap.info[name]
+        if "weights" in cap.what and "weights" not in seen:
+            raise ValueError(f"layer {name!r} computed no attention weights on this path: nothing to capture")
+        q = seen.get("Q_rot", seen["Q_k"])
+        k = seen.get("K_cache", seen.get("K_rot", seen["K_k"]))
+        v = seen.get("V_cache", seen["V_k"])
+        sel = None if len(info.heads) == info.num_heads else torch.tensor(info.heads, device=q.device)
+        for what, t, per_query in (("weights", seen.get("weights"), True), ("heads", seen["head_k"], True),
+                                   ("q", q, True), ("k", k, False), ("v", v, False)):
+            if what in cap.what and t is not None:
+                if per_query and sel is not None:
+                    t = t.index_select(1, sel)
+                cap._store(name, what, t, rows=per_query)
+        self.calls += 1
+        seen.clear()
 
 
 class capture:  # noqa: N801  (a context manager used like a function)
@@ -273,25 +321,17 @@ class capture:  # noqa: N801  (a context manager used like a function)
         self._picked = picked
 
     def __enter__(self) -> Capture:
-        self._installed: list[tuple[MultiHeadAttention, Any]] = []
+        self._stack = ExitStack()
+        weights = "weights" in self._cap.what
         for name, layer in self._picked:
-            if layer.__dict__.get("_heads_tap") is not None:
-                self._exit()
-                raise ValueError(f"layer {name!r} is already being captured (nested capture of one layer)")
-            tap = self._cap._tap(name)
-            layer.__dict__["_heads_tap"] = tap
-            self._installed.append((layer, tap))
+            if layer.watch is not None:
+                self._stack.close()
+                raise ValueError(f"layer {name!r} is already being captured or traced (nested capture of one layer)")
+            self._stack.enter_context(layer.watched(self._cap._recorder(name), weights=weights))
         return self._cap
 
     def __exit__(self, *exc: object) -> None:
-        self._exit()
-
-    def _exit(self) -> None:
-        # Back to the fast path: the forward body no longer sees a tap.
-        for layer, tap in self._installed:
-            if layer.__dict__.get("_heads_tap") is tap:
-                del layer.__dict__["_heads_tap"]
-        self._installed = []
+        self._stack.close()  # back to the fast paths: nobody watches the steps
 
 
 def weighted_layers(cap: Capture) -> list[str]:

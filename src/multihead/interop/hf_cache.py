@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 from ..cache import KVCache
-from ..decode import fused_step, repeat_step, why_not_fused
+from ..decode import fused_for, repeat_step
 from ..masks import Structure
 from ..module import MultiHeadAttention
 
@@ -67,11 +67,10 @@ def own_step(layer: MultiHeadAttention, layer_idx: int | None, cache: Any, x: to
 
     Taken when HF gives no mask (purely causal, no padding), ``positions`` are the cache's
     own (each row's length onwards) — then our module's cached call computes what HF's
-    would — and :func:`~multihead.decode.why_not_fused` allows the fused step. Otherwise
-    the caller goes through ``cache.update`` (in place too; the reason is recorded in
-    :attr:`KVCacheAdapter.paths`): unfused, the wrapper's step around ``update`` runs
-    ``nn.Linear`` projections, which were as fast or faster than the module's cached call
-    on the CPUs measured (``multihead bench --hf-generate``).
+    would — and :func:`~multihead.decode.fused_for` (the question the layer's ``forward``
+    asks too) gives the fused step. Otherwise the caller goes through ``cache.update`` (in
+    place too; the reason is recorded in :attr:`KVCacheAdapter.paths`): unfused, the
+    wrapper composes the layer's steps around ``update``.
 
     Args:
         layer: the patched layer's :class:`~multihead.MultiHeadAttention`.
@@ -89,29 +88,25 @@ def own_step(layer: MultiHeadAttention, layer_idx: int | None, cache: Any, x: to
     slot.check_room(x.shape[1])
     bare = _bare(layer)
     y = repeat_step(layer, x, kv) if bare else None  # the last step's checks still hold: not asked again
-    if y is not None:
-        slot.record("fused")
-        return y
-    reason = why_not_fused(layer, x, kv)
-    if reason is not None:  # the wrapper's own step around update (in place) is as fast or faster then
-        slot.not_fused = reason  # recorded by the update that follows
-        return None
-    if bare:  # what layer(x, cache=kv) runs, without asking why_not_fused twice
-        layer._validate(x, None, None, None, None, kv)
-        y = fused_step(layer, x, kv, checked=True)
-    else:
-        y = layer(x, cache=kv)
+    if y is None:
+        if bare:
+            layer.check(x, cache=kv)  # what layer(x, cache=kv) checks first
+        step = fused_for(layer, x, kv)
+        if isinstance(step, str):  # the wrapper's own steps around update (in place) then
+            slot.not_fused = step  # recorded by the update that follows
+            return None
+        y = step(x) if bare else layer(x, cache=kv)
     slot.record("fused")
     return y
 
 
 def _bare(layer: MultiHeadAttention) -> bool:
-    """Whether ``layer(x, cache=kv)`` is exactly its validation then :func:`~multihead.decode.fused_step`
-    (for a call :func:`~multihead.decode.why_not_fused` allowed): the class itself, no module hooks (its
-    own or global ones), no head capture attached."""
+    """Whether ``layer(x, cache=kv)`` is exactly its checks then the fused step (for a call
+    :func:`~multihead.decode.fused_for` allowed): the class itself, no module hooks (its own or
+    global ones), nobody watching its steps."""
     from torch.nn.modules import module as m
 
-    return (type(layer) is MultiHeadAttention and layer.__dict__.get("_heads_tap") is None
+    return (type(layer) is MultiHeadAttention and layer.watch is None
             and not (layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks
                      or layer._backward_pre_hooks or m._global_forward_hooks or m._global_forward_pre_hooks
                      or m._global_backward_hooks or m._global_backward_pre_hooks))
@@ -226,14 +221,9 @@ def _adapter_class() -> Any:
 
         def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
             """Beam search: row b takes row ``beam_idx[b]``'s tokens, in place."""
-            kv = self.kv
-            if kv is None or self.get_seq_length() == 0:
+            if self.kv is None or self.get_seq_length() == 0:
                 return
-            idx = beam_idx.to(kv.device)
-            for buf in (kv.k, kv.v, kv.slot_pos, kv.lengths):
-                buf.copy_(buf.index_select(0, idx))
-            host = kv.host_lengths()
-            kv._host_lengths = [host[i] for i in beam_idx.tolist()]  # every row holds the same count anyway
+            self.kv.reorder(beam_idx)
             self._views()
 
         def batch_repeat_interleave(self, repeats: int) -> None:

@@ -97,9 +97,9 @@ def trace(
     if not isinstance(layer, MultiHeadAttention):
         raise TypeError(f"layer must be a multihead.MultiHeadAttention, got {type(layer).__name__}")
     seen: list[tuple[str, torch.Tensor]] = []
-    with torch.no_grad():
-        y = layer._forward(x, context, mask=mask, key_mask=key_mask, positions=positions,
-                           return_weights=False, observe=lambda n, t: seen.append((n, t)))
+    with torch.no_grad(), layer.watched(lambda n, t: seen.append((n, t))):
+        y = layer(x, context, mask=mask, key_mask=key_mask, positions=positions)
+        assert isinstance(y, torch.Tensor)  # no weights asked for
         if context is None and y.shape == x.shape:
             seen.append(("residual", x + y))
     rows = tuple(TraceRow(*_STEPS[name], _seed_shape(t), tuple(t.shape)) for name, t in seen)
