@@ -30,10 +30,12 @@ F64 = torch.float64
 
 
 def make_layer(h: int, hkv: int, *, causal: bool, rope: bool = True, seed: int = 0,
-               dtype: torch.dtype = F64, window: int | None = None) -> mh.MultiHeadAttention:
+               dtype: torch.dtype = F64, window: int | None = None, qk_norm: str | None = None,
+               rope_scaling: mh.RopeScaling | None = None) -> mh.MultiHeadAttention:
     torch.manual_seed(seed)
     layer = mh.MultiHeadAttention(E, h, num_kv_heads=hkv, head_dim=D, causal=causal, window=window,
-                                  rope=mh.RoPE(D) if rope else None, dtype=dtype)
+                                  rope=mh.RoPE(D, scaling=rope_scaling) if rope else None, qk_norm=qk_norm,
+                                  dtype=dtype)
     with torch.no_grad():  # non-zero biases, so "added once" is tested
         for p in layer.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -216,6 +218,10 @@ def cp_cases(rank: int, p: int) -> dict[str, Any]:
                     res[key] = {"err": _cp_run(layer, method, "zigzag", x, km, gy)}
                 except ValueError as exc:
                     res[key] = {"refused": str(exc)}
+        for qk_norm in ("head", "proj"):  # RMSNorm (weights perturbed) on q and k, per head or per token
+            h, hkv = (6, 3) if method == "ulysses" and p == 3 else (8, 2)
+            key = f"cp/{method}/zigzag/{h},{hkv}/causal/qk_{qk_norm}"
+            res[key] = {"err": _cp_run(make_layer(h, hkv, causal=True, qk_norm=qk_norm), method, "zigzag", x, km, gy)}
         layouts = ("contiguous", "striped") if method == "ring" else ("contiguous",)
         for layout in layouts:
             h, hkv = (8, 2) if method == "ring" or p != 3 else (6, 3)
@@ -343,12 +349,22 @@ def cache_chunk_cases(rank: int, p: int) -> dict[str, Any]:
     """Prefill, then Sn = 3 tokens in one call, then 1, then 3 more, with a sharded cache vs the
     single-process cached layer ``layer(x, cache=layer.new_cache(...))``: non-causal layers too,
     whose new queries see the chunk's later tokens (and a window both ways), as the layer's own
-    ``Structure`` says. Errors per step: ``steps[0]`` the prefill."""
+    ``Structure`` says. Errors per step: ``steps[0]`` the prefill.
+
+    Also QK-norm both ways, and a RoPE whose frequencies depend on the length (dynamic, past
+    M = 4 positions): every rank rotates at the whole call's length, not at its shard's."""
     res: dict[str, Any] = {}
     s0, chunks = 2 * p + 3, (3, 1, 3)
+    dynamic = mh.RopeScaling(rope_type="dynamic", factor=2.0, max_positions=4)
+    layers: dict[str, dict[str, Any]] = {
+        "full/wNone": {"causal": False}, "causal/wNone": {"causal": True},
+        "causal/w3": {"causal": True, "window": 3}, "full/w3": {"causal": False, "window": 3},
+        "full/qk_head": {"causal": False, "qk_norm": "head"}, "causal/qk_proj": {"causal": True, "qk_norm": "proj"},
+        "causal/dynamic_rope": {"causal": True, "rope_scaling": dynamic},
+    }
     for method, (h, hkv) in (("ring", (8, 2)), ("ulysses", (8, 8) if p != 3 else (6, 3))):
-        for causal, window in ((False, None), (True, None), (True, 3), (False, 3)):
-            layer = make_layer(h, hkv, causal=causal, window=window).eval()  # RoPE
+        for name, kwargs in layers.items():
+            layer = make_layer(h, hkv, **kwargs).eval()  # RoPE
             g = torch.Generator().manual_seed(9)
             prompt = torch.randn(B, s0, E, generator=g, dtype=F64)
             tokens = [torch.randn(B, sn, E, generator=g, dtype=F64) for sn in chunks]
@@ -360,7 +376,7 @@ def cache_chunk_cases(rank: int, p: int) -> dict[str, Any]:
                 steps = [err(mp_.unshard_sequence(cp(mp_.shard_sequence(prompt, dim=1), cache=cache), dim=1),
                              ref[0])]
                 steps += [err(cp(t, cache=cache), r) for t, r in zip(tokens, ref[1:])]
-            res[f"chunk/{method}/{'causal' if causal else 'full'}/w{window}"] = {"err": max(steps), "steps": steps}
+            res[f"chunk/{method}/{name}"] = {"err": max(steps), "steps": steps}
     return res
 
 

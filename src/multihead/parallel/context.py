@@ -5,10 +5,15 @@ key/value heads, D head_dim, P ranks, Sn new tokens of a decoding step, C cache 
 per rank.
 
     x (B, S_r, E) this rank's tokens (layout order)
-      -> q_proj, k_proj, v_proj      per token: local
-      -> split_heads, RoPE           at each token's global position
-      -> ring_attention | ulysses_attention
-      -> merge_heads, o_proj         per token: local          -> (B, S_r, E)
+      -> layer.project, layer.split  per token: local (QK-norm included)
+      -> layer.rotate                RoPE at each token's global position
+      -> ring_attention | ulysses_attention   (partial results merged by log-sum-exp)
+      -> layer.output                per token: local          -> (B, S_r, E)
+
+Every step but the attention is the layer's own (:meth:`MultiHeadAttention.project`, ...),
+and every mask comes from the layer's :attr:`~MultiHeadAttention.structure`; the attention
+is the ring's or Ulysses', since it needs each block's log-sum-exp, which
+:meth:`MultiHeadAttention.attend` does not return.
 
 Parameters are shared, not sharded: each rank's parameter gradients are its tokens'
 share; sum them over the group (what DDP/FSDP over the data × context ranks do).
@@ -29,8 +34,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .._checks import check_int, check_tensor
-from ..masks import Structure
-from ..module import MultiHeadAttention, merge_heads, split_heads
+from ..functional import attention
+from ..masks import key_padding_mask
+from ..module import MultiHeadAttention
 from ._comm import agree, resolve_group, world_and_rank
 from ._lse import block_attention, merge_into, work_dtype
 from .layout import _dtype_code, _rows, check_layout, check_sizes, shard_positions
@@ -159,34 +165,31 @@ class ContextParallelAttention(nn.Module):
                       lambda t: _check_same(t) or check_sizes([row[-1] for row in t], self.layout))
         sizes = [row[-1] for row in table]
         seq_len = sum(sizes)
-        positions = shard_positions(seq_len, self.world_size, self.rank, self.layout, x.device)
-        q, k, v = (split_heads(proj(x), h) for proj, h in ((layer.q_proj, layer.num_heads),
-                                                            (layer.k_proj, layer.num_kv_heads),
-                                                            (layer.v_proj, layer.num_kv_heads)))
-        if layer.rope is not None:
-            q, k = layer.rope.rotate((q, k), positions)  # global positions
+        positions = shard_positions(seq_len, self.world_size, self.rank, self.layout, x.device)  # (S_r,)
+        q, k, v = layer.split(*layer.project(x))  # (B, H, S_r, D), (B, Hkv, S_r, D) ×2
+        # At global positions, and the whole prompt's length as the bound on every rank (a
+        # length-dependent RoPE scaling then rotates as the single-process layer does).
+        q, k = layer.rotate(q, k, positions, bound=seq_len)
         if cache is not None:
             _check_prefill(cache, x, seq_len)
             cache._write(k, v, positions, torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
                          if key_mask is None else key_mask)
             cache.counts, cache.length = list(sizes), seq_len  # (the prefill wrote held = S_r)
         heads = self._attend(q, k, v, key_mask, sizes)  # (B, H, S_r, D)
-        return layer.o_proj(merge_heads(heads))  # (B, S_r, E)
+        return layer.output(heads)  # (B, S_r, E)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
                 sizes: list[int]) -> torch.Tensor:
-        layer = self.layer
+        """The prompt's attention over every rank's shard: (B, H, S_r, D)."""
+        layer, structure = self.layer, self.layer.structure
         if self.method == "ulysses":
-            return ulysses_attention(q, k, v, group=self.group, causal=layer.causal, window=layer.window,
+            return ulysses_attention(q, k, v, group=self.group, causal=structure.causal, window=structure.window,
                                      key_mask=key_mask, scale=layer.scale, layout=self.layout)
         if self.world_size == 1:
-            from ..functional import attention
-            from ..masks import key_padding_mask
-
             mask = None if key_mask is None else key_padding_mask(key_mask)
-            return attention(q, k, v, causal=layer.causal, window=layer.window, mask=mask, scale=layer.scale)
-        spec = _Spec(self.group, self.world_size, self.rank, tuple(sizes), self.layout, layer.causal, layer.window,
-                     layer.scale)  # the shapes were agreed above: no second exchange
+            return attention(q, k, v, causal=structure.causal, window=structure.window, mask=mask, scale=layer.scale)
+        spec = _Spec(self.group, self.world_size, self.rank, tuple(sizes), self.layout, structure.causal,
+                     structure.window, layer.scale)  # the shapes were agreed above: no second exchange
         km = None if key_mask is None else key_mask.to(torch.uint8)
         return _RingAttention.apply(q, k, v, km, spec)
 
@@ -202,11 +205,8 @@ class ContextParallelAttention(nn.Module):
         if cache.length + sn > cache.max_len:
             raise ValueError(f"cache overflow: {cache.length} tokens cached, {sn} more exceed max_len={cache.max_len}")
         positions = cache.length + torch.arange(sn, device=x.device)  # (Sn,)
-        q, k, v = (split_heads(proj(x), h) for proj, h in ((layer.q_proj, layer.num_heads),
-                                                            (layer.k_proj, layer.num_kv_heads),
-                                                            (layer.v_proj, layer.num_kv_heads)))
-        if layer.rope is not None:
-            q, k = layer.rope.rotate((q, k), positions)
+        q, k, v = layer.split(*layer.project(x))  # (B, H, Sn, D), (B, Hkv, Sn, D) ×2
+        q, k = layer.rotate(q, k, positions, bound=cache.length + sn)
         mine = []
         for i in range(sn):  # token by token to the rank holding the fewest (known on every rank)
             owner = cache._owner()
@@ -221,12 +221,12 @@ class ContextParallelAttention(nn.Module):
         used = cache.held
         # The layer's own rule on global positions (a non-causal layer's new queries see their
         # chunk's later tokens), and the prompt's padding; every used slot holds a token.
-        allowed = Structure(layer.causal, layer.window).allows(positions[:, None], cache.positions[None, :used])
+        allowed = layer.structure.allows(positions[:, None], cache.positions[None, :used])  # (Sn, C_used)
         mask = allowed[None, None] & cache.valid[:, None, None, :used]  # (B, 1, Sn, C_used)
         out, lse = block_attention(q, cache.k[:, :, :used], cache.v[:, :, :used], causal=False, window=None,
                                    mask=mask, scale=layer.scale)
         merged = _merge_across(out, lse, self.group, self.world_size)  # (B, H, Sn, D)
-        return layer.o_proj(merge_heads(merged.to(x.dtype)))  # (B, Sn, E)
+        return layer.output(merged.to(x.dtype))  # (B, Sn, E)
 
 
 def _merge_across(out: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup, world_size: int) -> torch.Tensor:
