@@ -34,25 +34,42 @@ class Layer(Protocol):
     """What the fused step reads of a :class:`multihead.MultiHeadAttention`: sizes, settings and
     parts (the module is not imported here: it builds on this module)."""
 
-    embed_dim: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    scale: float
-    dropout: float
-    window: int | None
-    backend: str | None
-    qk_norm: str | None
-    softcap: float | None
-    alibi_slopes: torch.Tensor | None
-    sinks: Any
-    rope: RoPE | None
-    watch: object | None
-    training: bool
-    __dict__: dict[str, Any]
-    _parameters: dict[str, Any]
-    _buffers: dict[str, Any]
-    _modules: dict[str, Any]
+    @property
+    def embed_dim(self) -> int: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def scale(self) -> float: ...
+    @property
+    def dropout(self) -> float: ...
+    @property
+    def window(self) -> int | None: ...
+    @property
+    def backend(self) -> str | None: ...
+    @property
+    def qk_norm(self) -> str | None: ...
+    @property
+    def softcap(self) -> float | None: ...
+    @property
+    def alibi_slopes(self) -> torch.Tensor | None: ...
+    @property
+    def sinks(self) -> Any: ...
+    @property
+    def rope(self) -> RoPE | None: ...
+    @property
+    def watch(self) -> object | None: ...
+    @property
+    def training(self) -> bool: ...
+    @property
+    def _parameters(self) -> dict[str, Any]: ...
+    @property
+    def _buffers(self) -> dict[str, Any]: ...
+    @property
+    def _modules(self) -> dict[str, Any]: ...
 
 
 def plain_linear(linear: nn.Module) -> bool:

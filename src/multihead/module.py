@@ -431,7 +431,8 @@ class MultiHeadAttention(nn.Module):
         else:
             src = x if context is None else context
             q, k, v = _apply_linear(self.q_proj, x), _apply_linear(self.k_proj, src), _apply_linear(self.v_proj, src)
-        self._see("Q", q), self._see("K", k), self._see("V", v)
+        for name, t in (("Q", q), ("K", k), ("V", v)):
+            self._see(name, t)
         if self.qk_norm == "proj":
             q, k = self.q_norm(q), self.k_norm(k)  # over H·D and Hkv·D (OLMo 2)
         return q, k, v
@@ -445,7 +446,8 @@ class MultiHeadAttention(nn.Module):
         q = split_heads(q, h)  # (B, H, S, D)
         k = split_heads(k, hkv)  # (B, Hkv, Sk, D)
         v = split_heads(v, hkv)  # (B, Hkv, Sk, D)
-        self._see("Q_k", q), self._see("K_k", k), self._see("V_k", v)
+        for name, t in (("Q_k", q), ("K_k", k), ("V_k", v)):
+            self._see(name, t)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)  # over D, per head (Qwen3, Gemma 3)
         return q, k, v
@@ -458,7 +460,8 @@ class MultiHeadAttention(nn.Module):
         if self.rope is None:
             return q, k
         q, k = self.rope.rotate((q, k), positions, bound=bound)
-        self._see("Q_rot", q), self._see("K_rot", k)
+        self._see("Q_rot", q)
+        self._see("K_rot", k)
         return q, k
 
     def resolve(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_weights: bool = False
@@ -506,7 +509,8 @@ class MultiHeadAttention(nn.Module):
                 segments = segment_mask(cu_seqlens, q.shape[2], q.device)  # (B, 1, S, S): the dense form
                 mask = segments if mask is None else mask & segments
         if cached:
-            self._see("K_cache", k), self._see("V_cache", v)
+            self._see("K_cache", k)
+            self._see("V_cache", v)
         heads, weights, _ = fn(q, k, v, mask=mask, causal=structure.causal, window=structure.window,
                                scale=self.scale, dropout_p=self.dropout if self.training else 0.0,
                                return_weights=weights_wanted, return_lse=False, **self._features(), **packing)

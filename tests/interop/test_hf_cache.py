@@ -82,7 +82,7 @@ def test_the_layers_own_cached_call_generates_hf_tokens(monkeypatch: pytest.Monk
     where the fused step cannot run, the module's own cached call runs it, in place, and must agree."""
     from multihead.interop import hf_cache
 
-    monkeypatch.setattr(hf_cache, "why_not_fused", lambda layer, x, kv: None)
+    monkeypatch.setattr(hf_cache, "fused_for", lambda layer, x, kv: object())  # "fused": not a reason
     monkeypatch.setattr(hf_cache, "_bare", lambda layer: False)
     cache = _same_tokens_as_hf(_model(), _prompts(padded=False))
     assert cache.paths == ["fused", "fused"] and cache.get_seq_length() == S + NEW - 1

@@ -246,3 +246,15 @@ def test_ring_memory_per_rank_falls_as_one_over_p() -> None:
     design = {p: ring_model_bytes(8192, p, 4, 64) for p in (2, 4)}
     ratio = {p: round(peak[p] / design[p], 3) for p in (2, 4)}
     assert all(0.9 <= r <= 2.3 for r in ratio.values()), f"peak / design bytes per rank: {ratio}"
+
+
+@pytest.mark.parametrize("feature", [{"softcap": 30.0}, {"alibi": True}, {"sinks": True}])
+def test_context_parallel_refuses_the_logit_features_it_does_not_run(feature: dict[str, Any]) -> None:
+    """Ring, Ulysses and the sharded cache compute plain softmax(QKᵀ)V: a layer with soft-capping,
+    ALiBi or sinks is refused by name (before any group is needed), never run without them."""
+    import multihead as mh
+
+    layer = mh.MultiHeadAttention(16, 2, causal=True, **feature)
+    name = next(iter(feature))
+    with pytest.raises(ValueError, match=f"does not run the layer's {name}"):
+        mp_.context_parallel(layer)

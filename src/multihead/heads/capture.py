@@ -67,11 +67,11 @@ def find_layers(model: nn.Module) -> list[tuple[str, MultiHeadAttention]]:
             (they would be missing from the list), or no attention layer at all.
     """
     from .. import hf, interop
-    from ..interop.hf_patch import _candidates
+    from ..interop.hf_patch import attention_modules
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    unpatched = [(n, type(m).__name__) for n, m in _candidates(model)
+    unpatched = [(n, type(m).__name__) for n, m in attention_modules(model)
                  if interop.hf_family(m) is not None]
     if unpatched:
         listed = ", ".join(f"{n or '<model>'} ({t})" for n, t in unpatched[:3])
@@ -231,9 +231,12 @@ class _Recorder:
         if step == "X":
             seen.clear()
         seen[step] = t
-        if step in ("K_k", "K_cache"):  # before attention runs: refuse what would not fit
+        if step in ("X", "K_k", "K_cache"):
+            # Refuse what would not fit: before the projections, counting the call's own tokens as
+            # its keys (all of them without a cache or context), then with the keys attended.
             x = seen["X"]
-            cap._check_budget(name, x.shape[0], seen["Q_k"].shape[2], t.shape[2], (cap.dtype or x.dtype).itemsize)
+            s = x.shape[1] if step == "X" else seen["Q_k"].shape[2]
+            cap._check_budget(name, x.shape[0], s, t.shape[-2], (cap.dtype or x.dtype).itemsize)
         elif step == "head_k":
             cached = "K_cache" in seen
             if self.calls and not (cached and self.cached):

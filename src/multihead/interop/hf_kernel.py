@@ -21,7 +21,7 @@ from torch import nn
 from ..functional import attention
 from ..masks import from_additive
 
-__all__ = ["bool_mask", "attention_forward", "register", "NAME"]
+__all__ = ["bool_mask", "written_keys", "hf_recording", "attention_forward", "register", "NAME"]
 
 #: The name under which :func:`register` installs the kernel.
 NAME = "multihead"
@@ -43,6 +43,36 @@ def bool_mask(attention_mask: torch.Tensor | None, sk: int | None = None) -> tor
 
 
 # ---- the kernel for AttentionInterface ------------------------------------------------------
+def written_keys(mask: torch.Tensor | None, sq: int, sk: int, causal: bool) -> tuple[torch.Tensor | None, int]:
+    """(mask, n): the keys of an HF cache a call attends to are its first n of Sk.
+
+    HF hands the whole cache (B, Hkv, Sk, D) back from ``cache.update``; its mask (B|1, 1, S,
+    Sk') covers the keys, so it is cut to Sk. HF drops the mask with Sk > S only when
+    prefilling an empty static cache (purely causal): the keys past S are then unwritten
+    slots, which HF's own kernels slice off too, so n = S.
+    """
+    if mask is not None:
+        return mask[..., :sk], sk
+    return None, (sq if causal and 1 < sq < sk else sk)
+
+
+def hf_recording() -> dict[str, Any] | None:
+    """The outputs transformers (5) is collecting for the running forward (``output_attentions=True``
+    collects ``"attentions"``), or None when it collects nothing or is not installed.
+
+    transformers 5 records attention weights with forward hooks on the attention modules and
+    passes no ``output_attentions`` to them: its collector is the only way a module learns that
+    the weights are wanted before computing them.
+    """
+    try:
+        from transformers.utils import output_capturing
+    except ImportError:
+        return None
+    collector = getattr(output_capturing, "_active_collector", None)  # transformers' own state
+    collecting = None if collector is None else collector.get()
+    return collecting if isinstance(collecting, dict) else None
+
+
 def attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -81,9 +111,8 @@ def attention_forward(
     # HF drops its mask only when causality alone describes it; one query (decoding) sees all keys.
     causal = bool(is_causal) and mask is None and sq > 1
     window = kwargs.get("sliding_window") if causal else None  # with a mask, the window is already in it
-    if causal and sk > sq:
-        # HF's prefill into an empty static cache: keys past S are unwritten slots (HF slices them too).
-        key, value = key[:, :, :sq], value[:, :, :sq]
+    _, n = written_keys(None, sq, sk, causal)
+    key, value = key[:, :, :n], value[:, :, :n]
     want_weights = bool(kwargs.get("output_attentions", False))
     result = attention(query, key, value, causal=causal, mask=mask, window=window, scale=scaling,
                        dropout_p=dropout, return_weights=want_weights, softcap=kwargs.get("softcap"),

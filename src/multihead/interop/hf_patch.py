@@ -25,7 +25,12 @@ format, which :func:`register` asks for) or additive float (``"eager"``: 0 or
 ``finfo.min``); or None when the mask is purely causal or absent, with causality in
 ``module.is_causal``. :func:`multihead.masks.from_additive` turns float masks into ours.
 
-Limits: while patched, ``output_attentions`` yields no weights from patched modules.
+Every wrapper composes the layer's public steps (``project``, ``split``, ``rotate``,
+``attend``, ``output``), with or without HF's cache, so what the steps do holds on every
+patched class: ``output_attentions=True`` returns each layer's weights (B, H, S, Sk), as the
+eager HF class does (transformers 5 records them with hooks that :func:`patch` installs on
+the wrappers as they were on the originals), and :func:`multihead.heads.capture` records
+every call, cached ones included. DeepSeek's latent attention refuses both by name.
 A wrapper's ``state_dict`` is the original module's (names and layout), holding the
 wrapper's current weights, so ``save_pretrained`` writes a checkpoint the unpatched class
 loads; loading a state dict *into* a patched model is refused (unpatch first). Weights
@@ -50,14 +55,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import interop
-from ..functional import attention
 from ..latent import MultiHeadLatentAttention
-from ..module import MultiHeadAttention, merge_heads, split_heads
+from ..masks import Structure
+from ..module import MultiHeadAttention
 from . import hf_cache, hf_registry
-from .hf_kernel import NAME, attention_forward, bool_mask, register
+from .hf_weights import from_hf, to_hf
+from .hf_kernel import NAME, attention_forward, bool_mask, hf_recording, register, written_keys
 
-__all__ = ["patch", "unpatch", "is_patched", "register", "attention_forward", "PatchedAttention", "NAME"]
+__all__ = ["patch", "unpatch", "is_patched", "register", "attention_forward", "PatchedAttention", "NAME",
+           "attention_modules", "set_submodule"]
 
 
 # ---- module patching ------------------------------------------------------------------------
@@ -77,6 +83,8 @@ class PatchedAttention(nn.Module):
         self.__dict__["original"] = original  # not a submodule: its weights stay out of ours
         self.layer_idx = getattr(original, "layer_idx", getattr(getattr(original, "self", None), "layer_idx", None))
         self.is_causal = mh.causal
+        #: transformers' output keys recorded from this module (``attentions``...): see :func:`patch`
+        self.records: tuple[str, ...] = ()
         self.train(original.training)
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
@@ -94,7 +102,7 @@ class PatchedAttention(nn.Module):
         weight = self.mh.q_proj.weight
         original = self.original.to(device=weight.device, dtype=weight.dtype).train(self.training)
         with torch.no_grad():
-            interop.to_hf(self.mh, original)
+            to_hf(self.mh, original)
         return original
 
     def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str, *args: Any) -> None:
@@ -108,53 +116,48 @@ class PatchedAttention(nn.Module):
         positions: torch.Tensor | None,
         cache: Any | None,
         kwargs: dict[str, Any],
-    ) -> torch.Tensor:
-        """Our layer on ``x`` (B, S, E) -> (B, S, E).
+        output_attentions: bool | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Our layer on ``x`` (B, S, E) -> (y (B, S, E), weights (B, H, S, Sk) or None).
 
-        With an HF cache (generation), the layer's own modules run step by step around
-        ``cache.update``: q/k/v_proj, split, RoPE, HF cache, :func:`multihead.attention`,
-        concat, o_proj. With :class:`multihead.hf.KVCacheAdapter` (our KVCache in HF's
-        ``Cache`` API) a call without mask at the cache's own positions runs our layer's
-        cached call instead (:func:`multihead.interop.hf_cache.own_step`).
+        Without a cache, the layer's own call. With an HF cache (generation), the layer's
+        steps around ``cache.update``: :meth:`~multihead.MultiHeadAttention.project`,
+        ``split``, ``rotate``, HF's cache, ``attend``, ``output``. With
+        :class:`multihead.hf.KVCacheAdapter` (our KVCache in HF's ``Cache`` API) a call
+        without mask at the cache's own positions runs our layer's fused step where it
+        applies (:func:`multihead.interop.hf_cache.own_step`). Weights are computed when
+        asked for (:meth:`wants_weights`) and returned for HF's ``output_attentions``.
         """
-        mask = bool_mask(attention_mask, x.shape[1] if cache is None else None)
-        if cache is None:
-            return self.mh(x, mask=mask, positions=positions if self.mh.rope is not None else None)
-        if hf_cache.is_adapter(cache):  # issue #13: our own cached call (fused when it can) where HF's call allows
-            y = hf_cache.own_step(self.mh, self.layer_idx, cache, x, mask, positions)
-            if y is not None:
-                return y
-        return self._attend_with_cache(x, mask, positions, cache, kwargs)
-
-    def _attend_with_cache(
-        self, x: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None, cache: Any,
-        kwargs: dict[str, Any],
-    ) -> torch.Tensor:
-        # The HF cache stores (B, Hkv, Sk, D) keys after RoPE, as our KVCache does.
         layer = self.mh
-        q, k = layer.q_proj(x), layer.k_proj(x)  # (B, S, H·D), (B, S, Hkv·D)
-        if layer.qk_norm == "proj":
-            q, k = layer.q_norm(q), layer.k_norm(k)
-        q = split_heads(q, layer.num_heads)  # (B, H, S, D)
-        k = split_heads(k, layer.num_kv_heads)  # (B, Hkv, S, D)
-        v = split_heads(layer.v_proj(x), layer.num_kv_heads)  # (B, Hkv, S, D)
-        if layer.qk_norm == "head":
-            q, k = layer.q_norm(q), layer.k_norm(k)
-        if layer.rope is not None:
-            q, k = layer.rope(q, positions), layer.rope(k, positions)
+        want = self.wants_weights(output_attentions, kwargs)
+        mask = bool_mask(attention_mask, x.shape[1] if cache is None else None)
+        at = positions if layer.rope is not None else None
+        if cache is None:
+            result = layer(x, mask=mask, positions=at, return_weights=want)
+            return result if isinstance(result, tuple) else (result, None)
+        if hf_cache.is_adapter(cache) and not want:  # our own cached call (fused when it can) where HF's allows
+            y = hf_cache.own_step(layer, self.layer_idx, cache, x, mask, positions)
+            if y is not None:
+                return y, None
+        q, k, v = layer.split(*layer.project(x))  # (B, H, S, D), (B, Hkv, S, D) ×2
+        q, k = layer.rotate(q, k, at)
+        # The HF cache stores (B, Hkv, Sk, D) keys after RoPE, as our KVCache does.
         k, v = cache.update(*self._to_cache(k, v), self.layer_idx, kwargs=kwargs)  # (B, Hkv, Sk, D)
-        sq, sk = q.shape[2], k.shape[2]
-        if mask is not None:
-            mask = mask[..., :sk]
-        elif layer.causal and 1 < sq < sk:
-            # HF drops the mask with Sk > S only when prefilling an empty static cache: the
-            # keys past S are unwritten slots, which HF's own kernels slice off too.
-            k, v = k[:, :, :sq], v[:, :, :sq]
-        heads = attention(q, k, v, causal=layer.causal, mask=mask, window=layer.window, scale=layer.scale,
-                          dropout_p=layer.dropout if self.training else 0.0, backend=layer.backend,
-                          softcap=layer.softcap, alibi_slopes=layer.alibi_slopes, sinks=layer.sinks)
-        return layer.o_proj(merge_heads(heads))  # (B, S, E)
+        mask, n = written_keys(mask, q.shape[2], k.shape[2], layer.causal)
+        heads, weights = layer.attend(q, k[:, :, :n], v[:, :, :n], mask=mask, return_weights=want, cached=True)
+        return layer.output(heads), weights  # (B, S, E)
 
+    def wants_weights(self, output_attentions: bool | None, kwargs: dict[str, Any]) -> bool:
+        """Whether this call must return the attention weights: ``output_attentions`` given to
+        the module (transformers 4), or transformers 5 collecting the outputs this wrapper
+        records (``attentions``, ``cross_attentions``: :func:`patch` installs HF's recording
+        hooks on the wrapper, as they were on the original module)."""
+        if output_attentions or kwargs.get("output_attentions"):
+            return True
+        if not self.records:
+            return False
+        collecting = hf_recording()
+        return collecting is not None and any(key in collecting for key in self.records)
 
     def _to_cache(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V (B, Hkv, S, D) as the HF class stores them in its cache (as they are, but for Falcon's
@@ -190,19 +193,19 @@ class _LlamaWrapper(PatchedAttention):
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: Any = None,
                 attention_mask: torch.Tensor | None = None, cache: Any | None = None,
-                **kwargs: Any) -> tuple[torch.Tensor, None]:
+                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         cache = _hf_cache(cache, kwargs)
         positions = _positions(hidden_states, kwargs.get("position_ids"), cache, self.layer_idx)
-        y = self.attend(hidden_states, attention_mask, positions, cache, kwargs)
-        return F.dropout(y, self.resid_dropout, self.training), None
+        y, weights = self.attend(hidden_states, attention_mask, positions, cache, kwargs)
+        return F.dropout(y, self.resid_dropout, self.training), weights
 
 
 class _ViTWrapper(PatchedAttention):
     """ViT-style classes: ``forward(hidden_states, attention_mask=None, **kwargs)``, no positions."""
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                **kwargs: Any) -> tuple[torch.Tensor, None]:
-        return self.attend(hidden_states, attention_mask, None, None, kwargs), None
+                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.attend(hidden_states, attention_mask, None, None, kwargs)
 
 
 class _GPT2Wrapper(PatchedAttention):
@@ -214,13 +217,13 @@ class _GPT2Wrapper(PatchedAttention):
     def forward(self, hidden_states: torch.Tensor, cache: Any | None = None,
                 attention_mask: torch.Tensor | None = None, encoder_hidden_states: torch.Tensor | None = None,
                 encoder_attention_mask: torch.Tensor | None = None, output_attentions: bool | None = False,
-                **kwargs: Any) -> tuple[torch.Tensor, None]:
+                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         if encoder_hidden_states is not None:
             raise ValueError("encoder_hidden_states given to a patched GPT-2 self-attention: cross-attention "
                              "is not supported")
         cache = _hf_cache(cache, kwargs)
-        y = self.attend(hidden_states, attention_mask, None, cache, kwargs)
-        return F.dropout(y, self.resid_dropout, self.training), None
+        y, weights = self.attend(hidden_states, attention_mask, None, cache, kwargs, output_attentions)
+        return F.dropout(y, self.resid_dropout, self.training), weights
 
 
 class _BertWrapper(PatchedAttention):
@@ -235,16 +238,16 @@ class _BertWrapper(PatchedAttention):
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 encoder_hidden_states: torch.Tensor | None = None,
                 encoder_attention_mask: torch.Tensor | None = None, cache: Any | None = None,
-                **kwargs: Any) -> tuple[torch.Tensor, None]:
+                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         if encoder_hidden_states is not None:
             raise ValueError("encoder_hidden_states given to a patched BERT self-attention: cross-attention "
                              "is not supported")
         cache = _hf_cache(cache, kwargs)
         if cache is not None and hasattr(cache, "self_attention_cache"):
             cache = cache.self_attention_cache
-        y = self.attend(hidden_states, attention_mask, None, cache, kwargs)
+        y, weights = self.attend(hidden_states, attention_mask, None, cache, kwargs)
         y = F.dropout(y, self.hidden_dropout, self.training)
-        return self.LayerNorm(y + hidden_states), None
+        return self.LayerNorm(y + hidden_states), weights
 
 
 # ---- fused query_key_value families: GPT-NeoX (Pythia), Falcon, BLOOM ----------------------------------
@@ -254,10 +257,10 @@ class _GPTNeoXWrapper(PatchedAttention):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 layer_past: Any | None = None, position_embeddings: Any = None,
-                **kwargs: Any) -> tuple[torch.Tensor, None]:
+                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         cache = _hf_cache(layer_past, kwargs)
         positions = _positions(hidden_states, kwargs.get("position_ids"), cache, self.layer_idx)
-        return self.attend(hidden_states, attention_mask, positions, cache, kwargs), None
+        return self.attend(hidden_states, attention_mask, positions, cache, kwargs)
 
 
 class _FalconWrapper(PatchedAttention):
@@ -271,12 +274,12 @@ class _FalconWrapper(PatchedAttention):
     def forward(self, hidden_states: torch.Tensor, alibi: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 layer_past: Any | None = None, use_cache: bool = False, output_attentions: bool = False,
-                position_embeddings: Any = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+                position_embeddings: Any = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         if alibi is not None:
             raise ValueError("alibi given to a patched FalconAttention: Falcon's ALiBi is not supported")
         cache = _hf_cache(layer_past, kwargs)
         positions = _positions(hidden_states, position_ids, cache, self.layer_idx)
-        return self.attend(hidden_states, attention_mask, positions, cache, kwargs), None
+        return self.attend(hidden_states, attention_mask, positions, cache, kwargs, output_attentions)
 
     def _to_cache(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.cache_every_head:
@@ -303,35 +306,34 @@ class _BloomWrapper(PatchedAttention):
 
     def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor, alibi: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, layer_past: Any | None = None, use_cache: bool = False,
-                output_attentions: bool = False, **kwargs: Any) -> tuple[torch.Tensor, None]:
+                output_attentions: bool = False, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         cache = _hf_cache(layer_past, kwargs)
-        y = self.attend(hidden_states, attention_mask, None, cache, kwargs)
-        return residual + F.dropout(y, self.hidden_dropout, self.training), None
+        y, weights = self.attend(hidden_states, attention_mask, None, cache, kwargs, output_attentions)
+        return residual + F.dropout(y, self.hidden_dropout, self.training), weights
 
     def attend(self, x: torch.Tensor, attention_mask: torch.Tensor | None, positions: torch.Tensor | None,
-               cache: Any | None, kwargs: dict[str, Any]) -> torch.Tensor:
+               cache: Any | None, kwargs: dict[str, Any], output_attentions: bool | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         mask = bool_mask(attention_mask, x.shape[1] if cache is None else None)
-        if mask is None:  # no padding: key indices are BLOOM's positions
-            return super().attend(x, attention_mask, positions, cache, kwargs)
+        if mask is None or not _has_holes(mask):  # key indices are BLOOM's positions, or off by a row's constant
+            return super().attend(x, attention_mask, positions, cache, kwargs, output_attentions)
         layer = self.mh
-        if cache is None and layer.__dict__.get("_heads_tap") is not None:
-            # multihead.heads.capture records inside the layer's own forward, which cannot reorder
-            # keys: there, only masks whose unmasked keys are contiguous (left or right padding).
-            if _has_holes(mask):
-                raise ValueError("multihead.heads.capture of a patched BloomAttention with masked keys between "
-                                 "unmasked ones is not supported (BLOOM's ALiBi positions skip them)")
-            return super().attend(x, attention_mask, positions, cache, kwargs)
-        q = split_heads(layer.q_proj(x), layer.num_heads)  # (B, H, S, D)
-        k = split_heads(layer.k_proj(x), layer.num_kv_heads)  # (B, Hkv, S, D)
-        v = split_heads(layer.v_proj(x), layer.num_kv_heads)  # (B, Hkv, S, D)
+        if layer.watch is not None:
+            # The steps report the keys in the order they are attended: reordered here.
+            raise ValueError("multihead.heads.capture or multihead.trace of a patched BloomAttention with masked "
+                             "keys between unmasked ones is not supported (BLOOM's ALiBi positions skip them)")
+        want = self.wants_weights(output_attentions, kwargs)
+        q, k, v = layer.split(*layer.project(x))  # (B, H, S, D), (B, Hkv, S, D) ×2
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)  # (B, Hkv, Sk, D)
             mask = mask[..., :k.shape[2]]
-        k, v, mask = _unmasked_keys_first(k, v, mask)
+        k, v, mask, order = _unmasked_keys_first(k, v, mask)
         # HF's mask holds the causal rule; after reordering only the mask can state it.
-        heads = attention(q, k, v, causal=False, mask=mask, scale=layer.scale, backend=layer.backend,
-                          dropout_p=layer.dropout if self.training else 0.0, alibi_slopes=layer.alibi_slopes)
-        return layer.o_proj(merge_heads(heads))  # (B, S, E)
+        heads, weights = layer.attend(q, k, v, mask=mask, structure=Structure(), return_weights=want,
+                                      cached=cache is not None)
+        if weights is not None:  # back to the keys' own order
+            weights = torch.zeros_like(weights).scatter_(3, order[:, None, None, :].expand_as(weights), weights)
+        return layer.output(heads), weights  # (B, S, E)
 
 
 def _has_holes(mask: torch.Tensor) -> bool:
@@ -344,15 +346,16 @@ def _has_holes(mask: torch.Tensor) -> bool:
     return bool(((count > 0) & (count != last - first + 1)).any())
 
 
-def _unmasked_keys_first(k: torch.Tensor, v: torch.Tensor,
-                         mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _unmasked_keys_first(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reorder each row's keys (B, Hkv, Sk, D) and mask (B|1, 1|H, Sq, Sk): the keys the last
-    query may attend (under a causal mask, every unmasked key) first, in order, then the rest."""
+    query may attend (under a causal mask, every unmasked key) first, in order, then the rest.
+    Also returns the order (B, Sk): reordered key j is key ``order[b, j]``."""
     mask = mask.expand(k.shape[0], -1, -1, -1)  # (B, 1|H, Sq, Sk)
     order = torch.sort((~mask[:, 0, -1, :]).to(torch.int8), dim=-1, stable=True).indices  # (B, Sk)
     keys = order[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
     cols = order[:, None, None, :].expand(-1, mask.shape[1], mask.shape[2], -1)
-    return k.gather(2, keys), v.gather(2, keys), mask.gather(3, cols)
+    return k.gather(2, keys), v.gather(2, keys), mask.gather(3, cols), order
 
 
 # ---- CLIP / DistilBERT, OPT, BART / mBART / Whisper (issue #15 item 8) -------------------------------
@@ -366,14 +369,14 @@ class _ClipWrapper(PatchedAttention):
     """
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                **kwargs: Any) -> tuple[torch.Tensor, None]:
+                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         s = hidden_states.shape[1]
         if attention_mask is None and kwargs.get("is_causal") and not self.mh.causal and s > 1:
             attention_mask = torch.ones(s, s, dtype=torch.bool, device=hidden_states.device).tril()[None, None]
         elif kwargs.get("is_causal") is False and self.mh.causal:
             raise ValueError(f"is_causal=False given to a patched causal {type(self.original).__name__}: "
                              "not supported")
-        return self.attend(hidden_states, attention_mask, None, None, kwargs), None
+        return self.attend(hidden_states, attention_mask, None, None, kwargs)
 
 
 class _OptWrapper(PatchedAttention):
@@ -381,9 +384,9 @@ class _OptWrapper(PatchedAttention):
 
     def forward(self, hidden_states: torch.Tensor, cache: Any | None = None,
                 attention_mask: torch.Tensor | None = None, output_attentions: bool = False,
-                **kwargs: Any) -> tuple[torch.Tensor, None]:
+                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         cache = _hf_cache(cache, kwargs)
-        return self.attend(hidden_states, attention_mask, None, cache, kwargs), None
+        return self.attend(hidden_states, attention_mask, None, cache, kwargs, output_attentions)
 
 
 class _Seq2SeqWrapper(PatchedAttention):
@@ -399,46 +402,46 @@ class _Seq2SeqWrapper(PatchedAttention):
 
     def forward(self, hidden_states: torch.Tensor, key_value_states: torch.Tensor | None = None,
                 cache: Any | None = None, attention_mask: torch.Tensor | None = None,
-                **kwargs: Any) -> tuple[torch.Tensor, None]:
+                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         from transformers.cache_utils import EncoderDecoderCache
 
         cache = _hf_cache(cache, kwargs)
-        kwargs.pop("output_attentions", None)  # no weights from patched modules (see the module docstring)
+        output_attentions = kwargs.pop("output_attentions", None)
         if key_value_states is None:
             if isinstance(cache, EncoderDecoderCache):
                 cache = cache.self_attention_cache
-            return self.attend(hidden_states, attention_mask, None, cache, kwargs), None
+            return self.attend(hidden_states, attention_mask, None, cache, kwargs, output_attentions)
         if key_value_states.shape[0] != hidden_states.shape[0]:
             raise ValueError(f"key_value_states must have the batch size of hidden_states "
                              f"({hidden_states.shape[0]}), got shape {list(key_value_states.shape)}")
-        return self._cross(hidden_states, key_value_states, bool_mask(attention_mask), cache, kwargs), None
+        want = self.wants_weights(output_attentions, kwargs)
+        return self._cross(hidden_states, key_value_states, bool_mask(attention_mask), cache, kwargs, want)
 
     def _cross(self, x: torch.Tensor, context: torch.Tensor, mask: torch.Tensor | None, cache: Any,
-               kwargs: dict[str, Any]) -> torch.Tensor:
-        """x (B, S, E) attends to context (B, Sk, E); mask bool (B|1, 1, S, Sk) or None -> (B, S, E)."""
+               kwargs: dict[str, Any], want: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x (B, S, E) attends to context (B, Sk, E); mask bool (B|1, 1, S, Sk) or None
+        -> (y (B, S, E), weights (B, H, S, Sk) or None)."""
         from transformers.cache_utils import EncoderDecoderCache
 
         layer, idx = self.mh, self.layer_idx
         if cache is None:
-            return layer(x, context, mask=mask)
+            result = layer(x, context, mask=mask, return_weights=want)
+            return result if isinstance(result, tuple) else (result, None)
         if idx is None:
             raise ValueError(f"a patched {type(self.original).__name__} without layer_idx cannot use a cache")
         store, updated = cache, False
         if isinstance(cache, EncoderDecoderCache):
             store, updated = cache.cross_attention_cache, bool(cache.is_updated.get(idx))
+        # Once the encoder's keys and values are cached, no context token is projected again.
+        q, k, v = layer.split(*layer.project(x, context[:, :0] if updated else context))  # (B, H, S, D), ...
         if updated:  # the encoder's keys and values, projected at the first step
             k, v = store.layers[idx].keys, store.layers[idx].values  # (B, Hkv, Sk, D)
         else:
-            k = split_heads(layer.k_proj(context), layer.num_kv_heads)  # (B, Hkv, Sk, D)
-            v = split_heads(layer.v_proj(context), layer.num_kv_heads)
             k, v = store.update(k, v, idx, kwargs=kwargs)
             if isinstance(cache, EncoderDecoderCache):
                 cache.is_updated[idx] = True
-        q = split_heads(layer.q_proj(x), layer.num_heads)  # (B, H, S, D)
-        heads = attention(q, k, v, mask=mask, scale=layer.scale, dropout_p=layer.dropout if self.training else 0.0,
-                          backend=layer.backend)  # (B, H, S, D)
-        return layer.o_proj(merge_heads(heads))  # (B, S, E)
-
+        heads, weights = layer.attend(q, k, v, mask=mask, return_weights=want, cached=True)  # (B, H, S, D)
+        return layer.output(heads), weights  # (B, S, E)
 
 
 # ---- DeepSeek-V2/V3: multi-head latent attention (issue #15) ---------------------------------
@@ -473,8 +476,12 @@ class _LatentWrapper(PatchedAttention):
 
     def forward(self, hidden_states: torch.Tensor, *, position_embeddings: Any = None,
                 attention_mask: torch.Tensor | None = None, cache: Any | None = None,
-                **kwargs: Any) -> tuple[torch.Tensor, None]:
+                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         layer = self.latent
+        if self.wants_weights(None, kwargs):
+            raise ValueError(f"a patched {type(self.original).__name__} (multi-head latent attention) returns no "
+                             "attention weights: output_attentions and multihead.heads.capture are not supported "
+                             "for it")
         cache = _hf_cache(cache, kwargs)
         positions = _positions(hidden_states, kwargs.get("position_ids"), cache, self.layer_idx)
         q_nope, q_rot, entries = layer.project(hidden_states, positions)  # entries (B, S, r + dr)
@@ -485,13 +492,8 @@ class _LatentWrapper(PatchedAttention):
         latent, k_rot = cache.update(entries[:, None, :, :r], entries[:, None, :, r:], self.layer_idx,
                                      kwargs=kwargs)  # (B, 1, Sk, r), (B, 1, Sk, dr)
         held = torch.cat((latent, k_rot), dim=-1)[:, 0]  # (B, Sk, r + dr)
-        mask = bool_mask(attention_mask)
-        s, sk = hidden_states.shape[1], held.shape[1]
-        if mask is not None:
-            mask = mask[..., :sk]
-        elif 1 < s < sk:
-            held = held[:, :s]  # prefill of an empty static cache: the slots past S are unwritten
-        return layer.output(layer.attend_absorbed(q_nope, q_rot, held, mask)), None
+        mask, n = written_keys(bool_mask(attention_mask), hidden_states.shape[1], held.shape[1], True)
+        return layer.output(layer.attend_absorbed(q_nope, q_rot, held[:, :n], mask)), None
 # ---- end DeepSeek ------------------------------------------------------------------------------
 
 
@@ -503,7 +505,7 @@ _WRAPPERS = {"bert": _BertWrapper, "gpt2": _GPT2Wrapper, "llama": _LlamaWrapper,
 _ATTENTION_NAME = re.compile(r"Attention|Attn|SelfAttn", re.IGNORECASE)
 
 
-def _candidates(model: nn.Module, *, include_patched: bool = False) -> list[tuple[str, nn.Module]]:
+def attention_modules(model: nn.Module, *, include_patched: bool = False) -> list[tuple[str, nn.Module]]:
     """Top-most attention modules (supported or not; wrappers too if asked), in model order.
 
     A registered class is always a candidate; any other module whose class name says
@@ -544,7 +546,7 @@ def _wrap(module: nn.Module, overrides: dict[str, Any]) -> PatchedAttention:
                          "alone; patch the model that holds its parent attention module")
     if spec.layout == "latent":  # DeepSeek (issue #15)
         return _LatentWrapper(module, MultiHeadLatentAttention.from_hf(module, **overrides))
-    return _WRAPPERS[spec.call](module, interop.from_hf(module, **overrides))
+    return _WRAPPERS[spec.call](module, from_hf(module, **overrides))
 
 
 def patch(model: nn.Module, *, strict: bool = True, backend: str | None = None) -> nn.Module:
@@ -573,7 +575,7 @@ def patch(model: nn.Module, *, strict: bool = True, backend: str | None = None) 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     overrides = {} if backend is None else {"backend": backend}
-    candidates = _candidates(model)
+    candidates = attention_modules(model)
     if any(name == "" for name, _ in candidates):
         raise ValueError(f"model is itself an attention module ({type(model).__name__}): patch the model that "
                          "contains it, or convert it with multihead.MultiHeadAttention.from_hf")
@@ -598,7 +600,8 @@ def patch(model: nn.Module, *, strict: bool = True, backend: str | None = None) 
         warnings.warn(f"model {type(model).__name__} is already patched; nothing left to patch, "
                       "nothing changed", stacklevel=2)
     for name, wrapper in plan:  # only now, so that a failure above leaves the model untouched
-        _set_submodule(model, name, wrapper)
+        set_submodule(model, name, wrapper)
+        _record_like_the_original(model, name, wrapper)
     return model
 
 
@@ -619,7 +622,8 @@ def unpatch(model: nn.Module) -> nn.Module:
             # mode, dtype and device the model was moved to meanwhile.
             weight = module.mh.o_proj.weight  # every layer class has o_proj (latent ones may lack q_proj)
             original.to(device=weight.device, dtype=weight.dtype).train(module.training)
-            _set_submodule(model, name, original)
+            set_submodule(model, name, original)
+            _restore_recording(model, name, module)
     return model
 
 
@@ -628,7 +632,89 @@ def is_patched(model: nn.Module) -> bool:
     return any(isinstance(m, PatchedAttention) for m in model.modules())
 
 
-def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put ``module`` at the dotted ``name`` inside ``model`` (replacing what is there)."""
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, child, module)
+
+
+# ---- output_attentions: transformers 5 records weights with hooks on the attention classes ---------
+def _record_like_the_original(model: nn.Module, name: str, wrapper: PatchedAttention) -> None:
+    """Install on ``wrapper`` the recording hooks transformers would install on the module it
+    replaced (``_can_record_outputs`` of the nearest ``PreTrainedModel``: ``attentions`` and
+    ``cross_attentions`` at output index 1, matched by class or class name and layer name),
+    so ``output_attentions=True`` collects the wrapper's weights; ``wrapper.records`` names them."""
+    found = _recorded_parts(model, name, wrapper.original)
+    if not found:
+        return
+    from transformers.utils.output_capturing import install_output_capuring_hook
+
+    wrapper.records = tuple(dict.fromkeys(key for key, _, _ in found))
+    for key in wrapper.records:
+        install_output_capuring_hook(wrapper, key, 1)  # our wrapper returns (y, weights)
+    owner, _ = _owner_model(model, name)
+    wrapper.__dict__["_recorders_were_installed"] = bool(getattr(owner, "_output_capturing_hooks_installed", False))
+
+
+def _restore_recording(model: nn.Module, name: str, wrapper: PatchedAttention) -> None:
+    """After :func:`unpatch`: transformers installs its recording hooks once per model; if that
+    happened while patched, the original modules never got theirs: install them now."""
+    owner, _ = _owner_model(model, name)
+    if wrapper.__dict__.get("_recorders_were_installed", True) or not getattr(
+            owner, "_output_capturing_hooks_installed", False):
+        return
+    from transformers.utils.output_capturing import install_output_capuring_hook
+
+    for key, sub, index in _recorded_parts(model, name, wrapper.original):
+        install_output_capuring_hook(wrapper.original.get_submodule(sub), key, index)
+
+
+def _owner_model(model: nn.Module, name: str) -> tuple[nn.Module | None, str]:
+    """The nearest transformers ``PreTrainedModel`` holding the module at ``name`` (its recording
+    rules apply there), and the dotted name of the module relative to the top model."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return None, name
+    owner = None
+    parts = name.split(".")
+    for depth in range(len(parts)):
+        candidate = model.get_submodule(".".join(parts[:depth])) if depth else model
+        if isinstance(candidate, PreTrainedModel):
+            owner = candidate
+    return owner, name
+
+
+def _recorded_parts(model: nn.Module, name: str, original: nn.Module) -> list[tuple[str, str, int]]:
+    """(key, submodule name inside ``original``, output index) for each weights recorder of the
+    owner model that matches ``original`` or one of its submodules (BERT records ``.self``)."""
+    owner, _ = _owner_model(model, name)
+    rules = getattr(type(owner), "_can_record_outputs", None) if owner is not None else None
+    if not rules:
+        return []
+    found = []
+    for key, entries in rules.items():
+        if "hidden_states" in key:
+            continue  # the layers' outputs, never an attention module's weights
+        for entry in entries if isinstance(entries, list) else [entries]:
+            target, index, layer_name, class_name = _recorder_fields(entry)
+            for sub, module in original.named_modules():
+                module_name = f".{name}" + (f".{sub}" if sub else "")
+                if (((target is not None and isinstance(module, target))
+                     or (class_name is not None and module_name.endswith(class_name)))
+                        and (layer_name is None or f".{layer_name.strip('.')}." in module_name + ".")):
+                    found.append((key, sub, index))
+                    break
+    return found
+
+
+def _recorder_fields(entry: Any) -> tuple[type | None, int, str | None, str | None]:
+    """(target class, output index, layer name, class name) of one ``_can_record_outputs`` entry:
+    an ``OutputRecorder``, a class, or a class name (transformers' own reading of them)."""
+    if isinstance(entry, str):
+        return None, 1, None, entry
+    if isinstance(entry, type):
+        return entry, 1, None, None
+    return (getattr(entry, "target_class", None), int(getattr(entry, "index", 1)), getattr(entry, "layer_name", None),
+            getattr(entry, "class_name", None))

@@ -119,6 +119,11 @@ class ContextParallelAttention(nn.Module):
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if layer.kdim != layer.embed_dim:
             raise ValueError("context_parallel runs self-attention; the layer attends to a context (kdim != embed_dim)")
+        features = [name for name, value in (("softcap", layer.softcap), ("alibi", layer.alibi_slopes),
+                                             ("sinks", layer.sinks)) if value is not None]
+        if features:
+            raise ValueError(f"context_parallel does not run the layer's {', '.join(features)}: the ring, Ulysses "
+                             "and sharded-cache attention compute plain softmax(QKᵀ)V")
         self.layer = layer
         self.group = resolve_group(group)
         self.world_size, self.rank = world_and_rank(self.group)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .. import hf, interop
-from ..interop.hf_patch import _candidates
+from ..interop.hf_patch import attention_modules
 from .trace import trace
 
 __all__ = ["bundled_model_dir", "load_model", "load_tokenizer", "run_model", "mean_pool", "explain_config",
@@ -187,7 +187,7 @@ def _time_layers(model: nn.Module, inputs: dict[str, Any], wrappers: dict[str, h
     wrappers again), so that the machine's drift between minutes falls on both alike; medians.
 
     ``wrappers``: the patched modules by name; they are in place again after."""
-    from ..interop.hf_patch import _set_submodule
+    from ..interop.hf_patch import set_submodule
 
     sides = {"hf": {name: w.original for name, w in wrappers.items()}, "multihead": dict(wrappers)}
     timers = {side: _Timer(list(modules.values())) for side, modules in sides.items()}
@@ -196,11 +196,11 @@ def _time_layers(model: nn.Module, inputs: dict[str, Any], wrappers: dict[str, h
             for _ in range(TIMED_RUNS + 1):  # the first round warms both up and is not counted
                 for modules in sides.values():
                     for name, module in modules.items():
-                        _set_submodule(model, name, module)
+                        set_submodule(model, name, module)
                     model(**inputs)
     finally:
         for name, wrapper in wrappers.items():
-            _set_submodule(model, name, wrapper)
+            set_submodule(model, name, wrapper)
         for timer in timers.values():
             timer.remove()
     hf_ms, mh_ms = ([s * 1e3 for s in timers[side].seconds(skip=1)] for side in sides)
@@ -208,7 +208,7 @@ def _time_layers(model: nn.Module, inputs: dict[str, Any], wrappers: dict[str, h
 
 
 def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(n, m) for n, m in _candidates(model, include_patched=True)
+    return [(n, m) for n, m in attention_modules(model, include_patched=True)
             if interop.hf_family(m) is not None or isinstance(m, hf.PatchedAttention)]
 
 
