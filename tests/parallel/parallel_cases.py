@@ -434,6 +434,11 @@ def refusal_cases(rank: int, p: int) -> dict[str, Any]:
     good = torch.randn(1, 2, 3, D, dtype=F64)
     km = torch.ones(1, 3, dtype=torch.bool if rank != 1 else torch.float32)  # rank 1: a float mask
     res["refuse/local"] = refusal(lambda: mp_.ring_attention(good, good, good, key_mask=km))
+    watched = make_layer(4, 2, causal=True)
+    cp = mp_.context_parallel(watched)
+    xs = mp_.shard_sequence(torch.randn(1, 4 * p, E, dtype=F64))
+    with mh.heads.capture(cp):  # its attention runs across ranks, outside the layer's attend step
+        res["refuse/capture_context_parallel"] = refusal(lambda: cp(xs))
     alive = torch.ones(1)
     dist.all_reduce(alive)
     res["alive_after_refusals"] = float(alive)

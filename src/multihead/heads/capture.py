@@ -251,8 +251,9 @@ class _Recorder:
         """Store the call's records (the steps always report Q_k, K_k, V_k and head_k)."""
         seen, cap, name = self.seen, self.cap, self.name
         info = cap.info[name]
-        if "weights" in cap.what and "weights" not in seen:
-            raise ValueError(f"layer {name!r} computed no attention weights on this path: nothing to capture")
+        if "head_k" not in seen or ("weights" in cap.what and "weights" not in seen):
+            raise ValueError(f"layer {name!r} ran without its attend step reporting (heads and weights) on this "
+                             "path: nothing to capture")
         q = seen.get("Q_rot", seen["Q_k"])
         k = seen.get("K_cache", seen.get("K_rot", seen["K_k"]))
         v = seen.get("V_cache", seen["V_k"])

@@ -160,6 +160,10 @@ class ContextParallelAttention(nn.Module):
         if layer.training and layer.dropout > 0:
             raise ValueError("context_parallel does not run attention dropout: call layer.eval() or set "
                              "layer.dropout = 0")
+        if layer.watch is not None:
+            raise ValueError("multihead.heads.capture and multihead.trace do not record a context-parallel layer "
+                             "(its attention runs across ranks, outside the layer's attend step); capture the "
+                             "layer itself on one process")
         if cache is not None and cache.length > 0:
             return self._decode(x, cache)
         if self.world_size == 1 and cache is None:
