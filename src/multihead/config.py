@@ -1,4 +1,4 @@
-"""The sizes of one attention layer, and how to read them from a Hugging Face config.json.
+"""The sizes of one attention layer (and of the L layers of a model).
 
 Notation: E embed_dim (``hidden_size``), H query heads, Hkv key/value heads, D head_dim,
 L layers, S tokens.
@@ -9,13 +9,15 @@ H·D equals E in the seed (``d_head = d / h``); Gemma and Qwen3 set D explicitly
 H·D may differ from E. Query head i reads key/value head ``i // (H // Hkv)``:
 Hkv = H is MHA, Hkv = 1 is MQA, anything in between is GQA.
 
-:meth:`AttentionConfig.from_hf` reads the model families in ``ENCODERS`` and
-``DECODERS`` and refuses every other model type by name (the legacy ``is_decoder`` /
-``is_encoder_decoder`` flags do not decide causality: transformers wrote
-``is_decoder=false`` for causal models too). Where layers differ (Gemma 2/3 alternate
-sliding-window and full-attention layers; OpenELM and Swin vary the heads), ``layers``
-holds one :class:`LayerAttention` per layer and the top-level fields describe the typical
-(full-attention, widest) layer for callers that read one layer.
+Where layers differ (Gemma 2/3 alternate sliding-window and full-attention layers; OpenELM
+and Swin vary the heads), ``layers`` holds one :class:`LayerAttention` per layer and the
+top-level fields describe the typical (full-attention, widest) layer for callers that read
+one layer.
+
+This module knows no file format: :meth:`AttentionConfig.from_hf` is a convenience over
+:func:`multihead.interop.hf_layers.read`, where the Hugging Face facts (which model types,
+which keys) live. :func:`check_overrides` is the one rule for the keyword overrides a
+layer built from a config or converted from a module accepts.
 """
 
 from __future__ import annotations
@@ -24,47 +26,21 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 from ._checks import MAX_DIM, check_int
 from .rope_scaling import RopeScaling
 
-__all__ = ["AttentionConfig", "LayerAttention", "ENCODERS", "DECODERS"]
+__all__ = ["AttentionConfig", "LayerAttention", "OVERRIDABLE", "check_overrides", "check_positive_float"]
 
 MAX_LAYERS = 10_000
 MAX_POSITIONS = 1 << 30
 # Projection weights of one layer; Llama-3.1-405B has 5.7e8, so 4.3e9 is never real.
 MAX_LAYER_PARAMS = 1 << 32
-MAX_CONFIG_BYTES = 64 << 20
 
-# Bidirectional self-attention (causal=False); absolute or relative positions, no RoPE.
-ENCODERS = frozenset({"bert", "roberta", "distilbert", "albert", "electra", "xlm-roberta",
-                      "vit", "deit", "clip_vision_model", "mpnet"})
-# Causal self-attention. Values: (q/k/v bias, o bias, RoPE) when the file is silent.
-DECODERS: Mapping[str, tuple[bool, bool, bool]] = {
-    "gpt2": (True, True, False), "opt": (True, True, False),
-    "gpt_neox": (True, True, True), "gptj": (False, False, True), "phi": (True, True, True),
-    "falcon": (False, False, True), "stablelm": (False, False, True),
-    "llama": (False, False, True), "mistral": (False, False, True), "mixtral": (False, False, True),
-    "qwen2": (True, False, True), "qwen2_moe": (True, False, True),
-    "qwen3": (False, False, True), "qwen3_moe": (False, False, True),
-    "gemma": (False, False, True), "gemma2": (False, False, True), "gemma3_text": (False, False, True),
-    "phi3": (False, False, True), "olmo": (False, False, True), "olmo2": (False, False, True),
-    "starcoder2": (True, True, True),
-    "bloom": (True, True, False), "gpt_oss": (True, True, True),
-}
-# GPT-J pairs coordinates (2p, 2p+1) like Meta's original checkpoints; HF Llama rotates halves.
-INTERLEAVED_ROPE = frozenset({"gptj"})
-
-_KEYS_WIDTH = ("hidden_size", "n_embd", "d_model")
-_KEYS_HEADS = ("num_attention_heads", "n_head", "num_heads")
-_KEYS_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv")
-_KEYS_HEAD_DIM = ("head_dim", "d_kv")
-_KEYS_LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
-_KEYS_POSITIONS = ("max_position_embeddings", "n_positions")
-_KEYS_QKV_BIAS = ("qkv_bias", "use_qkv_bias")  # q/k/v only
-_KEYS_ALL_BIAS = ("attention_bias", "bias", "enable_bias")  # q/k/v and o
+#: Keyword overrides a layer built from a config, or converted from a module, accepts: settings,
+#: never sizes (the config or the weights fix those).
+OVERRIDABLE = frozenset({"causal", "dropout", "scale", "window", "backend", "rope"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,7 +77,7 @@ class LayerAttention:
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), maximum=MAX_POSITIONS)
         if self.rope_base is not None:
-            _check_positive_float("rope_base", self.rope_base)
+            check_positive_float("rope_base", self.rope_base)
         if isinstance(self.rope_scaling, Mapping):
             object.__setattr__(self, "rope_scaling", _scaling_from_dict(self.rope_scaling))
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
@@ -210,7 +186,7 @@ class AttentionConfig:
         if self.o_bias is not None:
             _check_bool("o_bias", self.o_bias)
         if self.rope_base is not None:
-            _check_positive_float("rope_base", self.rope_base)
+            check_positive_float("rope_base", self.rope_base)
         elif self.rope_interleaved or self.rotary_dim is not None:
             given = "rope_interleaved=True" if self.rope_interleaved else f"rotary_dim={self.rotary_dim}"
             raise ValueError(f"{given} needs rope_base (RoPE on), got rope_base=None")
@@ -222,7 +198,7 @@ class AttentionConfig:
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), maximum=MAX_POSITIONS)
         if self.scale is not None:
-            _check_positive_float("scale", self.scale)
+            check_positive_float("scale", self.scale)
         if self.model_type is not None and not isinstance(self.model_type, str):
             raise TypeError(f"model_type must be a str or None, got {type(self.model_type).__name__}")
         if self.layer_num_heads is not None:
@@ -239,7 +215,7 @@ class AttentionConfig:
         if self.qk_norm not in (None, "head", "proj"):
             raise ValueError(f"qk_norm must be 'head', 'proj' or None, got {self.qk_norm!r}")
         if self.softcap is not None:
-            _check_positive_float("softcap", self.softcap)
+            check_positive_float("softcap", self.softcap)
         for name in ("alibi", "sinks"):
             _check_bool(name, getattr(self, name))
         if self.alibi and self.rope_base is not None:
@@ -371,7 +347,9 @@ class AttentionConfig:
         unless ``use_sliding_window`` is false. Multimodal files are read from ``text_config``.
         Falcon's KV heads follow ``FalconConfig`` (``num_kv_heads`` counts only without
         ``multi_query``); ALiBi, Falcon's new decoder architecture and ALBERT's shared
-        layers are refused. Unknown model types are refused.
+        layers are refused. Model types outside :data:`~multihead.interop.hf_config.ENCODERS`,
+        :data:`~multihead.interop.hf_config.DECODERS` and :data:`~multihead.interop.hf_layers.SPECIAL`
+        are refused by name.
 
         Raises:
             ValueError: unreadable, truncated or non-JSON file, a missing file, a top level
@@ -379,24 +357,46 @@ class AttentionConfig:
                 the message names the file and the field.
             TypeError: ``source`` of the wrong type, or a field of the wrong type.
         """
-        from .interop import hf_config  # the one reader of Hugging Face config facts
+        # The one import of this module that goes up: the reader builds AttentionConfigs, so it
+        # imports this module; this method is a convenience over it (tests/core/test_imports.py).
+        from .interop.hf_layers import read
 
-        if isinstance(source, Mapping):
-            return hf_config.parse(source, "config")
-        if isinstance(source, (str, os.PathLike)):
-            path = Path(source)
-            return hf_config.parse(hf_config.read_json(path / "config.json" if path.is_dir() else path), str(path))
-        raise TypeError(f"source must be a dict, a path to config.json or a folder, got {type(source).__name__}")
-
+        return read(source)
 
 def _check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
 
-def _check_positive_float(name: str, value: object) -> float:
+def check_positive_float(name: str, value: object) -> float:
+    """``float(value)`` for a finite number > 0 (not a bool).
+
+    Raises:
+        TypeError: ``value`` is not a number, naming ``name``.
+        ValueError: ``value`` is not finite or not > 0, naming ``name``.
+    """
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be a finite number > 0, got {value}")
     return float(value)
+
+
+def check_overrides(defaults: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``defaults`` updated by ``overrides``, whose keys must be in :data:`OVERRIDABLE`.
+
+    Args:
+        defaults: the settings read from a config or a module (``causal``, ``scale``, ...).
+        overrides: what the caller asked for instead.
+
+    Returns:
+        a new dict: ``{**defaults, **overrides}``.
+
+    Raises:
+        ValueError: a key of ``overrides`` that is not a setting, listing the allowed ones.
+    """
+    unknown = sorted(set(overrides) - OVERRIDABLE)
+    if unknown:
+        raise ValueError(f"overrides may only set {sorted(OVERRIDABLE)} (sizes come from the weights), "
+                         f"got {unknown}")
+    return {**defaults, **overrides}

@@ -18,13 +18,19 @@ weights (what Hugging Face's Llama conversion script does). With a partial rotar
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
 from ._checks import check_float, check_int, check_tensor
 from .rope_scaling import RopeScaling, rope_frequencies
 
-__all__ = ["RoPE", "interleaved_to_half", "half_to_interleaved"]
+__all__ = ["RoPE", "ROPE_TABLE_POSITIONS", "interleaved_to_half", "half_to_interleaved"]
+
+#: The longest cos/sin table :meth:`RoPE.from_facts` precomputes; later positions are computed
+#: on the fly (same formula, same numbers), so a 128k-token model does not hold 128k rows per layer.
+ROPE_TABLE_POSITIONS = 8192
 
 
 class RoPE(nn.Module):
@@ -81,6 +87,40 @@ class RoPE(nn.Module):
         angles = torch.arange(self.max_positions, dtype=torch.float32)[:, None] * inv_freq  # (P, R/2)
         self.register_buffer("cos", self._scaled(angles.cos()), persistent=False)  # (P, R/2)
         self.register_buffer("sin", self._scaled(angles.sin()), persistent=False)  # (P, R/2)
+
+    @classmethod
+    def from_facts(
+        cls,
+        head_dim: int,
+        base: float,
+        *,
+        interleaved: bool = False,
+        rotary_dim: int | None = None,
+        max_positions: int | None = None,
+        scaling: RopeScaling | None = None,
+    ) -> RoPE:
+        """The RoPE a model's facts describe (a config, a converted module), its table sized by rule.
+
+        The one rule for the table length: ``min(max_positions or ROPE_TABLE_POSITIONS,
+        ROPE_TABLE_POSITIONS)`` rows, i.e. the trained context length, capped at
+        :data:`ROPE_TABLE_POSITIONS`; positions past the table give the same numbers.
+
+        Args:
+            head_dim: D.
+            base: the frequency base (``rope_theta``).
+            interleaved: pairing; False = rotate-half (HF), True = interleaved (Meta/GPT-J).
+            rotary_dim: R (default all of D).
+            max_positions: the model's trained context length, or None when it is not known.
+            scaling: a :class:`~multihead.rope_scaling.RopeScaling`, or None for plain RoPE.
+
+        Raises:
+            ValueError, TypeError: as :class:`RoPE`, and ``max_positions`` not an int >= 1.
+        """
+        if max_positions is not None:
+            check_int("max_positions", max_positions, maximum=sys.maxsize)
+        positions = min(max_positions or ROPE_TABLE_POSITIONS, ROPE_TABLE_POSITIONS)
+        return cls(head_dim, base, interleaved=interleaved, rotary_dim=rotary_dim, max_positions=positions,
+                   scaling=scaling)
 
     def _scaled(self, t: torch.Tensor) -> torch.Tensor:
         """cos or sin times the attention factor (yarn, longrope), as transformers applies it."""

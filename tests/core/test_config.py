@@ -299,3 +299,20 @@ def test_bad_configs_raise_errors_naming_the_field(tmp_path, changes, error, mes
     path.write_text(json.dumps(raw))
     with pytest.raises(error, match=re.escape(str(path))):
         AttentionConfig.from_hf(path)
+
+
+def test_check_overrides_lets_the_settings_replace_the_defaults():
+    from multihead.config import OVERRIDABLE, check_overrides
+
+    defaults = {"causal": True, "scale": None, "window": 8}
+    got = check_overrides(defaults, {"window": None, "backend": "sdpa"})
+    assert got == {"causal": True, "scale": None, "window": None, "backend": "sdpa"}
+    assert defaults == {"causal": True, "scale": None, "window": 8}  # a new dict: the defaults are kept
+    assert OVERRIDABLE == {"causal", "dropout", "scale", "window", "backend", "rope"}
+
+
+def test_check_overrides_refuses_sizes_listing_what_may_be_set():
+    from multihead.config import check_overrides
+
+    with pytest.raises(ValueError, match=r"may only set \['backend', 'causal'.*got \['head_dim', 'num_heads'\]"):
+        check_overrides({"causal": True}, {"num_heads": 4, "head_dim": 8, "causal": False})

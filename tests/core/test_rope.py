@@ -202,3 +202,25 @@ def test_tables_stay_float32_when_the_layer_changes_dtype() -> None:
     assert layer.rope.cos.dtype == torch.float32 and layer.rope.inv_freq.dtype == torch.float32
     torch.testing.assert_close(layer.rope.cos, mh.RoPE(8).cos, atol=0, rtol=0)
     assert layer(torch.randn(1, 5, 32, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(("max_positions", "rows"), [(None, mh.rope.ROPE_TABLE_POSITIONS), (100, 100),
+                                                     (mh.rope.ROPE_TABLE_POSITIONS, mh.rope.ROPE_TABLE_POSITIONS),
+                                                     (131_072, mh.rope.ROPE_TABLE_POSITIONS)],
+                         ids=["unknown", "short", "at the cap", "past the cap"])
+def test_from_facts_sizes_the_table_by_the_context_length_capped(max_positions: int | None, rows: int) -> None:
+    """min(max_positions or ROPE_TABLE_POSITIONS, ROPE_TABLE_POSITIONS) rows: the one rule."""
+    scaling = mh.RopeScaling(rope_type="linear", factor=2.0)
+    rope = mh.RoPE.from_facts(16, 500.0, interleaved=True, rotary_dim=8, max_positions=max_positions, scaling=scaling)
+    want = mh.RoPE(16, 500.0, interleaved=True, rotary_dim=8, max_positions=rows, scaling=scaling)
+    assert (rope.max_positions, rope.cos.shape) == (rows, (rows, 4))
+    assert (rope.interleaved, rope.rotary_dim, rope.base, rope.scaling) == (True, 8, 500.0, scaling)
+    assert torch.equal(rope.cos, want.cos) and torch.equal(rope.sin, want.sin)
+
+
+@pytest.mark.parametrize(("max_positions", "error"), [(0, ValueError), (-5, ValueError), (True, TypeError),
+                                                      (8.0, TypeError)])
+def test_from_facts_refuses_a_context_length_that_is_not_a_positive_int(max_positions: object,
+                                                                        error: type[Exception]) -> None:
+    with pytest.raises(error, match="max_positions"):
+        mh.RoPE.from_facts(16, 10_000.0, max_positions=max_positions)  # type: ignore[arg-type]

@@ -23,7 +23,7 @@ from transformers import AutoModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
 
 import multihead as mh
-from multihead.config import DECODERS, ENCODERS
+from multihead.interop.hf_config import DECODERS, ENCODERS
 
 from test_zoo import tiny_config  # same folder (pytest puts it on sys.path)
 

@@ -26,6 +26,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 
 import multihead as mh
 from multihead import interop
+from multihead.interop import hf_config
 
 E, H, HKV, B, S = 64, 4, 2, 2, 7
 ATOL64 = 1e-10
@@ -278,6 +279,38 @@ def test_from_config_honours_per_layer_heads() -> None:
     assert interop.from_config(config, layer=1).num_heads == 8
     with pytest.raises(TypeError, match="AttentionConfig"):
         interop.from_config({"embed_dim": 64})
+
+
+@pytest.mark.parametrize("positions", [64, 100_000], ids=["short", "past the cap"])
+def test_rope_table_length_is_one_rule_for_converted_and_built_layers(positions: int) -> None:
+    config = LlamaConfig(hidden_size=E, num_attention_heads=H, max_position_embeddings=positions, **SMALL)
+    converted = interop.from_hf(LlamaAttention(config, layer_idx=0)).rope
+    built = mh.MultiHeadAttention.from_config(mh.AttentionConfig.from_hf(config.to_dict())).rope
+    assert converted.max_positions == built.max_positions == min(positions, mh.rope.ROPE_TABLE_POSITIONS)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_theta": 500000.0},
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 250000.0, "partial_rotary_factor": 0.5}},
+    {"rotary_emb_base": 20000.0, "rotary_pct": 0.25},  # GPT-NeoX's older names
+    {"rope_theta": 1e6, "partial_rotary_factor": 0.5},
+    {},  # silent: the default base, every dim rotated
+], ids=["theta", "rope_parameters", "older names", "partial", "silent"])
+def test_config_reader_and_converters_read_rope_by_one_rule(rope: dict) -> None:
+    """AttentionConfig.from_hf (a whole file) and the converters (one module's config) agree on θ and R."""
+    cfg = {"model_type": "gpt_neox", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1, **rope}
+    config = mh.AttentionConfig.from_hf(cfg)
+    base, scaling, factor = hf_config.module_rope(cfg, None, "c", partial=True)
+    assert (base, int(config.head_dim * factor), scaling) == (config.rope_base, config.effective_rotary_dim, None)
+
+
+def test_config_reader_and_converters_refuse_the_same_contradiction() -> None:
+    cfg = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "rope_theta": 500000.0}
+    with pytest.raises(ValueError, match="contradict"):
+        mh.AttentionConfig.from_hf(cfg)
+    with pytest.raises(ValueError, match="contradict"):
+        interop.from_hf(LlamaAttention(LlamaConfig(hidden_size=E, num_attention_heads=H, **SMALL), layer_idx=0), cfg)
 
 
 # ---- checkpoint files -----------------------------------------------------------------------------

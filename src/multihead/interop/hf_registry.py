@@ -17,7 +17,7 @@ is never imported here):
   without W_o; ``"gpt2"``: fused transposed Conv1D ``c_attn`` + ``c_proj``; ``"phi3"``: fused
   ``qkv_proj`` rows [q | k | v] + ``o_proj``; ``"qkv-grouped"``: fused ``query_key_value``
   whose rows are groups of [q_1 .. q_g | k | v] heads, + ``dense``: GPT-NeoX, BLOOM and Falcon,
-  grouping in :func:`multihead.interop.hf_weights.qkv_groups`; ``"out_proj"``: q/k/v_proj +
+  grouping in :func:`qkv_groups`; ``"out_proj"``: q/k/v_proj +
   ``out_proj`` nn.Linear, CLIP, SigLIP, OPT, BART (and its copies), mBART, Whisper, where a projection may lack its
   bias, Whisper's k_proj; ``"distilbert"``: ``q_lin/k_lin/v_lin/out_lin``; ``"latent"``:
   DeepSeek's multi-head latent attention, converted to
@@ -178,6 +178,57 @@ def _check_gpt_neox(module: Any, config: Any) -> None:
                          "rotary_ndims is supported")
 
 
+# ---- the fused query_key_value layout (GPT-NeoX, Falcon, BLOOM) ----------------------------------------
+def qkv_groups(module: Any) -> tuple[int, int, int]:
+    """(G, g, D): ``module.query_key_value``'s rows are G groups of [q_1 .. q_g | k | v], D rows a head.
+
+    As each class's forward splits them: GPT-NeoX (``view(..., H, 3·D)``, chunk) and BLOOM
+    (``view(..., H, 3, D)``) are (H, 1, D); Falcon is (Hkv, H / Hkv, D) with
+    ``new_decoder_architecture``, (1, H, D) with ``multi_query`` (one K/V head), (H, 1, D)
+    otherwise. Query head ``i·g + r`` reads K/V head ``i``: our GQA grouping.
+
+    Raises:
+        ValueError, TypeError: a Falcon variant transformers cannot run (``num_kv_heads`` that
+            does not divide the heads, or differs from them without the new architecture), or a
+            fused weight of another height, naming the attribute.
+    """
+    name = type(module).__name__
+    if name == "FalconAttention":
+        heads, head_dim = module.num_heads, module.head_dim
+        groups, per = _falcon_groups(module, heads)
+    elif name == "GPTNeoXAttention":
+        heads, head_dim = module.config.num_attention_heads, module.head_size
+        groups, per = heads, 1
+    else:  # BloomAttention
+        heads, head_dim = module.num_heads, module.head_dim
+        groups, per = heads, 1
+    rows = module.query_key_value.weight.shape[0]
+    if rows != groups * (per + 2) * head_dim:
+        raise ValueError(f"{name}.query_key_value has {rows} rows; its layout needs {groups} groups of "
+                         f"({per} + 2) heads of {head_dim} = {groups * (per + 2) * head_dim}")
+    return groups, per, head_dim
+
+
+def _falcon_groups(module: Any, heads: int) -> tuple[int, int]:
+    new, multi_query, kv = module.new_decoder_architecture, module.multi_query, module.num_kv_heads
+    for key, value in (("new_decoder_architecture", new), ("multi_query", multi_query)):
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"{key} must be true or false, got {type(value).__name__} {value!r}")
+    if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1:
+        raise TypeError(f"num_kv_heads must be an int >= 1, got {type(kv).__name__} {kv!r}")
+    if new:
+        if heads % kv:
+            raise ValueError(f"num_kv_heads={kv} must divide num_attention_heads={heads} "
+                             "(new_decoder_architecture groups the heads by K/V head)")
+        return kv, heads // kv
+    if multi_query:
+        return 1, heads
+    if kv != heads:  # FalconAttention.forward reshapes K/V of H heads into num_kv_heads heads: it fails
+        raise ValueError(f"num_kv_heads={kv} with multi_query=False and new_decoder_architecture=False: "
+                         f"transformers' FalconAttention only runs num_kv_heads=num_attention_heads={heads}")
+    return heads, 1
+
+
 def _check_falcon(module: Any, config: Any) -> None:
     """Falcon: RoPE only (``alibi`` must be false); the fused layout must be one HF can run."""
     if hf_config.module_flag(config, "alibi", "FalconAttention config"):
@@ -185,8 +236,6 @@ def _check_falcon(module: Any, config: Any) -> None:
         # twice (in the scores and again in the mask): eager and sdpa disagree, nothing to imitate.
         raise ValueError("config.alibi=True is not supported: transformers' Falcon ALiBi rounds slope * position "
                          "to bfloat16 and its eager attention adds the bias twice (eager and sdpa disagree)")
-    from .hf_weights import qkv_groups  # the layout's reader (imported here: hf_weights imports us)
-
     qkv_groups(module)  # raises on a variant transformers cannot run
 
 

@@ -13,7 +13,8 @@ by :mod:`multihead.interop.hf_config`. The weight layouts:
 * q_proj classes (Llama, Mistral, Qwen2, ViT, Cohere, ...): ``q_proj/k_proj/v_proj/o_proj``
   nn.Linear, our names and layout; RoPE as each class's registry entry says.
 * fused ``query_key_value`` classes (GPT-NeoX, Falcon, BLOOM: layout ``"qkv-grouped"``): the
-  rows are G groups of [q_1 .. q_g | k | v] heads of D rows each (:func:`qkv_groups`); W_o is
+  rows are G groups of [q_1 .. q_g | k | v] heads of D rows each
+  (:func:`multihead.interop.hf_registry.qkv_groups`); W_o is
   ``dense``.
 * out_proj classes (CLIP, OPT, BART, mBART, Whisper): ``q_proj/k_proj/v_proj/out_proj``,
   our layout with W_o under another name; Whisper's k_proj has no bias (nor has ours then).
@@ -31,18 +32,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config import check_overrides
 from ..module import MultiHeadAttention
-from .checkpoint import load_state
-from ..rope import RoPE
+from ..rope import ROPE_TABLE_POSITIONS, RoPE  # noqa: F401  (ROPE_TABLE_POSITIONS: see _settings)
 from . import hf_config, hf_registry
+from .checkpoint import load_state
 
-__all__ = ["from_hf", "to_hf", "hf_family", "state_from_hf", "state_to_hf", "qkv_groups", "OVERRIDABLE",
-           "ROPE_TABLE_POSITIONS"]
+__all__ = ["from_hf", "to_hf", "hf_family", "state_from_hf", "state_to_hf"]
 
-#: RoPE tables are precomputed up to this many positions; later ones are computed on the fly.
-ROPE_TABLE_POSITIONS = 8192
-#: Keyword overrides a converter accepts: settings, never sizes (the weights fix those).
-OVERRIDABLE = frozenset({"causal", "dropout", "scale", "window", "backend", "rope"})
+# Former homes: MultiHeadAttention.from_config (module.py) imports ROPE_TABLE_POSITIONS and
+# _settings from here until it switches to rope.RoPE.from_facts and config.check_overrides;
+# delete both then (tests/core/test_imports.py lists that import until it goes).
+_settings = check_overrides
 
 
 @dataclass(frozen=True)
@@ -212,7 +213,7 @@ def from_hf(module: nn.Module, config: Any | None = None, **overrides: Any) -> M
     is the identity, without bias), GPT2Attention (fused Conv1D, transposed), and the
     q_proj/k_proj/v_proj/o_proj classes (Llama, Mistral, Qwen2, ViT without RoPE, Cohere
     with interleaved RoPE, ...), the fused ``query_key_value`` classes (GPT-NeoX with
-    partial RoPE, Falcon with RoPE, BLOOM with ALiBi; see :func:`qkv_groups`), the out_proj
+    partial RoPE, Falcon with RoPE, BLOOM with ALiBi; see :func:`hf_registry.qkv_groups`), the out_proj
     classes (CLIP, OPT, BART, mBART, Whisper: their self- and cross-attention alike, a
     cross-attention layer being called with ``context``) and DistilBERT's. Heads, KV heads
     (GQA), bias, causal (``is_causal``), the logit scale (``scaling``), the window where the
@@ -247,7 +248,7 @@ def from_hf(module: nn.Module, config: Any | None = None, **overrides: Any) -> M
     layer = MultiHeadAttention(
         w.shape[1], w.shape[0] // head_dim, num_kv_heads=state["k_proj.weight"].shape[0] // head_dim,
         head_dim=head_dim, bias="q_proj.bias" in state, o_bias=sizes.pop("o_bias", "o_proj.bias" in state),
-        **_settings(settings, overrides), device=w.device, dtype=w.dtype,
+        **check_overrides(settings, overrides), device=w.device, dtype=w.dtype,
     )
     if "q_proj.bias" in state and "k_proj.bias" not in state:
         layer.k_proj.register_parameter("bias", None)  # Whisper: q/v/out_proj have biases, k_proj none
@@ -308,65 +309,14 @@ def _rope(module: Any, config: Any, spec: hf_registry.AttentionSpec) -> RoPE | N
     src = f"{spec.name} config"
     base, scaling, factor = hf_config.module_rope(config, getattr(module, "layer_type", None), src,
                                                   partial=spec.partial_rotary)
-    positions = hf_config.module_max_positions(config) or ROPE_TABLE_POSITIONS
     head_dim = int(module.head_dim)
-    return RoPE(head_dim, base, interleaved=spec.rope == "interleaved", rotary_dim=int(head_dim * factor),
-                max_positions=min(int(positions), ROPE_TABLE_POSITIONS), scaling=scaling)
+    return RoPE.from_facts(head_dim, base, interleaved=spec.rope == "interleaved", rotary_dim=int(head_dim * factor),
+                           max_positions=hf_config.module_max_positions(config), scaling=scaling)
 
 
 # ---- fused query_key_value: GPT-NeoX (Pythia), Falcon, BLOOM -----------------------------------------
-def qkv_groups(module: Any) -> tuple[int, int, int]:
-    """(G, g, D): ``module.query_key_value``'s rows are G groups of [q_1 .. q_g | k | v], D rows a head.
-
-    As each class's forward splits them: GPT-NeoX (``view(..., H, 3·D)``, chunk) and BLOOM
-    (``view(..., H, 3, D)``) are (H, 1, D); Falcon is (Hkv, H / Hkv, D) with
-    ``new_decoder_architecture``, (1, H, D) with ``multi_query`` (one K/V head), (H, 1, D)
-    otherwise. Query head ``i·g + r`` reads K/V head ``i``: our GQA grouping.
-
-    Raises:
-        ValueError, TypeError: a Falcon variant transformers cannot run (``num_kv_heads`` that
-            does not divide the heads, or differs from them without the new architecture), or a
-            fused weight of another height, naming the attribute.
-    """
-    name = type(module).__name__
-    if name == "FalconAttention":
-        heads, head_dim = module.num_heads, module.head_dim
-        groups, per = _falcon_groups(module, heads)
-    elif name == "GPTNeoXAttention":
-        heads, head_dim = module.config.num_attention_heads, module.head_size
-        groups, per = heads, 1
-    else:  # BloomAttention
-        heads, head_dim = module.num_heads, module.head_dim
-        groups, per = heads, 1
-    rows = module.query_key_value.weight.shape[0]
-    if rows != groups * (per + 2) * head_dim:
-        raise ValueError(f"{name}.query_key_value has {rows} rows; its layout needs {groups} groups of "
-                         f"({per} + 2) heads of {head_dim} = {groups * (per + 2) * head_dim}")
-    return groups, per, head_dim
-
-
-def _falcon_groups(module: Any, heads: int) -> tuple[int, int]:
-    new, multi_query, kv = module.new_decoder_architecture, module.multi_query, module.num_kv_heads
-    for key, value in (("new_decoder_architecture", new), ("multi_query", multi_query)):
-        if value is not None and not isinstance(value, bool):
-            raise TypeError(f"{key} must be true or false, got {type(value).__name__} {value!r}")
-    if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1:
-        raise TypeError(f"num_kv_heads must be an int >= 1, got {type(kv).__name__} {kv!r}")
-    if new:
-        if heads % kv:
-            raise ValueError(f"num_kv_heads={kv} must divide num_attention_heads={heads} "
-                             "(new_decoder_architecture groups the heads by K/V head)")
-        return kv, heads // kv
-    if multi_query:
-        return 1, heads
-    if kv != heads:  # FalconAttention.forward reshapes K/V of H heads into num_kv_heads heads: it fails
-        raise ValueError(f"num_kv_heads={kv} with multi_query=False and new_decoder_architecture=False: "
-                         f"transformers' FalconAttention only runs num_kv_heads=num_attention_heads={heads}")
-    return heads, 1
-
-
 def _qkv_grouped_links(module: nn.Module) -> list[_Link]:
-    groups, per, d = qkv_groups(module)
+    groups, per, d = hf_registry.qkv_groups(module)
     cuts = {"q_proj": slice(0, per * d), "k_proj": slice(per * d, (per + 1) * d),
             "v_proj": slice((per + 1) * d, (per + 2) * d)}
     links = [_Link(f"{o}.{p}", f"query_key_value.{p}", rows, groups=groups) for o, rows in cuts.items()
@@ -384,7 +334,7 @@ def _qkv_grouped_settings(module: Any, config: Any, state: dict[str, torch.Tenso
     """GPT-NeoX: RoPE on the first ``rotary_ndims`` dims, ``scaling``. Falcon (RoPE only: ALiBi is
     refused by its registry check): scores / sqrt(D), and no attention dropout, which its RoPE
     path never applies. BLOOM: ALiBi with the standard slopes, always causal (BloomModel's mask)."""
-    head_dim = qkv_groups(module)[2]
+    head_dim = hf_registry.qkv_groups(module)[2]
     if spec.alibi:  # BLOOM: alibi · 1 (beta) + q·k · inv_norm_factor
         settings: dict[str, Any] = {"causal": True, "scale": float(module.inv_norm_factor), "alibi": True,
                                     "dropout": float(module.attention_dropout.p)}
@@ -399,9 +349,10 @@ def _qkv_grouped_settings(module: Any, config: Any, state: dict[str, torch.Tenso
 
 def _fused_rope(config: Any, spec: hf_registry.AttentionSpec, head_dim: int) -> RoPE:
     base, scaling, factor = hf_config.module_rope(config, None, f"{spec.name} config", partial=spec.partial_rotary)
-    positions = hf_config.module_max_positions(config) or ROPE_TABLE_POSITIONS
-    return RoPE(head_dim, base, rotary_dim=int(head_dim * factor), max_positions=min(int(positions),
-                ROPE_TABLE_POSITIONS), scaling=scaling)
+    return RoPE.from_facts(head_dim, base, rotary_dim=int(head_dim * factor),
+                           max_positions=hf_config.module_max_positions(config), scaling=scaling)
+
+
 # ---- out_proj and DistilBERT layouts (CLIP, OPT, BART, mBART, Whisper; DistilBERT) ------------------------
 #: Layouts that are ours under other names: (HF name of q, k, v, o) per layout.
 _RENAMED = {"out_proj": ("q_proj", "k_proj", "v_proj", "out_proj"),
@@ -423,13 +374,3 @@ def _renamed_settings(module: Any, config: Any, state: dict[str, torch.Tensor],
     dropout = module.dropout.p if isinstance(module.dropout, nn.Dropout) else module.dropout
     settings = {"causal": bool(module.is_causal), "scale": float(scale), "dropout": float(dropout or 0.0)}
     return settings, {"head_dim": state["q_proj.weight"].shape[0] // heads}
-
-
-def _settings(defaults: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
-    unknown = sorted(set(overrides) - OVERRIDABLE)
-    if unknown:
-        raise ValueError(f"overrides may only set {sorted(OVERRIDABLE)} (sizes come from the weights), "
-                         f"got {unknown}")
-    return {**defaults, **overrides}
-
-

@@ -12,9 +12,9 @@ from typing import Any
 
 from torch import nn
 
+from ..config import check_overrides
 from ..module import MultiHeadAttention
 from .checkpoint import load_state
-from .hf_weights import _settings
 
 __all__ = ["from_torch"]
 
@@ -61,7 +61,7 @@ def from_torch(module: nn.Module, **overrides: Any) -> MultiHeadAttention:
     o_bias = module.out_proj.bias is not None
     if o_bias:
         state["o_proj.bias"] = module.out_proj.bias.detach()
-    settings = _settings({"dropout": float(module.dropout)}, overrides)
+    settings = check_overrides({"dropout": float(module.dropout)}, overrides)
     layer = MultiHeadAttention(e, h, bias=bias, o_bias=o_bias, kdim=module.kdim, vdim=module.vdim,
                                device=w_q.device, dtype=w_q.dtype, **settings)
     load_state(layer, state)
