@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..tools.bench import _rss
+from ..tools.machine import machine_info, reset_peak_rss, rss
 
 __all__ = ["run", "format_report", "ring_model_bytes"]
 
@@ -67,15 +67,14 @@ def _ring_rank(rank: int, p: int, seq: int, heads: int, head_dim: int) -> dict[s
     n = shard_sizes(seq, p, "zigzag")[rank]
     gc.collect()
     dist.barrier()
-    base = _rss("VmRSS:")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # Linux: reset the high-water mark to the current RSS
+    base = rss("VmRSS:")
+    reset_peak_rss()
     with torch.no_grad():
         q, k, v = (torch.randn(1, heads, n, head_dim) for _ in range(3))
         t0 = time.perf_counter()
         out = ring_attention(q, k, v, causal=True, layout="zigzag")
         seconds = time.perf_counter() - t0
-    peak = _rss("VmHWM:") - base
+    peak = rss("VmHWM:") - base
     dist.batch_isend_irecv = original
     kv_bytes = 2 * heads * seq * head_dim * 4
     return {"case": "ring", "seq": seq, "world": p, "rank": rank, "peak_bytes": peak, "seconds": seconds,
@@ -166,8 +165,6 @@ def _spawn(p: int, job: tuple, timeout_s: float = 900.0) -> list[dict[str, Any]]
 def run(*, seqs: tuple[int, ...] = (16384, 32768), worlds: tuple[int, ...] = (1, 2, 4, 8), heads: int = 8,
         head_dim: int = 64, head_worlds: tuple[int, ...] = (1, 2), progress: Any = None) -> dict[str, Any]:
     """Run the parallel cases; returns ``{"machine", "ring": [...], "heads": [...]}`` (rows per rank)."""
-    from ..tools.bench import machine_info
-
     say = progress or (lambda line: None)
     ring_rows, head_rows = [], []
     for seq in seqs:

@@ -63,7 +63,6 @@ import gc
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -77,8 +76,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["time_interleaved", "machine_limits", "machine_info", "run_suite", "format_report",
-           "write_json", "plot", "measure_memory", "memory_probe", "paired_speedup"]
+from .machine import machine_info, reset_peak_rss, rss
+
+__all__ = ["time_interleaved", "machine_limits", "run_suite", "format_report", "write_json", "plot",
+           "measure_memory", "memory_probe", "paired_speedup"]
 
 Fn = Callable[[], object]
 Result = dict[str, Any]
@@ -168,41 +169,6 @@ def machine_limits(*, quick: bool = False) -> dict[str, Any]:
     }
 
 
-#: The vector features the kernels (or their peers) can use, as /proc/cpuinfo names them.
-VECTOR_FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
-                   "amx_tile", "amx_bf16")
-
-
-def cpu_model() -> tuple[str, list[str]]:
-    """The CPU's model name and which of :data:`VECTOR_FEATURES` it has (Linux; else the platform's words)."""
-    from ..backends.native._build import cpuinfo
-
-    info = cpuinfo()
-    flags = set(info.get("flags", "").split())
-    return info.get("model name") or platform.processor() or platform.machine(), [f for f in VECTOR_FEATURES
-                                                                                   if f in flags]
-
-
-def machine_info() -> dict[str, Any]:
-    """What ran the suite: versions, CPU model and vector features, cores and torch threads."""
-    try:
-        import transformers
-
-        hf = transformers.__version__
-    except ImportError:
-        hf = None
-    from ..backends import native
-    from ..backends.gemm import onednn_usable, gemm_choice
-
-    model, features = cpu_model()
-    return {
-        "python": platform.python_version(), "torch": torch.__version__, "transformers": hf,
-        "cpu": model, "vector_features": features, "native_vector_bits": native.vector_bits(),
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(), "onednn": onednn_usable(), "gemm": gemm_choice(),
-    }
-
-
 # -- cases -----------------------------------------------------------------------------
 def _core_case(s: int, causal: bool, h: int = 12, d: int = 64) -> tuple[dict[str, Any], dict[str, Fn]]:
     from ..functional import attention
@@ -241,7 +207,7 @@ def _add_native_row(fns: dict[str, Fn], q: torch.Tensor, k: torch.Tensor, v: tor
     with AVX-512: SDPA), the loop itself as a peer row, so that its rate is still measured."""
     from ..backends import native
     from ..functional import attention
-    from ..kernels import auto_path
+    from ..backends.auto import auto_path
 
     if native.available() and auto_path(q, k, v) != "native" and q.dtype in native.DTYPES:
         fns["multihead backend=native"] = lambda: attention(q, k, v, causal=causal, backend="native")
@@ -347,7 +313,7 @@ def _decoder(e: int, h: int, hkv: int, cached: int, dtype: torch.dtype) -> tuple
     x = torch.randn(1, 1, e, dtype=dtype)
     layer(x, cache=cache)  # one step: the fused one leaves its plan on the cache
     cache.crop(cached)
-    plan, x2 = cache.step_plan, x.reshape(1, e)
+    plan, x2 = getattr(cache.fused, "plan", None), x.reshape(1, e)
     kernel = functools.partial(plan.run, x2) if isinstance(plan, StepPlan) else None  # writes slot L, as the step
     return (lambda: layer(x, cache=cache)), (lambda: cache.crop(cached)), layer, kernel
 
@@ -497,14 +463,6 @@ def _gemm_floor(rows: list[Result], limits: dict[str, Any]) -> None:
 
 
 # -- memory, in a fresh process --------------------------------------------------------
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    raise OSError(f"{field} not in /proc/self/status")
-
-
 def memory_probe(impl: str, seq: int, heads: int, head_dim: int, causal: bool, path: str) -> None:
     """Run one attention call and write its peak RSS increase to ``path`` (JSON).
 
@@ -518,14 +476,13 @@ def memory_probe(impl: str, seq: int, heads: int, head_dim: int, causal: bool, p
     fn: Fn = {"multihead": lambda: attention(q, k, v, causal=causal),
               "torch sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)}[impl]
     gc.collect()
-    base = _rss("VmRSS:")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
+    base = rss("VmRSS:")
+    reset_peak_rss()
     t0 = time.perf_counter()
     out = fn()
     elapsed = time.perf_counter() - t0
     assert isinstance(out, torch.Tensor)  # both impls return the output alone
-    peak = _rss("VmHWM:")
+    peak = rss("VmHWM:")
     io_bytes = 3 * q.nbytes + out.nbytes
     Path(path).write_text(json.dumps({"impl": impl, "peak_increase_bytes": peak - base, "io_bytes": io_bytes,
                                       "seconds": elapsed}))

@@ -1,0 +1,31 @@
+"""What a benchmark records about the machine, and the memory probe both benchmarks use (Linux)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from multihead.tools import machine
+
+
+def test_machine_info_names_versions_cpu_and_threads() -> None:
+    info = machine.machine_info()
+    assert info["torch"] == torch.__version__ and info["torch_threads"] == torch.get_num_threads()
+    assert isinstance(info["cpu"], str) and info["cpu"]
+    assert set(info["vector_features"]) <= set(machine.VECTOR_FEATURES)
+    assert info["native_vector_bits"] in (0, 128, 256, 512)
+
+
+def test_the_peak_counts_what_was_allocated_after_the_reset() -> None:
+    machine.reset_peak_rss()
+    base = machine.rss("VmRSS:")
+    block = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, every page written
+    assert machine.rss("VmHWM:") - base >= 60 << 20
+    del block
+    machine.reset_peak_rss()  # the mark drops to the RSS of now, whatever the allocator kept
+    assert machine.rss("VmHWM:") <= machine.rss("VmRSS:") + (8 << 20)
+
+
+def test_an_unknown_status_field_is_refused_by_name() -> None:
+    with pytest.raises(OSError, match="VmNothing:"):
+        machine.rss("VmNothing:")
