@@ -23,7 +23,7 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,6 +32,7 @@ from . import _call_checks, decode
 from ._call_checks import Inputs
 from . import linear as _linear
 from ._checks import check_float, check_int
+from .config import AttentionConfig, check_overrides
 from .backends import get_backend, resolve_backend
 from .backends.registry import Backend, get_spec, takes_segments
 from .cache import KVCache
@@ -41,9 +42,6 @@ from .logits import alibi_slopes
 from .masks import Structure, segment_mask
 from .qk_norm import QK_NORMS, RMSNorm
 from .rope import RoPE
-
-if TYPE_CHECKING:
-    from .config import AttentionConfig
 
 __all__ = ["MultiHeadAttention", "split_heads", "merge_heads", "Watch"]
 
@@ -220,9 +218,6 @@ class MultiHeadAttention(nn.Module):
             TypeError: ``config`` is not an AttentionConfig.
             ValueError: ``layer`` out of range, or a bad override.
         """
-        from .config import AttentionConfig
-        from .interop.hf_weights import ROPE_TABLE_POSITIONS, _settings
-
         if not isinstance(config, AttentionConfig):
             raise TypeError(f"config must be a multihead.AttentionConfig, got {type(config).__name__}")
         if config.latent:
@@ -232,13 +227,11 @@ class MultiHeadAttention(nn.Module):
         if lay.embed_dim not in (None, config.embed_dim):
             raise ValueError(f"layer {layer} has width {lay.embed_dim}, not embed_dim={config.embed_dim} (a stage "
                              "of another width, as in Swin): multihead builds no patch-merging model")
-        rope = None
-        if lay.rope_base is not None:
-            positions = min(config.max_positions or ROPE_TABLE_POSITIONS, ROPE_TABLE_POSITIONS)
-            rope = RoPE(lay.head_dim, lay.rope_base, interleaved=config.rope_interleaved,
-                        rotary_dim=config.rotary_dim, max_positions=positions, scaling=lay.rope_scaling)
-        settings = _settings({"causal": config.causal, "scale": config.scale, "window": lay.window,
-                              "rope": rope}, overrides)
+        rope = None if lay.rope_base is None else RoPE.from_facts(
+            lay.head_dim, lay.rope_base, interleaved=config.rope_interleaved, rotary_dim=config.rotary_dim,
+            max_positions=config.max_positions, scaling=lay.rope_scaling)
+        settings = check_overrides({"causal": config.causal, "scale": config.scale, "window": lay.window,
+                                    "rope": rope}, overrides)
         built = cls(config.embed_dim, lay.num_heads, num_kv_heads=lay.num_kv_heads, head_dim=lay.head_dim,
                     bias=config.bias, o_bias=config.effective_o_bias, qk_norm=config.qk_norm, softcap=config.softcap,
                     alibi=config.alibi, sinks=config.sinks, device=device, dtype=dtype, **settings)

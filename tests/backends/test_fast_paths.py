@@ -105,7 +105,7 @@ def test_auto_without_the_native_kernel_uses_its_torch_paths(monkeypatch, bits: 
     and AVX2 only), "auto" and the module's projections keep to torch's paths."""
     monkeypatch.setattr(mh.native, "vector_bits", lambda: bits)
     monkeypatch.setattr(mh.native, "linear_few_rows", lambda *a: pytest.fail("native linear used"))
-    monkeypatch.setattr(mh.native, "decode_step", lambda *a, **k: pytest.fail("native step used"))
+    monkeypatch.setattr(mh.native.step, "decode_step", lambda *a, **k: pytest.fail("native step used"))
     monkeypatch.setattr(mh.native.StepPlan, "run", lambda *a, **k: pytest.fail("native step used"))
     layer = mh.MultiHeadAttention(64, 4, causal=True).eval()
     cache = layer.new_cache(1, 8)

@@ -1,4 +1,4 @@
-"""The compiled kernel (:mod:`multihead.native`) against the float64 reference.
+"""The compiled kernel (:mod:`multihead.backends.native`) against the float64 reference.
 
 Its tiles: 12 query rows × 32 keys for q·kᵀ, 6 rows × 16·k value columns for p·v,
 chunks of 512 keys merged by an online softmax, work items of ``query_tile`` query
@@ -91,7 +91,7 @@ def test_native_meets_the_accuracy_criterion_across_tile_edges(p: dict, kernel) 
     (dot products along D, keys in place), on every shape, not only the ones "auto"
     sends to each."""
     q, k, v = (p[n].float() for n in "qkv")
-    with mock.patch.object(native, "_QUERY_TILE", p["tile"]):
+    with mock.patch.object(native.attention, "QUERY_TILE", p["tile"]):
         ours = kernel(q, k, v, scale=p["scale"] or q.shape[-1] ** -0.5, causal=p["causal"], window=p["window"],
                       mask=p["mask"])
     _criterion(p, ours)
@@ -280,8 +280,10 @@ def test_importing_multihead_builds_nothing(tmp_path) -> None:
 # -- the fused decoding step -------------------------------------------------------------
 def _spy_steps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
-    real, real_run = native.decode_step, native.StepPlan.run
-    monkeypatch.setattr(native, "decode_step", lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
+    real, real_run = native.step.decode_step, native.StepPlan.run
+    # traced steps call it through the operator multihead::decode_step, whose body calls step.decode_step
+    monkeypatch.setattr(native.step, "decode_step",
+                        lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
     # eager steps call the kernel through their marshalled arguments (decode._eager_step)
     monkeypatch.setattr(native.StepPlan, "run", lambda plan, x: calls.append(x.shape[0]) or real_run(plan, x))
     return calls

@@ -135,7 +135,7 @@ def test_the_output_is_rounded_to_nearest_even_once(dtype: torch.dtype) -> None:
 def test_the_scalar_conversions_equal_torchs(kind: int, dtype: torch.dtype) -> None:
     """The fallback of builds without AVX2 / F16C: every 16-bit pattern widened, and float32
     values of every kind (normal, subnormal in the target, overflowing, ties, inf, NaN) rounded."""
-    lib = native._require()
+    lib = native.loader.require()
     halves = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int16)
     wide = torch.empty(1 << 16, dtype=torch.float32)
     assert lib.mh_convert_scalar(kind, 0, halves.data_ptr(), wide.data_ptr(), 1 << 16) == 0

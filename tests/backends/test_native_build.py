@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from multihead.backends.native import _build
+from multihead.backends.native import _build, files
 
 FAKE_CXX = r"""
 import os, shutil, sys
@@ -53,7 +53,7 @@ def load(name, cxx=None):
     else:
         os.environ["CXX"] = cxx
     os.environ["MULTIHEAD_CACHE_DIR"] = str(base / name)
-    native._loaded.cache_clear()
+    native.loader.loaded.cache_clear()
     ok = native.build()
     kernel = next((base / name).glob("*.so"), None)
     report[name] = {"available": ok, "status": native.status(), "builds": len(log.read_text().splitlines()),
@@ -161,12 +161,12 @@ def _lstat(mode: int, uid: int | None = None) -> os.stat_result:
     (stat.S_IFIFO | 0o600, None, "not a regular file"),
 ], ids=["foreign_owner", "world_writable", "group_writable", "symlink", "fifo"])
 def test_only_a_private_regular_file_may_be_loaded(mode: int, uid: int | None, reason: str) -> None:
-    assert reason in _build.unsafe(_lstat(mode, uid))
+    assert reason in files.unsafe(_lstat(mode, uid))
 
 
 def test_a_private_regular_file_may_be_loaded() -> None:
-    assert _build.unsafe(_lstat(stat.S_IFREG | 0o700)) is None
-    assert _build.unsafe(_lstat(stat.S_IFREG | 0o755)) is None
+    assert files.unsafe(_lstat(stat.S_IFREG | 0o700)) is None
+    assert files.unsafe(_lstat(stat.S_IFREG | 0o755)) is None
 
 
 def test_a_unit_that_fails_silently_still_fails_the_build(tmp_path) -> None:

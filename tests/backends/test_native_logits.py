@@ -185,7 +185,7 @@ def _expected_panels(b: int, hkv: int, g: int, s: int, bounds: list[tuple[int, i
     """The key panels of the query tiles' row blocks: the hull of their rows' spans (structure
     and own sequence), in panels of NR keys; nothing else."""
     wide = native.vector_bits() == 512
-    mr, nr, qt = (12, 32, native._query_tile()) if wide else (6, 16, native._query_tile())
+    mr, nr, qt = (12, 32, native.attention.query_tile()) if wide else (6, 16, native.attention.query_tile())
 
     def span(i: int) -> tuple[int, int]:
         lo, hi = bounds[i]

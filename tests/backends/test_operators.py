@@ -251,19 +251,20 @@ def test_export_with_a_dynamic_sequence_length_runs_at_two_lengths(amd_cpu, padd
 
 
 def _count(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Count the kernel calls (``native._run``) by path: the operator's body always asks the
-    kernel for the log-sum-exp (the operator returns it), the direct call only when its caller
-    does (these tests' calls never do)."""
-    from multihead.backends import native as backends_native
+    """Count the kernel calls (``native.attention.run_kernel``) by path: the operator's body always
+    asks the kernel for the log-sum-exp (the operator returns it), the direct call only when its
+    caller does (these tests' calls never do)."""
+    from multihead.backends.native import attention as loops
 
     calls = {"direct": 0, "operator": 0}
-    real = backends_native._run
+    real = loops.run_kernel
 
     def counted(*args: object, **kwargs: object) -> object:
-        calls["operator" if args[8] else "direct"] += 1  # _run(name, q, k, v, scale, causal, window, mask, lse, ...)
+        # run_kernel(name, q, k, v, scale, causal, window, mask, lse, ...)
+        calls["operator" if args[8] else "direct"] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(backends_native, "_run", counted)
+    monkeypatch.setattr(loops, "run_kernel", counted)
     return calls
 
 

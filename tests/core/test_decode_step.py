@@ -264,7 +264,7 @@ def _counters_after_two_steps(monkeypatch: pytest.MonkeyPatch, *, native_writer:
     k = torch.randn(3, 2, 3, 4)
     cache.commit(cache.append(k, k, [3, 1, 2], structure=mh.Structure(causal=True)))
     if not native_writer:
-        monkeypatch.setattr(native, "_advance", None)  # as before the library is loaded
+        monkeypatch.setattr(native.loader, "counter_writer", None)  # as before the library is loaded
     wrote: list[bool] = []
     real = native.advance_counters
     monkeypatch.setattr(native, "advance_counters", lambda *a: wrote.append(real(*a)) or wrote[-1])

@@ -89,7 +89,7 @@ def gemm_choice() -> str:
 
 
 def _machine_key() -> str:
-    from .native._build import cpuinfo
+    from .native.cpu import cpuinfo
 
     info = cpuinfo()
     flags = hashlib.sha256(info.get("flags", "?").encode()).hexdigest()[:16]
@@ -111,15 +111,15 @@ def _measured_choice() -> str:
 
 def _record() -> Path | None:
     """The verdicts' file in the first private cache folder, or None (no folder may be used)."""
-    from .native._build import _cache_dirs, _private_dir
+    from .native.files import cache_dirs, private_dir
 
-    folders = [f for f in _cache_dirs() if _private_dir(f)]
+    folders = [f for f in cache_dirs() if private_dir(f)]
     return folders[0] / _CHOICE_FILE if folders else None
 
 
 def _kept() -> dict[str, Any]:
     """The verdicts kept so far (machine key -> measurement); {} if none, damaged or unsafe."""
-    from .native._build import unsafe
+    from .native.files import unsafe
 
     path = _record()
     try:
@@ -136,7 +136,7 @@ def keep_gemm_measurement() -> dict[str, Any]:
     any earlier one; this process uses it from now on. ``multihead bench`` calls it first, at
     a quiet moment (a first measurement taken under load falls back to oneDNN: see
     :data:`TORCH_WINS_BELOW`). Returns the measurement."""
-    from .native._build import _write_atomically
+    from .native.files import write_atomically
 
     found = gemm_measurement()
     path = _record()
@@ -144,7 +144,7 @@ def keep_gemm_measurement() -> dict[str, Any]:
         kept = _kept()
         kept[_machine_key()] = found
         try:
-            _write_atomically(path, json.dumps(kept, indent=1).encode(), 0o600)
+            write_atomically(path, json.dumps(kept, indent=1).encode(), 0o600)
         except OSError:
             pass  # measured again by the next process
     _measured_choice.cache_clear()

@@ -12,7 +12,8 @@ What is loaded is checked first, since loading runs its code and a damaged file 
 the process (SIGBUS) instead of raising:
 
 * folders are created with mode 0700 and files with 0700/0600, whatever the umask; a
-  folder that is not the user's own, or that others may write to, is never used;
+  folder that is not the user's own, or that others may write to, is never used
+  (:mod:`.files`: the cache folder and its files);
 * the kernel file must be a regular file (not a symlink), owned by the user, writable by
   no one else, and match the size and SHA-256 recorded when it was built (the record is
   written atomically beside it). Anything else is rebuilt, the reason kept in the status
@@ -26,7 +27,6 @@ would (:func:`shlex.split`).
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import json
 import os
@@ -34,11 +34,13 @@ import platform
 import re
 import shlex
 import shutil
-import stat
 import subprocess
 import tempfile
 from importlib import resources
 from pathlib import Path
+
+from .cpu import cpuinfo
+from .files import cache_dirs, private_dir, unsafe, write_atomically
 
 __all__ = ["load"]
 
@@ -46,26 +48,8 @@ _COMPILE_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-std=c++17")  # each unit, in par
 _LINK_FLAGS = ("-fopenmp", "-shared")
 _ARCH = re.compile(r"[a-z0-9][a-z0-9.-]{0,39}")  # a -march CPU name
 _SOURCES = ("common.h", "attention.cpp", "attention_amx.cpp", "decode.cpp", "backward.cpp")
-_DIR_MODE = 0o700  # folders and the kernel: the user's only (umask can only remove bits; set explicitly)
-_FILE_MODE = 0o700
+_FILE_MODE = 0o700  # the kernel: the user's only (umask can only remove bits; set explicitly)
 _RECORD_MODE = 0o600
-
-
-@functools.cache
-def cpuinfo() -> dict[str, str]:
-    """The first processor's fields in ``/proc/cpuinfo`` (``"vendor_id"``, ``"model name"``,
-    ``"flags"``, ...), read once; empty where it cannot be read."""
-    fields: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
-            for line in info:
-                if not line.strip():  # the first processor ends
-                    break
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    return fields
 
 
 def _cpu_flags() -> str:
@@ -80,32 +64,6 @@ def _march() -> str:
     if not _ARCH.fullmatch(arch):
         raise ValueError(f"MULTIHEAD_NATIVE_ARCH must name a CPU for -march (letters, digits, '.', '-'), got {arch!r}")
     return f"-march={arch}"
-
-
-def _cache_dirs() -> list[Path]:
-    """Where a build may go, in order of preference."""
-    root = os.environ.get("MULTIHEAD_CACHE_DIR")
-    first = Path(root) if root else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "multihead"
-    return [first, Path(tempfile.gettempdir()) / f"multihead-{os.getuid()}"]
-
-
-def _private_dir(path: Path) -> bool:
-    """Create ``path`` (and missing parents) with mode 0700; True if it is ours and no one
-    else may write to it.
-
-    A shared library is loaded from here: a folder others can write to could hand us
-    theirs under the expected name.
-    """
-    try:
-        for folder in reversed([path, *path.parents]):
-            if not folder.exists():
-                folder.mkdir(mode=_DIR_MODE)
-                os.chmod(folder, _DIR_MODE)  # explicit: not whatever the umask leaves
-        st = path.stat()
-    except OSError:
-        return False
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022 \
-        and os.access(path, os.W_OK)
 
 
 def _compiler() -> tuple[list[str] | None, str]:
@@ -127,20 +85,6 @@ def _compiler() -> tuple[list[str] | None, str]:
     if not found:
         return None, "no C++ compiler found (set CXX or install g++)"
     return [found], ""
-
-
-def unsafe(st: os.stat_result) -> str | None:
-    """Why a file with this ``lstat`` must not be loaded, or None: it must be a regular
-    file (not a symlink), owned by the user and writable by no one else."""
-    if stat.S_ISLNK(st.st_mode):
-        return "it is a symbolic link"
-    if not stat.S_ISREG(st.st_mode):
-        return "it is not a regular file"
-    if st.st_uid != os.getuid():
-        return f"it is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
-    if st.st_mode & 0o022:
-        return f"others may write to it (mode {stat.S_IMODE(st.st_mode):04o})"
-    return None
 
 
 def _digest(path: Path) -> tuple[int, str]:
@@ -175,19 +119,6 @@ def _verify(target: Path) -> str | None:
     if got_sha != sha:
         return "its SHA-256 differs from the one its build recorded (damaged or replaced)"
     return None
-
-
-def _write_atomically(path: Path, data: bytes, mode: int) -> None:
-    """``path`` holds ``data`` with ``mode``, all or nothing (a temporary file, then rename)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _run_all(commands: list[list[str]]) -> str:
@@ -234,7 +165,7 @@ def _compile(compiler: list[str], march: str, sources: dict[str, bytes], folder:
             size, sha = _digest(out)
             os.chmod(out, _FILE_MODE)
             # The record first: a reader that finds the new kernel finds its record.
-            _write_atomically(_record_path(target), json.dumps({"size": size, "sha256": sha}).encode(),
+            write_atomically(_record_path(target), json.dumps({"size": size, "sha256": sha}).encode(),
                               _RECORD_MODE)
             os.replace(out, target)  # atomic: concurrent builders each write a whole file
     except (OSError, subprocess.SubprocessError) as err:
@@ -262,9 +193,9 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     key = hashlib.sha256(b"\0".join([*sources.values(), shlex.join(compiler).encode(), version.encode(),
                                      " ".join((*_COMPILE_FLAGS, march, *_LINK_FLAGS)).encode(),
                                      _cpu_flags().encode()])).hexdigest()[:20]
-    folder = next((d for d in _cache_dirs() if _private_dir(d)), None)
+    folder = next((d for d in cache_dirs() if private_dir(d)), None)
     if folder is None:
-        return None, f"no private folder to build into (tried {', '.join(map(str, _cache_dirs()))})"
+        return None, f"no private folder to build into (tried {', '.join(map(str, cache_dirs()))})"
     target = folder / f"attention-{key}.so"
     rebuilt = ""
     if os.path.lexists(target):

@@ -12,7 +12,13 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["declare", "ptr", "int64s", "int64_ptr", "pointers"]
+__all__ = ["MAX_STEP_ROWS", "SUFFIX", "declare", "kernel", "ptr", "int64s", "int64_ptr", "pointers"]
+
+#: Most rows of x that :func:`.step.linear_few_rows` and :func:`.step.decode_step` take (the C++
+#: ``MAX_STEP_ROWS``, checked against the built library).
+MAX_STEP_ROWS = 4
+#: The kernels' name suffix per dtype (``mh_attention_f32``, ``mh_attention_bf16``, ...).
+SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 _vp, _i64, _int, _f32, _f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_double
 _ptrs, _i64p = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64)
@@ -69,6 +75,11 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn.argtypes = argtypes
         fn.restype = ctypes.c_int
     return lib
+
+
+def kernel(lib: object, name: str, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    """The C function ``name`` (given with its ``_f32`` suffix) for tensors of ``dtype``."""
+    return getattr(lib, name.removesuffix("_f32") + "_" + SUFFIX[dtype])
 
 
 def ptr(t: torch.Tensor | None) -> int | None:

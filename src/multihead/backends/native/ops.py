@@ -22,6 +22,11 @@ check the backward's algorithm in float64 (float32 runs it in register tiles).
 Registering is cheap and happens on import of :mod:`multihead.backends.native`; the
 kernels are built on first call. Eager calls with nothing to record or trace run the
 operators' bodies directly (:func:`direct`): their Python dispatch costs tens of µs a call.
+:func:`run` is the attention's way in (the ``"native"`` backend's, ``"auto"``'s): it picks the
+loop and runs the operator or, when :func:`direct`, its body.
+
+The bodies call the kernels' Python entry points below them: :mod:`.attention` (the loops),
+:mod:`.step` (the decoding step) and :mod:`.loader` (the library).
 """
 
 from __future__ import annotations
@@ -30,9 +35,11 @@ from typing import Any, Optional
 
 import torch
 
+from . import attention as loops  # the name `attention` is the operator multihead::attention's here
+from . import loader, step
 from ._ffi import int64s, ptr
 
-__all__ = ["attention", "attention_impl", "attention_backward", "decode_step", "direct", "forward"]
+__all__ = ["attention", "attention_impl", "attention_backward", "decode_step", "direct", "forward", "run"]
 
 Tensor = torch.Tensor
 
@@ -127,20 +134,19 @@ def forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: floa
             cu_seqlens: Optional[Tensor] = None, *, return_lse: bool) -> tuple[Tensor, Tensor | None]:
     """:func:`attention_impl`, with the lse only when ``return_lse`` (float32 and half precision:
     the kernel then writes none); what eager calls run directly when :func:`direct`."""
-    from . import Logits, _query_tile, _require, _run
-
-    logits = Logits(softcap, alibi_slopes, sinks, cu_seqlens)
+    logits = loops.Logits(softcap, alibi_slopes, sinks, cu_seqlens)
     if logits.any() and (decode or q.dtype == torch.float64):
         raise ValueError("softcap, alibi_slopes, sinks and cu_seqlens run in the float32 FlashAttention loop only "
                          f"(got decode={decode}, dtype {q.dtype})")
     if q.dtype == torch.float64:
-        return _forward_f64(_require(), q, k, v, mask, scale, causal, window)
-    name, extra = ("mh_decode_f32", ()) if decode else ("mh_attention_f32", (_query_tile(),))
+        return _forward_f64(loader.require(), q, k, v, mask, scale, causal, window)
+    name, extra = ("mh_decode_f32", ()) if decode else ("mh_attention_f32", (loops.query_tile(),))
     # The caller (multihead.attention, the module) validated once: no second check here. Mixed
     # dtypes (not from multihead.attention) are brought to q's.
     if k.dtype != q.dtype or v.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
-    result = _run(name, q, k, v, scale, causal, window, mask, return_lse, *extra, checked=True, logits=logits)
+    result = loops.run_kernel(name, q, k, v, scale, causal, window, mask, return_lse, *extra, checked=True,
+                              logits=logits)
     return result if isinstance(result, tuple) else (result, None)
 
 
@@ -194,9 +200,7 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tenso
         views of its projections, whose backward then copies nothing), else laid out
         (B, S, H, D) (:func:`_gradient_like`).
     """
-    from . import _require
-
-    lib = _require()
+    lib = loader.require()
     wide = _wide(q.dtype)
     b, h, sq, d = q.shape
     hkv, sk, dv_ = k.shape[1], k.shape[2], v.shape[-1]
@@ -255,11 +259,10 @@ def decode_step(x: Tensor, weights: list[Tensor], biases: list[Optional[Tensor]]
     Writes each row's new K and V into ``cache_k``/``cache_v`` (B, Hkv, C, D) at slot
     ``lengths[b]``; ``lengths`` is read, never written (the caller commits it).
     """
-    from . import decode_step as run
-
     rope = None if cos is None or sin is None else (cos, sin, rotary_dim, interleaved)
-    return run(x, list(zip(weights, biases)), num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-               rope=rope, cache_k=cache_k, cache_v=cache_v, lengths=lengths, scale=scale)
+    return step.decode_step(x, list(zip(weights, biases)), num_heads=num_heads, num_kv_heads=num_kv_heads,
+                            head_dim=head_dim, rope=rope, cache_k=cache_k, cache_v=cache_v, lengths=lengths,
+                            scale=scale)
 
 
 @decode_step.register_fake
@@ -268,3 +271,29 @@ def _decode_step_fake(x: Tensor, weights: list[Tensor], biases: list[Optional[Te
                       lengths: Tensor, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> Tensor:
     return x.new_empty(x.shape)
 
+
+def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool, window: int | None,
+        mask: torch.Tensor | None, return_lse: bool = False, decode: bool | None = None,
+        softcap: float | None = None, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The native loop for these tensors (decoding loop for few rows per K/V head, else
+    the FlashAttention loop), half precision read and written as such and computed in
+    float32: ``(out, lse or None)``.
+
+    The logit features and packed sequences (``cu_seqlens``, as structure: no key panel
+    outside a query's sequences is computed) run in the FlashAttention loop only, so they
+    take it whatever ``decode`` says. Runs the operator ``multihead::attention``
+    (:data:`attention`): differentiable (the native backward) without them, traceable by
+    ``torch.compile`` and ``torch.export``; in eager calls without gradients its body
+    directly (:func:`direct`)."""
+    if any(t is not None for t in (softcap, alibi_slopes, sinks, cu_seqlens)):
+        decode = False  # the decoding loop takes none of them
+    decode = loops.rows_per_kv_head(q, k) <= loops.DECODE_ROWS if decode is None else decode
+    if direct(q, k, v, mask, alibi_slopes, sinks, cu_seqlens):  # the operator's body, without its dispatch
+        out, lse = forward(q, k, v, mask, float(scale), bool(causal), window, decode, softcap, alibi_slopes,
+                           sinks, cu_seqlens, return_lse=return_lse)
+    else:
+        out, lse = torch.ops.multihead.attention(q, k, v, mask, float(scale), bool(causal), window, decode,
+                                                 None if softcap is None else float(softcap), alibi_slopes, sinks,
+                                                 cu_seqlens)
+    return out, (lse if return_lse else None)

@@ -1,0 +1,259 @@
+"""The two attention loops' entry points: the FlashAttention loop and the decoding loop, with
+the checks of what they read as raw memory and the ctypes call that runs either.
+
+Notation: B batch, H query heads, Hkv key/value heads (G = H / Hkv), Sq queries, Sk keys,
+D head dim, Dv value head dim.
+
+:func:`attention_f32` and :func:`decode_f32` check their arguments and call the kernel
+(:func:`run_kernel`) eagerly; the operator ``multihead::attention`` (:mod:`.ops`) runs
+:func:`run_kernel` as its body, and :func:`.ops.run` chooses between the two (and between the
+loops, by :data:`DECODE_ROWS`). The query tile of the FlashAttention loop is tuned per vector
+width here (:func:`query_tile`). Nothing happens at import time.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from ..._checks import check_float, check_int, check_tensor
+from ...masks import check_cu_seqlens, segment_bounds
+from . import loader
+from ._ffi import SUFFIX, int64s, kernel, ptr
+from .loader import require
+
+__all__ = ["attention_f32", "key_panels", "decode_f32", "Logits", "run_kernel", "query_tile", "QUERY_TILE",
+           "rows_per_kv_head", "DECODE_ROWS"]
+
+
+#: Query positions per work item of the FlashAttention loop (items are (batch, K/V head, query
+#: tile)), per vector width; 48 for the others. Each item packs the keys its rows see once, so
+#: larger tiles pack less: with AVX-512 (Intel Xeon, 2 cores, H=12, D=64, paired medians of 9)
+#: 144 positions take 0.93× the time of 48 (S=1024 and 2048, without a mask and causal), 192
+#: 0.91-0.93×, at S=512 causal 0.98× / 0.95×; 144 keeps more items for machines with more cores.
+_QUERY_TILES = {512: 144}
+#: Set (tests): the tile for every width instead.
+QUERY_TILE: int | None = None
+
+
+def query_tile() -> int:
+    """The FlashAttention loop's query tile for the loaded kernel's vector width (or
+    :data:`QUERY_TILE` where set)."""
+    return QUERY_TILE or _QUERY_TILES.get(loader.loaded_bits, 48)
+
+
+def attention_f32(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool = False,
+    window: int | None = None,
+    mask: torch.Tensor | None = None,
+    return_lse: bool = False,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention with the native kernel, forward only (no autograd).
+
+    Work items are (batch, K/V head, tile of query positions); each packs its keys in
+    panels and runs the FlashAttention loop over chunks of keys.
+
+    Args:
+        q: (B, H, Sq, D); k: (B, Hkv, Sk, D); v: (B, Hkv, Sk, Dv); CPU tensors of one
+            dtype, float32, bfloat16 or float16 (computed in float32), H a multiple of
+            Hkv. Any strides (rows are made contiguous if their last dim is not).
+        scale, causal, window: as in :func:`multihead.attention` (bottom-right aligned).
+        mask: bool, broadcastable to (B, H, Sq, Sk), True = may attend; or None.
+        return_lse: also return the per-row log-sum-exp (B, H, Sq) float32 of the
+            scaled, capped, biased, masked scores (``-inf`` for rows with no key; the sink
+            left out, as the torch backends leave it).
+        softcap, alibi_slopes (H,), sinks (H,): the logit features of :mod:`multihead.logits`.
+        cu_seqlens: (N+1,) or (B, N+1) cumulative lengths of packed sequences (Sq == Sk):
+            each query sees keys of its own sequence only, and key panels outside a tile's
+            sequences are never computed.
+
+    Returns:
+        (B, H, Sq, Dv) in q's dtype, a view of a (B, Sq, H, Dv) buffer; zeros for rows
+        with no key; and lse (float32) with ``return_lse``.
+
+    Raises:
+        TypeError, ValueError: tensors of the wrong dtype, device or shapes.
+        RuntimeError: the kernel is not available (see :func:`.loader.status`).
+    """
+    _check_logits(q, k, softcap, alibi_slopes, sinks, cu_seqlens)
+    return run_kernel("mh_attention_f32", q, k, v, scale, causal, window, mask, return_lse, query_tile(),
+                logits=Logits(softcap, alibi_slopes, sinks, cu_seqlens))
+
+
+def key_panels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool = False,
+               window: int | None = None, cu_seqlens: torch.Tensor | None = None) -> int:
+    """How many q·kᵀ key panels (NR keys × a tile of query rows) the FlashAttention loop computes
+    for this problem: the evidence that packed sequences spend no scores across sequences
+    (the tests compare it with the panels the query tiles' sequences and structure cover)."""
+    _check_logits(q, k, None, None, None, cu_seqlens)
+    counter = torch.zeros(1, dtype=torch.int64)
+    run_kernel("mh_attention_f32", q, k, v, scale, causal, window, None, False, query_tile(),
+         logits=Logits(cu_seqlens=cu_seqlens, panels=counter))
+    return int(counter.item())
+
+
+def decode_f32(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool = False,
+    window: int | None = None,
+    mask: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`attention_f32`, for few query rows per K/V head (G·Sq, e.g. decoding).
+
+    K and V are streamed once, in place (no packing); work items are (batch, K/V head,
+    key split): long key ranges are split into parts of at least 512 keys, merged by
+    their log-sum-exp (as in flash-decoding). The parts depend on the problem alone,
+    never on the thread count, so results are bitwise the same with any number of threads.
+    """
+    return run_kernel("mh_decode_f32", q, k, v, scale, causal, window, mask, return_lse)
+
+
+def _check_qkv(q_in: object, k_in: object, v_in: object, mask_in: object, window: object) -> None:
+    """The kernel reads raw memory: shapes, dtypes and devices are checked first."""
+    q, k, v = (check_tensor(name, t, ndim=4) for name, t in (("q", q_in), ("k", k_in), ("v", v_in)))
+    if q.dtype not in SUFFIX or q.device.type != "cpu":
+        raise TypeError(f"q must be a float32, bfloat16 or float16 CPU tensor, got {q.dtype} on {q.device}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype or t.device.type != "cpu":
+            raise TypeError(f"{name} must be a CPU tensor of q's dtype {q.dtype}, got {t.dtype} on {t.device}")
+    b, h, sq, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b or k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v must be (B={b}, Hkv, Sk, D) and (B, Hkv, Sk, Dv) alike, "
+                         f"got {list(k.shape)} and {list(v.shape)}")
+    if k.shape[-1] != d:
+        raise ValueError(f"k must have head dim {d} like q, got shape {list(k.shape)}")
+    if k.shape[1] == 0 or h % k.shape[1] or 0 in (d, v.shape[-1]):
+        raise ValueError(f"q's heads ({h}) must be a positive multiple of k's ({k.shape[1]}), head dims > 0")
+    if mask_in is not None:
+        mask = check_tensor("mask", mask_in, ndim=(0, 1, 2, 3, 4))
+        if mask.dtype != torch.bool:
+            raise TypeError(f"mask must be a bool tensor (True = may attend), got dtype {mask.dtype}")
+        try:
+            torch.broadcast_shapes(mask.shape, (b, h, sq, k.shape[2]))
+        except RuntimeError:
+            raise ValueError(f"mask must broadcast to [B, H, Sq, Sk] = {[b, h, sq, k.shape[2]]}, "
+                             f"got {list(mask.shape)}") from None
+    if window is not None:
+        check_int("window", window)
+
+
+class Logits(NamedTuple):
+    """The logit features and packed sequences of a call of the FlashAttention loop (None = off)."""
+
+    softcap: float | None = None
+    alibi_slopes: torch.Tensor | None = None  # (H,)
+    sinks: torch.Tensor | None = None  # (H,)
+    cu_seqlens: torch.Tensor | None = None  # (N+1,) or (B, N+1)
+    panels: torch.Tensor | None = None  # (1,) int64 counter of the key panels computed (tests)
+
+    def any(self) -> bool:
+        return any(value is not None for value in self)
+
+    def arguments(self, seq: int) -> tuple[object, ...]:
+        """The C arguments: softcap, slopes, sinks, segment bounds, their batch stride, counter;
+        with the tensors that must outlive the call (kept by the caller)."""
+        slopes, sinks = (None if t is None else t.detach().float().contiguous()
+                         for t in (self.alibi_slopes, self.sinks))
+        seg = None if self.cu_seqlens is None else segment_bounds(self.cu_seqlens, seq)  # (B|1, 2, S)
+        seg_bs = 0 if seg is None or seg.shape[0] == 1 else seg.stride(0)
+        return (float(self.softcap or 0.0), ptr(slopes), ptr(sinks), ptr(seg), seg_bs, ptr(self.panels),
+                slopes, sinks, seg)
+
+
+def _check_logits(q: object, k: object, softcap: object, alibi_slopes: object, sinks: object,
+                  cu_seqlens: object) -> None:
+    """The features read as raw memory: (H,) float tensors, cu_seqlens rising from 0 to Sq == Sk."""
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor) or q.dim() != 4 or k.dim() != 4:
+        return  # _check_qkv names the bad tensor
+    if softcap is not None:
+        check_float("softcap", softcap, low=0.0, high=math.inf, low_inclusive=False, high_inclusive=False)
+    for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if t is not None:
+            t = check_tensor(name, t, ndim=1)
+            if not t.dtype.is_floating_point or t.device.type != "cpu" or t.shape[0] != q.shape[1]:
+                raise ValueError(f"{name} must be a floating CPU tensor [H] = [{q.shape[1]}], got {t.dtype} "
+                                 f"{list(t.shape)} on {t.device}")
+    if cu_seqlens is not None:
+        if q.shape[2] != k.shape[2]:
+            raise ValueError(f"cu_seqlens needs Sq == Sk, got Sq={q.shape[2]}, Sk={k.shape[2]}")
+        check_cu_seqlens(cu_seqlens, q.shape[2], batch=q.shape[0])
+
+
+def run_kernel(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+               window: int | None, mask: torch.Tensor | None, return_lse: bool, *extra: int, checked: bool = False,
+               logits: Logits | None = None,
+               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """One call of the loop ``name`` (``"mh_attention_f32"`` or ``"mh_decode_f32"``, run in q's
+    dtype's kernel) through ctypes.
+
+    Args:
+        q: (B, H, Sq, D); k: (B, Hkv, Sk, D); v: (B, Hkv, Sk, Dv); mask broadcastable to
+            (B, H, Sq, Sk) or None; scale, causal, window, return_lse: as :func:`attention_f32`'s.
+        extra: the loop's own arguments before the thread count (the FlashAttention loop's
+            query tile, :func:`query_tile`).
+        checked: the caller validated the tensors (else :func:`_check_qkv` does).
+        logits: the FlashAttention loop's logit features and packed sequences.
+
+    Returns:
+        out (B, H, Sq, Dv) in q's dtype, a view of a (B, Sq, H, Dv) buffer; with
+        ``return_lse`` also lse (B, H, Sq) float32.
+    """
+    if not checked:  # the "native" backend's callers validated everything once already
+        _check_qkv(q, k, v, mask, window)
+    lib = require()
+    b, h, sq, d = q.shape
+    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    out = torch.empty((b, sq, h, dv), dtype=q.dtype).permute(0, 2, 1, 3)  # (B, H, Sq, Dv)
+    lse = torch.empty((b, h, sq), dtype=torch.float32) if return_lse else None  # (B, H, Sq)
+    if mask is not None:
+        mask = mask[(None,) * (4 - mask.dim())].expand(b, h, sq, sk)  # strides 0 where broadcast
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+               *(mask.stride() if mask is not None else (0, 0, 0, 0)),
+               *(lse.stride() if lse is not None else (0, 0, 0)))
+    logits = logits or Logits()
+    features: tuple[object, ...] = ()
+    keep: tuple[object, ...] = ()  # the tensors behind the features' pointers, alive through the call
+    if name == "mh_attention_f32":
+        arguments = logits.arguments(sq)
+        features, keep = arguments[:6], arguments[6:]
+    elif logits.any():
+        raise ValueError(f"{name} takes no logit features or packed sequences (the FlashAttention loop does)")
+    code = kernel(lib, name, q.dtype)(
+        ptr(q), ptr(k), ptr(v), ptr(out), ptr(lse), ptr(mask),
+        int64s((b, h, hkv, sq, sk, d, dv)), int64s(strides), float(scale), int(causal), int(window or 0),
+        *features, *extra, torch.get_num_threads())
+    del keep
+    if code == -1:
+        raise MemoryError("the native attention kernel could not allocate its buffers")
+    if code != 0:
+        raise RuntimeError(f"the native attention kernel refused the problem (code {code})")
+    if lse is not None:
+        return out, lse
+    return out
+
+
+def rows_per_kv_head(q: torch.Tensor, k: torch.Tensor) -> int:
+    """Sq·G: the query rows that share one K/V head (few: the decoding loop)."""
+    return q.shape[2] * (q.shape[1] // k.shape[1])
+
+
+#: At most this many query rows per K/V head (Sq·G) take the decoding loop.
+DECODE_ROWS = 32
+

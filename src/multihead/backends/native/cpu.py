@@ -1,0 +1,47 @@
+"""The CPU as ``/proc/cpuinfo`` describes it: what ``"auto"`` asks of the machine, and what the
+native kernel's build is keyed on (:mod:`._build`). Read once, on first use; nothing happens
+at import time.
+
+What the built kernel itself says of the machine (its vector width, whether its bfloat16 loop
+runs on AMX tiles) is asked of the loaded library: :mod:`.loader`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["cpuinfo", "cpu_vendor", "amx_bf16"]
+
+
+@functools.cache
+def cpuinfo() -> dict[str, str]:
+    """The first processor's fields in ``/proc/cpuinfo`` (``"vendor_id"``, ``"model name"``,
+    ``"flags"``, ...), read once; empty where it cannot be read."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            for line in info:
+                if not line.strip():  # the first processor ends
+                    break
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return fields
+
+
+@torch.compiler.assume_constant_result  # traced graphs take it as a constant (no file read in them)
+def cpu_vendor() -> str:
+    """The CPU's vendor as ``/proc/cpuinfo`` names it (``"GenuineIntel"``, ``"AuthenticAMD"``);
+    ``""`` where it cannot be read. ``"auto"`` asks it: torch's own CPU kernels (MKL, oneDNN)
+    run different code on different vendors' CPUs of the same vector width."""
+    return cpuinfo().get("vendor_id", "")
+
+
+@torch.compiler.assume_constant_result
+def amx_bf16() -> bool:
+    """Whether the CPU has AMX tiles for bfloat16 (``amx_bf16``), which oneDNN, and so torch's
+    SDPA in bfloat16, runs on. ``"auto"`` asks it."""
+    return "amx_bf16" in cpuinfo().get("flags", "").split()

@@ -1,0 +1,202 @@
+"""Decoding a token in few C calls: the few-row GEMV of the projections and the whole layer step.
+
+Notation: B batch (rows, one token each: B ≤ :data:`MAX_STEP_ROWS`), E embed_dim, H query heads,
+Hkv key/value heads, D head dim, C cache capacity, P RoPE positions, R rotary dim.
+
+:func:`linear_few_rows` streams the weights once for few rows (the layer's projections while
+decoding); :func:`decode_step` runs a layer's whole step (projections, RoPE, the cache write,
+attention, W_o) in one call, and :class:`StepPlan` keeps that call's C arguments marshalled for
+a (layer, cache) pair. Nothing happens at import time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..._checks import check_tensor
+from ._ffi import MAX_STEP_ROWS, SUFFIX, int64_ptr, int64s, kernel, pointers, ptr
+from .loader import require
+
+__all__ = ["MAX_STEP_ROWS", "linear_few_rows", "decode_step", "StepPlan"]
+
+
+def linear_few_rows(
+    x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | None]]
+) -> list[torch.Tensor]:
+    """``x · wᵀ + b`` for each ``(w, b)`` of ``layers`` in one call, for few rows of x.
+
+    For decoding: the weights are streamed once, all of them split across threads in
+    one parallel region (the q, k and v projections of a token cost one call). Forward
+    only.
+
+    Args:
+        x: (M, K) float32, contiguous, 1 ≤ M ≤ :data:`MAX_STEP_ROWS`.
+        layers: (w (N_i, K), b (N_i,) or None), float32 and contiguous.
+
+    Returns:
+        One (M, N_i) tensor per layer.
+
+    Raises:
+        TypeError, ValueError: tensors of the wrong dtype, device, layout or shapes.
+        RuntimeError: the kernel is not available (see :func:`.loader.status`).
+    """
+    check_tensor("x", x, ndim=2)
+    if not 1 <= x.shape[0] <= MAX_STEP_ROWS:
+        raise ValueError(f"x must have 1 to {MAX_STEP_ROWS} rows, got shape {list(x.shape)}")
+    for name, t in [("x", x)] + [(f"layers[{i}][{j}]", t) for i, layer in enumerate(layers)
+                                 for j, t in enumerate(layer) if t is not None]:
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            raise TypeError(f"{name} must be a contiguous float32 CPU tensor, got {t.dtype} on {t.device}"
+                            f"{'' if t.is_contiguous() else ', not contiguous'}")
+    for i, (w, bias) in enumerate(layers):
+        if w.dim() != 2 or w.shape[1] != x.shape[1] or w.shape[0] == 0:
+            raise ValueError(f"layers[{i}] weight must be (N, {x.shape[1]}), got {list(w.shape)}")
+        if bias is not None and tuple(bias.shape) != (w.shape[0],):
+            raise ValueError(f"layers[{i}] bias must be ({w.shape[0]},), got {list(bias.shape)}")
+    lib = require()
+    m, k = x.shape
+    outs = [torch.empty((m, w.shape[0]), dtype=torch.float32) for w, _ in layers]
+    code = lib.mh_linear_few_rows_f32(
+        ptr(x), m, k, len(layers), pointers([w for w, _ in layers]), int64s([w.shape[0] for w, _ in layers]),
+        pointers([b for _, b in layers]), pointers(outs), torch.get_num_threads())
+    if code != 0:
+        raise RuntimeError(f"the native linear kernel refused the problem (code {code})")
+    return outs
+
+
+def decode_step(
+    x: torch.Tensor,
+    layers: list[tuple[torch.Tensor, torch.Tensor | None]],
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rope: tuple[torch.Tensor, torch.Tensor, int, bool] | None,
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """A whole decoding step of a layer in one call (one token per row, B ≤ :data:`MAX_STEP_ROWS`).
+
+    Projects x to q, k, v, rotates q and k at each row's position ``lengths[b]``, writes
+    k and v into the cache at that slot, attends over the row's ``lengths[b] + 1`` keys
+    and projects with W_o. It does **not** advance the cache's counters: the caller
+    (:func:`multihead.decode.fused_step`, traced) commits them through ``KVCache.commit``
+    (a :class:`StepPlan`'s step does). The caller has validated everything
+    (:func:`multihead.decode.why_not_fused`).
+
+    Args:
+        x: (B, E) float32, bfloat16 or float16, contiguous: the dtype of everything
+            below but the RoPE tables (computed in float32; y, K and V rounded to it).
+        layers: (weight, bias or None) of q, k, v, o; contiguous, x's dtype.
+        rope: (cos (P, R/2), sin (P, R/2), R, interleaved) float32 tables covering every
+            row's position, or None.
+        cache_k, cache_v: (B, Hkv, C, D) x's dtype, with contiguous rows. lengths: (B,)
+            int64, contiguous (read only).
+
+    Returns:
+        y: (B, E) in x's dtype.
+    """
+    _check_step_dtypes(x, layers, rope, cache_k, cache_v)
+    lib = require()
+    b, e = x.shape
+    y = torch.empty((b, e), dtype=x.dtype)
+    cos, sin, rotary_dim, interleaved = rope if rope is not None else (None, None, 0, False)
+    code = kernel(lib, "mh_decode_step_f32", x.dtype)(
+        ptr(x), b, e, pointers([w for w, _ in layers]), pointers([bias for _, bias in layers]),
+        num_heads, num_kv_heads, head_dim, ptr(cos), ptr(sin), rotary_dim, int(interleaved),
+        ptr(cache_k), ptr(cache_v), int64s(cache_k.stride()[:3]), int64_ptr(lengths),
+        float(scale), ptr(y), None, torch.get_num_threads(), None, 0, 0)
+    if code == -1:
+        raise MemoryError("the native decoding step could not allocate its buffers")
+    if code != 0:
+        raise RuntimeError(f"the native decoding step refused the problem (code {code})")
+    return y
+
+
+class StepPlan:
+    """:func:`decode_step`'s C arguments for one layer and cache, marshalled once.
+
+    Marshalling them (ctypes arrays of pointers and strides, casts, dtype checks) costs
+    more than a small layer's whole step when the interpreter's caches are cold, as they
+    are at every step of a model that streams its weights. A plan keeps them, with the
+    tensors they point into (so that their storage lives as long as the plan: a pointer
+    in it can never be reused by another tensor). :meth:`key` is compared at every use:
+    a replaced or moved weight, table or buffer, another row count, dtype or thread count
+    makes a new plan, never a stale pointer. The caller has validated the tensors (as for
+    :func:`decode_step`; :class:`multihead.decode.FusedStep` does).
+
+    Unlike :func:`decode_step`, a plan's step also advances the cache's counters, in the
+    same C call once everything else is written (as :func:`.counters.advance_counters`, which
+    ``KVCache.commit`` calls): after the kernel, a step of a model that streams its weights
+    finds the interpreter's caches cold again, and the commit's Python took 0.1-0.17 ms.
+
+    Args: as :func:`decode_step`'s, with ``rows`` B, ``dtype`` the step's and ``slot_pos``
+    the cache's (B, C) int64 slot positions, unit stride along C.
+    """
+
+    def __init__(self, rows: int, layers: list[tuple[torch.Tensor, torch.Tensor | None]], *, num_heads: int,
+                 num_kv_heads: int, head_dim: int, rope: tuple[torch.Tensor, torch.Tensor, int, bool] | None,
+                 cache_k: torch.Tensor, cache_v: torch.Tensor, lengths: torch.Tensor, slot_pos: torch.Tensor,
+                 scale: float, dtype: torch.dtype) -> None:
+        self.key = StepPlan.key_of(rows, layers, rope, cache_k, cache_v, lengths, slot_pos, dtype,
+                                   (num_heads, num_kv_heads, head_dim, float(scale)))
+        #: Every tensor the plan points into, in a fixed order (the cache's four last), held so
+        #: that their storage lives as long as the plan.
+        self.tensors: tuple[torch.Tensor, ...] = tuple(t for t in (
+            *(t for pair in layers for t in pair), *(rope[:2] if rope is not None else ()), cache_k, cache_v, lengths,
+            slot_pos) if t is not None)
+        e = layers[0][0].shape[1]
+        cos, sin, rotary_dim, interleaved = rope if rope is not None else (None, None, 0, False)
+        #: (B, 2, Hkv, D): the slots the last step wrote, as they were before (the cache puts them
+        #: back if the step must be undone: :meth:`multihead.KVCache.undo_native_step`).
+        self.saved = torch.empty((rows, 2, num_kv_heads, head_dim), dtype=dtype)
+        self._fn = kernel(require(), "mh_decode_step_f32", dtype)
+        self._shape, self._dtype = (rows, 1, e), dtype
+        self._args = (rows, e, pointers([w for w, _ in layers]), pointers([b for _, b in layers]), num_heads,
+                      num_kv_heads, head_dim, ptr(cos), ptr(sin), rotary_dim, int(interleaved), ptr(cache_k),
+                      ptr(cache_v), int64s(cache_k.stride()[:3]), int64_ptr(lengths), float(scale))
+        self._counters = (slot_pos.data_ptr(), slot_pos.stride(0), slot_pos.shape[1])
+
+    @staticmethod
+    def key_of(rows: int, layers: list[tuple[torch.Tensor, torch.Tensor | None]],
+               rope: tuple[torch.Tensor, torch.Tensor, int, bool] | None, cache_k: torch.Tensor,
+               cache_v: torch.Tensor, lengths: torch.Tensor, slot_pos: torch.Tensor, dtype: torch.dtype,
+               shape: tuple[int, int, int, float]) -> tuple[object, ...]:
+        """What a plan's arguments depend on: data pointers, strides, rows, dtype, threads, and
+        ``shape`` (H, Hkv, D, scale): the layer's, which a user may reassign (``layer.scale``)."""
+        return (rows, dtype, torch.get_num_threads(), shape, *(ptr(t) for pair in layers for t in pair),
+                None if rope is None else (rope[0].data_ptr(), rope[1].data_ptr(), rope[2], rope[3]),
+                cache_k.data_ptr(), cache_v.data_ptr(), cache_k.stride(), lengths.data_ptr(), slot_pos.data_ptr(),
+                slot_pos.shape, slot_pos.stride())
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """The step for x (B, E) or (B, 1, E), contiguous, of the plan's dtype: y (B, 1, E).
+        K and V written, the counters advanced; the written slots' old K and V are kept in
+        :attr:`saved`. Nothing is written if it fails (every row must have room)."""
+        y = torch.empty(self._shape, dtype=self._dtype)
+        code = self._fn(x.data_ptr(), *self._args, y.data_ptr(), self.saved.data_ptr(), torch.get_num_threads(),
+                        *self._counters)
+        if code == -1:
+            raise MemoryError("the native decoding step could not allocate its buffers")
+        if code != 0:
+            raise RuntimeError(f"the native decoding step refused the problem (code {code})")
+        return y
+
+
+
+def _check_step_dtypes(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | None]],
+                       rope: tuple[torch.Tensor, torch.Tensor, int, bool] | None, cache_k: torch.Tensor,
+                       cache_v: torch.Tensor) -> None:
+    """The step reads raw memory of one dtype: x's, everywhere but the float32 RoPE tables."""
+    if x.dtype not in SUFFIX:
+        raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    named = [("cache_k", cache_k), ("cache_v", cache_v)] + [
+        (f"layers[{i}][{j}]", t) for i, layer in enumerate(layers) for j, t in enumerate(layer) if t is not None]
+    for name, t in named:
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name} must have x's dtype {x.dtype}, got {t.dtype}")
+    for name, t in zip(("cos", "sin"), rope[:2] if rope is not None else ()):
+        if t.dtype != torch.float32:
+            raise TypeError(f"the RoPE table {name} must be float32, got {t.dtype}")
