@@ -14,11 +14,13 @@ weight ×4). The eager model is the oracle; a patched deep copy must give what i
   every attention layer as the unpatched model does; ``cap.weights`` equal the eager module's
   weights, and each other; ``cap.modules[name].output(cap.heads[name])`` (merge the heads,
   then o_proj) equals the eager module's output projection (its output before any residual).
-* ``capture`` around ``generate`` (P = 4 tokens, 3 new, greedy, no padding): each call's rows
-  appended (weights zero-padded on the right to the longest key count), ``k``/``v`` the last
-  call's: equal to a capture of the no-cache forward of the first P + 2 generated tokens. P + 2
-  stays within the sliding window (6): HF's sliding cache keeps the last window - 1 keys only,
-  after which a call's key columns no longer start at position 0.
+* ``capture`` around ``generate`` (P = 4 tokens, 3 new, greedy, no padding): one call per step,
+  each call's rows appended (weights zero-padded on the right to the longest key count),
+  ``k``/``v`` the last call's: equal to captures of the no-cache forward of the tokens each call
+  had seen, which for the usual calls (the prefill of P tokens, then one token at a time) is the
+  no-cache forward of the first P + 2 tokens. P + 2 stays within the sliding window (6): HF's
+  sliding cache keeps the last window - 1 keys only, after which a call's key columns would no
+  longer start at position 0.
 * a second plain call of a layer inside one capture block is refused.
 
 "Equal": relative difference ≤ 1e-5 (float32, to the tensor's max abs) on the rows of real
@@ -42,6 +44,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import multihead as mh
@@ -177,7 +180,7 @@ def _in_decoder(model_type: str, name: str) -> bool:
 def _assert_close(got: Any, want: torch.Tensor, rows: torch.Tensor | None, dim: int, where: str) -> None:
     """``got`` has ``want``'s shape and equals it (relative to its max abs) on ``rows`` of dim ``dim``."""
     assert isinstance(got, torch.Tensor), f"{where}: got {type(got).__name__}, not a tensor"
-    assert got.shape == want.shape, f"{where}: shape {tuple(got.shape)}, eager {tuple(want.shape)}"
+    assert got.shape == want.shape, f"{where}: shape {tuple(got.shape)}, expected {tuple(want.shape)}"
     if rows is not None:
         got, want = got.movedim(dim, 1)[rows], want.movedim(dim, 1)[rows]  # (N, ...) real queries
     rel = ((got - want).abs().max() / want.abs().max()).item()
@@ -266,13 +269,39 @@ def _generate(model: nn.Module, model_type: str, batch: dict[str, torch.Tensor])
     return model.generate(**_encoder_inputs(model_type, batch), decoder_input_ids=prefix, **greedy)
 
 
+def _decoder_inputs(model_type: str, batch: dict[str, torch.Tensor], tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The no-cache forward's inputs for the generated ``tokens`` (B, n) (and the same encoder inputs)."""
+    if model_type not in SEQ2SEQ:
+        return {"input_ids": tokens}
+    return {**_encoder_inputs(model_type, batch), "decoder_input_ids": tokens}
+
+
+def _appended(refs: dict[int, mh.heads.Capture], calls: list[tuple[int, int]], name: str,
+              kind: str) -> torch.Tensor:
+    """What a capture around the ``calls`` (first position, tokens) holds for ``name``: each call's rows
+    of ``kind`` (weights, heads) in order, from the no-cache forward of the tokens it had seen,
+    weights zero-padded on the right to the longest key count."""
+    parts = [getattr(refs[p + n], kind)[name][:, :, p:p + n] for p, n in calls]  # (B, H, n, Sk or D) each
+    width = max(t.shape[-1] for t in parts)
+    return torch.cat([F.pad(t, (0, width - t.shape[-1])) for t in parts], dim=2)
+
+
 @pytest.mark.parametrize("model_type", GENERATORS)
 def test_capture_during_generate_appends_every_call(model_type: str) -> None:
     c, what = case(model_type), ("weights", "heads", "k", "v")
+    calls: list[tuple[int, int]] = []  # (first position, tokens) of each call of the model
+
+    def note(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        cache, tokens = kwargs.get("cache"), kwargs.get("decoder_input_ids", kwargs.get("input_ids"))
+        calls.append((0 if cache is None else cache.get_seq_length(), tokens.shape[1]))
 
     def run() -> tuple[mh.heads.Capture, torch.Tensor]:
-        with torch.no_grad(), mh.heads.capture(c.patched, what=what) as cap:
-            tokens = _generate(c.patched, model_type, c.batch)
+        hook = c.patched.register_forward_pre_hook(note, with_kwargs=True)
+        try:
+            with torch.no_grad(), mh.heads.capture(c.patched, what=what) as cap:
+                tokens = _generate(c.patched, model_type, c.batch)
+        finally:
+            hook.remove()
         return cap, tokens
 
     got = _or_refused(model_type, run)
@@ -280,14 +309,23 @@ def test_capture_during_generate_appends_every_call(model_type: str) -> None:
         return
     cap, tokens = got
     assert tokens.shape[1] == P + NEW
-    seen = tokens[:, :P + 2]  # what the three calls read: the prompt, then two new tokens
-    inputs = {"input_ids": seen} if model_type not in SEQ2SEQ else {**_encoder_inputs(model_type, c.batch),
-                                                                     "decoder_input_ids": seen}
-    with torch.no_grad(), mh.heads.capture(c.patched, what=what) as want:
-        c.patched(**inputs, use_cache=False)
+    # One call per step: the prefill of P tokens, then one token at a time; Phi-3's longrope drops
+    # the cache when the sequence first outgrows original_max_position_embeddings (4) and runs the
+    # whole sequence again (its second call is (0, P + 1)): those rows are appended too.
+    assert len(calls) == NEW and calls[0] == (0, P) and calls[-1] == (P + 1, 1), calls
+    refs: dict[int, mh.heads.Capture] = {}
+    for end in sorted({p + n for p, n in calls}):
+        with torch.no_grad(), mh.heads.capture(c.patched, what=what) as refs[end]:
+            c.patched(**_decoder_inputs(model_type, c.batch, tokens[:, :end]), use_cache=False)
+    last = refs[P + 2]  # the no-cache forward of the first P + 2 tokens
     for name in c.names:
+        once = model_type in SEQ2SEQ and not _in_decoder(model_type, name)  # the encoder runs once
         for kind in what:
-            _assert_close(getattr(cap, kind).get(name), getattr(want, kind)[name], None, 2, f"{name} {kind}")
+            if once or kind in ("k", "v"):  # k, v: the last call's, every key it held
+                want = getattr(last, kind)[name]
+            else:
+                want = _appended(refs, calls, name, kind)
+            _assert_close(getattr(cap, kind).get(name), want, None, 2, f"{name} {kind}")
 
 
 @pytest.mark.parametrize("model_type", list(ZOO))
