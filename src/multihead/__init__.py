@@ -60,8 +60,8 @@ __all__ = [
 
 # Hugging Face glue, the tools, the heads toolkit and torch.distributed (parallel), imported on
 # first use (they import transformers only inside functions; lazy keeps ``import multihead`` to the core).
-_LAZY = {"hf": ".hf", "models": ".tools.models", "kernels": ".kernels", "bench": ".tools.bench",
-         "cli": ".tools.cli", "heads": ".heads", "parallel": ".parallel"}
+_LAZY = {"hf": ".hf", "models": ".tools.models", "bench": ".tools.bench", "cli": ".tools.cli", "heads": ".heads",
+         "parallel": ".parallel"}
 
 
 def __getattr__(name: str) -> Any:

@@ -113,7 +113,8 @@ def test_auto_without_the_native_kernel_uses_its_torch_paths(monkeypatch, bits: 
         layer(torch.randn(1, 1, 64), cache=cache)
     long = torch.randn(1, 2, 512, 64)
     q1, kv = torch.randn(1, 8, 1, 64), torch.randn(1, 2, 300, 64)
-    assert mh.kernels.auto_path(q1, kv, kv) == "decode"
-    assert mh.kernels.auto_path(long, long, long) == ("blocked" if mh.kernels.onednn_available() else "sdpa")
+    assert mh.backends.auto.auto_path(q1, kv, kv) == "decode"
+    long_path = "blocked" if mh.backends.gemm.onednn_available() else "sdpa"
+    assert mh.backends.auto.auto_path(long, long, long) == long_path
 
 

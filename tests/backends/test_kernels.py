@@ -1,4 +1,4 @@
-"""The torch-only kernels (:mod:`multihead.blocked`) agree with the float64 reference.
+"""The torch-only kernels (:mod:`multihead.backends.blocked`) agree with the float64 reference.
 
 Block boundaries are where blocked kernels go wrong, so block sizes are shrunk (patched)
 to a few rows and keys and the shapes are drawn around them: Sq and Sk of 1, primes,
@@ -25,8 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import multihead as mh
-from multihead import kernels
 from multihead.backends import blocked, gemm
+from multihead.linear import linear, linears
 
 SCALE = float(os.environ.get("MULTIHEAD_PROPERTY_EXAMPLES", "1"))
 PROFILE = settings(max_examples=max(1, int(120 * SCALE)), deadline=None, derandomize=True,
@@ -84,7 +84,7 @@ def _scale(p: dict) -> float:
 def test_blocked_matches_reference_float64_across_block_boundaries(p: dict, rows: int, key_chunk: int,
                                                                    key_align: int) -> None:
     with blocks(rows, key_chunk, key_align):
-        out = kernels.blocked_attention(p["q"], p["k"], p["v"], scale=_scale(p), causal=p["causal"],
+        out = blocked.blocked_attention(p["q"], p["k"], p["v"], scale=_scale(p), causal=p["causal"],
                                         window=p["window"], mask=p["mask"])
     assert out.shape == p["q"].shape[:3] + p["v"].shape[-1:]
     np.testing.assert_allclose(out.numpy(), _ref(p), atol=ATOL64, rtol=0)
@@ -93,7 +93,7 @@ def test_blocked_matches_reference_float64_across_block_boundaries(p: dict, rows
 @PROFILE
 @given(problems())
 def test_decode_path_matches_reference_float64(p: dict) -> None:
-    out = kernels.decode_attention(p["q"], p["k"], p["v"], scale=_scale(p), causal=p["causal"],
+    out = blocked.decode_attention(p["q"], p["k"], p["v"], scale=_scale(p), causal=p["causal"],
                                    window=p["window"], mask=p["mask"])
     np.testing.assert_allclose(out.numpy(), _ref(p), atol=ATOL64, rtol=0)
 
@@ -113,7 +113,7 @@ def test_blocked_float32_on_onednn_within_accuracy_criterion(p: dict, rows: int,
     q, k, v = (p[n].float() for n in "qkv")
     kw = dict(causal=p["causal"], window=p["window"], mask=p["mask"])
     with blocks(rows, key_chunk, key_align):
-        ours = kernels.blocked_attention(q, k, v, scale=_scale(p), **kw)
+        ours = blocked.blocked_attention(q, k, v, scale=_scale(p), **kw)
     naive = mh.attention(q, k, v, scale=p["scale"], backend="explicit", **kw)
     _float32_criterion(ours, naive, _ref(p))
 
@@ -121,7 +121,7 @@ def test_blocked_float32_on_onednn_within_accuracy_criterion(p: dict, rows: int,
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_inputs_are_computed_in_float32(dtype: torch.dtype) -> None:
     q, k, v = (torch.randn(1, 4, 37, 16) for _ in range(3))
-    out = kernels.blocked_attention(q.to(dtype), k.to(dtype), v.to(dtype), scale=0.25, causal=True)
+    out = blocked.blocked_attention(q.to(dtype), k.to(dtype), v.to(dtype), scale=0.25, causal=True)
     assert out.dtype == dtype
     ref = mh.attention(q.double(), k.double(), v.double(), causal=True, backend="explicit")
     torch.testing.assert_close(out.double(), ref, atol=4 * torch.finfo(dtype).eps, rtol=0)
@@ -148,7 +148,7 @@ def test_causal_with_more_queries_than_keys_zeroes_the_early_queries() -> None:
     # Bottom-right alignment: with Sq=6, Sk=4 queries 0 and 1 sit before every key.
     q, k, v = torch.randn(1, 1, 6, 8), torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8)
     with blocks(4, 8192):
-        out = kernels.blocked_attention(q, k, v, scale=0.3, causal=True)
+        out = blocked.blocked_attention(q, k, v, scale=0.3, causal=True)
     assert (out[0, 0, :2] == 0).all()
     ref = mh.attention(q.double(), k.double(), v.double(), causal=True, scale=0.3, backend="explicit")
     torch.testing.assert_close(out.double(), ref, atol=1e-6, rtol=0)
@@ -228,7 +228,7 @@ def test_linear_matches_f_linear_in_value_and_gradients(bias: bool) -> None:
     w = torch.randn(7, 12, requires_grad=True)
     b = torch.randn(7, requires_grad=True) if bias else None
     gy = torch.randn(2, 5, 7)
-    ours = kernels.linear(x, w, b)
+    ours = linear(x, w, b)
     grads = torch.autograd.grad(ours, [t for t in (x, w, b) if t is not None], gy)
     ref = torch.nn.functional.linear(x, w, b)
     ref_grads = torch.autograd.grad(ref, [t for t in (x, w, b) if t is not None], gy)
@@ -236,7 +236,7 @@ def test_linear_matches_f_linear_in_value_and_gradients(bias: bool) -> None:
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     with torch.no_grad():
-        torch.testing.assert_close(kernels.linear(x, w, b), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(linear(x, w, b), ref, atol=1e-5, rtol=1e-5)
 
 
 def test_linears_of_one_input_match_f_linear_and_transpose_it_once() -> None:
@@ -249,13 +249,13 @@ def test_linears_of_one_input_match_f_linear_and_transpose_it_once() -> None:
     layers[2][0].requires_grad_(False)  # frozen
     leaves = [t for t in (x, *(t for layer in layers for t in layer)) if t is not None and t.requires_grad]
     gys = [torch.randn(3, 7, w.shape[0]) for w, _ in layers]
-    ours = kernels.linears(x, layers)
+    ours = linears(x, layers)
     refs = [torch.nn.functional.linear(x, w, b) for w, b in layers]
     for got, want in zip(torch.autograd.grad(ours, leaves, gys), torch.autograd.grad(refs, leaves, gys)):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     if gemm.onednn_available():  # the oneDNN path transposes its operands into contiguous copies
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
-            torch.autograd.backward(kernels.linears(x, layers), gys)
+            torch.autograd.backward(linears(x, layers), gys)
         copies = [e.input_shapes[0] for e in prof.events() if e.name == "aten::copy_"]
         assert copies.count([16, 21]) == 1, copies  # xᵀ (in, N): once for both trained weights
 
@@ -289,9 +289,9 @@ def test_small_gemms_without_autograd_run_on_f_linear(rows: int, width: int) -> 
     x, w, b = torch.randn(rows, width), torch.randn(width, width), torch.randn(width)
     small = rows * width * width <= mh.linear.SMALL_GEMM
     with torch.no_grad():
-        torch.testing.assert_close(kernels.linear(x, w, b), torch.nn.functional.linear(x, w, b),
+        torch.testing.assert_close(linear(x, w, b), torch.nn.functional.linear(x, w, b),
                                    atol=1e-4, rtol=1e-5)
-        used = _gemm_ops(lambda: kernels.linear(x, w, b))
+        used = _gemm_ops(lambda: linear(x, w, b))
     if small or not gemm.onednn_available():
         assert used == {"aten::addmm"}, used
     else:

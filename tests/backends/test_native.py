@@ -219,11 +219,11 @@ def test_auto_uses_the_native_kernel_for_prefill(amd_cpu) -> None:
     """"auto" names the native loop for a prefill and runs exactly it (bitwise); tiny problems
     take SDPA (its lower fixed cost)."""
     q = torch.randn(1, 12, 320, 32)  # 2^20.2 scores: native with AVX-512 (from 2^14) and AVX2 (from 2^20)
-    assert mh.kernels.auto_path(q, q, q) == "native"
+    assert mh.backends.auto.auto_path(q, q, q) == "native"
     want, _ = native.run(q, q, q, scale=32 ** -0.5, causal=True, window=None, mask=None, decode=False)
     assert torch.equal(mh.attention(q, q, q, causal=True), want)
     tiny = q[:, :, :4]
-    assert mh.kernels.auto_path(tiny, tiny, tiny) == "sdpa"  # 192 scores
+    assert mh.backends.auto.auto_path(tiny, tiny, tiny) == "sdpa"  # 192 scores
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:

@@ -148,7 +148,7 @@ def test_compiled_prefill_runs_the_eager_kernels_and_nothing_else(amd_cpu, causa
         got, codes = run_and_get_code(torch.compile(layer, fullgraph=True), x)
     kernels = [op for op in log.ops if op not in ("aten.view", "aten.transpose", "aten.reshape",
                                                   "aten._unsafe_view", "aten.permute", "aten.detach", "aten.t")]
-    if not mh.kernels.onednn_available():  # MULTIHEAD_GEMM=torch: F.linear's GEMM, which Inductor calls itself
+    if not mh.backends.gemm.onednn_available():  # MULTIHEAD_GEMM=torch: F.linear's GEMM, which Inductor calls itself
         assert kernels == ["aten.addmm"] * 3 + ["multihead.attention", "aten.addmm"]
         assert "\n".join(codes).count("torch.ops.multihead.attention.default(") == 1
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)

@@ -12,6 +12,7 @@ import torch
 
 import multihead as mh
 from multihead.backends import auto, blocked, native
+from multihead.backends.gemm import onednn_available
 from multihead.backends.registry import get_spec, missing_capability
 
 def _qkv(b: int, h: int, hkv: int, sq: int, sk: int, d: int = 64, dtype=torch.float32, seed: int = 0):
@@ -26,22 +27,21 @@ def test_every_rule_has_a_reason_and_auto_paths_is_derived_from_the_rules() -> N
     assert list(auto.AUTO_PATHS) == [r.path for r in auto.AUTO_RULES]
     assert all(r.reason for r in auto.AUTO_RULES)
     assert auto.AUTO_RULES[-1].applies(auto.Call(*_qkv(1, 1, 1, 1, 1)))  # a last rule that always applies
-    assert mh.kernels.AUTO_PATHS is auto.AUTO_PATHS
 
 
 def test_weights_rule_comes_first() -> None:
     q, k, v = _qkv(1, 4, 4, 64, 64)
-    assert mh.kernels.auto_path(q, k, v, return_weights=True) == "explicit"
-    assert mh.kernels.auto_path(q.requires_grad_(), k, v, return_weights=True) == "explicit"
+    assert auto.auto_path(q, k, v, return_weights=True) == "explicit"
+    assert auto.auto_path(q.requires_grad_(), k, v, return_weights=True) == "explicit"
 
 
 def test_gradients_and_dropout_take_sdpa_and_with_lse_explicit() -> None:
     q, k, v = _qkv(1, 4, 4, 64, 64)
-    assert mh.kernels.auto_path(q, k, v, dropout_p=0.1) == "sdpa (gradients)"
-    assert mh.kernels.auto_path(q.clone().requires_grad_(), k, v) == "sdpa (gradients)"
-    assert mh.kernels.auto_path(q.clone().requires_grad_(), k, v, return_lse=True) == "explicit (gradients, lse)"
+    assert auto.auto_path(q, k, v, dropout_p=0.1) == "sdpa (gradients)"
+    assert auto.auto_path(q.clone().requires_grad_(), k, v) == "sdpa (gradients)"
+    assert auto.auto_path(q.clone().requires_grad_(), k, v, return_lse=True) == "explicit (gradients, lse)"
     with torch.no_grad():
-        assert mh.kernels.auto_path(q.clone().requires_grad_(), k, v) != "sdpa (gradients)"
+        assert auto.auto_path(q.clone().requires_grad_(), k, v) != "sdpa (gradients)"
 
 
 @pytest.mark.parametrize("bits", [512, 256], ids=["AVX-512", "AVX2"])
@@ -52,28 +52,28 @@ def test_native_rules_per_vector_width(monkeypatch, amd_cpu, bits: int) -> None:
     least, decode_least = auto.NATIVE_MIN_SCORES[bits], auto.NATIVE_MIN_DECODE_SCORES[bits]
     assert (least, decode_least) == {512: (1 << 14, 1 << 11), 256: (1 << 20, 1 << 14)}[bits]
     s = int(least ** 0.5) // 2  # (1, 4, 4, s, s): exactly `least` scores
-    assert mh.kernels.auto_path(*_qkv(1, 4, 4, s, s)) == "native"
-    assert mh.kernels.auto_path(*_qkv(1, 4, 4, s - 1, s)) == ("blocked" if _blocked_fits(s - 1, s) else "sdpa")
-    assert mh.kernels.auto_path(*_qkv(1, 4, 4, 8, 8)) == "sdpa"  # 256 scores: below both thresholds
-    assert mh.kernels.auto_path(*_qkv(1, 4, 4, s, s, d=40)) != "native"  # Dv not a multiple of 16
-    assert mh.kernels.auto_path(*_qkv(1, 4, 4, s, s, dtype=torch.bfloat16)) == "native"
-    assert mh.kernels.auto_path(*_qkv(1, 4, 4, s, s, dtype=torch.float64)) == "sdpa"
+    assert auto.auto_path(*_qkv(1, 4, 4, s, s)) == "native"
+    assert auto.auto_path(*_qkv(1, 4, 4, s - 1, s)) == ("blocked" if _blocked_fits(s - 1, s) else "sdpa")
+    assert auto.auto_path(*_qkv(1, 4, 4, 8, 8)) == "sdpa"  # 256 scores: below both thresholds
+    assert auto.auto_path(*_qkv(1, 4, 4, s, s, d=40)) != "native"  # Dv not a multiple of 16
+    assert auto.auto_path(*_qkv(1, 4, 4, s, s, dtype=torch.bfloat16)) == "native"
+    assert auto.auto_path(*_qkv(1, 4, 4, s, s, dtype=torch.float64)) == "sdpa"
     keys = decode_least // 8  # (1, 8, 2, 1, keys): Sq·G = 4 rows, exactly `decode_least` scores
-    assert mh.kernels.auto_path(*_qkv(1, 8, 2, 1, keys)) == "native decode"
-    assert mh.kernels.auto_path(*_qkv(1, 8, 8, 1, keys)) == "native decode"  # MHA too
-    below = mh.kernels.auto_path(*_qkv(1, 8, 2, 1, keys - 1))
+    assert auto.auto_path(*_qkv(1, 8, 2, 1, keys)) == "native decode"
+    assert auto.auto_path(*_qkv(1, 8, 8, 1, keys)) == "native decode"  # MHA too
+    below = auto.auto_path(*_qkv(1, 8, 2, 1, keys - 1))
     assert below == ("decode" if keys - 1 >= auto.DECODE_MIN_KEYS else "sdpa")
-    assert mh.kernels.auto_path(*_qkv(1, 8, 8, 1, keys - 1)) == "sdpa"  # MHA below: SDPA
+    assert auto.auto_path(*_qkv(1, 8, 8, 1, keys - 1)) == "sdpa"  # MHA below: SDPA
     lse_least = auto.NATIVE_MIN_GRAD_LSE_SCORES[bits]
     assert lse_least == {512: 1 << 22, 256: 1 << 16}[bits]
     s = int(lse_least ** 0.5) // 2  # (1, 4, 4, s, s): exactly `lse_least` scores
     big = _qkv(1, 4, 4, s, s)
-    assert mh.kernels.auto_path(big[0].clone().requires_grad_(), *big[1:], return_lse=True) == "native (gradients, lse)"
+    assert auto.auto_path(big[0].clone().requires_grad_(), *big[1:], return_lse=True) == "native (gradients, lse)"
     small = _qkv(1, 4, 4, s - 1, s)
-    assert mh.kernels.auto_path(small[0].clone().requires_grad_(), *small[1:], return_lse=True) \
+    assert auto.auto_path(small[0].clone().requires_grad_(), *small[1:], return_lse=True) \
         == "explicit (gradients, lse)"
-    assert mh.kernels.auto_path(*big, return_lse=True, dropout_p=0.1) == "explicit (gradients, lse)"
-    assert mh.kernels.auto_path(*_qkv(1, 4, 4, 1024, 1024)) == "native"
+    assert auto.auto_path(*big, return_lse=True, dropout_p=0.1) == "explicit (gradients, lse)"
+    assert auto.auto_path(*_qkv(1, 4, 4, 1024, 1024)) == "native"
 
 
 @pytest.mark.parametrize("bits", [512, 256], ids=["AVX-512", "AVX2"])
@@ -86,19 +86,19 @@ def test_native_gradients_per_vector_width(monkeypatch, bits: int) -> None:
     s = 512  # (1, 4, 4, s, s): exactly 2^20 scores
     q, k, v = _qkv(1, 4, 4, s, s)
     grad = q.clone().requires_grad_()
-    assert mh.kernels.auto_path(grad, k, v) == "native (gradients)"
+    assert auto.auto_path(grad, k, v) == "native (gradients)"
     half = _qkv(1, 4, 4, s, s, dtype=torch.bfloat16)
-    assert mh.kernels.auto_path(half[0].clone().requires_grad_(), *half[1:]) == "native (gradients)"
+    assert auto.auto_path(half[0].clone().requires_grad_(), *half[1:]) == "native (gradients)"
     monkeypatch.setattr(native, "amx_bf16", lambda: True)
-    assert mh.kernels.auto_path(half[0].clone().requires_grad_(), *half[1:]) == "sdpa (gradients)"
-    assert mh.kernels.auto_path(grad, k, v) == "native (gradients)"  # float32: AMX does not matter
+    assert auto.auto_path(half[0].clone().requires_grad_(), *half[1:]) == "sdpa (gradients)"
+    assert auto.auto_path(grad, k, v) == "native (gradients)"  # float32: AMX does not matter
     monkeypatch.setattr(native, "amx_bf16", lambda: False)
-    assert mh.kernels.auto_path(q, k.clone().requires_grad_(), v) == mh.kernels.auto_path(grad, k, v)
-    assert mh.kernels.auto_path(grad[:, :, 1:], k, v) == "sdpa (gradients)"  # one row fewer: below
-    assert mh.kernels.auto_path(grad, k, v, dropout_p=0.1) == "sdpa (gradients)"
+    assert auto.auto_path(q, k.clone().requires_grad_(), v) == auto.auto_path(grad, k, v)
+    assert auto.auto_path(grad[:, :, 1:], k, v) == "sdpa (gradients)"  # one row fewer: below
+    assert auto.auto_path(grad, k, v, dropout_p=0.1) == "sdpa (gradients)"
     lse_path = "native (gradients, lse)" if bits == 256 else "explicit (gradients, lse)"  # AVX-512: from 2^22
-    assert mh.kernels.auto_path(grad, k, v, return_lse=True) == lse_path
-    assert mh.kernels.auto_path(grad, k, v[..., :40]) == "sdpa (gradients)"  # Dv not a multiple of 16
+    assert auto.auto_path(grad, k, v, return_lse=True) == lse_path
+    assert auto.auto_path(grad, k, v[..., :40]) == "sdpa (gradients)"  # Dv not a multiple of 16
     if bits == native.vector_bits() and native.available():  # the path taken here: its gradients
         grads = []
         for backend in ("auto", "sdpa"):
@@ -126,28 +126,28 @@ def test_intel_avx512_and_amx_rules(monkeypatch, bits: int, vendor: str, amx: bo
     least = 1 << 20 if intel else auto.NATIVE_MIN_SCORES[bits]
     s = int(least ** 0.5) // 2  # (1, 4, 4, s, s): exactly `least` scores
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        path = mh.kernels.auto_path(*_qkv(1, 4, 4, s, s, dtype=dtype))
+        path = auto.auto_path(*_qkv(1, 4, 4, s, s, dtype=dtype))
         bf16_amx = dtype == torch.bfloat16 and amx and least < auto.AMX_MIN_SCORES
         assert path == ("sdpa" if bf16_amx else "native"), (dtype, path)
     half = _qkv(1, 8, 8, 512, 512, dtype=torch.bfloat16)  # 2^21 scores
-    assert mh.kernels.auto_path(*half) == ("sdpa" if amx and not tiles else "native")
-    assert mh.kernels.auto_path(*_qkv(1, 8, 8, 511, 512, dtype=torch.bfloat16)) == (
+    assert auto.auto_path(*half) == ("sdpa" if amx and not tiles else "native")
+    assert auto.auto_path(*_qkv(1, 8, 8, 511, 512, dtype=torch.bfloat16)) == (
         "sdpa" if amx else "native")
-    assert mh.kernels.auto_path(half[0].clone().requires_grad_(), *half[1:]) == (
+    assert auto.auto_path(half[0].clone().requires_grad_(), *half[1:]) == (
         "sdpa (gradients)" if amx else "native (gradients)")
-    below = mh.kernels.auto_path(*_qkv(1, 4, 4, s - 1, s))
+    below = auto.auto_path(*_qkv(1, 4, 4, s - 1, s))
     assert below == ("blocked" if _blocked_fits(s - 1, s) and not intel else "sdpa"), below
-    assert mh.kernels.auto_path(*_qkv(1, 4, 4, 512, 512)) == "native"  # 2^20 scores: every threshold
-    assert mh.kernels.auto_path(*_qkv(1, 2, 2, 256, 512)) == (  # 2^18 scores
+    assert auto.auto_path(*_qkv(1, 4, 4, 512, 512)) == "native"  # 2^20 scores: every threshold
+    assert auto.auto_path(*_qkv(1, 2, 2, 256, 512)) == (  # 2^18 scores
         "sdpa" if intel else "native" if bits == 512 else "sdpa")
     for dtype in (torch.float32, torch.bfloat16):
-        assert mh.kernels.auto_path(*_qkv(1, 32, 8, 1, 4096, dtype=dtype)) == "native decode"
-    assert mh.kernels.auto_path(*_qkv(1, 12, 12, 1024, 1024), softcap=30.0) == "native (features)"
+        assert auto.auto_path(*_qkv(1, 32, 8, 1, 4096, dtype=dtype)) == "native decode"
+    assert auto.auto_path(*_qkv(1, 12, 12, 1024, 1024), softcap=30.0) == "native (features)"
     big = _qkv(1, 4, 4, 1024, 1024)
-    assert mh.kernels.auto_path(big[0].clone().requires_grad_(), *big[1:], return_lse=True) \
+    assert auto.auto_path(big[0].clone().requires_grad_(), *big[1:], return_lse=True) \
         == "native (gradients, lse)"
     small = _qkv(1, 4, 4, 64, 64, dtype=torch.bfloat16)  # 2^14 scores: native with the lse on AVX-512 anywhere
-    assert mh.kernels.auto_path(*small, return_lse=True) == ("native" if bits == 512 else "explicit (lse)")
+    assert auto.auto_path(*small, return_lse=True) == ("native" if bits == 512 else "explicit (lse)")
 
 
 def test_cpu_vendor_reads_proc_cpuinfo() -> None:
@@ -160,7 +160,7 @@ def test_cpu_vendor_reads_proc_cpuinfo() -> None:
 
 
 def _blocked_fits(sq: int, sk: int) -> bool:
-    return min(sq, sk) >= auto.BLOCKED_MIN_SEQ and mh.kernels.onednn_available()
+    return min(sq, sk) >= auto.BLOCKED_MIN_SEQ and onednn_available()
 
 
 @pytest.mark.parametrize("bits", [0, 128], ids=["no kernel", "no AVX2"])
@@ -168,13 +168,13 @@ def test_torch_rules_without_the_native_kernel(monkeypatch, bits: int) -> None:
     """Without the kernel, or built for a width whose tiles are not measured (128-bit
     vectors: the AVX2 tiles split), "auto" keeps to torch's paths."""
     monkeypatch.setattr(native, "vector_bits", lambda: bits)
-    assert mh.kernels.auto_path(*_qkv(1, 8, 2, 1, 300)) == "decode"  # GQA, long cache
-    assert mh.kernels.auto_path(*_qkv(1, 8, 8, 1, 300)) == "sdpa"  # MHA decoding: SDPA
-    assert mh.kernels.auto_path(*_qkv(1, 8, 2, 1, 100)) == "sdpa"  # short cache
+    assert auto.auto_path(*_qkv(1, 8, 2, 1, 300)) == "decode"  # GQA, long cache
+    assert auto.auto_path(*_qkv(1, 8, 8, 1, 300)) == "sdpa"  # MHA decoding: SDPA
+    assert auto.auto_path(*_qkv(1, 8, 2, 1, 100)) == "sdpa"  # short cache
     long = _qkv(1, 2, 2, 512, 512)
-    assert mh.kernels.auto_path(*long) == ("blocked" if mh.kernels.onednn_available() else "sdpa")
-    assert mh.kernels.auto_path(*_qkv(1, 2, 2, 512, 512, d=32)) == "sdpa"  # D < 64
-    assert mh.kernels.auto_path(*_qkv(1, 12, 12, 2048, 2048)) != "native"
+    assert auto.auto_path(*long) == ("blocked" if onednn_available() else "sdpa")
+    assert auto.auto_path(*_qkv(1, 2, 2, 512, 512, d=32)) == "sdpa"  # D < 64
+    assert auto.auto_path(*_qkv(1, 12, 12, 2048, 2048)) != "native"
 
 
 def test_the_machine_s_width_is_one_the_rules_know_or_none() -> None:
@@ -182,7 +182,7 @@ def test_the_machine_s_width_is_one_the_rules_know_or_none() -> None:
     take no native path at all), so the per-width tests cover what runs here."""
     bits = native.vector_bits()
     assert bits in (0, 128, 256, 512)
-    path = mh.kernels.auto_path(*_qkv(1, 4, 4, 1024, 1024))
+    path = auto.auto_path(*_qkv(1, 4, 4, 1024, 1024))
     assert (path == "native") == (bits in auto.NATIVE_MIN_SCORES), (bits, path)  # 2^22 scores: every rule
 
 
@@ -190,7 +190,7 @@ def test_lse_rules_never_pick_a_path_without_lse(monkeypatch) -> None:
     for bits in (0, 256, 512):
         monkeypatch.setattr(native, "vector_bits", lambda b=bits: b)
         for shape in ((1, 4, 4, 8, 8), (1, 8, 8, 1, 300), (1, 4, 4, 64, 64)):
-            path = mh.kernels.auto_path(*_qkv(*shape), return_lse=True)
+            path = auto.auto_path(*_qkv(*shape), return_lse=True)
             assert "sdpa" not in path, (bits, shape, path)
 
 
@@ -209,7 +209,7 @@ def _run_named(path: str, q, k, v, causal: bool):
                          ids=["tiny", "mid", "gqa-decode", "long"])
 def test_auto_runs_exactly_the_path_auto_path_names(shape) -> None:
     q, k, v = _qkv(*shape)
-    path = mh.kernels.auto_path(q, k, v)
+    path = auto.auto_path(q, k, v)
     ours = mh.attention(q, k, v, causal=True)
     assert torch.equal(ours, _run_named(path, q, k, v, True)), path
 

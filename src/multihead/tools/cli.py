@@ -146,6 +146,12 @@ def _bench_hf_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_heads(args: argparse.Namespace) -> int:
+    from ..heads.command import main as heads_main  # the heads toolkit, imported only when asked for
+
+    return heads_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="multihead",
@@ -194,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--png", default=None, metavar="PATH", help="write the layers × heads picture here")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--importance", action="store_true", help="rank heads by ablation and report pruning")
-    p.set_defaults(func=lambda args: __import__("multihead.heads.command", fromlist=["main"]).main(args))
+    p.set_defaults(func=cmd_heads)
     return parser
 
 
