@@ -34,16 +34,11 @@ from torch import nn
 
 from ..config import check_overrides
 from ..module import MultiHeadAttention
-from ..rope import ROPE_TABLE_POSITIONS, RoPE  # noqa: F401  (ROPE_TABLE_POSITIONS: see _settings)
+from ..rope import RoPE
 from . import hf_config, hf_registry
 from .checkpoint import load_state
 
 __all__ = ["from_hf", "to_hf", "hf_family", "state_from_hf", "state_to_hf"]
-
-# Former homes: MultiHeadAttention.from_config (module.py) imports ROPE_TABLE_POSITIONS and
-# _settings from here until it switches to rope.RoPE.from_facts and config.check_overrides;
-# delete both then (tests/core/test_imports.py lists that import until it goes).
-_settings = check_overrides
 
 
 @dataclass(frozen=True)
