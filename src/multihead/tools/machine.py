@@ -25,7 +25,7 @@ VECTOR_FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnn
 
 def cpu_model() -> tuple[str, list[str]]:
     """The CPU's model name and which of :data:`VECTOR_FEATURES` it has (Linux; else the platform's words)."""
-    from ..backends.native._build import cpuinfo
+    from ..backends.native.cpu import cpuinfo
 
     info = cpuinfo()
     flags = set(info.get("flags", "").split())
