@@ -33,6 +33,7 @@ from torch import nn
 
 from ..backends import get_spec
 from ..functional import default_backend
+from ..latent import MultiHeadLatentAttention
 from ..module import MultiHeadAttention
 
 __all__ = ["capture", "Capture", "LayerInfo", "find_layers", "DEFAULT_LIMIT_BYTES", "WHAT"]
@@ -63,7 +64,8 @@ def find_layers(model: nn.Module) -> list[tuple[str, MultiHeadAttention]]:
 
     Raises:
         TypeError: ``model`` is not an nn.Module.
-        ValueError: ``model`` holds Hugging Face attention modules that are not patched
+        ValueError: ``model`` holds multi-head latent attention (DeepSeek), whose heads are not
+            recorded, or Hugging Face attention modules that are not patched
             (they would be missing from the list), or no attention layer at all.
     """
     from .. import hf, interop
@@ -82,6 +84,10 @@ def find_layers(model: nn.Module) -> list[tuple[str, MultiHeadAttention]]:
     for name, module in model.named_modules():
         if isinstance(module, hf.PatchedAttention):
             wrapper_of[id(module.mh)] = name
+    latent = [wrapper_of.get(id(m), n) for n, m in model.named_modules() if isinstance(m, MultiHeadLatentAttention)]
+    if latent:
+        raise ValueError(f"model has {len(latent)} multi-head latent attention layer(s) (DeepSeek), e.g. "
+                         f"{latent[0] or '<model>'}: multihead.heads does not record latent attention's heads")
     found = [(wrapper_of.get(id(m), n), m) for n, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
     if not found:
         raise ValueError(f"model {type(model).__name__} contains no multihead.MultiHeadAttention layer "

@@ -142,7 +142,7 @@ class PatchedAttention(nn.Module):
         q, k, v = layer.split(*layer.project(x))  # (B, H, S, D), (B, Hkv, S, D) ×2
         q, k = layer.rotate(q, k, at)
         # The HF cache stores (B, Hkv, Sk, D) keys after RoPE, as our KVCache does.
-        k, v = cache.update(*self._to_cache(k, v), self.layer_idx, kwargs=kwargs)  # (B, Hkv, Sk, D)
+        k, v = self._from_cache(*cache.update(*self._to_cache(k, v), self.layer_idx, kwargs=kwargs))  # (B, Hkv, Sk, D)
         mask, n = written_keys(mask, q.shape[2], k.shape[2], layer.causal)
         heads, weights = layer.attend(q, k[:, :, :n], v[:, :, :n], mask=mask, return_weights=want, cached=True)
         return layer.output(heads), weights  # (B, S, E)
@@ -162,6 +162,10 @@ class PatchedAttention(nn.Module):
     def _to_cache(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V (B, Hkv, S, D) as the HF class stores them in its cache (as they are, but for Falcon's
         new architecture, which caches them repeated for every query head)."""
+        return k, v
+
+    def _from_cache(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache's K/V back as the layer's (B, Hkv, Sk, D) (the inverse of :meth:`_to_cache`)."""
         return k, v
 
 
@@ -286,6 +290,12 @@ class _FalconWrapper(PatchedAttention):
             return k, v
         group = self.mh.num_heads // self.mh.num_kv_heads  # HF broadcasts K/V to every query head first
         return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, S, D)
+
+    def _from_cache(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.cache_every_head:
+            return k, v
+        group = self.mh.num_heads // self.mh.num_kv_heads  # each K/V head is held `group` times in a row
+        return k[:, ::group], v[:, ::group]  # (B, Hkv, Sk, D), views
 
 
 class _BloomWrapper(PatchedAttention):
@@ -650,11 +660,15 @@ def _record_like_the_original(model: nn.Module, name: str, wrapper: PatchedAtten
         return
     from transformers.utils.output_capturing import install_output_capuring_hook
 
-    wrapper.records = tuple(dict.fromkeys(key for key, _, _ in found))
-    for key in wrapper.records:
-        install_output_capuring_hook(wrapper, key, 1)  # our wrapper returns (y, weights)
     owner, _ = _owner_model(model, name)
-    wrapper.__dict__["_recorders_were_installed"] = bool(getattr(owner, "_output_capturing_hooks_installed", False))
+    installed = bool(getattr(owner, "_output_capturing_hooks_installed", False))
+    wrapper.records = tuple(dict.fromkeys(key for key, _, _, _ in found))
+    wrapper.__dict__["_recorders_were_installed"] = installed
+    # A rule matching by module name (Informer's "self_attn") matches the wrapper at that name too:
+    # transformers hooks it itself when it installs its hooks, later; only a rule by class is ours.
+    keys = {key for key, _, _, by_name in found if installed or not by_name}
+    for key in sorted(keys):
+        install_output_capuring_hook(wrapper, key, 1)  # our wrapper returns (y, weights)
 
 
 def _restore_recording(model: nn.Module, name: str, wrapper: PatchedAttention) -> None:
@@ -666,7 +680,7 @@ def _restore_recording(model: nn.Module, name: str, wrapper: PatchedAttention) -
         return
     from transformers.utils.output_capturing import install_output_capuring_hook
 
-    for key, sub, index in _recorded_parts(model, name, wrapper.original):
+    for key, sub, index, _ in _recorded_parts(model, name, wrapper.original):
         install_output_capuring_hook(wrapper.original.get_submodule(sub), key, index)
 
 
@@ -686,9 +700,10 @@ def _owner_model(model: nn.Module, name: str) -> tuple[nn.Module | None, str]:
     return owner, name
 
 
-def _recorded_parts(model: nn.Module, name: str, original: nn.Module) -> list[tuple[str, str, int]]:
-    """(key, submodule name inside ``original``, output index) for each weights recorder of the
-    owner model that matches ``original`` or one of its submodules (BERT records ``.self``)."""
+def _recorded_parts(model: nn.Module, name: str, original: nn.Module) -> list[tuple[str, str, int, bool]]:
+    """(key, submodule name inside ``original``, output index, matched by module name alone) for
+    each weights recorder of the owner model that matches ``original`` or one of its submodules
+    (BERT records ``.self``)."""
     owner, _ = _owner_model(model, name)
     rules = getattr(type(owner), "_can_record_outputs", None) if owner is not None else None
     if not rules:
@@ -701,10 +716,11 @@ def _recorded_parts(model: nn.Module, name: str, original: nn.Module) -> list[tu
             target, index, layer_name, class_name = _recorder_fields(entry)
             for sub, module in original.named_modules():
                 module_name = f".{name}" + (f".{sub}" if sub else "")
-                if (((target is not None and isinstance(module, target))
-                     or (class_name is not None and module_name.endswith(class_name)))
+                by_class = target is not None and isinstance(module, target)
+                by_name = class_name is not None and module_name.endswith(class_name)
+                if ((by_class or by_name)
                         and (layer_name is None or f".{layer_name.strip('.')}." in module_name + ".")):
-                    found.append((key, sub, index))
+                    found.append((key, sub, index, by_name and not by_class and not sub))
                     break
     return found
 
