@@ -230,6 +230,7 @@ class _Recorder:
         self.cap, self.name = cap, name
         self.seen: dict[str, torch.Tensor] = {}
         self.calls = 0  # calls stored
+        self.rows = 0  # query rows so far (every call's S)
         self.cached = True  # every stored call attended a cache (so later calls continue it)
 
     def __call__(self, step: str, t: torch.Tensor) -> None:
@@ -249,7 +250,15 @@ class _Recorder:
                 raise ValueError(f"layer {name!r} was called twice inside one capture without a cache: record one "
                                  "forward pass per `with multihead.heads.capture(...)` block (calls through a KV "
                                  "cache, as in generate, append their rows)")
+            keys, rows = seen["K_cache" if cached else "K_k"].shape[2], self.rows + t.shape[2]
+            if self.calls and cap.info[name].causal and keys < rows:
+                # A sliding-window or ring cache holds only the last keys: their columns are not positions.
+                raise ValueError(f"layer {name!r} attends {keys} cached keys for its {rows} queries so far: the "
+                                 "cache no longer holds every earlier token (a sliding window or a ring), so the "
+                                 "calls' rows cannot be aligned by key position; capture a forward pass with "
+                                 "use_cache=False, or decode within the window")
             self.cached = self.cached and cached
+            self.rows = rows
         elif step == "O":
             self._finish()
 

@@ -330,7 +330,7 @@ class _BloomWrapper(PatchedAttention):
         layer = self.mh
         if layer.watch is not None:
             # The steps report the keys in the order they are attended: reordered here.
-            raise ValueError("multihead.heads.capture or multihead.trace of a patched BloomAttention with masked "
+            raise ValueError("multihead.heads.capture of a patched BloomAttention (or a trace of it) with masked "
                              "keys between unmasked ones is not supported (BLOOM's ALiBi positions skip them)")
         want = self.wants_weights(output_attentions, kwargs)
         q, k, v = layer.split(*layer.project(x))  # (B, H, S, D), (B, Hkv, S, D) ×2
