@@ -250,7 +250,7 @@ def test_module_packed_path_gives_the_native_backend_structure_not_a_dense_mask(
 
         monkeypatch.setattr(mh.masks, "segments_from_positions", refuse)
         monkeypatch.setattr(mh.masks, "segment_mask", refuse)
-        monkeypatch.setattr("multihead.module.segments_from_positions", refuse)
+        monkeypatch.setattr("multihead.module.segment_mask", refuse)  # the attend step's dense fallback
         got = layer(x, positions=positions, packed=True)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
