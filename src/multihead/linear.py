@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .backends import native
-from .backends.gemm import MatMul, _onednn_linear, compiled_onednn, gemm_for, mm_nt, onednn_available, onednn_linear_op
+from .backends.gemm import MatMul, onednn_gemm, compiled_onednn, gemm_for, mm_nt, onednn_available, onednn_linear_op
 from .backends.registry import needs_grad
 
 __all__ = ["linear", "linears", "onednn_available", "gemm_for", "mm_nt", "MatMul"]
@@ -38,7 +38,7 @@ SMALL_GEMM = 1 << 24
 
 def _gemm() -> Callable[..., torch.Tensor]:
     """oneDNN's GEMM, on the paths that :func:`linears` takes only when it exists."""
-    op = _onednn_linear()
+    op = onednn_gemm()
     assert op is not None  # linears() checked it before choosing this path
     return op
 

@@ -20,7 +20,7 @@ from multihead.backends import gemm
 
 from conftest import reference_layer
 
-needs_onednn = pytest.mark.skipif(gemm._onednn_linear() is None, reason="this torch has no oneDNN GEMM")
+needs_onednn = pytest.mark.skipif(gemm.onednn_gemm() is None, reason="this torch has no oneDNN GEMM")
 
 
 @pytest.fixture
@@ -87,7 +87,7 @@ def test_the_measurement_times_real_kernels_when_first_asked_inside_a_tracer(mon
         seen.append(isinstance(x, FakeTensor) or isinstance(w, FakeTensor))
         return torch.matmul(x, w.t())
 
-    monkeypatch.setattr(gemm, "_onednn_linear", lambda: op)
+    monkeypatch.setattr(gemm, "onednn_gemm", lambda: op)
     with FakeTensorMode():
         found = gemm.gemm_measurement(rounds=2)
     assert seen == [False] * 4 and found["onednn_ms"] > 0  # two warm-up rounds, two timed

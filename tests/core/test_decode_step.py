@@ -330,7 +330,7 @@ def test_from_config_builds_the_layer_a_config_describes() -> None:
     layer = mh.MultiHeadAttention.from_config(cfg)
     assert (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.causal) == (4, 2, 16, True)
     assert layer.rope is not None and layer.q_proj.bias is None
-    assert mh.interop.from_config(cfg).num_kv_heads == 2
+    assert mh.MultiHeadAttention.from_config(cfg).num_kv_heads == 2
     with pytest.raises(TypeError, match="AttentionConfig"):
         mh.MultiHeadAttention.from_config({"embed_dim": 64})
 

@@ -44,14 +44,6 @@ UPWARD: dict[tuple[str, str, str], str] = {
         "readers, hf_layers.SPECIAL, return AttentionConfigs: tests/interop/test_deepseek.py replaces one)",
 }
 
-#: Private names (``_x``) still imported from a module of another subpackage, in files owned
-#: elsewhere: (importer, module defining the name, name): what to do about it. Each entry
-#: must still exist; remove it with the import.
-PRIVATE_ACROSS: dict[tuple[str, str, str], str] = {
-    ("multihead.linear", "multihead.backends.gemm", "_onednn_linear"):
-        "the projections' GEMM: give backends.gemm's oneDNN linear a public name",
-}
-
 
 @dataclass(frozen=True)
 class Import:
@@ -274,15 +266,9 @@ def _private_across() -> list[Import]:
 
 
 def test_no_private_name_is_imported_from_another_subpackage() -> None:
-    offending = [str(e) for e in _private_across() if (e.importer, e.source, e.name) not in PRIVATE_ACROSS]
+    offending = [str(e) for e in _private_across()]
     assert not offending, ("private names imported across subpackages (give them a public name, or move "
                            "them down):\n" + "\n".join(offending))
-
-
-@pytest.mark.parametrize("entry", sorted(PRIVATE_ACROSS), ids=lambda e: f"{e[0]}:{e[2]}")
-def test_each_allowed_private_import_still_exists(entry: tuple[str, str, str]) -> None:
-    assert any((e.importer, e.source, e.name) == entry for e in _private_across()), (
-        f"{entry} is allowed in PRIVATE_ACROSS but no longer imported: delete the entry")
 
 
 # ---- the removed shims stay removed ----------------------------------------------------------------

@@ -267,7 +267,7 @@ def test_rope_permutation_helpers_are_reexported() -> None:
 def test_from_config_builds_gqa_layer_on_meta() -> None:
     config = mh.AttentionConfig(embed_dim=4096, num_heads=32, num_kv_heads=8, head_dim=128, causal=True,
                                 bias=False, rope_base=500000.0, window=None)
-    layer = interop.from_config(config, device="meta")
+    layer = mh.MultiHeadAttention.from_config(config, device="meta")
     assert layer.q_proj.weight.is_meta and layer.k_proj.weight.shape == (8 * 128, 4096)
     assert layer.causal and layer.rope.base == 500000.0 and layer.rope.cos.is_meta
 
@@ -275,10 +275,10 @@ def test_from_config_builds_gqa_layer_on_meta() -> None:
 def test_from_config_honours_per_layer_heads() -> None:
     config = mh.AttentionConfig(embed_dim=64, num_heads=8, num_kv_heads=8, head_dim=8, num_layers=2,
                                 layer_num_heads=(4, 8))
-    assert interop.from_config(config, layer=0).num_heads == 4
-    assert interop.from_config(config, layer=1).num_heads == 8
+    assert mh.MultiHeadAttention.from_config(config, layer=0).num_heads == 4
+    assert mh.MultiHeadAttention.from_config(config, layer=1).num_heads == 8
     with pytest.raises(TypeError, match="AttentionConfig"):
-        interop.from_config({"embed_dim": 64})
+        mh.MultiHeadAttention.from_config({"embed_dim": 64})
 
 
 @pytest.mark.parametrize("positions", [64, 100_000], ids=["short", "past the cap"])

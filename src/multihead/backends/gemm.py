@@ -43,7 +43,7 @@ MatMul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @functools.cache
-def _onednn_linear() -> Callable[..., torch.Tensor] | None:
+def onednn_gemm() -> Callable[..., torch.Tensor] | None:
     """oneDNN's fp32 GEMM as exposed by torch (the op Inductor uses), or None."""
     if not torch.backends.mkldnn.is_available():
         return None
@@ -56,7 +56,7 @@ def _onednn_linear() -> Callable[..., torch.Tensor] | None:
 def onednn_usable() -> bool:
     """Whether torch has oneDNN's GEMM here and it is enabled (``torch.backends.mkldnn``)."""
     # torch's stub declares the module attribute as its ContextProp descriptor; it reads a bool.
-    return _onednn_linear() is not None and torch.backends.mkldnn.enabled  # type: ignore[return-value]
+    return onednn_gemm() is not None and torch.backends.mkldnn.enabled  # type: ignore[return-value]
 
 
 def onednn_available() -> bool:
@@ -161,7 +161,7 @@ def gemm_measurement(rounds: int = 11) -> dict[str, Any]:
         below :data:`TORCH_WINS_BELOW` and its upper quartile below 1 (faster in three rounds
         out of four), else ``"onednn"``. ``"torch"`` without timing where oneDNN is missing.
     """
-    op = _onednn_linear()
+    op = onednn_gemm()
     if op is None:
         return {"choice": "torch", "torch_over_onednn": None, "onednn_ms": None, "torch_ms": None}
     m, k, n = PROBE_SHAPE
@@ -202,7 +202,7 @@ def gemm_for(x: torch.Tensor) -> MatMul:
     rows or a plain transpose of such a matrix: a row-strided ``w`` is copied slowly
     inside it, so callers pass contiguous K/V rows.
     """
-    op = None if torch.compiler.is_compiling() else _onednn_linear()
+    op = None if torch.compiler.is_compiling() else onednn_gemm()
     if op is not None and x.dtype == torch.float32 and x.device.type == "cpu" and onednn_available():
         empty: list[float] = []
         return lambda a, w: op(a, w, None, "none", empty, "")
@@ -216,7 +216,7 @@ def onednn_mm_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     Raises:
         RuntimeError: this torch has no oneDNN GEMM.
     """
-    op = _onednn_linear()
+    op = onednn_gemm()
     if op is None:
         raise RuntimeError("oneDNN's linear is not available in this torch build")
     return op(x, w, None, "none", [], "")
@@ -242,7 +242,7 @@ def onednn_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     ``F.linear`` is MKL's (AVX2 on AMD CPUs, about half oneDNN's rate), so compiled
     layers call this instead. x: (..., in) float32 CPU; weight (out, in); bias (out,) or None.
     """
-    op = _onednn_linear()
+    op = onednn_gemm()
     if op is None:
         raise RuntimeError("oneDNN's linear is not available in this torch build")
     x2 = x.reshape(-1, x.shape[-1]).contiguous()  # (N, in)

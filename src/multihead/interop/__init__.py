@@ -28,12 +28,6 @@ guessed from weight names.
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-
-from ..config import AttentionConfig
-from ..module import MultiHeadAttention
 from ..rope import half_to_interleaved, interleaved_to_half
 from .checkpoint import PICKLE_SUFFIXES, load_safetensors, load_state
 from .hf_weights import from_hf, hf_family, state_from_hf, state_to_hf, to_hf
@@ -41,18 +35,6 @@ from .torch_mha import from_torch
 
 
 __all__ = [
-    "from_torch", "from_hf", "from_config", "to_hf", "hf_family", "state_from_hf", "state_to_hf",
+    "from_torch", "from_hf", "to_hf", "hf_family", "state_from_hf", "state_to_hf",
     "load_safetensors", "load_state", "interleaved_to_half", "half_to_interleaved", "PICKLE_SUFFIXES",
 ]
-
-
-def from_config(
-    config: AttentionConfig,
-    *,
-    layer: int = 0,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
-    **overrides: Any,
-) -> MultiHeadAttention:
-    """:meth:`MultiHeadAttention.from_config` (kept here under its former name)."""
-    return MultiHeadAttention.from_config(config, layer=layer, device=device, dtype=dtype, **overrides)
