@@ -29,8 +29,9 @@ from ._checks import check_finite as _check_finite
 from ._checks import check_bool_mask, check_float, check_float_tensor, check_int, check_like, check_tensor
 
 from .backends import resolve_backend
-from .backends.registry import get_spec, takes_segments
-from .masks import check_cu_seqlens, segment_mask
+from .backends.registry import get_spec, place_segments
+from .logits import Features
+from .masks import check_cu_seqlens
 
 __all__ = ["attention", "DEFAULT_BACKEND", "default_backend"]
 
@@ -136,26 +137,19 @@ def attention(
             ``check_finite``.
     """
     mask, scale, dropout_p = _validate(q, k, v, mask, window, scale, dropout_p)
-    features = _validate_features(q, k, softcap, alibi_slopes, sinks, return_lse)
-    cu = _check_segments(cu_seqlens, q, k)
+    features = _validate_features(q, k, softcap, alibi_slopes, sinks, return_lse)._replace(
+        cu_seqlens=_check_segments(cu_seqlens, q, k))
     name = default_backend(backend, return_weights)
     fn = resolve_backend(name, q, k, v, dropout_p=dropout_p, return_weights=return_weights,
-                         return_lse=return_lse, **features)
-    packed: dict[str, Any] = {}
-    if cu is not None:  # as structure to a backend that takes it, else as a block-diagonal mask
-        if takes_segments(get_spec(name), q, k, v, **features):
-            packed["cu_seqlens"] = cu
-        else:
-            segments = segment_mask(cu, q.shape[2], q.device)  # (B|1, 1, S, S)
-            mask = segments if mask is None else mask & segments
+                         return_lse=return_lse, features=features)
+    features, mask = place_segments(get_spec(name), q, k, v, features, mask)  # structure, or a mask
     if check_finite:
         for name, t in (("q", q), ("k", k), ("v", v)):
             _check_finite(name, t)
     out, weights, lse = fn(
         q, k, v,
         mask=mask, causal=bool(causal), window=window, scale=scale,
-        dropout_p=dropout_p, return_weights=return_weights, return_lse=return_lse,
-        **features, **packed,  # only those asked for: a backend without them never sees the keywords
+        dropout_p=dropout_p, return_weights=return_weights, return_lse=return_lse, features=features,
     )
     extra = [t for t, asked in ((weights, return_weights), (lse, return_lse)) if asked and t is not None]
     return (out, *extra) if extra else out
@@ -199,8 +193,8 @@ def _validate(q_in: object, k_in: object, v_in: object, mask: object, window: ob
 
 
 def _validate_features(q: torch.Tensor, k: torch.Tensor, softcap: object, alibi_slopes: object, sinks: object,
-                       return_lse: bool) -> dict[str, Any]:
-    """The logit features asked for (see :mod:`multihead.logits`), checked: only the set ones."""
+                       return_lse: bool) -> Features:
+    """The logit features asked for (see :mod:`multihead.logits`), checked."""
     h = q.shape[1]
     features: dict[str, Any] = {}
     if softcap is not None:
@@ -220,7 +214,7 @@ def _validate_features(q: torch.Tensor, k: torch.Tensor, softcap: object, alibi_
     if sinks is not None and return_lse:
         raise ValueError("return_lse=True is not supported with sinks: the sink joins each row's softmax once, "
                          "so log-sum-exps of partial results would count it once per part")
-    return features
+    return Features(**features)
 
 
 def _check_segments(cu_seqlens: object, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:

@@ -20,12 +20,49 @@ with no visible key gives zeros, sinks or not.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
 from ._checks import check_int
 
-__all__ = ["alibi_slopes", "alibi_bias", "soft_cap", "sink_column"]
+__all__ = ["Features", "NO_FEATURES", "alibi_slopes", "alibi_bias", "soft_cap", "sink_column"]
+
+
+class Features(NamedTuple):
+    """What a call adds to masked ``softmax(scale · QKᵀ)V``, as one value: the logit features
+    above and packed sequences. It travels whole from the layer (``layer.features``) and
+    :func:`multihead.attention` through the registry's capability check to a backend, as the
+    C++ kernels' ``Problem`` holds them; None = off.
+
+    Attributes:
+        softcap: ``cap`` of soft-capping, > 0.
+        alibi_slopes: (H,) float ALiBi slopes.
+        sinks: (H,) float sink logits.
+        cu_seqlens: (N+1,) or (B, N+1) cumulative lengths of packed sequences (Sq == Sk).
+    """
+
+    softcap: float | None = None
+    alibi_slopes: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+
+    def logits(self) -> dict[str, object]:
+        """The logit features asked for, by keyword (``softcap``, ``alibi_slopes``, ``sinks``)."""
+        return {name: value for name, value in (("softcap", self.softcap), ("alibi_slopes", self.alibi_slopes),
+                                                ("sinks", self.sinks)) if value is not None}
+
+    def learned(self) -> list[torch.Tensor]:
+        """The features that are tensors a gradient may flow into (ALiBi slopes, sinks)."""
+        return [t for t in (self.alibi_slopes, self.sinks) if t is not None]
+
+    def any(self) -> bool:
+        """Whether anything is asked beyond masked softmax attention."""
+        return any(value is not None for value in self)
+
+
+#: No logit feature, no packing.
+NO_FEATURES = Features()
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:

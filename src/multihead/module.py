@@ -34,12 +34,12 @@ from . import linear as _linear
 from ._checks import check_float, check_int
 from .config import AttentionConfig, check_overrides
 from .backends import get_backend, resolve_backend
-from .backends.registry import Backend, get_spec, takes_segments
+from .backends.registry import Backend, get_spec, place_segments
 from .cache import KVCache
 from .decode import plain_linear as _plain
 from .functional import default_backend
-from .logits import alibi_slopes
-from .masks import Structure, segment_mask
+from .logits import Features, alibi_slopes
+from .masks import Structure
 from .qk_norm import QK_NORMS, RMSNorm
 from .rope import RoPE
 
@@ -468,7 +468,7 @@ class MultiHeadAttention(nn.Module):
         weights = return_weights or self._wants_weights()
         name = default_backend(self.backend, weights)
         return resolve_backend(name, q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                               return_weights=weights, **self._features())
+                               return_weights=weights, features=self.features)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None = None,
                structure: Structure | None = None, return_weights: bool = False, cached: bool = False,
@@ -493,20 +493,16 @@ class MultiHeadAttention(nn.Module):
         fn = self.resolve(q, k, v, return_weights=return_weights) if backend is None else backend
         structure = self.structure if structure is None else structure
         weights_wanted = return_weights or self._wants_weights()
-        packing = {}
-        if cu_seqlens is not None:
-            name = default_backend(self.backend, weights_wanted)
-            if takes_segments(get_spec(name), q, k, v, **self._features()):
-                packing = {"cu_seqlens": cu_seqlens}
-            else:
-                segments = segment_mask(cu_seqlens, q.shape[2], q.device)  # (B, 1, S, S): the dense form
-                mask = segments if mask is None else mask & segments
+        features = self.features
+        if cu_seqlens is not None:  # as structure to a backend that takes them, else as a mask
+            spec = get_spec(default_backend(self.backend, weights_wanted))
+            features, mask = place_segments(spec, q, k, v, features._replace(cu_seqlens=cu_seqlens), mask)
         if cached:
             self._see("K_cache", k)
             self._see("V_cache", v)
         heads, weights, _ = fn(q, k, v, mask=mask, causal=structure.causal, window=structure.window,
                                scale=self.scale, dropout_p=self.dropout if self.training else 0.0,
-                               return_weights=weights_wanted, return_lse=False, **self._features(), **packing)
+                               return_weights=weights_wanted, return_lse=False, features=features)
         self._see("head_k", heads)
         if weights is not None:
             self._see("weights", weights)
@@ -562,10 +558,10 @@ class MultiHeadAttention(nn.Module):
                              f"{d}); for num_kv_heads < ranks use multihead.parallel.shard_heads")
         return h, hkv
 
-    def _features(self) -> dict[str, Any]:
-        """The layer's logit features a backend must support (soft-capping, ALiBi, sinks)."""
-        return {name: value for name, value in (("softcap", self.softcap), ("alibi_slopes", self.alibi_slopes),
-                                                ("sinks", self.sinks)) if value is not None}
+    @property
+    def features(self) -> Features:
+        """The layer's logit features (soft-capping, ALiBi, sinks), one value for its backend."""
+        return Features(self.softcap, self.alibi_slopes, self.sinks)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import torch
 import multihead as mh
 from multihead import native
 from multihead.backends.eager import explicit_attention
+from multihead.logits import Features
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C++ compiler: " + native.status())
 
@@ -148,7 +149,7 @@ def test_lse_equals_the_torch_backends(names: tuple[str, ...]) -> None:
     cu = kw.pop("cu_seqlens")
     mask = mh.masks.segment_mask(cu, q.shape[2])
     _, _, want = explicit_attention(q, k, v, mask=mask, causal=True, window=None, scale=0.2, dropout_p=0.0,
-                                    return_weights=False, return_lse=True, **kw)
+                                    return_weights=False, return_lse=True, features=Features(**kw))
     out, lse = native.attention_f32(q.float(), k.float(), v.float(), scale=0.2, causal=True, return_lse=True,
                                     cu_seqlens=cu, **_f32(kw))
     assert want is not None
@@ -250,7 +251,7 @@ def test_module_packed_path_gives_the_native_backend_structure_not_a_dense_mask(
 
         monkeypatch.setattr(mh.masks, "segments_from_positions", refuse)
         monkeypatch.setattr(mh.masks, "segment_mask", refuse)
-        monkeypatch.setattr("multihead.module.segment_mask", refuse)  # the attend step's dense fallback
+        monkeypatch.setattr("multihead.backends.registry.segment_mask", refuse)  # the one dense fallback
         got = layer(x, positions=positions, packed=True)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 

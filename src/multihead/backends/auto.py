@@ -21,9 +21,10 @@ import torch
 from . import native
 from .blocked import blocked_attention, decode_attention
 from .eager import explicit_attention
+from ..logits import NO_FEATURES, Features
 from ..masks import segment_mask
 from .gemm import onednn_available
-from .registry import needs_grad, register_backend
+from .registry import Backend, needs_grad, register_backend
 from .sdpa import sdpa_attention
 
 __all__ = ["Call", "Rule", "AUTO_RULES", "AUTO_PATHS", "auto_path", "auto_backend", "intel_avx512"]
@@ -144,30 +145,32 @@ class Rule:
 
 
 def _native(decode: bool) -> Runner:
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool, **structure: object
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None, causal: bool,
+            window: int | None, scale: float, return_lse: bool, features: Features, **_: object
             ) -> tuple[torch.Tensor, None, torch.Tensor | None]:
-        out, lse = native.run(q, k, v, decode=decode, return_lse=return_lse, **structure)  # type: ignore[arg-type]
+        out, lse = native.run(q, k, v, scale=scale, causal=causal, window=window, mask=mask, decode=decode,
+                              return_lse=return_lse, softcap=features.softcap, alibi_slopes=features.alibi_slopes,
+                              sinks=features.sinks, cu_seqlens=features.cu_seqlens)
         return out, None, lse
     return run
 
 
 def _torch_kernel(fn: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]) -> Runner:
-    """A torch-only kernel (returns out, or (out, lse) when asked) as a :data:`Runner`."""
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool, **structure: object
+    """A torch-only kernel (returns out, or (out, lse) when asked; no features: the rules send
+    none to it) as a :data:`Runner`."""
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None, causal: bool,
+            window: int | None, scale: float, return_lse: bool, **_: object
             ) -> tuple[torch.Tensor, None, torch.Tensor | None]:
-        result = fn(q, k, v, return_lse=return_lse, **structure)
+        result = fn(q, k, v, scale=scale, causal=causal, window=window, mask=mask, return_lse=return_lse)
         if isinstance(result, tuple):  # return_lse
             return result[0], None, result[1]
         return result, None, None
     return run
 
 
-def _backend(fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]) -> Runner:
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool, dropout_p: float = 0.0,
-            return_weights: bool = False, **structure: object) -> tuple[torch.Tensor, torch.Tensor | None,
-                                                                         torch.Tensor | None]:
-        return fn(q, k, v, dropout_p=dropout_p, return_weights=return_weights, return_lse=return_lse, **structure)
-    return run
+def _backend(fn: Backend) -> Runner:
+    """A registered backend as a :data:`Runner`: its own signature, the call passed whole."""
+    return fn
 
 
 def _widths(least: dict[int, int]) -> str:
@@ -292,15 +295,16 @@ def auto_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: f
         dropout_p, return_weights, return_lse, softcap, alibi_slopes, sinks, cu_seqlens: as
             given to :func:`multihead.attention`.
     """
-    return _rule(_call(q, k, v, dropout_p, return_weights, return_lse, softcap, alibi_slopes, sinks,
-                       cu_seqlens)).path
+    features = Features(softcap, alibi_slopes, sinks, cu_seqlens)
+    return _rule(_call(q, k, v, dropout_p, return_weights, return_lse, features)).path
 
 
 def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, return_weights: bool,
-          return_lse: bool, softcap: object, alibi_slopes: object, sinks: object, cu_seqlens: object) -> Call:
-    learned = [t for t in (alibi_slopes, sinks) if isinstance(t, torch.Tensor)]
-    return Call(q, k, v, dropout_p, return_weights, return_lse, softcap is not None, alibi_slopes is not None,
-                sinks is not None, cu_seqlens is not None, bool(learned) and needs_grad(*learned))
+          return_lse: bool, features: Features) -> Call:
+    learned = features.learned()
+    return Call(q, k, v, dropout_p, return_weights, return_lse, features.softcap is not None,
+                features.alibi_slopes is not None, features.sinks is not None, features.cu_seqlens is not None,
+                bool(learned) and needs_grad(*learned))
 
 
 @register_backend("auto", weights=True, lse=True, grad=True, dropout=True, softcap=True, alibi=True, sinks=True,
@@ -308,24 +312,17 @@ def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, r
 def auto_backend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     mask: torch.Tensor | None, causal: bool, window: int | None, scale: float,
-    dropout_p: float, return_weights: bool, return_lse: bool, softcap: float | None = None,
-    alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-    cu_seqlens: torch.Tensor | None = None,
+    dropout_p: float, return_weights: bool, return_lse: bool, features: Features = NO_FEATURES,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Run the path :func:`auto_path` picks for this call (the first rule that applies).
 
-    Packed sequences (``cu_seqlens``) reach a native forward path as structure, every other
-    path as a block-diagonal mask."""
-    call = _call(q, k, v, dropout_p, return_weights, return_lse, softcap, alibi_slopes, sinks, cu_seqlens)
+    Packed sequences (``features.cu_seqlens``) reach a native forward path as structure, every
+    other path as a block-diagonal mask."""
+    call = _call(q, k, v, dropout_p, return_weights, return_lse, features)
     rule = _rule(call)
-    if cu_seqlens is not None and (call.differentiable or not rule.path.startswith("native")):
-        segments = segment_mask(cu_seqlens, q.shape[2], q.device)  # (B|1, 1, S, S)
-        mask, cu_seqlens = (segments if mask is None else mask & segments), None
-    structure: dict[str, object] = dict(scale=scale, causal=causal, window=window, mask=mask)
-    if call.logits or cu_seqlens is not None:
-        features = dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, cu_seqlens=cu_seqlens)
-        structure.update((key, value) for key, value in features.items() if value is not None)
-    if rule.path.startswith(("explicit", "sdpa")):
-        return rule.run(q, k, v, return_lse=return_lse, dropout_p=dropout_p, return_weights=return_weights,
-                        **structure)
-    return rule.run(q, k, v, return_lse=return_lse, **structure)
+    cu = features.cu_seqlens
+    if cu is not None and (call.differentiable or not rule.path.startswith("native")):
+        segments = segment_mask(cu, q.shape[2], q.device)  # (B|1, 1, S, S)
+        mask, features = (segments if mask is None else mask & segments), features._replace(cu_seqlens=None)
+    return rule.run(q, k, v, mask=mask, causal=causal, window=window, scale=scale, dropout_p=dropout_p,
+                    return_weights=return_weights, return_lse=return_lse, features=features)

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..logits import NO_FEATURES, Features
 from ..masks import Structure, full_mask
 from .eager import accumulation_dtype, lse_dtype, safe_softmax
 from .gemm import MatMul, gemm_for
@@ -387,9 +388,10 @@ def _decode_mask(mask: torch.Tensor | None, b: int, h: int, hkv: int, g: int, sq
 def blocked_backend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     mask: torch.Tensor | None, causal: bool, window: int | None, scale: float,
-    dropout_p: float, return_weights: bool, return_lse: bool,
+    dropout_p: float, return_weights: bool, return_lse: bool, features: Features = NO_FEATURES,
 ) -> tuple[torch.Tensor, None, torch.Tensor | None]:
-    """The blocked kernel: inference only (no gradients, no dropout; refused by the registry).
+    """The blocked kernel: inference only (no gradients, no dropout, no logit feature; refused by
+    the registry; packed sequences reach it as a mask).
 
     Why not our forward with torch's flash backward (fed our output and log-sum-exp): the
     backward recomputes the logits with its own GEMM, and the few-ulp mismatch with ours

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..logits import alibi_bias, sink_column, soft_cap
+from ..logits import NO_FEATURES, Features, alibi_bias, sink_column, soft_cap
 from ..masks import full_mask
 from .registry import register_backend
 
@@ -61,14 +61,13 @@ def explicit_attention(
     dropout_p: float,
     return_weights: bool,
     return_lse: bool,
-    softcap: float | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
+    features: Features = NO_FEATURES,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """softmax(q kᵀ · scale) v, written out, with GQA by grouping (no repeat of K/V).
 
-    Soft-capping, ALiBi and sinks in the order of :mod:`multihead.logits`.
+    Soft-capping, ALiBi and sinks (``features``) in the order of :mod:`multihead.logits`.
     """
+    softcap, alibi_slopes, sinks = features.softcap, features.alibi_slopes, features.sinks
     b, h, sq, _ = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
     g = h // hkv

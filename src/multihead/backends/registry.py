@@ -5,15 +5,15 @@ Notation: B batch, H query heads, Hkv key/value heads, Sq queries, Sk keys, D he
 
 A backend is a callable with one signature::
 
-    backend(q, k, v, *, mask, causal, window, scale, dropout_p, return_weights, return_lse)
+    backend(q, k, v, *, mask, causal, window, scale, dropout_p, return_weights, return_lse, features)
         -> (out (B, H, Sq, Dv), weights (B, H, Sq, Sk) or None, lse (B, H, Sq) or None)
 
 receiving arguments already validated by :func:`multihead.attention` (``mask`` is None
-or a 4-D bool view broadcastable to (B, H, Sq, Sk)). The logit features
-(:mod:`multihead.logits`) are extra keywords, passed only when asked for and only to a
-backend that declares them: ``softcap`` (float), ``alibi_slopes`` (H,), ``sinks`` (H,); and
-packed sequences as ``cu_seqlens`` ((N+1,) or (B, N+1)) only to a backend declaring
-``varlen`` (the others receive them as a dense block-diagonal mask: :func:`takes_segments`). Each is registered with a
+or a 4-D bool view broadcastable to (B, H, Sq, Sk)). ``features`` is one
+:class:`multihead.logits.Features` value: the logit features (``softcap``, ``alibi_slopes``
+(H,), ``sinks`` (H,)), set only when asked for and only for a backend that declares them,
+and packed sequences (``cu_seqlens``), set only for a backend declaring ``varlen`` (the
+others receive them as a dense block-diagonal mask: :func:`takes_segments`). Each is registered with a
 :class:`BackendSpec` stating its capabilities; :func:`resolve_backend` compares a call
 with them **before any work** and raises a ``ValueError`` naming the missing one: a
 backend the user names never hands the call to another (the only router is ``"auto"``,
@@ -28,8 +28,11 @@ from typing import Protocol, TypeVar, overload
 
 import torch
 
+from ..logits import NO_FEATURES, Features
+from ..masks import segment_mask
+
 __all__ = ["Backend", "BackendSpec", "register_backend", "get_backend", "get_spec", "resolve_backend",
-           "available_backends", "missing_capability", "takes_segments", "FEATURES"]
+           "available_backends", "missing_capability", "takes_segments", "place_segments", "FEATURES"]
 
 
 class Backend(Protocol):
@@ -46,6 +49,7 @@ class Backend(Protocol):
         dropout_p: float,
         return_weights: bool,
         return_lse: bool,
+        features: Features = NO_FEATURES,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]: ...
 
 
@@ -172,21 +176,23 @@ def needs_grad(*tensors: torch.Tensor) -> bool:
 
 def missing_capability(spec: BackendSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                        dropout_p: float = 0.0, return_weights: bool = False, return_lse: bool = False,
-                       **features: object) -> str | None:
+                       features: Features = NO_FEATURES) -> str | None:
     """The first thing this call asks of ``spec`` that it cannot do, in words; None if none.
 
-    ``features``: the logit features of the call (keys of :data:`FEATURES`, None = not asked).
+    ``features``: the call's logit features and packed sequences (packed sequences are never
+    missing: a backend without ``varlen`` gets them as a mask, :func:`takes_segments`).
     """
-    for key, value in features.items():
+    asked = features.logits()
+    for key in asked:
         capability, words = FEATURES[key]
-        if value is not None and not getattr(spec, capability):
+        if not getattr(spec, capability):
             return words
-    learned = [t for t in features.values() if isinstance(t, torch.Tensor)]
+    learned = features.learned()
     if not spec.grad and learned and needs_grad(*learned):
         return "gradients (alibi_slopes or sinks requires grad)"
     if spec.grad and spec.grad_features is not None and needs_grad(q, k, v, *learned):
-        for key, value in features.items():
-            if value is not None and key not in spec.grad_features:
+        for key in asked:
+            if key not in spec.grad_features:
                 return f"gradients with {FEATURES[key][1]} (the {spec.name} backward does not apply it)"
     if return_weights and not spec.weights:
         return "returning attention weights (return_weights=True)"
@@ -205,28 +211,40 @@ def missing_capability(spec: BackendSpec, q: torch.Tensor, k: torch.Tensor, v: t
 
 
 def takes_segments(spec: BackendSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   **features: object) -> bool:
+                   features: Features = NO_FEATURES) -> bool:
     """Whether ``spec`` gets packed sequences as ``cu_seqlens`` (structure) for this call, not as a
     dense mask: it declares ``varlen``, and no gradient is needed or its backward applies them."""
-    learned = [t for t in features.values() if isinstance(t, torch.Tensor)]
     return spec.varlen and (spec.grad_features is None or "cu_seqlens" in spec.grad_features
-                            or not needs_grad(q, k, v, *learned))
+                            or not needs_grad(q, k, v, *features.learned()))
+
+
+def place_segments(spec: BackendSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, features: Features,
+                   mask: torch.Tensor | None) -> tuple[Features, torch.Tensor | None]:
+    """Packed sequences where ``spec`` takes them for this call: as structure (``features`` as
+    given, :func:`takes_segments`), else and-ed into ``mask`` as their dense block-diagonal
+    (B|1, 1, S, S) form and dropped from ``features``. Returns (features, mask)."""
+    cu = features.cu_seqlens
+    if cu is None or takes_segments(spec, q, k, v, features):
+        return features, mask
+    segments = segment_mask(cu, q.shape[2], q.device)  # (B|1, 1, S, S)
+    return features._replace(cu_seqlens=None), (segments if mask is None else mask & segments)
 
 
 def resolve_backend(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0,
-                    return_weights: bool = False, return_lse: bool = False, **features: object) -> Backend:
+                    return_weights: bool = False, return_lse: bool = False,
+                    features: Features = NO_FEATURES) -> Backend:
     """The backend ``name``, checked to do everything the call asks — before any work.
 
     Raises:
         ValueError: unknown name, or a capability the backend lacks (named, with the
             backends that have it); never a silent substitute.
     """
-    spec = get_spec(name)
-    missing = missing_capability(spec, q, k, v, dropout_p=dropout_p, return_weights=return_weights,
-                                 return_lse=return_lse, **features)
+    def lacks(spec: BackendSpec) -> str | None:
+        return missing_capability(spec, q, k, v, dropout_p=dropout_p, return_weights=return_weights,
+                                  return_lse=return_lse, features=features)
+
+    missing = lacks(get_spec(name))
     if missing is not None:
-        able = [s.name for s in _SPECS.values()
-                if missing_capability(s, q, k, v, dropout_p=dropout_p, return_weights=return_weights,
-                                      return_lse=return_lse, **features) is None]
+        able = [s.name for s in _SPECS.values() if lacks(s) is None]
         raise ValueError(f"backend {name!r} cannot do {missing}; backends that can: {able}")
-    return spec.fn
+    return get_spec(name).fn

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..logits import alibi_bias, sink_column
+from ..logits import NO_FEATURES, Features, alibi_bias, sink_column
 from ..masks import full_mask
 from .registry import register_backend
 
@@ -33,15 +33,16 @@ def sdpa_attention(
     dropout_p: float,
     return_weights: bool,
     return_lse: bool,
-    alibi_slopes: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
+    features: Features = NO_FEATURES,
 ) -> tuple[torch.Tensor, None, None]:
-    """torch's fused ``scaled_dot_product_attention``.
+    """torch's fused ``scaled_dot_product_attention``; ALiBi and sinks (``features``) as an
+    additive float mask.
 
     SDPA's ``is_causal`` is top-left aligned, so it is only used when Sq == Sk (where
     both alignments agree) and no other mask is given; otherwise the bottom-right
     causal mask is built and passed as ``attn_mask``.
     """
+    alibi_slopes, sinks = features.alibi_slopes, features.sinks
     sq, sk = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
     if alibi_slopes is not None or sinks is not None:

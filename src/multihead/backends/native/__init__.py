@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from ...logits import NO_FEATURES, Features
 from ..registry import register_backend
 from . import ops  # registers torch.ops.multihead.*: cheap, builds nothing
 from ._ffi import MAX_STEP_ROWS, SUFFIX, kernel
@@ -66,9 +67,7 @@ def _not_ready() -> str | None:
 def native_backend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     mask: torch.Tensor | None, causal: bool, window: int | None, scale: float,
-    dropout_p: float, return_weights: bool, return_lse: bool, softcap: float | None = None,
-    alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-    cu_seqlens: torch.Tensor | None = None,
+    dropout_p: float, return_weights: bool, return_lse: bool, features: Features = NO_FEATURES,
 ) -> tuple[torch.Tensor, None, torch.Tensor | None]:
     """The compiled kernels: float32, bfloat16, float16 (computed in float32, no float32
     copies), CPU, with the native backward for gradients (half precision: computed on
@@ -81,5 +80,6 @@ def native_backend(
     refused by the registry before the call, naming what is missing.
     """
     out, lse = run(q, k, v, scale=scale, causal=causal, window=window, mask=mask, return_lse=return_lse,
-                   softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, cu_seqlens=cu_seqlens)
+                   softcap=features.softcap, alibi_slopes=features.alibi_slopes, sinks=features.sinks,
+                   cu_seqlens=features.cu_seqlens)
     return out, None, lse
