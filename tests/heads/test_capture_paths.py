@@ -185,3 +185,19 @@ def test_output_attentions_survives_unpatch_after_being_used_while_patched() -> 
     for w, g, b in zip(want, got, back):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(b, w, rtol=1e-5, atol=1e-6)
+
+
+def test_a_ring_cache_that_dropped_keys_refuses_to_append_rows_it_cannot_align() -> None:
+    """A sliding-window layer decoding through a ring cache holds only the last keys: once a
+    call's keys no longer cover every earlier token, its row cannot be placed by key position,
+    so the capture refuses it by name (never a misaligned matrix)."""
+    torch.manual_seed(0)
+    layer = mh.MultiHeadAttention(E, H, causal=True, window=3, rope=mh.RoPE(E // H)).eval()
+    cache = layer.new_cache(1, 16, ring=True)
+    x = torch.randn(1, 8, E)
+    with torch.no_grad(), mh.heads.capture(layer) as cap:
+        layer(x[:, :2], cache=cache)
+        layer(x[:, 2:3], cache=cache)  # 3 keys, 3 tokens: still every one
+        with pytest.raises(ValueError, match="no longer holds every earlier token"):
+            layer(x[:, 3:4], cache=cache)
+    assert cap.weights[cap.layers[0]].shape == (1, H, 3, 3)  # the rows that could be placed

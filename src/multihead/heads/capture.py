@@ -230,7 +230,7 @@ class _Recorder:
         self.cap, self.name = cap, name
         self.seen: dict[str, torch.Tensor] = {}
         self.calls = 0  # calls stored
-        self.rows = 0  # query rows so far (every call's S)
+        self.held = 0  # tokens of the cache's sequence queried so far (every call's S since it started)
         self.cached = True  # every stored call attended a cache (so later calls continue it)
 
     def __call__(self, step: str, t: torch.Tensor) -> None:
@@ -250,15 +250,16 @@ class _Recorder:
                 raise ValueError(f"layer {name!r} was called twice inside one capture without a cache: record one "
                                  "forward pass per `with multihead.heads.capture(...)` block (calls through a KV "
                                  "cache, as in generate, append their rows)")
-            keys, rows = seen["K_cache" if cached else "K_k"].shape[2], self.rows + t.shape[2]
-            if self.calls and cap.info[name].causal and keys < rows:
+            s, keys = t.shape[2], seen["K_cache" if cached else "K_k"].shape[2]
+            held = s if keys == s else self.held + s  # keys == s: the cache started again (HF's Phi-3 does)
+            if self.calls and cap.info[name].causal and keys < held:
                 # A sliding-window or ring cache holds only the last keys: their columns are not positions.
-                raise ValueError(f"layer {name!r} attends {keys} cached keys for its {rows} queries so far: the "
+                raise ValueError(f"layer {name!r} attends {keys} cached keys for its {held} queries so far: the "
                                  "cache no longer holds every earlier token (a sliding window or a ring), so the "
                                  "calls' rows cannot be aligned by key position; capture a forward pass with "
                                  "use_cache=False, or decode within the window")
             self.cached = self.cached and cached
-            self.rows = rows
+            self.held = held
         elif step == "O":
             self._finish()
 
