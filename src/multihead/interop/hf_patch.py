@@ -660,7 +660,7 @@ def _record_like_the_original(model: nn.Module, name: str, wrapper: PatchedAtten
         return
     from transformers.utils.output_capturing import install_output_capuring_hook
 
-    owner, _ = _owner_model(model, name)
+    owner = _owner_model(model, name)
     installed = bool(getattr(owner, "_output_capturing_hooks_installed", False))
     wrapper.records = tuple(dict.fromkeys(key for key, _, _, _ in found))
     wrapper.__dict__["_recorders_were_installed"] = installed
@@ -674,7 +674,7 @@ def _record_like_the_original(model: nn.Module, name: str, wrapper: PatchedAtten
 def _restore_recording(model: nn.Module, name: str, wrapper: PatchedAttention) -> None:
     """After :func:`unpatch`: transformers installs its recording hooks once per model; if that
     happened while patched, the original modules never got theirs: install them now."""
-    owner, _ = _owner_model(model, name)
+    owner = _owner_model(model, name)
     if wrapper.__dict__.get("_recorders_were_installed", True) or not getattr(
             owner, "_output_capturing_hooks_installed", False):
         return
@@ -684,27 +684,27 @@ def _restore_recording(model: nn.Module, name: str, wrapper: PatchedAttention) -
         install_output_capuring_hook(wrapper.original.get_submodule(sub), key, index)
 
 
-def _owner_model(model: nn.Module, name: str) -> tuple[nn.Module | None, str]:
+def _owner_model(model: nn.Module, name: str) -> nn.Module | None:
     """The nearest transformers ``PreTrainedModel`` holding the module at ``name`` (its recording
-    rules apply there), and the dotted name of the module relative to the top model."""
+    rules apply there), or None."""
     try:
         from transformers import PreTrainedModel
     except ImportError:
-        return None, name
+        return None
     owner = None
     parts = name.split(".")
     for depth in range(len(parts)):
         candidate = model.get_submodule(".".join(parts[:depth])) if depth else model
         if isinstance(candidate, PreTrainedModel):
             owner = candidate
-    return owner, name
+    return owner
 
 
 def _recorded_parts(model: nn.Module, name: str, original: nn.Module) -> list[tuple[str, str, int, bool]]:
     """(key, submodule name inside ``original``, output index, matched by module name alone) for
     each weights recorder of the owner model that matches ``original`` or one of its submodules
     (BERT records ``.self``)."""
-    owner, _ = _owner_model(model, name)
+    owner = _owner_model(model, name)
     rules = getattr(type(owner), "_can_record_outputs", None) if owner is not None else None
     if not rules:
         return []
