@@ -6,67 +6,76 @@
     out = mh.attention(q, k, v, causal=True)   # q (B, H, Sq, D), k/v (B, Hkv, Sk, D)
 
 Masks everywhere: bool, **True = may attend** (see :mod:`multihead.masks`).
+
+``import multihead`` imports nothing else: each name below is imported on first use (torch and
+the layer with ``mh.attention`` or ``mh.MultiHeadAttention``; Hugging Face glue with ``mh.hf``),
+so that the ``multihead`` command starts at once and a program pays for what it uses. The
+``torch.ops.multihead.*`` operators are registered with the kernels (``mh.attention``,
+``mh.native`` or ``import multihead.backends.native``): import one of them before loading a
+``torch.export`` program that calls them.
 """
 
-from typing import Any
+from __future__ import annotations
 
-from . import backends, masks, reference
-from .backends import native
-from .cache import KVCache
-from .config import AttentionConfig
-from .functional import attention
-from .masks import Structure
-from .module import MultiHeadAttention, merge_heads, split_heads
-from .latent import LatentCache, MultiHeadLatentAttention
-from .rope import RoPE, half_to_interleaved, interleaved_to_half
-from .rope_scaling import RopeScaling
-from . import logits
-from . import decode, interop  # noqa: E402  (they build on the module)
-from .tools.cost import Cost, cost
-from .tools.trace import Trace, trace
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "attention",
-    "MultiHeadAttention",
-    "MultiHeadLatentAttention",
-    "LatentCache",
-    "RoPE",
-    "RopeScaling",
-    "KVCache",
-    "trace",
-    "Trace",
-    "split_heads",
-    "merge_heads",
-    "interleaved_to_half",
-    "half_to_interleaved",
-    "masks",
-    "logits",
-    "Structure",
-    "backends",
-    "decode",
-    "native",
-    "reference",
-    "AttentionConfig",
-    "cost",
-    "Cost",
-    "interop",
-    "hf",
-    "models",
-    "heads",
-    "parallel",
-]
+#: Each public class and function, and the module it lives in.
+_NAMES = {
+    "attention": ".functional",
+    "MultiHeadAttention": ".module", "split_heads": ".module", "merge_heads": ".module",
+    "MultiHeadLatentAttention": ".latent", "LatentCache": ".latent",
+    "RoPE": ".rope", "interleaved_to_half": ".rope", "half_to_interleaved": ".rope",
+    "RopeScaling": ".rope_scaling",
+    "KVCache": ".cache",
+    "Structure": ".masks",
+    "AttentionConfig": ".config",
+    "trace": ".tools.trace", "Trace": ".tools.trace",
+    "cost": ".tools.cost", "Cost": ".tools.cost",
+}
+#: Each public module, by the name it has here.
+_MODULES = {
+    "backends": ".backends", "native": ".backends.native", "masks": ".masks", "reference": ".reference",
+    "logits": ".logits", "decode": ".decode", "interop": ".interop", "hf": ".hf", "models": ".tools.models",
+    "bench": ".tools.bench", "cli": ".tools.cli", "heads": ".heads", "parallel": ".parallel",
+}
 
-# Hugging Face glue, the tools, the heads toolkit and torch.distributed (parallel), imported on
-# first use (they import transformers only inside functions; lazy keeps ``import multihead`` to the core).
-_LAZY = {"hf": ".hf", "models": ".tools.models", "bench": ".tools.bench", "cli": ".tools.cli", "heads": ".heads",
-         "parallel": ".parallel"}
+__all__ = [
+    "attention", "MultiHeadAttention", "MultiHeadLatentAttention", "LatentCache", "RoPE", "RopeScaling", "KVCache",
+    "trace", "Trace", "split_heads", "merge_heads", "interleaved_to_half", "half_to_interleaved", "masks",
+    "logits", "Structure", "backends", "decode", "native", "reference", "AttentionConfig", "cost", "Cost",
+    "interop", "hf", "models", "heads", "parallel",
+]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
+    """The public name ``name``, imported on first use (then kept here)."""
+    if name in _MODULES:
+        value = importlib.import_module(_MODULES[name], __name__)
+    elif name in _NAMES:
+        value = getattr(importlib.import_module(_NAMES[name], __name__), name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
-        return importlib.import_module(_LAZY[name], __name__)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+if TYPE_CHECKING:  # what type checkers and editors see: the core's names, eagerly (not the tools')
+    from . import backends, decode, interop, logits, masks, reference  # noqa: F401
+    from .backends import native  # noqa: F401
+    from .cache import KVCache  # noqa: F401
+    from .config import AttentionConfig  # noqa: F401
+    from .functional import attention  # noqa: F401
+    from .latent import LatentCache, MultiHeadLatentAttention  # noqa: F401
+    from .masks import Structure  # noqa: F401
+    from .module import MultiHeadAttention, merge_heads, split_heads  # noqa: F401
+    from .rope import RoPE, half_to_interleaved, interleaved_to_half  # noqa: F401
+    from .rope_scaling import RopeScaling  # noqa: F401
+    from .tools.cost import Cost, cost  # noqa: F401
+    from .tools.trace import Trace, trace  # noqa: F401

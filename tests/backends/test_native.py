@@ -232,7 +232,9 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_without_a_compiler_everything_still_works(tmp_path) -> None:
-    """No compiler (CXX=false): native is unavailable with a reason; "auto" uses torch paths."""
+    """No installed build (the machine's own asked for, as on a package installed without a
+    compiler) and no compiler (CXX=false): native is unavailable with a reason, announced on
+    stderr, never silent; "auto" uses torch paths."""
     code = """
 import torch, multihead as mh
 from multihead import native
@@ -246,22 +248,26 @@ try:
 except ValueError as err:
     print("refused:", err)
 """
-    done = _python(code, CXX="false", MULTIHEAD_CACHE_DIR=str(tmp_path))
+    done = _python(code, CXX="false", MULTIHEAD_CACHE_DIR=str(tmp_path), MULTIHEAD_NATIVE_ISA="machine")
     assert done.returncode == 0, done.stderr
     assert ("refused: backend 'native' cannot do running here: the native kernel is not available "
             "(compiling the native kernel failed") in done.stdout
+    assert "multihead: compiling the native kernels for this machine" in done.stderr
+    assert "multihead: compiling the native kernels failed; the torch paths run instead" in done.stderr
     assert list(tmp_path.iterdir()) == []  # nothing half-written left behind
 
 
-def test_builds_once_into_the_cache_dir_and_reuses_it(tmp_path) -> None:
+def test_the_machines_build_is_compiled_once_into_the_cache_dir_and_reused(tmp_path) -> None:
     code = "from multihead import native; assert native.build(), native.status(); print(native.status())"
-    first = _python(code, MULTIHEAD_CACHE_DIR=str(tmp_path))
+    first = _python(code, MULTIHEAD_CACHE_DIR=str(tmp_path), MULTIHEAD_NATIVE_ISA="machine")
     assert first.returncode == 0, first.stderr
     built = sorted(tmp_path.iterdir())  # the kernel and its build record (size, SHA-256)
     assert [p.suffix for p in built] == [".json", ".so"] and str(built[1]) in first.stdout
     mtime = built[1].stat().st_mtime_ns
-    again = _python(code, MULTIHEAD_CACHE_DIR=str(tmp_path))
+    assert "compiled in" in first.stderr  # announced
+    again = _python(code, MULTIHEAD_CACHE_DIR=str(tmp_path), MULTIHEAD_NATIVE_ISA="machine")
     assert again.returncode == 0 and sorted(tmp_path.iterdir()) == built and built[1].stat().st_mtime_ns == mtime
+    assert "compiling" not in again.stderr  # found, verified, loaded: nothing to announce
 
 
 def test_disabled_by_environment_variable() -> None:
@@ -416,7 +422,7 @@ def test_builds_only_into_a_private_folder(tmp_path, problem: str) -> None:
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     code = "from multihead import native; assert native.build(), native.status(); print(native.status())"
-    done = _python(code, MULTIHEAD_CACHE_DIR=str(cache), TMPDIR=str(tmpdir))
+    done = _python(code, MULTIHEAD_CACHE_DIR=str(cache), TMPDIR=str(tmpdir), MULTIHEAD_NATIVE_ISA="machine")
     assert done.returncode == 0, done.stderr
     private = tmpdir / f"multihead-{os.getuid()}"
     assert str(private) in done.stdout and (private.stat().st_mode & 0o777) == 0o700

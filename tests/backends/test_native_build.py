@@ -1,5 +1,6 @@
-"""The kernel build is verified before it is loaded: a damaged or unsafe cached kernel is
-rebuilt (the reason in ``status()``), never loaded, and never kills the process.
+"""The machine's own build of the kernels (compiled where no installed build runs here) is
+verified before it is loaded: a damaged or unsafe cached kernel is rebuilt (the reason in
+``status()``), never loaded, and never kills the process.
 
 Loading a truncated shared library raises SIGBUS in the loader, so every scenario runs
 in one subprocess (``SCRIPT``) that reports what it saw; the test then checks it. Only
@@ -92,7 +93,7 @@ def report(tmp_path_factory) -> dict:
     base = tmp_path_factory.mktemp("builds")
     fake = base / "fake_cxx.py"
     fake.write_text(FAKE_CXX)
-    env = {**os.environ, "MULTIHEAD_NATIVE": "1", "TMPDIR": str(base)}
+    env = {**os.environ, "MULTIHEAD_NATIVE": "1", "MULTIHEAD_NATIVE_ISA": "machine", "TMPDIR": str(base)}
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(base), str(fake)], capture_output=True, text=True,
                           timeout=600, env=env)
     assert done.returncode == 0, f"the process died (code {done.returncode}): {done.stderr[-3000:]}"

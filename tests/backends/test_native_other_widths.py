@@ -1,9 +1,10 @@
-"""The native kernels built for other vector widths than this machine's (``MULTIHEAD_NATIVE_ARCH``),
-run here: the AVX2 tiles on an AVX-512 machine, and the generic 128-bit build (no AVX) anywhere.
+"""The installed builds of the native kernels for other vector widths than the one this machine
+uses (``MULTIHEAD_NATIVE_ISA``), run here: the AVX-512 and AVX2 builds on an AMX machine, the
+AVX2 build on an AVX-512 one, and the 128-bit ``baseline`` build (no AVX) anywhere.
 
 The register tiles, the decoding loop and the GEMV are chosen when the kernels are compiled, so a
-CI machine only ever runs its own width's code; this runs the others' on the same machine (each
-in a subprocess with its own build folder) against float64 references: the FlashAttention loop
+CI machine would only ever run its own width's code; this runs every other build this CPU can run
+(each in a subprocess) against float64 references: the FlashAttention loop
 (GQA, causal, window, key padding) in float32 and bfloat16, the decoding loop, the layer's fused
 decoding step against a whole-sequence forward (float32 and bfloat16, RoPE, GQA), and the
 native backward's gradients.
@@ -14,13 +15,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from multihead.backends import native
-
-_FLAGS = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+from multihead.backends.native import isa
 
 _SCRIPT = r"""
 import sys
@@ -28,6 +27,7 @@ import torch
 import multihead as mh
 from multihead import decode
 from multihead.backends import native
+from multihead.backends.native import isa
 
 assert native.available(), native.status()
 bits = native.vector_bits()
@@ -87,31 +87,38 @@ for name, a, b in zip("qkv", ours, want):
 print("ok", bits)
 """
 
-# (-march target, its vector width, the CPU flags it needs)
-_TARGETS = {"haswell": (256, ("avx2", "fma", "bmi2", "f16c")), "x86-64-v2": (128, ("sse4_2", "popcnt"))}
+#: Each installed build's vector width.
+_BITS = {"amx": 512, "avx512": 512, "avx2": 256, "baseline": 128}
 
 
-def _other_targets() -> list[str]:
-    """The targets this CPU can run whose width is not its own build's (that one the rest of the
-    suite runs). Asked at collection: builds the kernels once, as the suite would."""
-    own = native.vector_bits()
-    return [arch for arch, (bits, needs) in _TARGETS.items()
-            if bits != own and all(f" {flag}" in _FLAGS for flag in needs)]
+def _other_builds() -> list[str]:
+    """The installed builds this CPU can run but does not use (the one it uses, the rest of the
+    suite runs). Asked at collection."""
+    used = native.build_name()
+    return [name for name in isa.runnable() if name != used and name in _BITS]
 
 
-@pytest.mark.parametrize("arch", _other_targets())
-def test_kernels_built_for_another_width_run_here(tmp_path, arch: str) -> None:
-    bits, _ = _TARGETS[arch]
-    done = subprocess.run([sys.executable, "-c", _SCRIPT, str(bits)], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "MULTIHEAD_NATIVE_ARCH": arch, "MULTIHEAD_CACHE_DIR": str(tmp_path)})
+def test_this_cpu_runs_more_than_one_installed_build() -> None:
+    """Every x86-64 CPU runs at least its own build and the 128-bit baseline: the test below is
+    never empty on CI."""
+    assert native.build_name() in isa.runnable() and _other_builds(), (native.status(), isa.runnable())
+
+
+@pytest.mark.parametrize("build", _other_builds())
+def test_installed_builds_for_other_widths_run_here(tmp_path, build: str) -> None:
+    done = subprocess.run([sys.executable, "-c", _SCRIPT, str(_BITS[build])], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "MULTIHEAD_NATIVE_ISA": build,
+                                            "MULTIHEAD_CACHE_DIR": str(tmp_path)})
     assert done.returncode == 0 and done.stdout.startswith("ok"), (done.stdout + done.stderr)[-4000:]
+    assert list(tmp_path.iterdir()) == []  # nothing compiled
 
 
 def test_a_target_that_is_not_a_cpu_name_is_refused(tmp_path) -> None:
     code = "from multihead import native; print(native.available(), native.status())"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "MULTIHEAD_NATIVE_ARCH": "native -fplugin=x",
-                               "MULTIHEAD_CACHE_DIR": str(tmp_path)})
+                               "MULTIHEAD_NATIVE_ISA": "machine", "MULTIHEAD_CACHE_DIR": str(tmp_path)})
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("False MULTIHEAD_NATIVE_ARCH must name a CPU"), done.stdout
+    assert done.stdout.startswith("False the machine's own build cannot be compiled: MULTIHEAD_NATIVE_ARCH must name "
+                                  "a CPU"), done.stdout
     assert list(tmp_path.iterdir()) == []

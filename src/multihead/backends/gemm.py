@@ -8,8 +8,9 @@ AMD EPYC Zen 3 VM, and 128-148 against 131-172 on another of the same CPU model 
 the layer's shapes). So it is measured, once per machine (:func:`gemm_choice`), and the
 verdict kept in the cache folder, so that every process on the machine computes with the
 same GEMM (bitwise the same results run to run). ``$MULTIHEAD_GEMM`` (``onednn`` or
-``torch``) chooses without measuring; ``torch.backends.mkldnn.enabled = False`` means
-torch.matmul.
+``torch``) chooses without measuring; it is read once per process (the choice is asked at every
+call of a layer), and again after :func:`refresh_settings`, for a program or test that changes
+it at run time; ``torch.backends.mkldnn.enabled = False`` means torch.matmul.
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["MatMul", "onednn_available", "onednn_usable", "gemm_choice", "gemm_measurement", "keep_gemm_measurement",
+from .._compile import constant_in_graphs
+
+__all__ = ["MatMul", "onednn_available", "onednn_usable", "gemm_choice", "gemm_setting", "refresh_settings",
+           "gemm_measurement", "keep_gemm_measurement",
            "gemm_for", "mm_nt", "onednn_mm_nt", "onednn_linear_op", "compiled_onednn"]
 
 #: The choices of ``$MULTIHEAD_GEMM``.
@@ -74,18 +78,31 @@ def gemm_choice() -> str:
     """``"onednn"`` or ``"torch"``: the float32 GEMM of this machine's projections.
 
     ``"torch"`` where oneDNN is missing or disabled (``torch.backends.mkldnn.enabled``);
-    else ``$MULTIHEAD_GEMM`` if set; else the verdict of :func:`gemm_measurement`, taken
+    else ``$MULTIHEAD_GEMM`` if set (:func:`gemm_setting`); else the verdict of :func:`gemm_measurement`, taken
     once per machine (CPU, torch version) and kept in the cache folder.
 
     Raises:
         ValueError: ``$MULTIHEAD_GEMM`` is set to something else than ``onednn`` or ``torch``.
     """
-    env = os.environ.get("MULTIHEAD_GEMM")
+    env = gemm_setting()
     if env is not None and env not in GEMM_CHOICES:
         raise ValueError(f"MULTIHEAD_GEMM must be one of {GEMM_CHOICES}, got {env!r}")
     if not onednn_usable():
         return "torch"
     return env or _measured_choice()
+
+
+@functools.cache
+def gemm_setting() -> str | None:
+    """``$MULTIHEAD_GEMM`` as this process read it first (None: not set); read again after
+    :func:`refresh_settings`."""
+    return os.environ.get("MULTIHEAD_GEMM")
+
+
+def refresh_settings() -> None:
+    """Read ``$MULTIHEAD_GEMM`` again at the next :func:`gemm_choice` (after a change of the
+    environment at run time, e.g. ``monkeypatch.setenv`` in a test)."""
+    gemm_setting.cache_clear()
 
 
 def _machine_key() -> str:
@@ -227,7 +244,7 @@ def mm_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return gemm_for(x)(x, w)
 
 
-@torch.compiler.assume_constant_result  # a traced graph takes it as a constant
+@constant_in_graphs  # a traced graph takes it as a constant
 def compiled_onednn() -> bool:
     """Whether traced graphs call :func:`onednn_linear_op`: oneDNN is this machine's GEMM
     (:func:`gemm_choice`)."""

@@ -6,6 +6,7 @@
     multihead run [TEXT ...]            the bundled MiniLM (or --model DIR), patched and checked
     multihead bench [--quick]           multihead against torch and Hugging Face on this machine
     multihead heads [TEXT ...]          what each head of the bundled MiniLM does (table, page, picture)
+    multihead build [--machine]         which build of the native kernels runs here (or compile this machine's)
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-# The seed's worked example (section 7).
-from .explain import SEED_EMBED_DIM, SEED_NUM_HEADS, SEED_SEQ_LEN, explain_seed, max_seq_len  # noqa: F401
+# Each subcommand imports what it needs when it runs (torch, the layer, transformers): the command
+# itself, its help and its refusals of bad arguments import none of them.
+from .seed import SEED_SEQ_LEN, max_seq_len
 
 
 def _emit(args: argparse.Namespace, payload: dict[str, Any], text: str) -> None:
@@ -28,6 +30,8 @@ def _emit(args: argparse.Namespace, payload: dict[str, Any], text: str) -> None:
 def cmd_explain(args: argparse.Namespace) -> int:
     if args.config is not None:
         return _explain_config(args)
+    from .explain import explain_seed
+
     info = explain_seed(args.seq)
     text = "\n".join([
         f"The seed's example: d={info['embed_dim']}, h={info['num_heads']}, "
@@ -152,6 +156,26 @@ def cmd_heads(args: argparse.Namespace) -> int:
     return heads_main(args)
 
 
+def cmd_build(args: argparse.Namespace) -> int:
+    """``multihead build``: the kernels' builds, the one this CPU runs, loaded as the library would
+    (compiling the machine's own where none installed runs here); ``--machine`` compiles that one."""
+    from ..backends import native
+    from ..backends.native import cpu, isa
+
+    info: dict[str, Any] = {"cpu": cpu.cpuinfo().get("model name", "unknown"), "builds": list(isa.names()),
+                            "installed": list(isa.installed()), "runs_here": list(isa.runnable())}
+    if args.machine:
+        info["machine_build"], info["status"] = native.compile_for_machine()
+    else:
+        info["available"], info["status"] = native.build(), native.status()
+        info["used"] = native.build_name()
+    lines = [f"CPU: {info['cpu']}", f"builds installed: {', '.join(info['installed']) or 'none'} "
+             f"(of {', '.join(info['builds'])})", f"this CPU runs: {', '.join(info['runs_here']) or 'none of them'}",
+             f"status: {info['status']}"]
+    _emit(args, info, "\n".join(lines))
+    return 0 if info.get("available", info.get("machine_build")) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="multihead",
@@ -201,6 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--importance", action="store_true", help="rank heads by ablation and report pruning")
     p.set_defaults(func=cmd_heads)
+
+    p = sub.add_parser("build", help="which build of the native kernels runs here; --machine compiles this machine's")
+    p.add_argument("--machine", action="store_true",
+                   help="compile the kernels for this machine (-march=native) into the cache folder; used where "
+                        "no installed build runs here, or with MULTIHEAD_NATIVE_ISA=machine")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_build)
     return parser
 
 

@@ -1,31 +1,38 @@
-"""The native CPU kernels (``csrc/``): built on first use, loaded with ctypes.
+"""The native CPU kernels (``csrc/``): compiled when the package is installed, one build per
+vector width, the one for this CPU chosen at run time.
 
 Notation: B batch, H query heads, Hkv key/value heads, Sq queries, Sk keys, D head dim,
 Dv value head dim.
 
-The kernels are C++ with no dependency but OpenMP: ``attention.cpp`` (the FlashAttention
-loop), ``decode.cpp`` (decoding: attention, few-row linear layers, a whole layer step),
-``common.h`` (what they share, with the structural rule's C++ copy ``span()``). They are
-compiled on first use by :mod:`._build` and called through the signature table of
-:mod:`._ffi`. Nothing happens at import time.
+The kernels are C++ with no dependency but OpenMP and no torch C++ ABI: ``attention.cpp`` (the
+FlashAttention loop), ``decode.cpp`` (decoding: attention, few-row linear layers, a whole layer
+step), ``backward.cpp``, ``attention_amx.cpp`` (the bfloat16 loop on AMX tiles), ``common.h``
+(what they share, with the structural rule's C++ copy ``span()``), their C entry points in
+``kernels.h``, and ``module.cpp``, which makes them a Python extension module. ``setup.py``
+builds that module for each width of ``csrc/variants.json`` (``_kernels_amx``,
+``_kernels_avx512``, ``_kernels_avx2``, ``_kernels_baseline``); :mod:`.isa` picks the best one
+this CPU runs (``MULTIHEAD_NATIVE_ISA`` names another). A package installed without a C++
+compiler has none: the kernels are then compiled for the machine on first use, announced on
+stderr (:mod:`._build`; ``multihead build`` does it ahead), and without a compiler either, or
+with ``MULTIHEAD_NATIVE=0``, :func:`available` is False and ``"auto"`` uses its torch paths;
+the reason is in :func:`status`. Nothing happens at import time.
 
-Without a C++ compiler (``$CXX``, ``g++`` or ``c++``), or with ``MULTIHEAD_NATIVE=0``,
-:func:`available` is False and the ``"auto"`` backend uses its torch paths; the reason
-is in :func:`status`. The library is written with ``-fopenmp`` and loaded after torch,
-so its threads come from torch's own OpenMP runtime (no second thread pool). Results
-do not depend on the thread count (bitwise). Forking a process after torch has used its
-OpenMP threads can hang the child in any torch operation (ours or not): call
-``torch.set_num_threads(1)`` in the child first, or use the ``spawn`` start method.
+The module is loaded after torch, so its OpenMP threads come from torch's own runtime (no
+second thread pool). Results do not depend on the thread count (bitwise). Forking a process
+after torch has used its OpenMP threads can hang the child in any torch operation (ours or
+not): call ``torch.set_num_threads(1)`` in the child first, or use the ``spawn`` start method.
 
 The package, one concern a module, each importing only those below it:
 
 * :mod:`.cpu` — the CPU as ``/proc/cpuinfo`` describes it (:func:`cpu_vendor`, :func:`amx_bf16`);
-* :mod:`.files` — the private cache folder and its files (builds, :mod:`..gemm`'s verdicts);
-* :mod:`._build`, :mod:`._ffi` — compiling the kernels; their C signatures;
-* :mod:`.loader` — the library: :func:`build`, :func:`available`, :func:`status`, and what it
-  says of the machine (:func:`vector_bits`, :func:`amx`, :func:`amx_enabled`);
+* :mod:`.files` — the private cache folder and its files (machine builds, :mod:`..gemm`'s verdicts);
+* :mod:`.isa` — which build runs here; :mod:`._build` — compiling the machine's own;
+  :mod:`._ffi` — dtype suffixes and the C function for a dtype;
+* :mod:`.loader` — the kernels' module: :func:`build`, :func:`available`, :func:`status`,
+  :func:`build_name`, and what it says of the machine (:func:`vector_bits`, :func:`amx`,
+  :func:`amx_enabled`);
 * :mod:`.attention` — the two attention loops' entry points (:func:`attention_f32`,
-  :func:`decode_f32`, :func:`key_panels`), their checks and the ctypes call;
+  :func:`decode_f32`, :func:`key_panels`), their checks and the call;
 * :mod:`.step` — decoding a token: :func:`linear_few_rows`, :func:`decode_step`, :class:`StepPlan`;
 * :mod:`.ops` — the ``torch.ops.multihead.*`` operators and :func:`run`, the way into them;
 * :mod:`.counters` — a cache's counters in one C call (:func:`advance_counters`);
@@ -43,11 +50,12 @@ from ._ffi import MAX_STEP_ROWS, SUFFIX, kernel
 from .attention import DECODE_ROWS, Logits, attention_f32, decode_f32, key_panels, rows_per_kv_head
 from .counters import advance_counters
 from .cpu import amx_bf16, cpu_vendor
-from .loader import amx, amx_enabled, available, build, status, vector_bits
+from .loader import amx, amx_enabled, available, build, build_name, compile_for_machine, status, vector_bits
 from .ops import run
 from .step import StepPlan, decode_step, linear_few_rows
 
-__all__ = ["available", "status", "build", "vector_bits", "cpu_vendor", "amx_bf16", "amx", "amx_enabled",
+__all__ = ["available", "status", "build", "build_name", "compile_for_machine", "vector_bits", "cpu_vendor",
+           "amx_bf16", "amx", "amx_enabled",
            "advance_counters", "attention_f32", "decode_f32", "key_panels", "linear_few_rows", "decode_step",
            "StepPlan", "MAX_STEP_ROWS", "DTYPES", "SUFFIX", "DECODE_ROWS", "Logits", "kernel", "rows_per_kv_head",
            "run", "native_backend", "ops"]

@@ -1,12 +1,16 @@
-"""Building and loading the native kernels: compiler, private cache folder, verified build.
+"""The machine's own build of the native kernels: compiled here, kept in a private cache folder,
+verified before it is loaded.
 
-The first call that needs the kernels compiles ``csrc/`` for this machine (``-O3
--march=native``, or ``$MULTIHEAD_NATIVE_ARCH``; its units in parallel: about 13 s on 2 cores) into a cache
-folder, ``$MULTIHEAD_CACHE_DIR`` or
-``~/.cache/multihead`` (or, if that cannot be written, a private folder under the
-system's temporary folder), under a name that hashes the sources, the compiler and the
-CPU's flags, so a shared home folder or an upgraded compiler never loads a stale or
-foreign build. Nothing happens at import time.
+The package installs builds for every vector width (:mod:`.isa`); this one is compiled only where
+none of them runs here (the package was installed without a C++ compiler), or where
+``MULTIHEAD_NATIVE_ISA=machine`` asks for it: ``csrc/`` for this machine (``-O3 -march=native``,
+or ``$MULTIHEAD_NATIVE_ARCH``; its units in parallel: about 15 s on 2 cores, announced on the
+``multihead`` logger, which Python prints to stderr unless logging is configured) as the Python
+module ``_kernels_machine``, into a cache folder, ``$MULTIHEAD_CACHE_DIR`` or
+``~/.cache/multihead`` (or, if that cannot be written, a private folder under the system's
+temporary folder), under a name that hashes the sources, the compiler, the Python ABI and the
+CPU's flags, so a shared home folder or an upgraded compiler never loads a stale or foreign
+build. ``multihead build`` compiles it ahead. Nothing happens at import time.
 
 What is loaded is checked first, since loading runs its code and a damaged file kills
 the process (SIGBUS) instead of raising:
@@ -26,28 +30,36 @@ would (:func:`shlex.split`).
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
+import importlib.machinery
+import importlib.util
 import json
+import logging
 import os
 import platform
 import re
 import shlex
 import shutil
 import subprocess
+import sysconfig
 import tempfile
+import time
 from importlib import resources
 from pathlib import Path
+from types import ModuleType
 
 from .cpu import cpuinfo
 from .files import cache_dirs, private_dir, unsafe, write_atomically
+from .isa import MACHINE, module_name
 
 __all__ = ["load"]
 
-_COMPILE_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-std=c++17")  # each unit, in parallel, with _march()
+_MODULE = f"_kernels_{MACHINE}"
+_COMPILE_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-std=c++17", f"-DMH_MODULE={_MODULE}")  # each unit, with _march()
 _LINK_FLAGS = ("-fopenmp", "-shared")
 _ARCH = re.compile(r"[a-z0-9][a-z0-9.-]{0,39}")  # a -march CPU name
-_SOURCES = ("common.h", "attention.cpp", "attention_amx.cpp", "decode.cpp", "backward.cpp")
+_SOURCES = ("common.h", "kernels.h", "module.cpp", "attention.cpp", "attention_amx.cpp", "decode.cpp", "backward.cpp")
+_LOG = logging.getLogger("multihead")
 _FILE_MODE = 0o700  # the kernel: the user's only (umask can only remove bits; set explicitly)
 _RECORD_MODE = 0o600
 
@@ -68,8 +80,6 @@ def _march() -> str:
 
 def _compiler() -> tuple[list[str] | None, str]:
     """The C++ compiler command (``$CXX`` split as a shell would), or None with the reason."""
-    if os.environ.get("MULTIHEAD_NATIVE", "1") == "0":
-        return None, "disabled by MULTIHEAD_NATIVE=0"
     cxx = os.environ.get("CXX")
     if cxx:
         try:
@@ -140,8 +150,15 @@ def _run_all(commands: list[list[str]]) -> str:
 
 def _compile_units(compiler: list[str], march: str, units: list[Path]) -> str:
     """Compile each unit to its ``.o`` beside it, in parallel (they take 5-8 s each at -O3)."""
-    return _run_all([[*compiler, *_COMPILE_FLAGS, march, "-c", "-o", str(u.with_suffix(".o")), str(u)]
+    include = f"-I{sysconfig.get_paths()['include']}"
+    return _run_all([[*compiler, *_COMPILE_FLAGS, include, march, "-c", "-o", str(u.with_suffix(".o")), str(u)]
                      for u in units])
+
+
+def _python_headers() -> str | None:
+    """Why this Python's headers cannot be compiled against, or None."""
+    header = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    return None if header.is_file() else f"this Python's headers are not installed ({header} is missing)"
 
 
 def _run(command: list[str]) -> str:
@@ -173,43 +190,86 @@ def _compile(compiler: list[str], march: str, sources: dict[str, bytes], folder:
     return None
 
 
-def load() -> tuple[ctypes.CDLL | None, str]:
-    """Compile (once per machine and source), verify and load the kernels: ``(library,
-    status)``, the library None when they cannot be used here, the status saying why (or
-    where from, and why it was rebuilt)."""
+def _import(target: Path) -> ModuleType:
+    """The extension module in ``target`` (a verified build), loaded as ``_kernels_machine``."""
+    loader = importlib.machinery.ExtensionFileLoader(module_name(MACHINE), str(target))
+    spec = importlib.util.spec_from_file_location(module_name(MACHINE), target, loader=loader)
+    if spec is None:
+        raise ImportError(f"no module spec for {target}")
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def _key(compiler: list[str], version: str, march: str, sources: dict[str, bytes]) -> str:
+    """The build's name: a hash of what it depends on (sources, compiler, flags, Python, CPU)."""
+    parts = [*sources.values(), shlex.join(compiler).encode(), version.encode(),
+             " ".join((*_COMPILE_FLAGS, march, *_LINK_FLAGS)).encode(), _cpu_flags().encode(),
+             str(sysconfig.get_config_var("EXT_SUFFIX")).encode(), sysconfig.get_paths()["include"].encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]
+
+
+def _prepare() -> tuple[list[str], str, dict[str, bytes], str] | str:
+    """``(compiler, march, sources, version)`` of the build, or why it cannot be made here."""
     compiler, reason = _compiler()
     if compiler is None:
-        return None, reason
+        return reason
     try:
         march = _march()
     except ValueError as err:
-        return None, str(err)
+        return str(err)
+    headers = _python_headers()
+    if headers is not None:
+        return headers
     csrc = resources.files("multihead.backends.native").joinpath("csrc")
     sources = {name: csrc.joinpath(name).read_bytes() for name in _SOURCES}
     try:
         version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as err:
-        return None, f"compiler {shlex.join(compiler)!r} does not run: {err}"
-    key = hashlib.sha256(b"\0".join([*sources.values(), shlex.join(compiler).encode(), version.encode(),
-                                     " ".join((*_COMPILE_FLAGS, march, *_LINK_FLAGS)).encode(),
-                                     _cpu_flags().encode()])).hexdigest()[:20]
+        return f"compiler {shlex.join(compiler)!r} does not run: {err}"
+    return compiler, march, sources, version
+
+
+def _build_announced(compiler: list[str], march: str, sources: dict[str, bytes], folder: Path,
+                     target: Path) -> str | None:
+    """:func:`_compile`, announced before and after on the ``multihead`` logger (never silent)."""
+    _LOG.warning("multihead: compiling the native kernels for this machine (%s, about 15 s on 2 cores, once; "
+                 "`multihead build` does it ahead) into %s", march, folder)
+    start = time.perf_counter()
+    failure = _compile(compiler, march, sources, folder, target)
+    if failure is None:
+        _LOG.warning("multihead: the native kernels were compiled in %.1f s", time.perf_counter() - start)
+    else:
+        _LOG.warning("multihead: compiling the native kernels failed; the torch paths run instead (%s)",
+                     failure[:300])
+    return failure
+
+
+def load() -> tuple[ModuleType | None, str]:
+    """Compile (once per machine and source), verify and load the machine's build: ``(module,
+    status)``, the module None when it cannot be made here, the status saying why (or where
+    from, and why it was rebuilt)."""
+    prepared = _prepare()
+    if isinstance(prepared, str):
+        return None, f"the machine's own build cannot be compiled: {prepared}"
+    compiler, march, sources, version = prepared
     folder = next((d for d in cache_dirs() if private_dir(d)), None)
     if folder is None:
         return None, f"no private folder to build into (tried {', '.join(map(str, cache_dirs()))})"
-    target = folder / f"attention-{key}.so"
+    target = folder / f"attention-{_key(compiler, version, march, sources)}.so"
     rebuilt = ""
     if os.path.lexists(target):
         why = _verify(target)
         if why is not None:
             rebuilt = f" (rebuilt: the cached build was refused: {why})"
     if rebuilt or not os.path.lexists(target):
-        failure = _compile(compiler, march, sources, folder, target)
+        failure = _build_announced(compiler, march, sources, folder, target)
         if failure is not None:
             return None, failure + rebuilt
         why = _verify(target)  # what is loaded is exactly what was just built
         if why is not None:
             return None, f"the kernel just built at {target} cannot be loaded: {why}"
     try:
-        return ctypes.CDLL(str(target)), f"ready: {target}{rebuilt}"
-    except OSError as err:
+        return _import(target), f"ready: the machine's own build ({target}){rebuilt}"
+    except ImportError as err:
         return None, f"loading {target} failed: {err}"

@@ -1,5 +1,5 @@
 """The two attention loops' entry points: the FlashAttention loop and the decoding loop, with
-the checks of what they read as raw memory and the ctypes call that runs either.
+the checks of what they read as raw memory and the call that runs either.
 
 Notation: B batch, H query heads, Hkv key/value heads (G = H / Hkv), Sq queries, Sk keys,
 D head dim, Dv value head dim.
@@ -21,7 +21,7 @@ import torch
 from ..._checks import check_float, check_int, check_tensor
 from ...masks import check_cu_seqlens, segment_bounds
 from . import loader
-from ._ffi import SUFFIX, int64s, kernel, ptr
+from ._ffi import SUFFIX, kernel, ptr
 from .loader import require
 
 __all__ = ["attention_f32", "key_panels", "decode_f32", "Logits", "run_kernel", "query_tile", "QUERY_TILE",
@@ -195,12 +195,19 @@ def _check_logits(q: object, k: object, softcap: object, alibi_slopes: object, s
         check_cu_seqlens(cu_seqlens, q.shape[2], batch=q.shape[0])
 
 
+#: The FlashAttention loop's features when none is given: softcap, slopes, sinks, segments, their
+#: batch stride, panel counter.
+_NO_LOGITS = (0.0, None, None, None, 0, None)
+_NO_MASK_STRIDES = (0, 0, 0, 0)
+_NO_LSE_STRIDES = (0, 0, 0)
+
+
 def run_kernel(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
                window: int | None, mask: torch.Tensor | None, return_lse: bool, *extra: int, checked: bool = False,
                logits: Logits | None = None,
                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One call of the loop ``name`` (``"mh_attention_f32"`` or ``"mh_decode_f32"``, run in q's
-    dtype's kernel) through ctypes.
+    dtype's kernel).
 
     Args:
         q: (B, H, Sq, D); k: (B, Hkv, Sk, D); v: (B, Hkv, Sk, Dv); mask broadcastable to
@@ -216,37 +223,48 @@ def run_kernel(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     """
     if not checked:  # the "native" backend's callers validated everything once already
         _check_qkv(q, k, v, mask, window)
-    lib = require()
+    fn = kernel(require(), name, q.dtype)
     b, h, sq, d = q.shape
-    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    out = torch.empty((b, sq, h, dv), dtype=q.dtype).permute(0, 2, 1, 3)  # (B, H, Sq, Dv)
+    _, hkv, sk, dv = v.shape
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    out = torch.empty_strided((b, h, sq, dv), (sq * h * dv, dv, h * dv, 1), dtype=q.dtype)  # (B, Sq, H, Dv) memory
     lse = torch.empty((b, h, sq), dtype=torch.float32) if return_lse else None  # (B, H, Sq)
     if mask is not None:
         mask = mask[(None,) * (4 - mask.dim())].expand(b, h, sq, sk)  # strides 0 where broadcast
-    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-               *(mask.stride() if mask is not None else (0, 0, 0, 0)),
-               *(lse.stride() if lse is not None else (0, 0, 0)))
-    logits = logits or Logits()
+    qs, ks, vs = q.stride(), k.stride(), v.stride()
+    strides = (qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], sq * h * dv, dv, h * dv,
+               *(_NO_MASK_STRIDES if mask is None else mask.stride()),
+               *(_NO_LSE_STRIDES if lse is None else (h * sq, sq, 1)))
     features: tuple[object, ...] = ()
     keep: tuple[object, ...] = ()  # the tensors behind the features' pointers, alive through the call
     if name == "mh_attention_f32":
-        arguments = logits.arguments(sq)
-        features, keep = arguments[:6], arguments[6:]
-    elif logits.any():
+        if logits is None or not logits.any():
+            features = _NO_LOGITS
+        else:
+            arguments = logits.arguments(sq)
+            features, keep = arguments[:6], arguments[6:]
+    elif logits is not None and logits.any():
         raise ValueError(f"{name} takes no logit features or packed sequences (the FlashAttention loop does)")
-    code = kernel(lib, name, q.dtype)(
-        ptr(q), ptr(k), ptr(v), ptr(out), ptr(lse), ptr(mask),
-        int64s((b, h, hkv, sq, sk, d, dv)), int64s(strides), float(scale), int(causal), int(window or 0),
-        *features, *extra, torch.get_num_threads())
+    code = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), None if lse is None else lse.data_ptr(),
+              None if mask is None else mask.data_ptr(), (b, h, hkv, sq, sk, d, dv), strides, float(scale), int(causal),
+              window or 0, *features, *extra, torch.get_num_threads())
     del keep
-    if code == -1:
-        raise MemoryError("the native attention kernel could not allocate its buffers")
     if code != 0:
-        raise RuntimeError(f"the native attention kernel refused the problem (code {code})")
+        _refused(code)
     if lse is not None:
         return out, lse
     return out
+
+
+def _refused(code: int) -> None:
+    if code == -1:
+        raise MemoryError("the native attention kernel could not allocate its buffers")
+    raise RuntimeError(f"the native attention kernel refused the problem (code {code})")
 
 
 def rows_per_kv_head(q: torch.Tensor, k: torch.Tensor) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 
-import torch
+from ..._compile import constant_in_graphs
 
 __all__ = ["cpuinfo", "cpu_vendor", "amx_bf16"]
 
@@ -32,7 +32,7 @@ def cpuinfo() -> dict[str, str]:
     return fields
 
 
-@torch.compiler.assume_constant_result  # traced graphs take it as a constant (no file read in them)
+@constant_in_graphs  # traced graphs take it as a constant (no file read in them)
 def cpu_vendor() -> str:
     """The CPU's vendor as ``/proc/cpuinfo`` names it (``"GenuineIntel"``, ``"AuthenticAMD"``);
     ``""`` where it cannot be read. ``"auto"`` asks it: torch's own CPU kernels (MKL, oneDNN)
@@ -40,7 +40,7 @@ def cpu_vendor() -> str:
     return cpuinfo().get("vendor_id", "")
 
 
-@torch.compiler.assume_constant_result
+@constant_in_graphs
 def amx_bf16() -> bool:
     """Whether the CPU has AMX tiles for bfloat16 (``amx_bf16``), which oneDNN, and so torch's
     SDPA in bfloat16, runs on. ``"auto"`` asks it."""

@@ -3,8 +3,8 @@
 Notation: B batch, H query heads, Hkv key/value heads, Sq queries, Sk keys, D head dim,
 Dv value head dim, E embed_dim, C cache capacity.
 
-The kernels read raw memory through ctypes, which ``torch.compile`` and ``torch.export``
-cannot trace; registered as custom operators with fake (meta) implementations giving
+The kernels read raw memory (tensors passed by address), which ``torch.compile`` and
+``torch.export`` cannot trace; registered as custom operators with fake (meta) implementations giving
 exact output shapes, dtypes and strides, they are opaque nodes of a graph instead:
 
 * ``multihead::attention(q, k, v, mask, scale, causal, window, decode, softcap=None,
@@ -37,7 +37,7 @@ import torch
 
 from . import attention as loops  # the name `attention` is the operator multihead::attention's here
 from . import loader, step
-from ._ffi import int64s, ptr
+from ._ffi import ptr
 
 __all__ = ["attention", "attention_impl", "attention_backward", "decode_step", "direct", "forward", "run"]
 
@@ -177,8 +177,8 @@ def _forward_f64(lib: object, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | No
     lse = torch.empty((b, h, sq), dtype=torch.float64)
     strides = (*_strides(q, k, v), *(0,) * 12, *mstrides)  # dout, dq, dk, dv: unread
     _check(lib.mh_attention_forward_f64(  # type: ignore[attr-defined]
-        ptr(q), ptr(k), ptr(v), ptr(mask), ptr(out), ptr(lse), int64s((b, h, hkv, sq, sk, d, dv)),
-        int64s(strides), float(scale), int(causal), int(window or 0), torch.get_num_threads()), "float64 attention")
+        ptr(q), ptr(k), ptr(v), ptr(mask), ptr(out), ptr(lse), (b, h, hkv, sq, sk, d, dv),
+        strides, float(scale), int(causal), int(window or 0), torch.get_num_threads()), "float64 attention")
     return out, lse
 
 
@@ -210,7 +210,7 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tenso
     dq, dk, dv = (_gradient_like(t, wide) for t in (q, k, v))  # (half precision: rounded to it below)
     fn = lib.mh_attention_backward_f64 if wide == torch.float64 else lib.mh_attention_backward_f32  # type: ignore[attr-defined]
     _check(fn(ptr(q_), ptr(k_), ptr(v_), ptr(do_), ptr(lse_), ptr(delta_), ptr(mask), ptr(dq), ptr(dk), ptr(dv),
-              int64s((b, h, hkv, sq, sk, d, dv_)), int64s((*_strides(q_, k_, v_, do_, dq, dk, dv), *mstrides)),
+              (b, h, hkv, sq, sk, d, dv_), (*_strides(q_, k_, v_, do_, dq, dk, dv), *mstrides),
               float(scale), int(causal), int(window or 0), torch.get_num_threads()), "attention backward")
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..._checks import check_tensor
-from ._ffi import MAX_STEP_ROWS, SUFFIX, int64_ptr, int64s, kernel, pointers, ptr
+from ._ffi import MAX_STEP_ROWS, SUFFIX, kernel, pointers, ptr
 from .loader import require
 
 __all__ = ["MAX_STEP_ROWS", "linear_few_rows", "decode_step", "StepPlan"]
@@ -57,7 +57,7 @@ def linear_few_rows(
     m, k = x.shape
     outs = [torch.empty((m, w.shape[0]), dtype=torch.float32) for w, _ in layers]
     code = lib.mh_linear_few_rows_f32(
-        ptr(x), m, k, len(layers), pointers([w for w, _ in layers]), int64s([w.shape[0] for w, _ in layers]),
+        ptr(x), m, k, len(layers), pointers([w for w, _ in layers]), tuple(w.shape[0] for w, _ in layers),
         pointers([b for _, b in layers]), pointers(outs), torch.get_num_threads())
     if code != 0:
         raise RuntimeError(f"the native linear kernel refused the problem (code {code})")
@@ -106,7 +106,7 @@ def decode_step(
     code = kernel(lib, "mh_decode_step_f32", x.dtype)(
         ptr(x), b, e, pointers([w for w, _ in layers]), pointers([bias for _, bias in layers]),
         num_heads, num_kv_heads, head_dim, ptr(cos), ptr(sin), rotary_dim, int(interleaved),
-        ptr(cache_k), ptr(cache_v), int64s(cache_k.stride()[:3]), int64_ptr(lengths),
+        ptr(cache_k), ptr(cache_v), tuple(cache_k.stride()[:3]), lengths.data_ptr(),
         float(scale), ptr(y), None, torch.get_num_threads(), None, 0, 0)
     if code == -1:
         raise MemoryError("the native decoding step could not allocate its buffers")
@@ -118,7 +118,7 @@ def decode_step(
 class StepPlan:
     """:func:`decode_step`'s C arguments for one layer and cache, marshalled once.
 
-    Marshalling them (ctypes arrays of pointers and strides, casts, dtype checks) costs
+    Marshalling them (tuples of addresses and strides, dtype checks) costs
     more than a small layer's whole step when the interpreter's caches are cold, as they
     are at every step of a model that streams its weights. A plan keeps them, with the
     tensors they point into (so that their storage lives as long as the plan: a pointer
@@ -156,7 +156,7 @@ class StepPlan:
         self._shape, self._dtype = (rows, 1, e), dtype
         self._args = (rows, e, pointers([w for w, _ in layers]), pointers([b for _, b in layers]), num_heads,
                       num_kv_heads, head_dim, ptr(cos), ptr(sin), rotary_dim, int(interleaved), ptr(cache_k),
-                      ptr(cache_v), int64s(cache_k.stride()[:3]), int64_ptr(lengths), float(scale))
+                      ptr(cache_v), tuple(cache_k.stride()[:3]), lengths.data_ptr(), float(scale))
         self._counters = (slot_pos.data_ptr(), slot_pos.stride(0), slot_pos.shape[1])
 
     @staticmethod

@@ -37,6 +37,7 @@
 // Returns 0, or a negative code: -1 out of memory, -2 unsupported shape.
 
 #include "common.h"
+#include "kernels.h"
 
 #include <type_traits>
 

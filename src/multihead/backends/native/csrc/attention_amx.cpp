@@ -39,6 +39,7 @@
 // (mh_amx_switch(0)), the AVX-512 loop runs instead.
 
 #include "common.h"
+#include "kernels.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define MH_AMX 1

@@ -38,6 +38,7 @@
 #include <type_traits>
 
 #include "common.h"
+#include "kernels.h"
 
 namespace {
 

@@ -11,6 +11,7 @@
 // Returns 0, or a negative code: -1 out of memory, -2 unsupported shape.
 
 #include "common.h"
+#include "kernels.h"
 
 #include <type_traits>
 
