@@ -40,7 +40,7 @@ def test_limits_are_positive_rates(suite: dict[str, Any]) -> None:
 def test_every_case_has_ours_and_a_peer(suite: dict[str, Any]) -> None:
     cases = {r["case"] for r in suite["results"]}
     assert cases == {"core/full", "core/causal", "core/bf16", "layer/prefill", "layer/decode", "layer/decode-bf16",
-                     "core/train", "layer/train", "memory"}
+                     "core/train", "layer/train", "memory", "call/attention", "layer/bundled"}
     for case in cases:
         impls = {r["impl"] for r in suite["results"] if r["case"] == case}
         assert "multihead" in impls and len(impls) >= 2, (case, impls)
@@ -86,9 +86,25 @@ def test_peers_from_transformers_are_included_when_installed(suite: dict[str, An
 def test_report_has_a_table_per_case(suite: dict[str, Any]) -> None:
     text = bench.format_report(suite)
     for case in ("core/full", "core/causal", "core/bf16", "layer/prefill", "layer/decode", "layer/decode-bf16",
-                 "core/train", "layer/train", "memory"):
-        assert f"== {case} ==" in text
+                 "core/train", "layer/train", "memory", "call/attention", "layer/bundled", "start-up"):
+        assert f"== {case}" in text
     assert "torch threads" in text and "speedup" in text
+
+
+def test_small_calls_are_timed_against_sdpa_and_the_bundled_layer_against_hf_bert(suite: dict[str, Any]) -> None:
+    calls = [r for r in suite["results"] if r["case"] == "call/attention"]
+    assert {r["shape"] for r in calls} == {"(1,12,16,32)", "(1,32,1,128)"}
+    assert {"multihead", "torch SDPA"} <= {r["impl"] for r in calls}
+    assert all(r["path"] in ("native", "sdpa", "explicit", "blocked") for r in calls)  # the path "auto" took
+    bundled = {r["impl"] for r in suite["results"] if r["case"] == "layer/bundled"}
+    assert bundled == {"multihead", "HF BertAttention sdpa", "HF BertAttention eager"}
+
+
+def test_start_up_is_measured_in_fresh_processes(suite: dict[str, Any]) -> None:
+    start = suite["startup"]
+    assert set(start) == {"python", "import torch", "import multihead", "multihead --help", "first mh.attention"}
+    assert all(t > 0 for t in start.values())
+    assert start["import multihead"] >= start["python"] and start["import torch"] >= start["python"]
 
 
 def test_json_and_png_are_written(suite: dict[str, Any], tmp_path: Path) -> None:

@@ -76,6 +76,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from . import bench_overhead as overhead
 from .machine import machine_info, reset_peak_rss, rss
 
 __all__ = ["time_interleaved", "machine_limits", "run_suite", "format_report", "write_json", "plot",
@@ -553,6 +554,14 @@ def run_suite(*, quick: bool = False, progress: Callable[[str], None] | None = N
         for dtype in (torch.float32, torch.bfloat16):
             say(f"layer decode {_DTYPE_NAMES[dtype]}")
             results.extend(_bandwidth_rows(*_decode_case(quick, dtype), limits, quick, budget))
+        with overhead.one_thread():  # the cost of a call, not of a parallel region
+            for spec, fns in overhead.call_cases(quick):
+                say(f"small calls {spec['shape']}, {spec['keys']} keys (1 thread)")
+                record(spec, fns)
+        bundled = overhead.bundled_layer_case(quick)
+        if bundled is not None:
+            say("layer at the bundled model's shapes")
+            record(*bundled)
     for causal in (False, True):
         for s in QUICK_CORE_SEQ[-1:] if quick else TRAIN_CORE_SEQ:
             say(f"core train (forward + backward) causal={causal} S={s}")
@@ -563,7 +572,9 @@ def run_suite(*, quick: bool = False, progress: Callable[[str], None] | None = N
     say("memory")
     for row in measure_memory(memory_seq or (1024 if quick else 32768)):
         results.append(row)
-    suite = {"machine": machine_info(), "limits": limits, "quick": quick, "results": results}
+    say("start-up (fresh processes)")
+    suite = {"machine": machine_info(), "limits": limits, "quick": quick, "results": results,
+             "startup": overhead.startup(quick)}
     if parallel:
         from ..parallel.bench import run as run_parallel
 
@@ -632,7 +643,7 @@ def _add_rates(row: Result, limits: dict[str, Any]) -> None:
 
 
 def _label(row: Result) -> str:
-    keys = ("seq", "causal", "embed_dim", "heads", "kv_heads", "cached")
+    keys = ("shape", "keys", "batch", "seq", "causal", "embed_dim", "heads", "kv_heads", "cached", "path")
     return " ".join(f"{k}={row[k]}" for k in keys if k in row)
 
 
@@ -645,7 +656,7 @@ def format_report(suite: dict[str, Any]) -> str:
     onednn = f"{lim['onednn_gflops']:.0f}" if lim.get("onednn_gflops") else "n/a"
     lines = [
         f"CPU: {m['cpu']}; vector features: {', '.join(m.get('vector_features') or ['none listed'])}; "
-        f"native kernels built for {m.get('native_vector_bits', 0)}-bit vectors",
+        f"native kernels: the {m.get('native_build') or 'no'} build ({m.get('native_vector_bits', 0)}-bit vectors)",
         f"torch {m['torch']}, transformers {m['transformers']}, {m['cores']} cores, torch threads "
         f"{m['torch_threads']}, oneDNN {m['onednn']}, projections on "
         f"{_GEMM_NAMES.get(m.get('gemm', ''), 'oneDNN' if m['onednn'] else 'torch.matmul')}",
@@ -679,6 +690,8 @@ def format_report(suite: dict[str, Any]) -> str:
         floor = next((r for r in rows if r["impl"] == _GEMMS), None)
         if floor is not None:
             lines += _floor_lines(floor, rows)
+    if "startup" in suite:
+        lines += overhead.format_startup(suite["startup"])
     return "\n".join(lines)
 
 

@@ -48,6 +48,7 @@ def machine_info() -> dict[str, Any]:
     return {
         "python": platform.python_version(), "torch": torch.__version__, "transformers": hf,
         "cpu": model, "vector_features": features, "native_vector_bits": native.vector_bits(),
+        "native_build": native.build_name(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(), "onednn": onednn_usable(), "gemm": gemm_choice(),
     }

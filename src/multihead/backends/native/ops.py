@@ -37,11 +37,12 @@ import torch
 
 from . import attention as loops  # the name `attention` is the operator multihead::attention's here
 from . import loader, step
-from ._ffi import ptr
+from ._ffi import SUFFIX, ptr
 
 __all__ = ["attention", "attention_impl", "attention_backward", "decode_step", "direct", "forward", "run"]
 
 Tensor = torch.Tensor
+_SUFFIXED = frozenset(SUFFIX)  # the dtypes with tiled kernels of their own
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
@@ -98,7 +99,10 @@ def direct(*tensors: Tensor | None) -> bool:
             or torch.autograd._profiler_enabled()):
         return False
     grad = torch.is_grad_enabled()
-    return all(t is None or (type(t) is Tensor and not (grad and t.requires_grad)) for t in tensors)
+    for t in tensors:
+        if t is not None and (type(t) is not Tensor or (grad and t.requires_grad)):
+            return False
+    return True
 
 
 def attention_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, causal: bool,
@@ -286,14 +290,24 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, caus
     (:data:`attention`): differentiable (the native backward) without them, traceable by
     ``torch.compile`` and ``torch.export``; in eager calls without gradients its body
     directly (:func:`direct`)."""
-    if any(t is not None for t in (softcap, alibi_slopes, sinks, cu_seqlens)):
+    plain = softcap is None and alibi_slopes is None and sinks is None and cu_seqlens is None
+    if not plain:
         decode = False  # the decoding loop takes none of them
-    decode = loops.rows_per_kv_head(q, k) <= loops.DECODE_ROWS if decode is None else decode
-    if direct(q, k, v, mask, alibi_slopes, sinks, cu_seqlens):  # the operator's body, without its dispatch
-        out, lse = forward(q, k, v, mask, float(scale), bool(causal), window, decode, softcap, alibi_slopes,
-                           sinks, cu_seqlens, return_lse=return_lse)
-    else:
+    elif decode is None:
+        decode = q.shape[2] * (q.shape[1] // k.shape[1]) <= loops.DECODE_ROWS  # rows per K/V head
+    if not direct(q, k, v, mask, alibi_slopes, sinks, cu_seqlens):
         out, lse = torch.ops.multihead.attention(q, k, v, mask, float(scale), bool(causal), window, decode,
                                                  None if softcap is None else float(softcap), alibi_slopes, sinks,
                                                  cu_seqlens)
-    return out, (lse if return_lse else None)
+        return out, (lse if return_lse else None)
+    dtype = q.dtype
+    if plain and dtype in _SUFFIXED and k.dtype is dtype and v.dtype is dtype:  # the common case, in one call
+        if decode:
+            result = loops.run_kernel("mh_decode_f32", q, k, v, scale, causal, window, mask, return_lse, checked=True)
+        else:
+            result = loops.run_kernel("mh_attention_f32", q, k, v, scale, causal, window, mask, return_lse,
+                                      loops.query_tile(), checked=True)
+        return result if isinstance(result, tuple) else (result, None)
+    # the operator's body, without its dispatch
+    return forward(q, k, v, mask, float(scale), bool(causal), window, decode, softcap, alibi_slopes, sinks, cu_seqlens,
+                   return_lse=return_lse)
