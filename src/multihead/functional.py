@@ -19,18 +19,16 @@ head i reads K/V head ``i // G`` (the grouping of Llama checkpoints and of
 from __future__ import annotations
 
 import math
-from typing import Any
-
-from typing import Literal, overload
+from typing import Any, Literal, NamedTuple, overload
 
 import torch
 
 from ._checks import check_finite as _check_finite
 from ._checks import check_bool_mask, check_float, check_float_tensor, check_int, check_like, check_tensor
 
-from .backends import resolve_backend
-from .backends.registry import get_spec, place_segments
-from .logits import Features
+from .backends import auto, resolve_backend
+from .backends.registry import Backend, BackendSpec, get_spec, place_segments
+from .logits import NO_FEATURES, Features
 from .masks import check_cu_seqlens
 
 __all__ = ["attention", "DEFAULT_BACKEND", "default_backend"]
@@ -104,7 +102,10 @@ def attention(
             ``"explicit"`` when ``return_weights`` is set. All give the same numbers
             within rounding. A named backend that cannot do what the call asks
             (gradients, weights, lse, a dtype, a device) raises ``ValueError`` naming
-            it; it never runs another backend instead.
+            it; it never runs another backend instead. Without logit features or packing,
+            the backend (and ``"auto"``'s path) is resolved once per call signature and
+            remembered (shapes, dtype, device, gradients, dropout_p, the flags; see
+            :func:`multihead.backends.auto.decision`); every argument is checked every call.
         check_finite: raise if q, k or v hold NaN or Inf, naming the tensor and the
             first bad index (costs one pass over the inputs; off by default).
         softcap: logit soft-capping ``cap · tanh(s / cap)`` after scaling, before masking
@@ -136,13 +137,17 @@ def attention(
             a backend without a capability the call needs, non-finite inputs with
             ``check_finite``.
     """
-    mask, scale, dropout_p = _validate(q, k, v, mask, window, scale, dropout_p)
-    features = _validate_features(q, k, softcap, alibi_slopes, sinks, return_lse)._replace(
-        cu_seqlens=_check_segments(cu_seqlens, q, k))
+    mask, scale, dropout_p, tensors = _validate(q, k, v, mask, window, scale, dropout_p)
     name = default_backend(backend, return_weights)
-    fn = resolve_backend(name, q, k, v, dropout_p=dropout_p, return_weights=return_weights,
-                         return_lse=return_lse, features=features)
-    features, mask = place_segments(get_spec(name), q, k, v, features, mask)  # structure, or a mask
+    if softcap is None and alibi_slopes is None and sinks is None and cu_seqlens is None:
+        features = NO_FEATURES  # the common call: nothing to check, its backend remembered
+        fn = _backend_for(name, tensors, q, k, v, dropout_p, return_weights, return_lse)
+    else:
+        features = _validate_features(q, k, softcap, alibi_slopes, sinks, return_lse)._replace(
+            cu_seqlens=_check_segments(cu_seqlens, q, k))
+        fn = resolve_backend(name, q, k, v, dropout_p=dropout_p, return_weights=return_weights,
+                             return_lse=return_lse, features=features)
+        features, mask = place_segments(get_spec(name), q, k, v, features, mask)  # structure, or a mask
     if check_finite:
         for name, t in (("q", q), ("k", k), ("v", v)):
             _check_finite(name, t)
@@ -151,13 +156,131 @@ def attention(
         mask=mask, causal=bool(causal), window=window, scale=scale,
         dropout_p=dropout_p, return_weights=return_weights, return_lse=return_lse, features=features,
     )
+    if not (return_weights or return_lse):
+        return out
     extra = [t for t, asked in ((weights, return_weights), (lse, return_lse)) if asked and t is not None]
     return (out, *extra) if extra else out
 
 
-def _validate(q_in: object, k_in: object, v_in: object, mask: object, window: object, scale: object,
-              dropout_p: object) -> tuple[torch.Tensor | None, float, float]:
-    """Every check of :func:`attention`, once: returns the mask as a 4-D view, scale, dropout_p."""
+class _Plan(NamedTuple):
+    """What :func:`attention` runs for a call without logit features or packing, remembered per
+    signature (:func:`_backend_for`): the backend's spec, the function to call, and for
+    ``"auto"`` the rules' decision, whose path is called directly."""
+
+    spec: BackendSpec
+    run: Backend
+    decision: auto.Decision | None
+
+
+#: At most this many plans are remembered (:func:`_backend_for`); the oldest goes first.
+PLAN_CACHE_SIZE = 1024
+_plans: dict[tuple[object, ...], _Plan] = {}
+
+
+def _backend_for(name: str, tensors: tuple[object, ...], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 dropout_p: float, return_weights: bool, return_lse: bool) -> Backend:
+    """The backend :func:`multihead.backends.resolve_backend` gives this call (no features),
+    and for ``"auto"`` the path :func:`multihead.backends.auto.decision` picks, remembered per
+    signature: ``name``, ``tensors`` (the shapes, q's dtype and device: :func:`_validate`),
+    whether autograd records on q, k or v, ``dropout_p`` and the two flags; everything the
+    capability check and the rules read of the call (:func:`multihead.backends.auto.signature`).
+    Reused while the same spec is registered under ``name``, it is ready
+    (:attr:`BackendSpec.ready`) and auto's decision :meth:`~multihead.backends.auto.Decision.holds`;
+    otherwise, or while a compiler traces, resolved again (raising as resolve_backend does)."""
+    if torch.compiler.is_compiling():
+        return _resolve(name, q, k, v, dropout_p, return_weights, return_lse).run
+    key = (name, tensors, torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+           dropout_p, return_weights, return_lse)
+    try:
+        plan = _plans.get(key)
+    except TypeError:  # an unhashable shape (symbolic sizes outside a compiler)
+        return _resolve(name, q, k, v, dropout_p, return_weights, return_lse).run
+    if (plan is not None and get_spec(name) is plan.spec and plan.spec.ready() is None
+            and (plan.decision is None or plan.decision.holds())):
+        return plan.run
+    plan = _resolve(name, q, k, v, dropout_p, return_weights, return_lse)
+    if len(_plans) >= PLAN_CACHE_SIZE:
+        try:
+            del _plans[next(iter(_plans))]
+        except (KeyError, RuntimeError, StopIteration):  # another thread took it first
+            pass
+    _plans[key] = plan
+    return plan.run
+
+
+def _resolve(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+             return_weights: bool, return_lse: bool) -> _Plan:
+    """:func:`_backend_for`'s plan, made now: the capability check (raising for a missing one)
+    and, for ``"auto"``, its decision; the path it picks is what ``auto_backend`` would run
+    (without packed sequences it only adds the decision)."""
+    fn = resolve_backend(name, q, k, v, dropout_p=dropout_p, return_weights=return_weights, return_lse=return_lse)
+    if fn is not auto.auto_backend:
+        return _Plan(get_spec(name), fn, None)
+    picked = auto.decision(q, k, v, dropout_p, return_weights, return_lse)
+    return _Plan(get_spec(name), picked.rule.run, picked)
+
+
+#: The floating dtypes (``dtype.is_floating_point``), for the common call's one look-up.
+_FLOAT_DTYPES = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_floating_point)
+_Tensor = torch.Tensor
+_CPU = torch.device("cpu")
+
+
+def _validate(q: object, k: object, v: object, mask: object, window: object, scale: object,
+              dropout_p: object) -> tuple[torch.Tensor | None, float, float, tuple[object, ...]]:
+    """Every check of :func:`attention`, once, in order (q, k and v, then mask, window, scale,
+    dropout_p): returns the mask as a 4-D view, scale, dropout_p, and (q, k and v's shapes, q's
+    dtype and device) for :func:`_backend_for`.
+
+    The common call's tensors (plain CPU tensors of rank 4 and one floating dtype, with sizes
+    that agree) pass :func:`_check_tensors` in one expression, which implies all its checks; any
+    other runs them one by one, each error naming its argument with what was expected and what
+    was got. A float scale or dropout_p in range is taken as it is (what check_float returns)."""
+    qs = None
+    if type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor:
+        qs, ks, vs = q.shape, k.shape, v.shape
+        dtype = q.dtype
+        try:
+            b, h, _, d = qs
+            kb, hkv, sk, kd = ks
+            vb, vh, vsk, _ = vs
+        except ValueError:  # a rank other than 4
+            qs = None
+        else:
+            if not (kb == b and vb == b and kd == d and vh == hkv and vsk == sk and hkv > 0 and h % hkv == 0
+                    and dtype in _FLOAT_DTYPES and k.dtype is dtype and v.dtype is dtype
+                    and q.is_cpu and k.is_cpu and v.is_cpu):
+                qs = None
+    if qs is None:
+        q, k, v = _check_tensors(q, k, v)
+        qs, ks, vs, dtype = q.shape, k.shape, v.shape, q.dtype
+        tensors: tuple[object, ...] = (qs, ks, vs, dtype, q.device)
+    else:
+        tensors = (qs, ks, vs, dtype, _CPU)
+    mask4 = None
+    if mask is not None:
+        assert isinstance(q, torch.Tensor)  # checked above
+        mask4 = check_bool_mask("mask", mask, (qs[0], qs[1], qs[2], ks[2]), "[B, H, Sq, Sk]")
+        if mask4.device != q.device:
+            raise ValueError(f"mask must be on device {q.device} like q, got {mask4.device}")
+        mask4 = mask4[(None,) * (4 - mask4.dim())]  # (B|1, H|1, Sq|1, Sk|1): one rank for every backend
+    if window is not None:
+        check_int("window", window)
+    if scale is None:
+        scale_f = 1.0 / math.sqrt(qs[3])
+    elif type(scale) is float and 0.0 < scale < math.inf:
+        scale_f = scale
+    else:
+        scale_f = check_float("scale", scale, low=0.0, high=math.inf, low_inclusive=False, high_inclusive=False)
+    if type(dropout_p) is float and 0.0 <= dropout_p < 1.0:
+        p = dropout_p
+    else:
+        p = check_float("dropout_p", dropout_p, low=0.0, high=1.0, high_inclusive=False)
+    return mask4, scale_f, p, tensors
+
+
+def _check_tensors(q_in: object, k_in: object, v_in: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The checks of q, k and v, one by one (see :func:`_validate`): returns them as tensors."""
     q = check_tensor("q", q_in, ndim=4)
     k = check_tensor("k", k_in, ndim=4)
     v = check_tensor("v", v_in, ndim=4)
@@ -176,20 +299,7 @@ def _validate(q_in: object, k_in: object, v_in: object, mask: object, window: ob
         )
     if hkv == 0 or h % hkv != 0:
         raise ValueError(f"the number of query heads ({h}) must be a multiple of the number of K/V heads ({hkv})")
-    mask4 = None
-    if mask is not None:
-        mask4 = check_bool_mask("mask", mask, (b, h, sq, sk), "[B, H, Sq, Sk]")
-        if mask4.device != q.device:
-            raise ValueError(f"mask must be on device {q.device} like q, got {mask4.device}")
-        mask4 = mask4[(None,) * (4 - mask4.dim())]  # (B|1, H|1, Sq|1, Sk|1): one rank for every backend
-    if window is not None:
-        check_int("window", window)
-    if scale is None:
-        scale_f = 1.0 / math.sqrt(d)
-    else:
-        scale_f = check_float("scale", scale, low=0.0, high=math.inf, low_inclusive=False, high_inclusive=False)
-    p = check_float("dropout_p", dropout_p, low=0.0, high=1.0, high_inclusive=False)
-    return mask4, scale_f, p
+    return q, k, v
 
 
 def _validate_features(q: torch.Tensor, k: torch.Tensor, softcap: object, alibi_slopes: object, sinks: object,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,10 +24,27 @@ from conftest import reference_layer
 needs_onednn = pytest.mark.skipif(gemm.onednn_gemm() is None, reason="this torch has no oneDNN GEMM")
 
 
+@pytest.fixture(autouse=True)
+def _setting_read_again() -> Iterator[None]:
+    """``$MULTIHEAD_GEMM`` is read once per process (gemm.gemm_setting): each test here reads it
+    again after changing it (:func:`setenv`), and the next test reads the environment restored
+    (this fixture, set up before ``monkeypatch``, is torn down after it)."""
+    gemm.refresh_settings()
+    yield
+    gemm.refresh_settings()
+
+
+def setenv(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """``$MULTIHEAD_GEMM = value`` for this test, read again now."""
+    monkeypatch.setenv("MULTIHEAD_GEMM", value)
+    gemm.refresh_settings()
+
+
 @pytest.fixture
 def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """No setting, an empty cache folder, and no verdict remembered by this process."""
     monkeypatch.delenv("MULTIHEAD_GEMM", raising=False)
+    gemm.refresh_settings()
     monkeypatch.setenv("MULTIHEAD_CACHE_DIR", str(tmp_path / "cache"))
     gemm._measured_choice.cache_clear()
     yield tmp_path / "cache"
@@ -40,7 +58,7 @@ def _gemm_ops(fn) -> set[str]:  # type: ignore[no-untyped-def]
 
 
 def test_a_setting_other_than_the_two_gemms_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MULTIHEAD_GEMM", "mkl")
+    setenv(monkeypatch, "mkl")
     with pytest.raises(ValueError, match=r"MULTIHEAD_GEMM must be one of \('onednn', 'torch'\), got 'mkl'"):
         gemm.gemm_choice()
     with pytest.raises(ValueError, match="MULTIHEAD_GEMM"):  # before the layer computes anything
@@ -48,7 +66,7 @@ def test_a_setting_other_than_the_two_gemms_is_refused_by_name(monkeypatch: pyte
 
 
 def test_onednn_disabled_means_torch_whatever_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MULTIHEAD_GEMM", "onednn")
+    setenv(monkeypatch, "onednn")
     with torch.backends.mkldnn.flags(enabled=False):
         assert gemm.gemm_choice() == "torch" and not gemm.onednn_available()
         x, w = torch.randn(200, 256), torch.randn(256, 256)
@@ -141,7 +159,7 @@ def test_a_damaged_or_unsafe_record_is_measured_again(fresh: Path, monkeypatch: 
 def test_the_layer_on_torch_matmul_trains_against_the_float64_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     """With torch.matmul chosen the projections are F.linear's, forward and backward (no oneDNN
     call), and the layer's output and every parameter's gradient meet the accuracy criterion."""
-    monkeypatch.setenv("MULTIHEAD_GEMM", "torch")
+    setenv(monkeypatch, "torch")
     torch.manual_seed(0)
     layer = mh.MultiHeadAttention(64, 4, num_kv_heads=2, causal=True, rope=mh.RoPE(16, 10000.0))
     x = torch.randn(2, 300, 64)
@@ -167,7 +185,7 @@ def test_the_layer_on_torch_matmul_trains_against_the_float64_reference(monkeypa
 
 
 def test_compiled_layer_on_torch_matmul_has_no_graph_break_and_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MULTIHEAD_GEMM", "torch")
+    setenv(monkeypatch, "torch")
     layer = mh.MultiHeadAttention(128, 8, num_kv_heads=2, causal=True, rope=mh.RoPE(16, 10000.0)).eval()
     x = torch.randn(2, 256, 128)
     with torch.no_grad():

@@ -9,25 +9,33 @@ on tensor data). :func:`auto_path` returns the path a call will take and
 :data:`AUTO_PATHS` says why; the backend runs exactly that path. The thresholds are
 the reasons' numbers, re-measured by the benchmark suite (``multihead bench``, cases
 "core", "causal" and "decode").
+
+A call's decision is remembered (:func:`decision`) under its :func:`signature`, everything of
+the call the rules read, together with the machine facts the rules asked on the way
+(:data:`FACTS`), which are checked again before it is reused: a remembered decision is the
+one the rules give, and the second call of a shape costs a dictionary look-up.
+:func:`auto_path` always asks the rules afresh.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, NamedTuple
 
 import torch
 
-from . import native
+from . import gemm, native
 from .blocked import blocked_attention, decode_attention
 from .eager import explicit_attention
 from ..logits import NO_FEATURES, Features
 from ..masks import segment_mask
-from .gemm import onednn_available
 from .registry import Backend, needs_grad, register_backend
 from .sdpa import sdpa_attention
 
-__all__ = ["Call", "Rule", "AUTO_RULES", "AUTO_PATHS", "auto_path", "auto_backend", "intel_avx512"]
+__all__ = ["Call", "Rule", "AUTO_RULES", "AUTO_PATHS", "FACTS", "Decision", "auto_path", "decision", "fresh_decision",
+           "signature", "clear_decisions", "auto_backend", "intel_avx512"]
 
 #: Decoding: at most this many query rows per K/V head (Sq·G) take a decoding path.
 DECODE_ROWS = native.DECODE_ROWS
@@ -99,12 +107,35 @@ NATIVE_MIN_GRAD_SCORES: dict[int, int] = {512: 1 << 20, 256: 1 << 20}
 NATIVE_MIN_GRAD_LSE_SCORES: dict[int, int] = {512: 1 << 22, 256: 1 << 16}
 
 
+#: The machine facts the rules ask, each through :meth:`Call.ask`: name -> (the module holding the
+#: function, its name there, whether its answer is fixed for the process as long as that name holds
+#: the same function). A remembered decision is reused only where every fact it asked still gives
+#: the same answer (:func:`decision`): the fixed ones (what ``/proc/cpuinfo`` says) are checked by
+#: the function's identity (a test that patches one is seen), the others asked again: the build's
+#: vector width (0 without a kernel), whether the bfloat16 loop is on AMX tiles (switched by
+#: ``native.amx_enabled``), this machine's GEMM (``$MULTIHEAD_GEMM``, ``torch.backends.mkldnn``).
+FACTS: dict[str, tuple[ModuleType, str, bool]] = {
+    "vector_bits": (native, "vector_bits", False),
+    "cpu_vendor": (native, "cpu_vendor", True),
+    "amx_bf16": (native, "amx_bf16", True),
+    "amx": (native, "amx", False),
+    "onednn": (gemm, "onednn_available", False),
+}
+
+#: One fact as a decision asked it: (module, name, fixed, the function asked, its answer).
+Asked = tuple[ModuleType, str, bool, Callable[[], object], object]
+
+
 class Call:
     """What "auto" decides on: the tensors' shapes, dtype and device, and the flags; the facts
-    the rules ask several times computed once (a plain slotted class: it is made per call)."""
+    the rules ask several times computed once (a plain slotted class: it is made per call).
+
+    The rules read of the tensors their ``shape``, ``dtype``, ``device`` and ``requires_grad``
+    only, and of the machine what :meth:`ask` answers: :func:`signature` holds all of it, so a
+    decision remembered under a signature is the one the rules give (:func:`decision`)."""
 
     __slots__ = ("q", "k", "v", "dropout_p", "return_weights", "return_lse", "softcap", "alibi", "sinks",
-                 "varlen", "learned_grad", "differentiable", "logits", "few_rows", "scores")
+                 "varlen", "learned_grad", "differentiable", "logits", "few_rows", "scores", "asked")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                  return_weights: bool = False, return_lse: bool = False, softcap: bool = False,
@@ -120,6 +151,16 @@ class Call:
         self.logits = softcap or alibi or sinks
         self.few_rows = native.rows_per_kv_head(q, k) <= DECODE_ROWS
         self.scores = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
+        #: The machine facts asked so far, in order, with their answers (:data:`FACTS`).
+        self.asked: list[Asked] = []
+
+    def ask(self, fact: str) -> Any:
+        """The answer of the machine fact ``fact`` (a key of :data:`FACTS`), recorded in :attr:`asked`."""
+        owner, name, fixed = FACTS[fact]
+        fn = getattr(owner, name)
+        answer = fn()
+        self.asked.append((owner, name, fixed, fn, answer))
+        return answer
 
     def native_fits(self, min_scores: dict[int, int]) -> bool:
         """The native kernel takes these tensors, is compiled here for a vector width with
@@ -127,7 +168,7 @@ class Call:
         least that width's number of scores."""
         if self.q.dtype not in native.DTYPES or self.v.shape[-1] % 16 or self.scores < min(min_scores.values()):
             return False  # decided without the kernel: a small problem never builds it
-        least = min_scores.get(native.vector_bits())
+        least = min_scores.get(self.ask("vector_bits"))
         return least is not None and self.scores >= least
 
 
@@ -185,10 +226,15 @@ def intel_avx512() -> bool:
     return native.vector_bits() == 512 and native.cpu_vendor() in TORCH_PREFILL_VENDORS
 
 
+def _intel_avx512(c: Call) -> bool:
+    """:func:`intel_avx512`, its facts asked through the call (:meth:`Call.ask`)."""
+    return c.ask("vector_bits") == 512 and c.ask("cpu_vendor") in TORCH_PREFILL_VENDORS
+
+
 def _bf16_on_amx(c: Call) -> bool:
     """bfloat16 on a CPU with AMX tiles for it: SDPA's products run there (forward and gradients),
     and the native loop's too where it can use them (native.amx())."""
-    return c.q.dtype == torch.bfloat16 and native.amx_bf16()
+    return c.q.dtype == torch.bfloat16 and bool(c.ask("amx_bf16"))
 
 
 def _native_prefill_fits(c: Call) -> bool:
@@ -201,13 +247,16 @@ def _native_prefill_fits(c: Call) -> bool:
     if c.return_lse:
         return True
     if _bf16_on_amx(c):
-        return c.scores >= AMX_MIN_SCORES and native.amx()
-    return not intel_avx512() or c.scores >= INTEL_AVX512_MIN_SCORES
+        return c.scores >= AMX_MIN_SCORES and bool(c.ask("amx"))
+    return not _intel_avx512(c) or c.scores >= INTEL_AVX512_MIN_SCORES
 
 
 def _blocked_fits(c: Call) -> bool:
-    return (c.q.dtype == torch.float32 and onednn_available() and min(c.q.shape[2], c.k.shape[2]) >= BLOCKED_MIN_SEQ
-            and c.q.shape[3] >= BLOCKED_MIN_HEAD_DIM and (c.return_lse or not intel_avx512()))
+    """float32, long enough and wide enough (asked first: a small problem never asks the machine
+    for its GEMM), oneDNN's GEMM here, and not an Intel CPU with AVX-512 unless with the lse."""
+    return (c.q.dtype == torch.float32 and min(c.q.shape[2], c.k.shape[2]) >= BLOCKED_MIN_SEQ
+            and c.q.shape[3] >= BLOCKED_MIN_HEAD_DIM and bool(c.ask("onednn"))
+            and (c.return_lse or not _intel_avx512(c)))
 
 
 def _native_features_fit(c: Call) -> bool:
@@ -286,8 +335,9 @@ def auto_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: f
     """The path the ``"auto"`` backend takes for these tensors: a key of :data:`AUTO_PATHS`.
 
     No hidden slow path: call this (``AUTO_PATHS[path]`` says why) to see what a call of
-    :func:`multihead.attention` with the same tensors and flags will run. May build the
-    native kernel (first call only).
+    :func:`multihead.attention` with the same tensors and flags will run. Decided afresh by the
+    rules every time (never from the remembered decisions of :func:`decision`, which must agree
+    with it). May build the native kernel (first call only).
 
     Args:
         q: (B, H, Sq, D); k: (B, Hkv, Sk, D); v: (B, Hkv, Sk, Dv); as given to
@@ -307,6 +357,103 @@ def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, r
                 bool(learned) and needs_grad(*learned))
 
 
+class Decision(NamedTuple):
+    """What "auto" runs for a call: the first rule that applies, whether the call is
+    ``differentiable`` (:attr:`Call.differentiable`: packed sequences then go as a mask), the
+    machine facts the rules asked on the way, with their answers (:attr:`Call.asked`), and the
+    generation of the remembered decisions it was taken in (:func:`clear_decisions`)."""
+
+    rule: Rule
+    differentiable: bool
+    asked: tuple[Asked, ...]
+    generation: int
+
+    def holds(self) -> bool:
+        """Whether the rules would decide the same now for a call of the same :func:`signature`:
+        no :func:`clear_decisions` since, and every machine fact asked gives the same answer
+        (the fixed ones of :data:`FACTS` unchanged where the same function still answers)."""
+        if self.generation != _generation:
+            return False
+        for owner, name, fixed, fn, answer in self.asked:
+            now = getattr(owner, name)
+            if not (fixed and now is fn) and now() != answer:
+                return False
+        return True
+
+
+#: At most this many decisions are remembered (:func:`decision`); the oldest goes first.
+DECISION_CACHE_SIZE = 1024
+_decisions: dict[tuple[object, ...], Decision] = {}
+_generation = 0
+_NO_FEATURES_KEY = (False, False, False, False, False)
+
+
+def signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+              return_weights: bool = False, return_lse: bool = False,
+              features: Features = NO_FEATURES) -> tuple[object, ...]:
+    """Everything of a call the rules read (the key of :func:`decision`'s memory): the three
+    shapes, q's dtype and device, whether autograd records on q, k or v (grad mode and
+    ``requires_grad``), ``dropout_p``, the two flags, which features are asked for and whether
+    alibi_slopes or sinks need gradients. The machine's facts are not in it: a decision keeps
+    those it asked (:attr:`Decision.asked`), checked before reuse. Masks, ``causal`` and
+    ``window`` are not read by the rules (every path takes them), nor the thread count."""
+    grad = torch.is_grad_enabled()
+    if features is NO_FEATURES:
+        asked = _NO_FEATURES_KEY
+    else:
+        learned = features.learned()
+        asked = (features.softcap is not None, features.alibi_slopes is not None, features.sinks is not None,
+                 features.cu_seqlens is not None, grad and any(t.requires_grad for t in learned))
+    return (q.shape, k.shape, v.shape, q.dtype, q.device,
+            grad and (q.requires_grad or k.requires_grad or v.requires_grad),
+            dropout_p, return_weights, return_lse, asked)
+
+
+def fresh_decision(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                   return_weights: bool = False, return_lse: bool = False,
+                   features: Features = NO_FEATURES) -> Decision:
+    """The rules' decision for this call, taken now (:func:`auto_path`'s, with what it asked);
+    neither looked up nor remembered."""
+    call = _call(q, k, v, dropout_p, return_weights, return_lse, features)
+    return Decision(_rule(call), call.differentiable, tuple(call.asked), _generation)
+
+
+def decision(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+             return_weights: bool = False, return_lse: bool = False,
+             features: Features = NO_FEATURES) -> Decision:
+    """The rule :func:`auto_backend` runs for this call: the one :func:`auto_path` names,
+    remembered per :func:`signature` (at most :data:`DECISION_CACHE_SIZE`) and reused while it
+    :meth:`~Decision.holds`. Decided afresh, and not remembered, while ``torch.compile`` or
+    ``torch.export`` traces (symbolic shapes; the graph keeps the path anyway). After a change
+    of :data:`AUTO_RULES` or of a threshold at run time: :func:`clear_decisions`."""
+    if torch.compiler.is_compiling():
+        return fresh_decision(q, k, v, dropout_p, return_weights, return_lse, features)
+    key = signature(q, k, v, dropout_p, return_weights, return_lse, features)
+    try:
+        found = _decisions.get(key)
+    except TypeError:  # an unhashable shape (symbolic sizes outside a compiler): decided afresh
+        return fresh_decision(q, k, v, dropout_p, return_weights, return_lse, features)
+    if found is not None and found.holds():
+        return found
+    found = fresh_decision(q, k, v, dropout_p, return_weights, return_lse, features)
+    if len(_decisions) >= DECISION_CACHE_SIZE:
+        try:
+            del _decisions[next(iter(_decisions))]
+        except (KeyError, RuntimeError, StopIteration):  # another thread took it first
+            pass
+    _decisions[key] = found
+    return found
+
+
+def clear_decisions() -> None:
+    """Forget every remembered decision (:func:`decision`; a decision kept elsewhere no longer
+    :meth:`~Decision.holds`), for a change of :data:`AUTO_RULES` or of a threshold at run time.
+    Machine facts and the call's signature need none: they are checked."""
+    global _generation
+    _generation += 1
+    _decisions.clear()
+
+
 @register_backend("auto", weights=True, lse=True, grad=True, dropout=True, softcap=True, alibi=True, sinks=True,
                   varlen=True)
 def auto_backend(
@@ -314,14 +461,14 @@ def auto_backend(
     mask: torch.Tensor | None, causal: bool, window: int | None, scale: float,
     dropout_p: float, return_weights: bool, return_lse: bool, features: Features = NO_FEATURES,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Run the path :func:`auto_path` picks for this call (the first rule that applies).
+    """Run the path :func:`auto_path` picks for this call (the first rule that applies;
+    remembered per call signature: :func:`decision`).
 
     Packed sequences (``features.cu_seqlens``) reach a native forward path as structure, every
     other path as a block-diagonal mask."""
-    call = _call(q, k, v, dropout_p, return_weights, return_lse, features)
-    rule = _rule(call)
-    cu = features.cu_seqlens
-    if cu is not None and (call.differentiable or not rule.path.startswith("native")):
+    picked = decision(q, k, v, dropout_p, return_weights, return_lse, features)
+    rule, cu = picked.rule, features.cu_seqlens
+    if cu is not None and (picked.differentiable or not rule.path.startswith("native")):
         segments = segment_mask(cu, q.shape[2], q.device)  # (B|1, 1, S, S)
         mask, features = (segments if mask is None else mask & segments), features._replace(cu_seqlens=None)
     return rule.run(q, k, v, mask=mask, causal=causal, window=window, scale=scale, dropout_p=dropout_p,

@@ -182,18 +182,19 @@ def missing_capability(spec: BackendSpec, q: torch.Tensor, k: torch.Tensor, v: t
     ``features``: the call's logit features and packed sequences (packed sequences are never
     missing: a backend without ``varlen`` gets them as a mask, :func:`takes_segments`).
     """
-    asked = features.logits()
-    for key in asked:
-        capability, words = FEATURES[key]
-        if not getattr(spec, capability):
-            return words
-    learned = features.learned()
-    if not spec.grad and learned and needs_grad(*learned):
-        return "gradients (alibi_slopes or sinks requires grad)"
-    if spec.grad and spec.grad_features is not None and needs_grad(q, k, v, *learned):
+    if features is not NO_FEATURES:  # NO_FEATURES (the common call) asks for none of these
+        asked = features.logits()
         for key in asked:
-            if key not in spec.grad_features:
-                return f"gradients with {FEATURES[key][1]} (the {spec.name} backward does not apply it)"
+            capability, words = FEATURES[key]
+            if not getattr(spec, capability):
+                return words
+        learned = features.learned()
+        if not spec.grad and learned and needs_grad(*learned):
+            return "gradients (alibi_slopes or sinks requires grad)"
+        if spec.grad and spec.grad_features is not None and asked and needs_grad(q, k, v, *learned):
+            for key in asked:
+                if key not in spec.grad_features:
+                    return f"gradients with {FEATURES[key][1]} (the {spec.name} backward does not apply it)"
     if return_weights and not spec.weights:
         return "returning attention weights (return_weights=True)"
     if return_lse and not spec.lse:
@@ -239,12 +240,12 @@ def resolve_backend(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         ValueError: unknown name, or a capability the backend lacks (named, with the
             backends that have it); never a silent substitute.
     """
-    def lacks(spec: BackendSpec) -> str | None:
-        return missing_capability(spec, q, k, v, dropout_p=dropout_p, return_weights=return_weights,
-                                  return_lse=return_lse, features=features)
-
-    missing = lacks(get_spec(name))
+    spec = get_spec(name)
+    missing = missing_capability(spec, q, k, v, dropout_p=dropout_p, return_weights=return_weights,
+                                 return_lse=return_lse, features=features)
     if missing is not None:
-        able = [s.name for s in _SPECS.values() if lacks(s) is None]
+        able = [s.name for s in _SPECS.values()
+                if missing_capability(s, q, k, v, dropout_p=dropout_p, return_weights=return_weights,
+                                      return_lse=return_lse, features=features) is None]
         raise ValueError(f"backend {name!r} cannot do {missing}; backends that can: {able}")
-    return get_spec(name).fn
+    return spec.fn

@@ -10,6 +10,8 @@ soft-capping, a function of the score itself, cannot and is refused.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -42,12 +44,17 @@ def sdpa_attention(
     both alignments agree) and no other mask is given; otherwise the bottom-right
     causal mask is built and passed as ``attn_mask``.
     """
-    alibi_slopes, sinks = features.alibi_slopes, features.sinks
-    sq, sk = q.shape[2], k.shape[2]
-    gqa = q.shape[1] != k.shape[1]
-    if alibi_slopes is not None or sinks is not None:
-        return _with_bias(q, k, v, mask, causal, window, scale, dropout_p, alibi_slopes, sinks), None, None
+    if features is not NO_FEATURES and (features.alibi_slopes is not None or features.sinks is not None):
+        return _with_bias(q, k, v, mask, causal, window, scale, dropout_p, features.alibi_slopes,
+                          features.sinks), None, None
+    qs, ks = q.shape, k.shape
+    sq, sk = qs[2], ks[2]
+    gqa = qs[1] != ks[1]
     if mask is None and window is None and (not causal or sq == sk):
+        if not gqa and scale == 1.0 / math.sqrt(qs[3]):
+            # SDPA's own default scale (the same double): the same numbers, and no keywords for
+            # torch to parse (a microsecond of a small call).
+            return F.scaled_dot_product_attention(q, k, v, None, dropout_p, causal), None, None
         out = F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=gqa
         )
