@@ -50,7 +50,7 @@ def test_native_rules_per_vector_width(monkeypatch, amd_cpu, bits: int) -> None:
     rules read the build's width and the CPU's vendor only, so both are checked on any machine."""
     monkeypatch.setattr(native, "vector_bits", lambda: bits)
     least, decode_least = auto.NATIVE_MIN_SCORES[bits], auto.NATIVE_MIN_DECODE_SCORES[bits]
-    assert (least, decode_least) == {512: (1 << 14, 1 << 11), 256: (1 << 20, 1 << 14)}[bits]
+    assert (least, decode_least) == {512: (1 << 14, 1 << 11), 256: (1 << 14, 1 << 12)}[bits]
     s = int(least ** 0.5) // 2  # (1, 4, 4, s, s): exactly `least` scores
     assert auto.auto_path(*_qkv(1, 4, 4, s, s)) == "native"
     assert auto.auto_path(*_qkv(1, 4, 4, s - 1, s)) == ("blocked" if _blocked_fits(s - 1, s) else "sdpa")
@@ -139,15 +139,17 @@ def test_intel_avx512_and_amx_rules(monkeypatch, bits: int, vendor: str, amx: bo
     assert below == ("blocked" if _blocked_fits(s - 1, s) and not intel else "sdpa"), below
     assert auto.auto_path(*_qkv(1, 4, 4, 512, 512)) == "native"  # 2^20 scores: every threshold
     assert auto.auto_path(*_qkv(1, 2, 2, 256, 512)) == (  # 2^18 scores
-        "sdpa" if intel else "native" if bits == 512 else "sdpa")
+        "sdpa" if intel else "native")
     for dtype in (torch.float32, torch.bfloat16):
         assert auto.auto_path(*_qkv(1, 32, 8, 1, 4096, dtype=dtype)) == "native decode"
     assert auto.auto_path(*_qkv(1, 12, 12, 1024, 1024), softcap=30.0) == "native (features)"
     big = _qkv(1, 4, 4, 1024, 1024)
     assert auto.auto_path(big[0].clone().requires_grad_(), *big[1:], return_lse=True) \
         == "native (gradients, lse)"
-    small = _qkv(1, 4, 4, 64, 64, dtype=torch.bfloat16)  # 2^14 scores: native with the lse on AVX-512 anywhere
-    assert auto.auto_path(*small, return_lse=True) == ("native" if bits == 512 else "explicit (lse)")
+    small = _qkv(1, 4, 4, 64, 64, dtype=torch.bfloat16)  # 2^14 scores: native with the lse, on any vendor
+    assert auto.auto_path(*small, return_lse=True) == "native"
+    smaller = _qkv(1, 4, 4, 48, 48, dtype=torch.bfloat16)  # 48 rows per K/V head, 9216 scores: below both widths
+    assert auto.auto_path(*smaller, return_lse=True) == "explicit (lse)"
 
 
 def test_cpu_vendor_reads_proc_cpuinfo() -> None:

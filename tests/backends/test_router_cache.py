@@ -219,9 +219,11 @@ def test_a_machine_fact_that_changes_is_asked_again(monkeypatch: pytest.MonkeyPa
     """The build's width, the vendor, AMX and this machine's GEMM are asked again (or their
     functions' identity checked) before a remembered decision is reused."""
     _machine(monkeypatch, 256, "AuthenticAMD", False, False)
-    q, k, v = _qkv(1, 4, 4, 64, 64)  # 2^14 scores: native at AVX-512 only
-    assert auto.decision(q, k, v).rule.path == "sdpa"
+    step = _qkv(1, 8, 8, 1, 256)  # one query row per head, 2^11 scores: the decoding loop at AVX-512 only
+    q, k, v = _qkv(1, 4, 4, 64, 64)  # 2^14 scores: native on AMD, SDPA on an Intel CPU with AVX-512
+    assert auto.decision(*step).rule.path == "sdpa"
     monkeypatch.setattr(native, "vector_bits", lambda: 512)
+    assert auto.decision(*step).rule.path == "native decode" == auto.auto_path(*step)
     assert auto.decision(q, k, v).rule.path == "native" == auto.auto_path(q, k, v)
     monkeypatch.setattr(native, "cpu_vendor", lambda: "GenuineIntel")  # Intel with AVX-512: from 2^20
     assert auto.decision(q, k, v).rule.path == "sdpa" == auto.auto_path(q, k, v)
@@ -258,9 +260,9 @@ def test_a_small_call_asks_the_machine_nothing_it_need_not(monkeypatch: pytest.M
 
 def test_a_changed_table_needs_clear_decisions_and_then_follows(monkeypatch: pytest.MonkeyPatch) -> None:
     _machine(monkeypatch, 256, "AuthenticAMD", False, False)
-    q, k, v = _qkv(1, 4, 4, 256, 256)  # 2^18 scores: below AVX2's 2^20
+    q, k, v = _qkv(1, 4, 4, 48, 48)  # 48 rows per K/V head, 9216 scores: below AVX2's 2^14
     assert mh.attention(q, k, v) is not None and auto.decision(q, k, v).rule.path == "sdpa"
-    monkeypatch.setitem(auto.NATIVE_MIN_SCORES, 256, 1 << 18)
+    monkeypatch.setitem(auto.NATIVE_MIN_SCORES, 256, 1 << 13)
     auto.clear_decisions()
     assert auto.decision(q, k, v).rule.path == "native" == auto.auto_path(q, k, v)
     with torch.no_grad():

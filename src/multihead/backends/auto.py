@@ -48,18 +48,20 @@ BLOCKED_MIN_SEQ = 512
 BLOCKED_MIN_HEAD_DIM = 64
 #: The native loops from this many scores (B·H·Sq·Sk), per vector width of their build
 #: (:func:`native.vector_bits`; a width not listed never takes them: its tiles are not
-#: measured). Below, their fixed cost (ctypes, an OpenMP region, buffers) exceeds SDPA's.
-#: AVX-512 (2-core AMD EPYC): from 2^14 scores, and 2^11 for decoding.
-#: AVX2 (2-core AMD EPYC, Zen 3, H=12, D=64; vs SDPA, medians at 1 and 2 threads): the
-#: FlashAttention loop is ahead with a causal mask (S=384 1.6×, S=512 1.5×/1.05×, S=1024
-#: 1.2×/1.1×, S=4096 1.15×/1.26×) and near parity without one (S=384 1.0×, S=1024
-#: 0.87×/0.9×, S=2048..4096 0.9-1.1×), ahead of "blocked" everywhere (1.2-1.5× at 1 thread).
-#: Below 2^20 scores SDPA's lower fixed cost wins without a mask (S=128..256: 0.9×), so from
-#: 2^20 (the rules see shapes, not the mask). Decoding (Sq=1): from 2^14 scores it ties or
-#: beats both SDPA and the torch-only decoding path (GQA 32/8 heads: 512 keys 1.0×, 4096
-#: keys 1.5× the torch path, 2× SDPA); below, their fixed cost is lower (64..512 keys: 0.8×).
-NATIVE_MIN_SCORES: dict[int, int] = {512: 1 << 14, 256: 1 << 20}
-NATIVE_MIN_DECODE_SCORES: dict[int, int] = {512: 1 << 11, 256: 1 << 14}
+#: measured). Below, their fixed cost (the call, an OpenMP region, buffers) exceeds SDPA's.
+#: AVX-512 (2-core AMD EPYC): from 2^14 scores, and 2^11 for decoding (measured when the
+#: kernels were called through ctypes, which cost more per call than the extension module now).
+#: AVX2 (2-core AMD EPYC, Zen 3; ``mh.attention(backend="native")`` against ``backend="sdpa"``,
+#: the best of 5 rounds, 1 and 2 threads, the kernels called through their extension module):
+#: the FlashAttention loop from 2^14 scores (H=12, D=64: S=64 0.89×/0.69× SDPA's time, S=128
+#: 0.86×/0.74×, S=256 0.90×/0.84×; S=32, 2^13: 1.08×/0.77×); at larger S it is ahead with a
+#: causal mask (S=512 1.5×/1.05× the speed, S=1024 1.2×/1.1×) and near parity without one (S=1024
+#: 0.87×/0.9×, S=2048..4096 0.9-1.1×), ahead of "blocked" everywhere (1.2-1.5× at 1 thread); the
+#: rules see shapes, not the mask. Few rows per K/V head (the decoding loop) from 2^12 scores
+#: (32 heads, D=128, 1 query: 128 keys 0.65×/0.63×, 256 keys 0.67×/0.61×; 12 heads, 512 keys
+#: 0.70×/0.82×); below, at (1, 12, 16, 32) with 16 keys (3072 scores), 1.16× at 1 thread.
+NATIVE_MIN_SCORES: dict[int, int] = {512: 1 << 14, 256: 1 << 14}
+NATIVE_MIN_DECODE_SCORES: dict[int, int] = {512: 1 << 11, 256: 1 << 12}
 #: Intel CPUs with AVX-512 (:func:`intel_avx512`): there MKL runs its own AVX-512 code (on AMD
 #: CPUs it runs AVX2 code, against which the AVX-512 threshold above was measured), so a forward
 #: without the log-sum-exp takes the native loop from INTEL_AVX512_MIN_SCORES only, and never
