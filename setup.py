@@ -20,7 +20,7 @@ from setuptools.command.build_ext import build_ext
 
 CSRC = Path("src/multihead/backends/native/csrc")
 UNITS = ("module.cpp", "attention.cpp", "attention_amx.cpp", "decode.cpp", "backward.cpp")
-FLAGS = ("-O3", "-fopenmp", "-std=c++17")
+FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-g0")  # -g0: no debug info (Python's CFLAGS carry -g)
 
 
 def variants() -> list[dict]:
