@@ -24,8 +24,8 @@ from . import loader
 from ._ffi import SUFFIX, kernel, ptr
 from .loader import require
 
-__all__ = ["attention_f32", "key_panels", "decode_f32", "Logits", "run_kernel", "query_tile", "QUERY_TILE",
-           "rows_per_kv_head", "DECODE_ROWS"]
+__all__ = ["attention_f32", "check_operator_inputs", "key_panels", "decode_f32", "Logits", "run_kernel",
+           "query_tile", "QUERY_TILE", "rows_per_kv_head", "DECODE_ROWS"]
 
 
 #: Query positions per work item of the FlashAttention loop (items are (batch, K/V head, query
@@ -124,11 +124,27 @@ def decode_f32(
     return run_kernel("mh_decode_f32", q, k, v, scale, causal, window, mask, return_lse)
 
 
-def _check_qkv(q_in: object, k_in: object, v_in: object, mask_in: object, window: object) -> None:
+def check_operator_inputs(q: object, k: object, v: object, mask: object, window: object, softcap: object = None,
+                          alibi_slopes: object = None, sinks: object = None, cu_seqlens: object = None) -> None:
+    """What the operator ``multihead::attention`` checks in its own entry before the kernels read
+    memory (it may be called directly, not through :func:`multihead.attention`): the tensors'
+    types, devices, dtypes (float64 too: its plain loop) and shapes, the mask's broadcast, the
+    features' shapes and ``cu_seqlens``.
+
+    Raises:
+        TypeError, ValueError: naming the argument, expected against got.
+    """
+    _check_qkv(q, k, v, mask, window, float64=True)
+    _check_logits(q, k, softcap, alibi_slopes, sinks, cu_seqlens)
+
+
+def _check_qkv(q_in: object, k_in: object, v_in: object, mask_in: object, window: object,
+               float64: bool = False) -> None:
     """The kernel reads raw memory: shapes, dtypes and devices are checked first."""
     q, k, v = (check_tensor(name, t, ndim=4) for name, t in (("q", q_in), ("k", k_in), ("v", v_in)))
-    if q.dtype not in SUFFIX or q.device.type != "cpu":
-        raise TypeError(f"q must be a float32, bfloat16 or float16 CPU tensor, got {q.dtype} on {q.device}")
+    if (q.dtype not in SUFFIX and not (float64 and q.dtype == torch.float64)) or q.device.type != "cpu":
+        raise TypeError(f"q must be a float32, bfloat16 or float16{' (or float64)' if float64 else ''} CPU tensor, "
+                        f"got {q.dtype} on {q.device}")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype or t.device.type != "cpu":
             raise TypeError(f"{name} must be a CPU tensor of q's dtype {q.dtype}, got {t.dtype} on {t.device}")
@@ -145,7 +161,8 @@ def _check_qkv(q_in: object, k_in: object, v_in: object, mask_in: object, window
         if mask.dtype != torch.bool:
             raise TypeError(f"mask must be a bool tensor (True = may attend), got dtype {mask.dtype}")
         try:
-            torch.broadcast_shapes(mask.shape, (b, h, sq, k.shape[2]))
+            if torch.broadcast_shapes(mask.shape, (b, h, sq, k.shape[2])) != (b, h, sq, k.shape[2]):
+                raise RuntimeError("broadcasts to more")
         except RuntimeError:
             raise ValueError(f"mask must broadcast to [B, H, Sq, Sk] = {[b, h, sq, k.shape[2]]}, "
                              f"got {list(mask.shape)}") from None

@@ -125,7 +125,12 @@ def attention_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scal
     Returns:
         out in q's dtype (a view of a (B, Sq, H, Dv) buffer; contiguous for float64),
         zeros for rows with no key; lse float32 (float64 for float64), ``-inf`` there.
+
+    Raises:
+        TypeError, ValueError: the tensors do not describe one problem (checked here, before any
+            memory is read: the operator may be called directly).
     """
+    loops.check_operator_inputs(q, k, v, mask, window, softcap, alibi_slopes, sinks, cu_seqlens)
     out, lse = forward(q, k, v, mask, scale, causal, window, decode, softcap, alibi_slopes, sinks, cu_seqlens,
                        return_lse=True)
     assert lse is not None  # asked for
@@ -204,6 +209,7 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tenso
         views of its projections, whose backward then copies nothing), else laid out
         (B, S, H, D) (:func:`_gradient_like`).
     """
+    _check_backward(dout, q, k, v, lse, delta, mask, window)
     lib = loader.require()
     wide = _wide(q.dtype)
     b, h, sq, d = q.shape
@@ -217,6 +223,20 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tenso
               (b, h, hkv, sq, sk, d, dv_), (*_strides(q_, k_, v_, do_, dq, dk, dv), *mstrides),
               float(scale), int(causal), int(window or 0), torch.get_num_threads()), "attention backward")
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _check_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor,
+                    mask: Optional[Tensor], window: Optional[int]) -> None:
+    """The backward's tensors checked before the kernel reads them: q, k, v and the mask as the
+    forward's, dout (B, H, Sq, Dv), lse and delta (B, H, Sq), all floating CPU tensors."""
+    loops.check_operator_inputs(q, k, v, mask, window)
+    b, h, sq, _ = q.shape
+    for name, t, shape in (("dout", dout, (b, h, sq, v.shape[-1])), ("lse", lse, (b, h, sq)),
+                           ("delta", delta, (b, h, sq))):
+        if not isinstance(t, Tensor) or not t.dtype.is_floating_point or t.device.type != "cpu" \
+                or tuple(t.shape) != shape:
+            got = f"{t.dtype} {list(t.shape)} on {t.device}" if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a floating CPU tensor {list(shape)}, got {got}")
 
 
 @attention_backward.register_fake

@@ -99,6 +99,7 @@ def decode_step(
         y: (B, E) in x's dtype.
     """
     _check_step_dtypes(x, layers, rope, cache_k, cache_v)
+    _check_step_shapes(x, layers, num_heads, num_kv_heads, head_dim, rope, cache_k, cache_v, lengths)
     lib = require()
     b, e = x.shape
     y = torch.empty((b, e), dtype=x.dtype)
@@ -184,6 +185,59 @@ class StepPlan:
             raise RuntimeError(f"the native decoding step refused the problem (code {code})")
         return y
 
+
+
+def _shape_error(name: str, t: object, want: str) -> ValueError:
+    got = f"{list(t.shape)}{'' if t.is_contiguous() else ', not contiguous'}" if isinstance(t, torch.Tensor) \
+        else type(t).__name__
+    return ValueError(f"{name} must be {want}, got {got}")
+
+
+def _check_step_shapes(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | None]], num_heads: int,
+                       num_kv_heads: int, head_dim: int, rope: tuple[torch.Tensor, torch.Tensor, int, bool] | None,
+                       cache_k: torch.Tensor, cache_v: torch.Tensor, lengths: torch.Tensor) -> None:
+    """Every shape, layout and capacity the step's kernel relies on, checked before it runs (the
+    public :func:`decode_step` and the operator ``multihead::decode_step`` may be called directly):
+    x (B, E) contiguous with 1 <= B <= MAX_STEP_ROWS; q/k/v/o weights (H·D, E), (Hkv·D, E) ×2,
+    (E, H·D), contiguous, biases of their rows; the caches (B, Hkv, C, D) alike with contiguous
+    rows; lengths (B,) int64 with every value in [0, C) (a slot to write); the RoPE tables
+    (P, R/2) float32 contiguous covering every row's position, R even and at most D."""
+    if not all(isinstance(n, int) and n > 0 for n in (num_heads, num_kv_heads, head_dim)) \
+            or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads, num_kv_heads, head_dim must be positive, num_heads a multiple of "
+                         f"num_kv_heads, got {num_heads}, {num_kv_heads}, {head_dim}")
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_STEP_ROWS or not x.is_contiguous():
+        raise _shape_error("x", x, f"(B, E) contiguous with 1 <= B <= {MAX_STEP_ROWS}")
+    b, e = x.shape
+    h, hkv, d = num_heads, num_kv_heads, head_dim
+    if len(layers) != 4:
+        raise ValueError(f"layers must be the (weight, bias) of q, k, v and o, got {len(layers)} pairs")
+    for name, (w, bias), rows, cols in zip("qkvo", layers, (h * d, hkv * d, hkv * d, e), (e, e, e, h * d)):
+        if w.dim() != 2 or tuple(w.shape) != (rows, cols) or not w.is_contiguous():
+            raise _shape_error(f"the {name} weight", w, f"({rows}, {cols}) contiguous")
+        if bias is not None and (tuple(bias.shape) != (rows,) or not bias.is_contiguous()):
+            raise _shape_error(f"the {name} bias", bias, f"({rows},) contiguous")
+    if cache_k.dim() != 4 or cache_k.shape[0] != b or cache_k.shape[1] != hkv or cache_k.shape[3] != d \
+            or cache_k.stride(-1) != 1:
+        raise _shape_error("cache_k", cache_k, f"(B={b}, Hkv={hkv}, C, D={d}) with contiguous rows")
+    if tuple(cache_v.shape) != tuple(cache_k.shape) or cache_v.stride() != cache_k.stride():
+        raise _shape_error("cache_v", cache_v, f"cache_k's shape {list(cache_k.shape)} and strides")
+    capacity = cache_k.shape[2]
+    if not isinstance(lengths, torch.Tensor) or lengths.dtype != torch.int64 or tuple(lengths.shape) != (b,) \
+            or not lengths.is_contiguous() or lengths.device.type != "cpu":
+        raise _shape_error("lengths", lengths, f"a contiguous int64 CPU tensor ({b},)")
+    low, high = int(lengths.min()), int(lengths.max())
+    if low < 0 or high >= capacity:
+        raise ValueError(f"lengths must lie in [0, {capacity}) (each row writes slot lengths[b] of the cache), "
+                         f"got {lengths.tolist()}")
+    if rope is not None:
+        cos, sin, rotary_dim, _ = rope
+        if not isinstance(rotary_dim, int) or rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > d:
+            raise ValueError(f"the rotary dim must be even and in (0, {d}], got {rotary_dim}")
+        for name, t in (("cos", cos), ("sin", sin)):
+            if t.dim() != 2 or t.shape[1] != rotary_dim // 2 or t.shape[0] <= high or not t.is_contiguous():
+                raise _shape_error(f"the RoPE table {name}", t,
+                                   f"(P > {high}, {rotary_dim // 2}) contiguous (a row for every position)")
 
 
 def _check_step_dtypes(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | None]],
