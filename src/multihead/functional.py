@@ -26,6 +26,7 @@ import torch
 from ._checks import check_finite as _check_finite
 from ._checks import check_bool_mask, check_float, check_float_tensor, check_int, check_like, check_tensor
 
+from ._memo import remember
 from .backends import auto, resolve_backend
 from .backends.registry import Backend, BackendSpec, get_spec, place_segments
 from .logits import NO_FEATURES, Features
@@ -199,12 +200,7 @@ def _backend_for(name: str, tensors: tuple[object, ...], q: torch.Tensor, k: tor
             and (plan.decision is None or plan.decision.holds())):
         return plan.run
     plan = _resolve(name, q, k, v, dropout_p, return_weights, return_lse)
-    if len(_plans) >= PLAN_CACHE_SIZE:
-        try:
-            del _plans[next(iter(_plans))]
-        except (KeyError, RuntimeError, StopIteration):  # another thread took it first
-            pass
-    _plans[key] = plan
+    remember(_plans, key, plan, PLAN_CACHE_SIZE)
     return plan.run
 
 

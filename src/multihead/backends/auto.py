@@ -29,6 +29,7 @@ import torch
 from . import gemm, native
 from .blocked import blocked_attention, decode_attention
 from .eager import explicit_attention
+from .._memo import remember
 from ..logits import NO_FEATURES, Features
 from ..masks import segment_mask
 from .registry import Backend, needs_grad, register_backend
@@ -438,12 +439,7 @@ def decision(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float
     if found is not None and found.holds():
         return found
     found = fresh_decision(q, k, v, dropout_p, return_weights, return_lse, features)
-    if len(_decisions) >= DECISION_CACHE_SIZE:
-        try:
-            del _decisions[next(iter(_decisions))]
-        except (KeyError, RuntimeError, StopIteration):  # another thread took it first
-            pass
-    _decisions[key] = found
+    remember(_decisions, key, found, DECISION_CACHE_SIZE)
     return found
 
 

@@ -37,12 +37,11 @@ import torch
 
 from . import attention as loops  # the name `attention` is the operator multihead::attention's here
 from . import loader, step
-from ._ffi import SUFFIX, ptr
+from ._ffi import ptr
 
 __all__ = ["attention", "attention_impl", "attention_backward", "decode_step", "direct", "forward", "run"]
 
 Tensor = torch.Tensor
-_SUFFIXED = frozenset(SUFFIX)  # the dtypes with tiled kernels of their own
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
@@ -143,8 +142,9 @@ def forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: floa
             cu_seqlens: Optional[Tensor] = None, *, return_lse: bool) -> tuple[Tensor, Tensor | None]:
     """:func:`attention_impl`, with the lse only when ``return_lse`` (float32 and half precision:
     the kernel then writes none); what eager calls run directly when :func:`direct`."""
-    logits = loops.Logits(softcap, alibi_slopes, sinks, cu_seqlens)
-    if logits.any() and (decode or q.dtype == torch.float64):
+    plain = softcap is None and alibi_slopes is None and sinks is None and cu_seqlens is None
+    logits = None if plain else loops.Logits(softcap, alibi_slopes, sinks, cu_seqlens)
+    if logits is not None and (decode or q.dtype == torch.float64):
         raise ValueError("softcap, alibi_slopes, sinks and cu_seqlens run in the float32 FlashAttention loop only "
                          f"(got decode={decode}, dtype {q.dtype})")
     if q.dtype == torch.float64:
@@ -320,14 +320,6 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, caus
                                                  None if softcap is None else float(softcap), alibi_slopes, sinks,
                                                  cu_seqlens)
         return out, (lse if return_lse else None)
-    dtype = q.dtype
-    if plain and dtype in _SUFFIXED and k.dtype is dtype and v.dtype is dtype:  # the common case, in one call
-        if decode:
-            result = loops.run_kernel("mh_decode_f32", q, k, v, scale, causal, window, mask, return_lse, checked=True)
-        else:
-            result = loops.run_kernel("mh_attention_f32", q, k, v, scale, causal, window, mask, return_lse,
-                                      loops.query_tile(), checked=True)
-        return result if isinstance(result, tuple) else (result, None)
     # the operator's body, without its dispatch
     return forward(q, k, v, mask, float(scale), bool(causal), window, decode, softcap, alibi_slopes, sinks, cu_seqlens,
                    return_lse=return_lse)
