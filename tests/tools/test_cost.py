@@ -222,3 +222,21 @@ def test_bad_arguments_raise_errors_naming_the_argument(changes, error, message)
     config, seq_len = args.pop("config"), args.pop("seq_len")
     with pytest.raises(error, match=message):
         cost(config, seq_len, **args)
+
+
+# ---- Gemma 2's logit scale and soft-capping in the text output -----------------------
+
+def _gemma2_logits() -> tuple[float, float]:
+    """(scale, softcap) as Gemma 2's config.json states them: query_pre_attn_scalar^-1/2 and the cap."""
+    raw = json.loads(real("gemma-2-9b").read_text())
+    return raw["query_pre_attn_scalar"] ** -0.5, raw["attn_logit_softcapping"]
+
+
+def test_explain_text_shows_gemma2_scale_and_softcap(capsys):
+    from multihead.tools import cli
+
+    scale, softcap = _gemma2_logits()
+    assert cli.main(["explain", str(real("gemma-2-9b")), "--seq", "8"]) == 0
+    kinds = [line for line in capsys.readouterr().out.splitlines() if "_attention:" in line]
+    assert len(kinds) == 2  # sliding and full
+    assert all(f"scale {scale:.6g}" in line and f"softcap {softcap:g}" in line for line in kinds)

@@ -114,12 +114,13 @@ def layer_kinds(config: Any) -> list[dict[str, Any]]:
         scaling = lay.rope_scaling
         out.append({"kind": lay.kind, "layers": indices, "num_heads": lay.num_heads, "num_kv_heads": lay.num_kv_heads,
                     "head_dim": lay.head_dim, "embed_dim": lay.embed_dim or config.embed_dim, "window": lay.window,
-                    "rope_base": lay.rope_base, "rope_type": None if scaling is None else scaling.rope_type})
+                    "rope_base": lay.rope_base, "rope_type": None if scaling is None else scaling.rope_type,
+                    "scale": config.effective_scale, "softcap": config.softcap})
     return out
 
 
 def format_layer_kinds(kinds: list[dict[str, Any]]) -> str:
-    """One line per distinct layer kind: which layers, heads, head_dim, window, RoPE."""
+    """One line per distinct layer kind: which layers, heads, head_dim, window, RoPE, logit scale and softcap."""
     lines = []
     for k in kinds:
         idx = k["layers"]
@@ -127,6 +128,8 @@ def format_layer_kinds(kinds: list[dict[str, Any]]) -> str:
         rope = "no RoPE" if k["rope_base"] is None else f"RoPE θ={k['rope_base']:g}" + (
             f" ({k['rope_type']})" if k["rope_type"] else "")
         window = "full" if k["window"] is None else f"window {k['window']}"
+        # Gemma 2's query_pre_attn_scalar and attn_logit_softcapping change every logit: show them.
+        logits = f"scale {k['scale']:.6g}" + ("" if k["softcap"] is None else f", softcap {k['softcap']:g}")
         lines.append(f"{len(idx):>3} × {k['kind']}: E={k['embed_dim']}, h={k['num_heads']}, h_kv={k['num_kv_heads']}, "
-                     f"d_head={k['head_dim']}, {window}, {rope} — {where}")
+                     f"d_head={k['head_dim']}, {window}, {rope}, {logits} — {where}")
     return "\n".join(lines)
