@@ -80,13 +80,14 @@ def test_capture_of_some_layers_by_index_or_name() -> None:
     assert cap.weights["encoder.layer.5.attention"].dtype == torch.float16
 
 
-def test_a_capture_over_the_limit_is_refused_before_the_first_layer_computes() -> None:
+def test_a_capture_over_the_limit_is_refused_before_the_layer_attends() -> None:
     layer = mh.MultiHeadAttention(16, 2)
     calls = []
-    layer.q_proj.register_forward_hook(lambda *a: calls.append(1))
+    layer.o_proj.register_forward_hook(lambda *a: calls.append(1))
     with mh.heads.capture(layer, limit_bytes=1000) as cap:
-        # weights 2·8·8 + heads 2·8·8 (D = 8) = 256 floats = 1,024 bytes
-        with pytest.raises(ValueError, match=r"1,024 bytes.*limit_bytes=1,000"):
+        # kept: weights 2·8·8 + heads 2·8·8 (D = 8) = 256 floats = 1,024 bytes; workspace 3 · 2·8·8 floats
+        with pytest.raises(ValueError, match=r"layer '' would need 2,560 bytes.*1,024 kept \+ 1,536 while.*"
+                                             r"limit_bytes=1,000"):
             layer(torch.randn(1, 8, 16))
     assert calls == [] and cap.nbytes == 0
 

@@ -18,7 +18,7 @@ does), :mod:`.edit` (ablation, importance, pruning), :mod:`.pictures` (PNG and H
 :mod:`.command` (``multihead heads``).
 """
 
-from .capture import DEFAULT_LIMIT_BYTES, Capture, LayerInfo, capture, find_layers
+from .capture import DEFAULT_LIMIT_BYTES, WORKSPACE_COPIES, Capture, LayerInfo, capture, find_layers
 from .edit import (CurvePoint, Importance, ablate, config_of, importance, prune, pruning_curve, resolve_spec,
                    scale)
 from .labels import LABELS, THRESHOLDS, label
@@ -27,7 +27,7 @@ from .metrics import (METRIC_FIELDS, HeadMetrics, format_table, is_punctuation, 
 from .pictures import DEFAULT_MAX_TOKENS, plot, to_html
 
 __all__ = [
-    "capture", "Capture", "LayerInfo", "find_layers", "DEFAULT_LIMIT_BYTES",
+    "capture", "Capture", "LayerInfo", "find_layers", "DEFAULT_LIMIT_BYTES", "WORKSPACE_COPIES",
     "metrics", "HeadMetrics", "METRIC_FIELDS", "norm_weights", "format_table", "to_json", "repeated_tokens",
     "is_special", "is_punctuation",
     "label", "LABELS", "THRESHOLDS",

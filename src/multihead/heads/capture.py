@@ -36,12 +36,16 @@ from ..functional import default_backend
 from ..latent import MultiHeadLatentAttention
 from ..module import MultiHeadAttention
 
-__all__ = ["capture", "Capture", "LayerInfo", "find_layers", "DEFAULT_LIMIT_BYTES", "WHAT"]
+__all__ = ["capture", "Capture", "LayerInfo", "find_layers", "DEFAULT_LIMIT_BYTES", "WORKSPACE_COPIES", "WHAT"]
 
 #: What a capture can record (``what=``).
 WHAT = ("weights", "heads", "q", "k", "v")
 #: The default ceiling on the bytes a capture may hold (``limit_bytes=`` raises it).
 DEFAULT_LIMIT_BYTES = 1 << 30
+#: How many (B, H, S, Sk) tensors of every head the weights-returning backend (``"explicit"``)
+#: holds at once while a captured layer runs: the scores, their masked copy and the softmax
+#: (measured with the profiler's allocation events; tests/heads/test_capture_memory.py).
+WORKSPACE_COPIES = 3
 
 
 @dataclass(frozen=True)
@@ -176,34 +180,48 @@ class Capture:
     def __repr__(self) -> str:
         return f"Capture(layers={len(self.layers)}, what={self.what}, nbytes={self.nbytes})"
 
-    def _estimate(self, b: int, s: int, sk: int, itemsize: int) -> int:
-        """Bytes all captured layers will hold for one call with (B, S, Sk)."""
-        total = 0
-        for name in self.layers:
-            i = self.info[name]
-            h, hkv, d = len(i.heads), i.num_kv_heads, i.head_dim
-            per = {"weights": h * s * sk, "heads": h * s * d, "q": h * s * d, "k": hkv * sk * d, "v": hkv * sk * d}
-            total += b * sum(per[w] for w in self.what) * itemsize
-        return total
+    def call_bytes(self, name: str, batch: int, queries: int, keys: int, dtype: torch.dtype) -> tuple[int, int]:
+        """What one call of layer ``name`` costs the capture, from that layer's own shapes:
+        ``(kept, workspace)`` bytes. ``kept``: its records (weights B·H'·S·Sk, heads and q
+        B·H'·S·D, k and v B·Hkv·Sk·D, H' = the heads asked for, in the capture's dtype).
+        ``workspace``: the weights the layer's backend computes while it runs, which are every
+        head's, not only the asked ones (:data:`WORKSPACE_COPIES` · B·H·S·Sk in the
+        accumulation dtype); freed when the layer's call ends. 0 without ``"weights"``.
+
+        Raises:
+            ValueError: ``name`` is not a captured layer.
+        """
+        if name not in self.info:
+            raise ValueError(f"name must be a captured layer ({self.layers[:4]}...), got {name!r}")
+        i = self.info[name]
+        h, hkv, d = len(i.heads), i.num_kv_heads, i.head_dim
+        per = {"weights": h * queries * keys, "heads": h * queries * d, "q": h * queries * d,
+               "k": hkv * keys * d, "v": hkv * keys * d}
+        kept = batch * sum(per[w] for w in self.what) * (self.dtype or dtype).itemsize
+        workspace = 0
+        if "weights" in self.what:
+            acc = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+            workspace = WORKSPACE_COPIES * batch * i.num_heads * queries * keys * acc.itemsize
+        return kept, workspace
 
     def _recorder(self, name: str) -> _Recorder:
         """What watches layer ``name``'s steps (:meth:`MultiHeadAttention.watched`) for this capture."""
         return _Recorder(self, name)
 
-    def _check_budget(self, name: str, b: int, s: int, sk: int, itemsize: int) -> None:
-        """Refuse, before attention runs, a call whose records would pass ``limit_bytes``: at the
-        first call, the estimate for every captured layer; later, this call's records on top."""
-        if not self.nbytes:
-            need = self._estimate(b, s, sk, itemsize)
-        else:
-            i = self.info[name]
-            h, hkv, d = len(i.heads), i.num_kv_heads, i.head_dim
-            per = {"weights": h * s * sk, "heads": h * s * d, "q": h * s * d, "k": hkv * sk * d, "v": hkv * sk * d}
-            need = self.nbytes + b * sum(per[w] for w in self.what) * itemsize
+    def _check_budget(self, name: str, b: int, s: int, sk: int, dtype: torch.dtype) -> None:
+        """Refuse, before layer ``name``'s attention runs, a call whose records (on top of what is
+        held) and the weights its backend computes would pass ``limit_bytes``; from this layer's
+        own shapes (B, S queries, Sk keys)."""
+        kept, workspace = self.call_bytes(name, b, s, sk, dtype)
+        need = self.nbytes + kept + workspace
         if need > self.limit_bytes:
-            raise ValueError(f"capture would hold {need:,} bytes for this call (B={b}, S={s}, Sk={sk}, "
-                             f"{len(self.layers)} layers, what={self.what}), over limit_bytes={self.limit_bytes:,}: "
-                             "capture fewer layers/heads, a smaller dtype, or raise limit_bytes")
+            heads = len(self.info[name].heads)
+            raise ValueError(
+                f"capture of layer {name!r} would need {need:,} bytes for this call (B={b}, S={s} queries, "
+                f"Sk={sk} keys, {heads} of {self.info[name].num_heads} heads, what={self.what}): "
+                f"{self.nbytes:,} held + {kept:,} kept + {workspace:,} while the backend computes every head's "
+                f"weights, over limit_bytes={self.limit_bytes:,}: capture fewer layers, shorter inputs, "
+                "a smaller dtype, or raise limit_bytes")
 
     def _store(self, name: str, what: str, t: torch.Tensor, rows: bool) -> None:
         """Keep ``t`` (detached, a copy in the capture's dtype): rows of a later cached call are
@@ -238,12 +256,11 @@ class _Recorder:
         if step == "X":
             seen.clear()
         seen[step] = t
-        if step in ("X", "K_k", "K_cache"):
-            # Refuse what would not fit: before the projections, counting the call's own tokens as
-            # its keys (all of them without a cache or context), then with the keys attended.
-            x = seen["X"]
-            s = x.shape[1] if step == "X" else seen["Q_k"].shape[2]
-            cap._check_budget(name, x.shape[0], s, t.shape[-2], (cap.dtype or x.dtype).itemsize)
+        if step in ("K_k", "K_cache"):
+            # Refuse what would not fit, from this layer's own shapes, once its keys are known and
+            # before its attention computes anything (a cache's keys: every one attended).
+            q = seen["Q_k"]  # (B, H, S, D)
+            cap._check_budget(name, q.shape[0], q.shape[2], t.shape[-2], q.dtype)
         elif step == "head_k":
             cached = "K_cache" in seen
             if self.calls and not (cached and self.cached):
@@ -299,8 +316,12 @@ class capture:  # noqa: N801  (a context manager used like a function)
             None = all.
         dtype: store in this dtype (e.g. ``torch.float16`` halves the memory); None = as
             computed.
-        limit_bytes: refuse, before the first captured layer computes anything, a call
-            whose records would pass this many bytes (the message gives the bytes).
+        limit_bytes: refuse a layer's call, before its attention computes anything, when
+            what the capture holds, plus that call's records, plus the weights its backend
+            computes meanwhile would pass this many bytes; checked per layer from that
+            layer's own shapes (queries, keys, heads: :meth:`Capture.call_bytes`). The
+            backend computes every head's weights even when ``heads`` asks for fewer, so
+            they count in full. The message names the layer and the figures.
 
     Yields:
         a :class:`Capture`, filled by the forward pass run inside the block.
