@@ -240,3 +240,102 @@ def test_explain_text_shows_gemma2_scale_and_softcap(capsys):
     kinds = [line for line in capsys.readouterr().out.splitlines() if "_attention:" in line]
     assert len(kinds) == 2  # sliding and full
     assert all(f"scale {scale:.6g}" in line and f"softcap {softcap:g}" in line for line in kinds)
+
+
+# ---- latent attention (DeepSeek-V3): one parameter count everywhere ------------------
+
+def _hf_deepseek_attention_params(**changes) -> int:
+    """Linear weights and biases of transformers' DeepseekV3Attention for deepseek-v3.json + changes."""
+    transformers = pytest.importorskip("transformers")
+    raw = {k: v for k, v in json.loads(real("deepseek-v3").read_text()).items() if not k.startswith("_")}
+    raw.pop("model_type")
+    config = transformers.DeepseekV3Config(**{**raw, **changes, "num_hidden_layers": 1})
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+    with torch.device("meta"):
+        attn = DeepseekV3Attention(config, layer_idx=0)
+    linears = [m for m in attn.modules() if isinstance(m, torch.nn.Linear)]
+    return sum(p.numel() for m in linears for p in m.parameters(recurse=False))
+
+
+SHRUNK_DEEPSEEK = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 16,
+                   "q_lora_rank": 24, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6}
+
+
+@pytest.mark.parametrize("changes", [{}, SHRUNK_DEEPSEEK, {**SHRUNK_DEEPSEEK, "attention_bias": True},
+                                     {**SHRUNK_DEEPSEEK, "q_lora_rank": None},
+                                     {**SHRUNK_DEEPSEEK, "q_lora_rank": None, "attention_bias": True}],
+                         ids=["v3", "shrunk", "shrunk-bias", "shrunk-no-q-lora", "shrunk-no-q-lora-bias"])
+def test_latent_parameters_agree_in_summary_rows_total_and_transformers(changes):
+    raw = {k: v for k, v in json.loads(real("deepseek-v3").read_text()).items() if not k.startswith("_")}
+    c = cost({**raw, **changes}, 64)
+    expected = _hf_deepseek_attention_params(**changes)
+    assert c.params_per_layer == expected
+    assert [lc.params for lc in c.layers] == [expected] * raw["num_hidden_layers"]
+    assert c.params_total == raw["num_hidden_layers"] * expected
+
+
+def test_deepseek_v3_parameters_by_hand_from_the_config_fields():
+    raw = json.loads(real("deepseek-v3").read_text())
+    e, h, r, rq = raw["hidden_size"], raw["num_attention_heads"], raw["kv_lora_rank"], raw["q_lora_rank"]
+    dn, dr, dv = raw["qk_nope_head_dim"], raw["qk_rope_head_dim"], raw["v_head_dim"]
+    by_hand = e * rq + rq * h * (dn + dr) + e * (r + dr) + r * h * (dn + dv) + h * dv * e
+    text = cost(real("deepseek-v3"), 4096).format(per_layer=True)
+    assert f"parameters per layer {by_hand:,}".split() == next(
+        line for line in text.splitlines() if line.startswith("parameters per layer")).split()
+    assert f"{raw['num_hidden_layers'] * by_hand:,}" in text
+    rows = [line for line in text.splitlines() if line.split()[:1] and line.split()[0].isdigit()]
+    assert len(rows) == raw["num_hidden_layers"] and all(f" {by_hand:,} " in row for row in rows)
+
+
+def test_deepseek_v3_header_names_latent_attention_not_mha_heads():
+    raw = json.loads(real("deepseek-v3").read_text())
+    text = cost(real("deepseek-v3"), 4096).format()
+    header = text.splitlines()[0]
+    assert "MLA" in header and f"r={raw['kv_lora_rank']}" in header
+    assert "Hkv=" not in header and "MHA" not in header
+    assert "GQA saving" not in text and "latent cache saving" in text
+
+
+def test_latent_cache_bytes_agree_with_the_latent_cache_new_cache_allocates():
+    from multihead.latent import MultiHeadLatentAttention
+
+    config = AttentionConfig.from_hf(real("deepseek-v3"))
+    b, s = 2, 3000
+    c = cost(config, s, batch=b, dtype="bfloat16")
+    layer = MultiHeadLatentAttention.from_config(config, device="meta", dtype=torch.bfloat16)
+    assert c.kv_cache_bytes == config.num_layers * layer.new_cache(b, s).nbytes
+
+
+# ---- sliding windows: the cache is the ring new_cache allocates ------------------------
+
+@pytest.mark.parametrize(("name", "seq_len"), [("mistral-7b-v0.1", 32768), ("mistral-7b-v0.1", 1000),
+                                               ("gemma-2-9b", 32768), ("gemma-3-4b", 20000),
+                                               ("meta-llama-3-8b", 5000)])
+def test_kv_cache_bytes_agree_with_the_caches_new_cache_allocates(name, seq_len):
+    from multihead.module import MultiHeadAttention
+
+    config = AttentionConfig.from_hf(real(name))
+    b = 2
+    c = cost(config, seq_len, batch=b, dtype="float16")
+    built = sum(MultiHeadAttention.from_config(config, layer=i, device="meta", dtype=torch.float16)
+                .new_cache(b, seq_len).nbytes for i in range(config.num_layers))
+    assert c.kv_cache_bytes == built
+    assert c.kv_cache_bytes == b * sum(lc.kv_cache_bytes_per_token * lc.cache_tokens for lc in c.layers)
+
+
+def test_mistral_7b_at_32768_tokens_caches_its_4096_token_window_in_float16():
+    raw = json.loads(real("mistral-7b-v0.1").read_text())
+    per_token = raw["num_hidden_layers"] * 2 * raw["num_key_value_heads"] * (
+        raw["hidden_size"] // raw["num_attention_heads"]) * 2
+    c = cost(real("mistral-7b-v0.1"), 32768, dtype="float16")
+    assert c.kv_cache_bytes == per_token * raw["sliding_window"] == 512 * KIB * KIB
+    assert "512.0 MiB" in c.format() and "4.0 GiB" not in c.format()
+
+
+def test_cost_text_shows_gemma2_scale_softcap_and_windowed_layers():
+    scale, softcap = _gemma2_logits()
+    raw = json.loads(real("gemma-2-9b").read_text())
+    header = cost(real("gemma-2-9b"), 8192).format().splitlines()[0]
+    assert f"scale {scale:.6g}" in header and f"softcap {softcap:g}" in header
+    assert f"window {raw['sliding_window']} on {raw['num_hidden_layers'] // 2} of {raw['num_hidden_layers']}" in header

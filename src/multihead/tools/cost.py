@@ -11,20 +11,24 @@ from ``config.layer(i)``: Gemma's sliding and full layers, OpenELM's per-layer h
     FLOPs attn    2 matmuls (Q·Kᵀ and A·V), each 2·B·H·D per (query, key) pair:
                     4·B·H·D·P,  P = S·K            bidirectional
                                 P = S·K − K²/2     causal
-    KV cache      2·Hkv·D·itemsize bytes per token per layer (K and V), per sequence
+    KV cache      2·Hkv·D·itemsize bytes per token per layer (K and V), per sequence,
+                  for K tokens: a sliding-window layer's cache is a ring of min(S, W) slots
 
 P counts the (query, key) pairs scored. Causal without a window gives P = S²/2: half of
 the S² term (the exact triangle S(S+1)/2 differs by S/2, the usual convention ignores
 it). With a window every query sees K keys, except the first K queries of a causal mask,
 whose triangle is again counted as half. Biases, softmax, scaling, masking and RoPE are
 lower-order terms and not counted. GQA does not change the attention FLOPs (every query
-head still scores every key), only the K/V projections and the cache. The cache is
-counted for all S tokens; a rolling buffer for a sliding window would hold K of them.
+head still scores every key), only the K/V projections and the cache. The cache of a
+layer without a window holds all S tokens; a layer with a window W holds K = min(S, W),
+which is what ``MultiHeadAttention.new_cache`` allocates (a ring buffer by default once
+S > W): ``kv_cache_bytes`` is the sum of those buffers, not per-token bytes times S.
 
 Multi-head latent attention (DeepSeek, ``config.latent``; Dq = qk_nope + qk_rope head dims,
 Dv = v_head_dim, r = kv_lora_rank, rq = q_lora_rank, Dr = qk_rope_head_dim):
 
     params        q: E·rq + rq·H·Dq (or E·H·Dq)   kv_a: E·(r + Dr)   kv_b: r·H·(Dq - Dr + Dv)   o: H·Dv·E
+                  (+ rq + r + Dr + E biases with ``bias``: q_a_proj, kv_a_proj_with_mqa, o_proj)
     FLOPs attn    2·B·H·(Dq + Dv)·P
     KV cache      (r + Dr)·itemsize bytes per token per layer (the latent and the rotary key);
                   "MHA" is the decompressed cache H·(Dq + Dv)·itemsize
@@ -58,10 +62,13 @@ class Cost:
     """The cost of one forward pass over ``seq_len`` tokens (prefill, no cache reuse).
 
     FLOPs and KV-cache bytes cover all ``config.num_layers`` layers and the whole batch;
-    ``kv_cache_bytes_per_token`` is per sequence. ``params_per_layer`` is a layer with
-    ``config.num_heads`` heads; ``params_total`` honours ``config.layer_num_heads``.
-    ``mha_*`` are the same cache sizes if every layer had Hkv = H, and
-    ``gqa_saving = mha_kv_cache_bytes / kv_cache_bytes`` (4.0 for Llama-3-8B).
+    ``kv_cache_bytes_per_token`` is per sequence, what one token adds while no window is
+    full. ``kv_cache_bytes`` is what the caches hold after ``seq_len`` tokens: a layer with
+    a window W keeps min(seq_len, W) (``LayerCost.cache_tokens``). ``params_per_layer`` is a
+    layer with ``config.num_heads`` heads (latent attention's projections for a latent
+    config); ``params_total`` honours ``config.layer_num_heads``. ``mha_*`` are the same
+    cache sizes if every layer had Hkv = H (for latent attention: the decompressed K and
+    V), and ``gqa_saving = mha_kv_cache_bytes / kv_cache_bytes`` (4.0 for Llama-3-8B).
     """
 
     config: AttentionConfig
@@ -84,18 +91,22 @@ class Cost:
 
     @property
     def kv_cache_bytes(self) -> int:
-        """K and V of all layers for ``batch`` sequences of ``seq_len`` tokens."""
-        return self.kv_cache_bytes_per_token * self.batch * self.seq_len
+        """K and V of all layers for ``batch`` sequences of ``seq_len`` tokens (windows as rings)."""
+        if not self.layers:
+            return self.kv_cache_bytes_per_token * self.batch * self.seq_len
+        return self.batch * sum(lc.kv_cache_bytes_per_token * lc.cache_tokens for lc in self.layers)
 
     @property
     def mha_kv_cache_bytes(self) -> int:
-        """The cache the same model would need with Hkv = H."""
-        return self.mha_kv_cache_bytes_per_token * self.batch * self.seq_len
+        """The cache the same model would need with Hkv = H (the same windows)."""
+        if not self.layers:
+            return self.mha_kv_cache_bytes_per_token * self.batch * self.seq_len
+        return self.batch * sum(lc.mha_kv_cache_bytes_per_token * lc.cache_tokens for lc in self.layers)
 
     @property
     def gqa_saving(self) -> float:
         """How many times smaller the cache is than with full MHA (1.0 for MHA)."""
-        return self.mha_kv_cache_bytes_per_token / self.kv_cache_bytes_per_token
+        return self.mha_kv_cache_bytes / self.kv_cache_bytes
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict: every count, the derived totals and the config's fields."""
@@ -108,10 +119,6 @@ class Cost:
     def format(self, per_layer: bool = False) -> str:
         """A human-readable table (returned, never printed); ``per_layer`` adds one row per layer."""
         c = self.config
-        heads = f"H={c.num_heads}" if c.layer_num_heads is None else f"H={list(c.layer_num_heads)}"
-        mask = "causal" if c.causal else "bidirectional"
-        if c.window is not None:
-            mask += f", window {c.window}"
         rows = [
             ("parameters per layer", f"{self.params_per_layer:,}", ""),
             ("parameters, all layers", f"{self.params_total:,}", ""),
@@ -120,17 +127,19 @@ class Cost:
             ("FLOPs, total", f"{self.flops_total:,}", _si(self.flops_total, "FLOP")),
             ("KV cache per token", f"{self.kv_cache_bytes_per_token:,} B", _binary(self.kv_cache_bytes_per_token)),
             ("KV cache, batch × seq_len", f"{self.kv_cache_bytes:,} B", _binary(self.kv_cache_bytes)),
-            ("KV cache if MHA (Hkv = H)", f"{self.mha_kv_cache_bytes:,} B", _binary(self.mha_kv_cache_bytes)),
-            ("GQA saving", f"{self.gqa_saving:.2f}×", ""),
+            (("KV cache if decompressed (MHA)" if c.latent else "KV cache if MHA (Hkv = H)"),
+             f"{self.mha_kv_cache_bytes:,} B", _binary(self.mha_kv_cache_bytes)),
+            ("latent cache saving" if c.latent else "GQA saving", f"{self.gqa_saving:.2f}×", ""),
         ]
         width = max(len(r[0]) for r in rows)
         value_width = max(len(r[1]) for r in rows)
-        head = [
-            f"{c.model_type or 'attention'}: {c.kind}, E={c.embed_dim}, {heads}, Hkv={c.num_kv_heads}, "
-            f"D={c.head_dim}, L={c.num_layers}, {mask}",
-            f"seq_len={self.seq_len}, batch={self.batch}, dtype={self.dtype} ({self.bytes_per_element} B)",
-            "",
-        ]
+        head = [self._format_header(),
+                f"seq_len={self.seq_len}, batch={self.batch}, dtype={self.dtype} ({self.bytes_per_element} B)"]
+        windows = sorted({lc.window for lc in self.layers if lc.window is not None and lc.window < self.seq_len})
+        if windows:
+            head.append(f"sliding-window layers cache min(seq_len, window) tokens: a ring of {windows} slots, "
+                        "as new_cache allocates")
+        head.append("")
         body = [f"{name:<{width}}  {value:>{value_width}}  {note}".rstrip() for name, value, note in rows]
         if per_layer:
             body += ["", f"{'layer':>5}  {'kind':<28} {'H':>4} {'Hkv':>4} {'D':>4} {'window':>7} {'params':>14} "
@@ -140,10 +149,28 @@ class Cost:
                      f"{lc.kv_cache_bytes_per_token:>11,}" for lc in self.layers]
         return "\n".join(head + body)
 
+    def _format_header(self) -> str:
+        """The config's line: kind (MLA for latent attention), sizes, mask, windows, logit scale and cap."""
+        c = self.config
+        heads = f"H={c.num_heads}" if c.layer_num_heads is None else f"H={list(c.layer_num_heads)}"
+        if c.latent:  # no K/V heads: one latent of r numbers and a shared rotary key of Dr per token
+            kind = f"MLA (latent r={c.kv_lora_rank} + rotary key Dr={c.qk_rope_head_dim} per token)"
+            sizes = f"{heads}, Dq={c.head_dim}, Dv={c.v_head_dim}"
+        else:
+            kind, sizes = c.kind, f"{heads}, Hkv={c.num_kv_heads}, D={c.head_dim}"
+        mask = "causal" if c.causal else "bidirectional"
+        windowed = [lc.window for lc in self.layers if lc.window is not None]
+        if windowed:
+            sizes_w = sorted(set(windowed))
+            shown = sizes_w[0] if len(sizes_w) == 1 else sizes_w
+            mask += f", window {shown} on {len(windowed)} of {c.num_layers} layers"
+        logits = f"scale {_logit_scale(c):.6g}" + ("" if c.softcap is None else f", softcap {c.softcap:g}")
+        return f"{c.model_type or 'attention'}: {kind}, E={c.embed_dim}, {sizes}, L={c.num_layers}, {mask}, {logits}"
+
 
 @dataclass(frozen=True)
 class LayerCost:
-    """One layer's share of a :class:`Cost`."""
+    """One layer's share of a :class:`Cost`; ``cache_tokens`` = min(seq_len, window) or seq_len."""
 
     index: int
     kind: str
@@ -156,6 +183,7 @@ class LayerCost:
     flops_attention: int
     kv_cache_bytes_per_token: int
     mha_kv_cache_bytes_per_token: int
+    cache_tokens: int = 0
 
 
 def cost(
@@ -201,7 +229,8 @@ def cost(
     layers = tuple(_layer_cost(config, i, seq_len, batch, itemsize) for i in range(config.num_layers))
     return Cost(
         config=config, seq_len=seq_len, batch=batch, dtype=dtype_name, bytes_per_element=itemsize,
-        params_per_layer=_layer_params(config, config.num_heads, config.num_kv_heads, config.head_dim),
+        params_per_layer=(_latent_params(config, config.num_heads) if config.latent
+                          else _layer_params(config, config.num_heads, config.num_kv_heads, config.head_dim)),
         params_total=sum(lc.params for lc in layers), flops_projections=sum(lc.flops_projections for lc in layers),
         flops_attention=sum(lc.flops_attention for lc in layers),
         kv_cache_bytes_per_token=sum(lc.kv_cache_bytes_per_token for lc in layers),
@@ -225,7 +254,16 @@ def _layer_cost(config: AttentionConfig, index: int, s: int, b: int, itemsize: i
         kv, mha = 2 * hkv * d * itemsize, 2 * h * d * itemsize
     e = config.embed_dim
     weights = _latent_params(config, h, biases=False) if config.latent else e * h * d + 2 * e * hkv * d + h * d * e
-    return LayerCost(index, lay.kind, h, hkv, d, lay.window, params, 2 * b * s * weights, flops_attn, kv, mha)
+    return LayerCost(index, lay.kind, h, hkv, d, lay.window, params, 2 * b * s * weights, flops_attn, kv, mha, k)
+
+
+def _logit_scale(config: AttentionConfig) -> float:
+    """The softmax scale the layer uses: latent attention multiplies Dq^-1/2 by yarn's mscale²."""
+    if not config.latent or config.scale is not None:
+        return config.effective_scale
+    from ..latent import MultiHeadLatentAttention
+
+    return float(MultiHeadLatentAttention.from_config(config, device="meta").scale)  # meta: no memory
 
 
 def _layer_params(config: AttentionConfig, h: int, hkv: int, d: int) -> int:
@@ -241,7 +279,8 @@ def _latent_params(config: AttentionConfig, h: int, *, biases: bool = True) -> i
     (dv, dr, r), e, dq, rq = _latent_dims(config), config.embed_dim, config.head_dim, config.q_lora_rank
     q = e * h * dq if rq is None else e * rq + rq * h * dq
     weights = q + e * (r + dr) + r * h * (dq - dr + dv) + h * dv * e
-    extra = ((h * dq if rq is None else rq) + r + dr) if config.bias else 0
+    # attention_bias puts biases on q_a_proj, kv_a_proj_with_mqa and o_proj (never on q_proj or kv_b_proj)
+    extra = ((0 if rq is None else rq) + r + dr + e) if config.bias else 0
     return weights + (extra if biases else 0)
 
 
