@@ -197,3 +197,67 @@ def test_the_adapter_is_a_transformers_cache() -> None:
     cache = mh.hf.KVCacheAdapter(_model().config, max_len=8)
     assert isinstance(cache, Cache) and isinstance(cache, mh.hf.KVCacheAdapter)
     assert cache.get_max_length() == 8 and cache.get_seq_length() == 0 and not cache.is_compileable
+
+
+# ---- one adapter, several generate calls (a new generate starts empty) ----------------------
+def _prompt_sets() -> list[dict[str, torch.Tensor]]:
+    """A prompt of batch 1, then a left-padded batch of 3 (rows padded by 0, 2 and 4 tokens)."""
+    g = torch.Generator().manual_seed(2)
+    one = {"input_ids": torch.randint(3, VOCAB, (1, S), generator=g),
+           "attention_mask": torch.ones(1, S, dtype=torch.long)}
+    mask = torch.ones(3, S, dtype=torch.long)
+    mask[1, :2], mask[2, :4] = 0, 0
+    three = {"input_ids": torch.randint(3, VOCAB, (3, S), generator=g), "attention_mask": mask}
+    return [one, three]
+
+
+@pytest.mark.parametrize("patched", [True, False])
+def test_one_adapter_reused_for_every_generate_gives_hf_tokens_each_time(patched: bool) -> None:
+    """Twice in a row per prompt set, and from batch 1 to batch 3, on one adapter: every call
+    starts empty (as transformers' generate hands it the cache), so each equals unpatched HF."""
+    model, sets = _model(), _prompt_sets()
+    with torch.no_grad():
+        wants = [model.generate(**prompts, **GREEDY) for prompts in sets]
+    if patched:
+        mh.hf.patch(model)
+    cache = mh.hf.KVCacheAdapter(model, max_len=S + NEW)
+    for prompts, want in zip(sets, wants):
+        for _ in range(2):
+            with torch.no_grad():
+                got = model.generate(**prompts, **GREEDY, cache=cache)
+            assert torch.equal(got, want)
+            assert cache.get_seq_length() == S + NEW - 1
+
+
+def test_a_generate_continuing_forgotten_tokens_is_refused_by_name() -> None:
+    """The adapter forgets what it held when a generate begins: a call that passes only new tokens
+    (with the whole mask, to continue the held ones) is refused before anything is written."""
+    model, prompts = mh.hf.patch(_model()), _prompts(padded=False)
+    cache = mh.hf.KVCacheAdapter(model, max_len=2 * (S + NEW))
+    with torch.no_grad():
+        first = model.generate(**prompts, **GREEDY, cache=cache)
+        mask = torch.ones(2, first.shape[1] + 2, dtype=torch.long)
+        with pytest.raises(ValueError, match=r"starts every generate empty .* held 14 tokens per row.*"
+                                             r"pass generate the whole sequence"):
+            model.generate(input_ids=torch.full((2, 2), 5), attention_mask=mask, **GREEDY, cache=cache)
+    assert cache.get_seq_length() == 0 and all(s.kv.host_lengths() == [0, 0] for s in cache.slots)
+
+
+# ---- an adapter built for another model --------------------------------------------------------
+@pytest.mark.parametrize("patched", [True, False])
+def test_an_adapter_for_fewer_layers_is_refused_and_no_layer_changes(patched: bool) -> None:
+    """Built for 2 layers, used with 3: a ValueError naming both counts; layers 0-1 hold what they held."""
+    short, deep = _model(), _model(num_hidden_layers=3)
+    if patched:
+        mh.hf.patch(deep)
+    cache = mh.hf.KVCacheAdapter(short, max_len=16)
+    with pytest.raises(ValueError, match=r"KVCacheAdapter was built for 2 layers, got a call for layer 2 "
+                                         r"\(the model has at least 3\)"):
+        with torch.no_grad():
+            deep(**_prompts(padded=False), cache=cache, use_cache=True)
+    assert cache.get_seq_length() == 0 and [s.kv for s in cache.slots] == [None, None]
+    with torch.no_grad():  # a filled cache: the refused step leaves the held tokens as they were
+        short(**_prompts(padded=False), cache=cache, use_cache=True)
+        with pytest.raises(ValueError, match="built for 2 layers"):
+            deep(input_ids=torch.full((2, 1), 5), cache=cache, use_cache=True)
+    assert [s.kv.host_lengths() for s in cache.slots] == [[S, S]] * 2 and cache.slots[1].keys.shape[2] == S

@@ -27,7 +27,11 @@ Each layer call takes one of two paths, recorded in :attr:`KVCacheAdapter.paths`
   slots are held and masked, as in HF's own caches).
 
 Supported: greedy and sampling, batches with padding, beam search (``reorder_cache``
-reorders the buffers in place), ``crop`` (assisted decoding's roll-back). Refused, by name:
+reorders the buffers in place), ``crop`` (assisted decoding's roll-back), one adapter for
+many ``generate`` calls (each starts empty; a new batch size remakes the buffers). Refused,
+by name: a model with more layers than the adapter was built for (at its first extra layer,
+the forward's earlier writes undone), a ``generate`` that passes only new tokens to continue
+the tokens the adapter forgot when it began,
 growing past ``max_len`` (before anything is written; size ``max_len`` ≥ prompt +
 ``max_new_tokens``), ``batch_repeat_interleave`` / ``batch_select_indices`` on a filled
 cache (the buffers are preallocated for one batch), K and V of different widths (DeepSeek's
@@ -76,9 +80,10 @@ def own_step(layer: MultiHeadAttention, layer_idx: int | None, cache: Any, x: to
     """
     if mask is not None or layer_idx is None or torch.is_grad_enabled():
         return None
-    slot = cache.slots[layer_idx]
+    slot = cache.slot(layer_idx, positions)  # checked: a layer the adapter has, a new generate at 0
     if not cache.at_own_positions(positions, slot.get_seq_length(), x.shape[1]):
         return None
+    slot.begin_write()
     kv = slot.kv_for(layer, x)
     slot.check_room(x.shape[1])
     bare = _bare(layer)
