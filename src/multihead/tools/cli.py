@@ -2,6 +2,7 @@
 
     multihead explain                   the seed's section-7 example (d=768, h=12, S=1024)
     multihead explain CONFIG|DIR        the same table for a real config, on meta tensors
+    multihead explain --html PATH       the lesson as one offline page on real tensors (MiniLM's first layer)
     multihead cost CONFIG|DIR           parameters, FLOPs and KV-cache bytes of a config
     multihead run [TEXT ...]            the bundled MiniLM (or --model DIR), patched and checked
     multihead bench [--quick]           multihead against torch and Hugging Face on this machine
@@ -28,6 +29,14 @@ def _emit(args: argparse.Namespace, payload: dict[str, Any], text: str) -> None:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
+    if args.html is not None:
+        if args.seq != SEED_SEQ_LEN:
+            raise ValueError("--seq does not apply with --html: the page has one token per token of --text")
+        return _explain_page(args)
+    for flag, value in (("--text", args.text), ("--model", args.model), ("--max-bytes", args.max_bytes),
+                        ("--random", args.random or None)):
+        if value is not None:
+            raise ValueError(f"{flag} applies only with --html PATH")
     if args.config is not None:
         return _explain_config(args)
     from .explain import explain_seed
@@ -45,6 +54,23 @@ def cmd_explain(args: argparse.Namespace) -> int:
     ])
     payload = {k: v for k, v in info.items() if k != "table_text"}
     _emit(args, payload, text)
+    return 0
+
+
+def _explain_page(args: argparse.Namespace) -> int:
+    """``explain --html PATH``: the lesson as one offline page (:func:`~multihead.tools.explain_page.explain_page`)."""
+    from .explain_page import DEFAULT_MAX_BYTES, DEFAULT_TEXT, explain_page
+
+    info = explain_page(args.html, text=DEFAULT_TEXT if args.text is None else args.text, model_dir=args.model,
+                        config=args.config, random=args.random,
+                        max_bytes=DEFAULT_MAX_BYTES if args.max_bytes is None else args.max_bytes)
+    text = "\n".join([
+        f"wrote {info['path']} ({info['bytes']:,} bytes): {info['source']}",
+        f"d={info['embed_dim']}, h={info['num_heads']}, d_head={info['head_dim']}, S={info['seq_len']} tokens",
+        "max |ours - float64 reference| per step:",
+        *(f"  {step:<11} {dist:.2e}" for step, dist in info["distances"].items()),
+    ])
+    _emit(args, info, text)
     return 0
 
 
@@ -188,6 +214,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"tokens S (default %(default)s; at most {max_seq_len(None)} for the seed's example, "
                         f"{max_seq_len('config')} for a config)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--html", default=None, metavar="PATH",
+                   help="write the lesson as one offline page on real tensors: the bundled MiniLM's first layer on "
+                        "--text (or CONFIG's layer 0, or --random), each step beside the float64 reference")
+    p.add_argument("--text", default=None, help="with --html: the sentence (default: an example sentence)")
+    p.add_argument("--model", default=None, metavar="DIR", help="with --html: a checkpoint folder instead of MiniLM")
+    p.add_argument("--random", action="store_true",
+                   help="with --html: random weights at the seed's sizes (d=768, h=12), one token per word")
+    p.add_argument("--max-bytes", type=int, default=None,
+                   help="with --html: refuse a larger page (default 2,000,000)")
     p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("cost", help="parameters, FLOPs and KV-cache bytes of a config's attention")
