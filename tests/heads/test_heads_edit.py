@@ -142,3 +142,30 @@ def test_bad_specs_are_refused_before_anything_changes() -> None:
     with pytest.raises(ValueError, match="names layer 'a' twice"):
         mh.heads.prune(model, {0: [1], "a": [2]})
     assert model.a.num_heads == 4 and all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+
+
+def _tiny_llama() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                      num_hidden_layers=2, intermediate_size=128, vocab_size=100,
+                                      max_position_embeddings=64)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_a_pruned_patched_model_refuses_its_hf_state_dict_by_name(tmp_path) -> None:
+    """HF's class has no pruned shapes: state_dict/save_pretrained name the pruning and the way
+    out (save before pruning, prune again after loading: the same outputs), never a bare shape error."""
+    model = mh.hf.patch(_tiny_llama())
+    model.save_pretrained(tmp_path / "base")  # unpruned: saved as the HF class loads it
+    spec = {0: [0, 1]}  # layer 0: 4 -> 2 heads, Hkv 2 -> 1
+    mh.heads.prune(model, spec)
+    want = r"heads were pruned \(4 query / 2 K/V heads -> 2 / 1\).*prune again after loading"
+    with pytest.raises(ValueError, match=want):
+        model.state_dict()
+    with pytest.raises(ValueError, match=want):
+        model.save_pretrained(tmp_path / "pruned")
+    again = mh.heads.prune(mh.hf.patch(type(model).from_pretrained(tmp_path / "base").eval()), spec)
+    ids = torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, model(ids).logits, rtol=0, atol=0)

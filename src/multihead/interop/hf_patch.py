@@ -83,6 +83,8 @@ class PatchedAttention(nn.Module):
         self.__dict__["original"] = original  # not a submodule: its weights stay out of ours
         self.layer_idx = getattr(original, "layer_idx", getattr(getattr(original, "self", None), "layer_idx", None))
         self.is_causal = mh.causal
+        #: (H, Hkv) the original class holds, to tell a pruned layer (multihead.heads.prune) at save time
+        self.original_heads = (mh.num_heads, mh.num_kv_heads)
         #: transformers' output keys recorded from this module (``attentions``...): see :func:`patch`
         self.records: tuple[str, ...] = ()
         self.train(original.training)
@@ -94,8 +96,23 @@ class PatchedAttention(nn.Module):
         """
         if args:
             raise TypeError("PatchedAttention.state_dict takes keyword arguments only")
+        self._check_not_pruned(prefix)
         original = self._synced_original()
         return original.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def _check_not_pruned(self, prefix: str) -> None:
+        """Refuse, by name, a layer whose heads :func:`multihead.heads.prune` removed: the original
+        class has no pruned shapes (transformers keeps no pruned heads for these models)."""
+        now = (self.mh.num_heads, self.mh.num_kv_heads)
+        if now != self.original_heads:
+            (h, hkv), (h_now, hkv_now) = self.original_heads, now
+            raise ValueError(
+                f"cannot write the {type(self.original).__name__} state dict at {prefix!r}: its heads were pruned "
+                f"({h} query / {hkv} K/V heads -> {h_now} / {hkv_now}) and that class only loads unpruned "
+                "shapes, so state_dict() and save_pretrained() of a pruned patched model are refused; save the "
+                "model before pruning (save_pretrained) with the head spec, and prune again after loading: "
+                "multihead.heads.prune(multihead.hf.patch(Model.from_pretrained(path)), spec) gives the same "
+                "model (weights trained after pruning have no checkpoint form in this class)")
 
     def _synced_original(self) -> nn.Module:
         """The original, moved to our device/dtype/mode, holding our current weights."""
@@ -476,6 +493,20 @@ class _LatentWrapper(PatchedAttention):
     def latent(self) -> MultiHeadLatentAttention:
         layer: Any = self.mh
         return layer
+
+    def _check_not_pruned(self, prefix: str) -> None:
+        """Refuse, by name, a layer whose heads :func:`multihead.heads.prune` removed: the original
+        class has no pruned shapes (transformers keeps no pruned heads for these models)."""
+        now = (self.mh.num_heads, self.mh.num_kv_heads)
+        if now != self.original_heads:
+            (h, hkv), (h_now, hkv_now) = self.original_heads, now
+            raise ValueError(
+                f"cannot write the {type(self.original).__name__} state dict at {prefix!r}: its heads were pruned "
+                f"({h} query / {hkv} K/V heads -> {h_now} / {hkv_now}) and that class only loads unpruned "
+                "shapes, so state_dict() and save_pretrained() of a pruned patched model are refused; save the "
+                "model before pruning (save_pretrained) with the head spec, and prune again after loading: "
+                "multihead.heads.prune(multihead.hf.patch(Model.from_pretrained(path)), spec) gives the same "
+                "model (weights trained after pruning have no checkpoint form in this class)")
 
     def _synced_original(self) -> nn.Module:
         weight = self.latent.o_proj.weight
