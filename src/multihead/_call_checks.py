@@ -18,7 +18,8 @@ from .cache import KVCache
 from .masks import cu_seqlens_from_positions, key_padding_mask
 from .rope import RoPE, check_positions
 
-__all__ = ["validate_call", "Inputs"]
+__all__ = ["validate_call", "Inputs", "refuse_unexpected", "refuse_positional", "ATTENTION_HABITS",
+           "LAYER_HABITS"]
 
 
 class Layer(Protocol):
@@ -58,6 +59,69 @@ class Inputs(NamedTuple):
         if cache is None or self.positions is not None:
             return self.positions, None
         return cache.positions(s), max(cache.host_lengths()) + s
+
+
+#: Keywords of torch's attention APIs that :func:`multihead.attention` does not take, each with
+#: its multihead equivalent (multihead's masks are bool, True = may attend).
+ATTENTION_HABITS: dict[str, str] = {
+    "attn_mask": "pass mask= (bool, True = may attend, broadcastable to (B, H, Sq, Sk)): a boolean attn_mask "
+                 "of scaled_dot_product_attention has that polarity already (mask=attn_mask); one of "
+                 "nn.MultiheadAttention means True = ignore (mask=multihead.masks.from_torch_mha(attn_mask)); "
+                 "an additive float mask: mask=multihead.masks.from_additive(attn_mask)",
+    "is_causal": "pass causal=True (aligned bottom-right: query i sees keys up to i + Sk - Sq; "
+                 "scaled_dot_product_attention's is_causal aligns top-left, the same when Sq == Sk)",
+    "key_padding_mask": "torch's key_padding_mask (B, Sk) means True = ignore (padding); pass "
+                        "mask=multihead.masks.key_padding_mask(~key_padding_mask) ((B, 1, 1, Sk), True = may attend)",
+    "need_weights": "pass return_weights=True: the per-head weights (B, H, Sq, Sk), never averaged "
+                    "(torch averages over heads by default: take weights.mean(dim=1))",
+    "average_attn_weights": "weights are never averaged: pass return_weights=True and take weights.mean(dim=1)",
+    "enable_gqa": "grouped-query attention needs no flag: k and v with Hkv heads dividing H are grouped",
+}
+
+#: Keywords of ``torch.nn.MultiheadAttention.forward`` that :class:`multihead.MultiHeadAttention`
+#: does not take, each with its equivalent (the layer is batch-first unless built ``batch_first=False``).
+LAYER_HABITS: dict[str, str] = {
+    "attn_mask": "pass mask= (bool, True = may attend, broadcastable to (B, H, S, Sk)); nn.MultiheadAttention's "
+                 "boolean attn_mask means True = ignore: mask=multihead.masks.from_torch_mha(attn_mask) "
+                 "(it converts a float -inf mask too); scaled_dot_product_attention's boolean attn_mask "
+                 "has multihead's polarity already",
+    "is_causal": "causality is the layer's setting: build it with causal=True (or pass mask=)",
+    "key_padding_mask": "pass key_mask=~key_padding_mask: key_mask (B, Sk) is True = real token, torch's "
+                        "key_padding_mask is True = ignore (padding)",
+    "need_weights": "pass return_weights=True: the per-head weights (B, H, S, Sk), never averaged "
+                    "(torch averages over heads by default: take weights.mean(dim=1)); without it only y is "
+                    "returned, not a tuple",
+    "average_attn_weights": "weights are never averaged: pass return_weights=True and take weights.mean(dim=1)",
+    "query": "the layer takes x (B, S, E) and optionally context (B, Sk, kdim), not query/key/value: "
+             "layer(x) for self-attention, layer(x, context) for cross-attention",
+    "key": "the layer takes x and context, not query/key/value: context feeds both k_proj and v_proj "
+           "(layer(x, context))",
+    "value": "the layer takes x and context, not query/key/value: context feeds both k_proj and v_proj "
+             "(layer(x, context))",
+}
+
+
+def refuse_unexpected(where: str, unexpected: dict[str, object], habits: dict[str, str]) -> TypeError:
+    """The TypeError for keyword arguments ``where`` does not take (``unexpected``, non-empty):
+    Python's message, with the multihead equivalent of each that ``habits`` knows (torch's names)."""
+    names = ", ".join(repr(name) for name in unexpected)
+    message = f"{where} got unexpected keyword argument{'s' if len(unexpected) > 1 else ''} {names}"
+    hints = [f"{name}: {habits[name]}" for name in unexpected if name in habits]
+    return TypeError(message + ("; " + "; ".join(hints) if hints else ""))
+
+
+def refuse_positional(x: object, context: object, extra: tuple[object, ...]) -> TypeError:
+    """The TypeError for a layer called with more positional arguments than (x, context), as
+    torch's ``mha(query, key, value)``: the call that means the same, where there is one."""
+    if len(extra) == 1 and extra[0] is context:
+        hint = "self-attention is layer(x)" if context is x else \
+            "key is value: layer(x, context) (context feeds both k_proj and v_proj)"
+    else:
+        hint = ("self-attention is layer(x), cross-attention layer(x, context): one context feeds both k_proj "
+                "and v_proj, so a key different from the value has no equivalent")
+    return TypeError(f"MultiHeadAttention.forward takes x (B, S, E) and optionally context (B, Sk, kdim), got "
+                     f"{2 + len(extra)} positional arguments (torch's mha(query, key, value)): {hint}; "
+                     "the layer is batch-first (B, S, E) unless built with batch_first=False")
 
 
 def validate_call(layer: Layer, x: torch.Tensor, context: torch.Tensor | None, mask: torch.Tensor | None,

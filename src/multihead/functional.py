@@ -26,6 +26,7 @@ import torch
 from ._checks import check_finite as _check_finite
 from ._checks import check_bool_mask, check_float, check_float_tensor, check_int, check_like, check_tensor
 
+from ._call_checks import ATTENTION_HABITS, refuse_unexpected
 from ._memo import remember
 from .backends import auto, resolve_backend
 from .backends.registry import Backend, BackendSpec, get_spec, place_segments
@@ -73,6 +74,7 @@ def attention(
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    **unexpected: Any,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Multi-head scaled dot-product attention.
 
@@ -124,6 +126,9 @@ def attention(
             on its native paths) takes it as structure and computes no score across
             sequences; every other gets a block-diagonal mask (dense FLOPs).
         See :mod:`multihead.logits` for the order of these steps.
+        **unexpected: refused (``TypeError``); torch's keywords (``attn_mask``, ``is_causal``,
+            ``key_padding_mask``, ``need_weights``, ``average_attn_weights``, ``enable_gqa``)
+            with their equivalents named, mask polarity included.
 
     Returns:
         out (B, H, Sq, Dv); with ``return_weights`` and/or ``return_lse`` a tuple
@@ -132,12 +137,15 @@ def attention(
         zero gradients, lse ``-inf``), never NaN.
 
     Raises:
-        TypeError: non-tensors, non-float q/k/v, mismatched dtypes, non-bool mask.
+        TypeError: non-tensors, non-float q/k/v, mismatched dtypes, non-bool mask, a keyword
+            argument it does not take.
         ValueError: wrong ranks or sizes, H not divisible by Hkv, mismatched devices,
             bad mask shape, window < 1, dropout_p outside [0, 1), unknown backend,
             a backend without a capability the call needs, non-finite inputs with
             ``check_finite``.
     """
+    if unexpected:  # only a wrong call pays for this look-up
+        raise refuse_unexpected("attention()", unexpected, ATTENTION_HABITS)
     mask, scale, dropout_p, tensors = _validate(q, k, v, mask, window, scale, dropout_p)
     name = default_backend(backend, return_weights)
     if softcap is None and alibi_slopes is None and sinks is None and cu_seqlens is None:

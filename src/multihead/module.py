@@ -29,9 +29,9 @@ import torch
 from torch import nn
 
 from . import _call_checks, decode
-from ._call_checks import Inputs
+from ._call_checks import LAYER_HABITS, Inputs, refuse_positional, refuse_unexpected
 from . import linear as _linear
-from ._checks import check_float, check_int
+from ._checks import check_float, check_int, check_tensor
 from .config import AttentionConfig, check_overrides
 from .backends import get_backend, resolve_backend
 from .backends.registry import Backend, get_spec, place_segments
@@ -88,6 +88,9 @@ class MultiHeadAttention(nn.Module):
         alibi: ALiBi biases with the standard slopes of H heads (BLOOM, MPT) instead of
             RoPE (buffer ``alibi_slopes``).
         sinks: one learned sink logit per head (gpt-oss; parameter ``sinks``, zeros).
+        batch_first: False = :meth:`forward` takes ``x``/``context`` and returns ``y`` as
+            (S, B, E), torch's ``nn.MultiheadAttention`` default (what :meth:`from_torch` carries
+            over); masks, ``key_mask``, ``positions``, weights and every step stay batch-first.
         device, dtype: for the parameters.
 
     Raises:
@@ -117,6 +120,7 @@ class MultiHeadAttention(nn.Module):
         softcap: float | None = None,
         alibi: bool = False,
         sinks: bool = False,
+        batch_first: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -127,7 +131,8 @@ class MultiHeadAttention(nn.Module):
         if softcap is not None:
             softcap = check_float("softcap", softcap, low=0.0, high=math.inf, low_inclusive=False,
                                   high_inclusive=False)
-        for name, flag in (("alibi", alibi), ("sinks", sinks), ("norm_offset", norm_offset)):
+        for name, flag in (("alibi", alibi), ("sinks", sinks), ("norm_offset", norm_offset),
+                           ("batch_first", batch_first)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
         if alibi and rope is not None:
@@ -170,6 +175,7 @@ class MultiHeadAttention(nn.Module):
         self.window: int | None = window
         self.kdim, self.vdim = kdim, vdim
         self.backend: str | None = backend
+        self.batch_first = batch_first
         o_bias = bias if o_bias is None else o_bias
         factory = {"device": device, "dtype": dtype}
         self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=bias, **factory)
@@ -306,6 +312,7 @@ class MultiHeadAttention(nn.Module):
             ("qk_norm", self.qk_norm), ("softcap", self.softcap)) if value is not None)
         extras += ", alibi=True" if self.alibi_slopes is not None else ""
         extras += ", sinks=True" if self.sinks is not None else ""
+        extras += ", batch_first=False" if not self.batch_first else ""
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, causal={self.causal}, window={self.window}{extras}"
@@ -316,7 +323,7 @@ class MultiHeadAttention(nn.Module):
         self,
         x: torch.Tensor,
         context: torch.Tensor | None = None,
-        *,
+        *extra: object,
         mask: torch.Tensor | None = None,
         key_mask: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
@@ -324,6 +331,7 @@ class MultiHeadAttention(nn.Module):
         return_weights: bool = False,
         check_finite: bool = False,
         packed: bool = False,
+        **unexpected: Any,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend from ``x`` to itself (or to ``context``), optionally through a KV cache.
 
@@ -331,8 +339,9 @@ class MultiHeadAttention(nn.Module):
         :meth:`rotate`, the cache's :meth:`KVCache.staged` write, :meth:`attend`, :meth:`output`.
 
         Args:
-            x: (B, S, E).
-            context: (B, Sk, kdim) for cross-attention; None = self-attention.
+            x: (B, S, E); (S, B, E) when the layer was built ``batch_first=False``.
+            context: (B, Sk, kdim) for cross-attention ((Sk, B, kdim) when not batch-first);
+                None = self-attention.
             mask: bool, broadcastable to (B, H, S, Sk), **True = may attend**.
             key_mask: (B, Sk) bool, True = real token, False = padding.
             positions: (S,) or (B, S) integer RoPE positions; default 0 .. S-1, or with a
@@ -350,26 +359,40 @@ class MultiHeadAttention(nn.Module):
                 inside their own sequence. Needs ``positions``; not with a cache or context.
                 A backend taking packed sequences as structure (``"native"``, ``"auto"`` on
                 its native paths; forward) gets their bounds and no S×S mask is built.
+            *extra, **unexpected: refused (``TypeError``), torch's habits named with their
+                equivalents: ``layer(query, key, value)``, ``attn_mask=``, ``key_padding_mask=``
+                (True = ignore there, ``key_mask`` is True = real token), ``need_weights=``, ``is_causal=``.
 
         Returns:
-            y (B, S, E), or ``(y, weights)``. A query with no allowed key gets zeros
-            from attention (so ``y`` is o_proj's bias there).
+            y (B, S, E) ((S, B, E) when not batch-first), or ``(y, weights)``. A query with no
+            allowed key gets zeros from attention (so ``y`` is o_proj's bias there).
 
         Raises:
-            TypeError: wrong dtype (must match the weights) or non-bool masks.
+            TypeError: wrong dtype (must match the weights), non-bool masks, a third positional
+                argument or a keyword the layer does not take.
             ValueError: wrong rank/width/device, bad mask shapes, causal or RoPE with
                 ``context`` (cross-attention is neither causal nor rotary).
         """
+        if extra or unexpected:  # torch's habits; a right call pays two truth tests
+            raise (refuse_positional(x, context, extra) if extra
+                   else refuse_unexpected("MultiHeadAttention.forward()", unexpected, LAYER_HABITS))
+        seq_first = not self.batch_first
+        if seq_first:  # (S, B, E) -> (B, S, E) at the edge, as the torch module it came from took it
+            x = check_tensor("x", x, ndim=3).transpose(0, 1).contiguous()
+            if context is not None:
+                context = check_tensor("context", context, ndim=3).transpose(0, 1).contiguous()
         plain = not (context is not None or mask is not None or key_mask is not None or positions is not None
                      or return_weights or check_finite or packed)
         if cache is not None and plain and (y := decode.repeat_step(self, x, cache)) is not None:
-            return y  # the fused step whose checks, asked at the last step, still hold
+            # the fused step whose checks, asked at the last step, still hold
+            return y.transpose(0, 1) if seq_first else y
         call = self.check(x, context, mask=mask, key_mask=key_mask, positions=positions, cache=cache,
                           packed=packed, check_finite=check_finite)
         if cache is not None and not isinstance(step := decode.fused_for(
                 self, x, cache, key_mask=key_mask, positions=positions, context=context,
                 return_weights=return_weights), str):
-            return step(x)  # the whole cached call in one native call
+            y = step(x)  # the whole cached call in one native call
+            return y.transpose(0, 1) if seq_first else y
         q, k, v = self.split(*self.project(x, context))  # (B, H, S, D), (B, Hkv, Sk, D) ×2
         at, bound = call.rope_positions(cache, x.shape[1])
         q, k = self.rotate(q, k, at, bound=bound)
@@ -383,6 +406,8 @@ class MultiHeadAttention(nn.Module):
                 heads, weights = self.attend(q, held.keys, held.values, mask=held.mask, structure=held.structure,
                                              return_weights=return_weights, cached=True, backend=fn)
                 y = self.output(heads)
+        if seq_first:
+            y = y.transpose(0, 1)  # (B, S, E) -> (S, B, E)
         if return_weights:
             assert weights is not None  # the backend was resolved to return them
             return y, weights

@@ -86,10 +86,9 @@ def test_from_torch_equals_nn_multiheadattention(batch_first: bool, bias: bool) 
     ours = mh.MultiHeadAttention.from_torch(theirs)
     x = torch.randn(B, S, E, dtype=torch.float64)
     real = _real()
-    inp = x if batch_first else x.transpose(0, 1)  # torch's default is (S, B, E): ours is always (B, S, E)
+    inp = x if batch_first else x.transpose(0, 1)  # torch's default is (S, B, E): from_torch carries it
     want, _ = theirs(inp, inp, inp, key_padding_mask=~real, need_weights=False)  # True = ignore
-    want = want if batch_first else want.transpose(0, 1)
-    torch.testing.assert_close(ours(x, key_mask=real), want, rtol=0, atol=ATOL64)
+    torch.testing.assert_close(ours(inp, key_mask=real), want, rtol=0, atol=ATOL64)
 
 
 def test_from_torch_carries_kdim_vdim_for_cross_attention() -> None:

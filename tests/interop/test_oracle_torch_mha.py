@@ -112,3 +112,62 @@ def test_cross_attention_equals_torch_with_separate_key_value() -> None:
     x, context = torch.randn(B, 3, E, dtype=F64), torch.randn(B, 7, E, dtype=F64)
     want = theirs(x, context, context, need_weights=False)[0]
     torch.testing.assert_close(ours(x, context), want, rtol=0, atol=ATOL64)
+
+
+# ---- from_torch carries the layout (torch's default batch_first=False is (S, B, E)) ------------------
+def _torch_layer(batch_first: bool, **kwargs) -> nn.MultiheadAttention:
+    theirs = nn.MultiheadAttention(E, H, batch_first=batch_first, dtype=F64, **kwargs).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(std=0.5)
+    return theirs
+
+
+@pytest.mark.parametrize("batch_first", [False, True], ids=["seq-first", "batch-first"])
+def test_from_torch_takes_the_torch_modules_own_layout(batch_first: bool) -> None:
+    theirs = _torch_layer(batch_first)
+    ours = mh.MultiHeadAttention.from_torch(theirs)
+    assert ours.batch_first == batch_first
+    x = torch.randn(*((B, S) if batch_first else (S, B)), E, dtype=F64)  # the torch module's layout
+    want = _torch(theirs, x)
+    got = ours(x)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=0, atol=ATOL64)
+
+
+def test_from_seq_first_torch_with_key_padding_and_weights_equals_torch() -> None:
+    theirs = _torch_layer(False)
+    ours = mh.MultiHeadAttention.from_torch(theirs)
+    x = torch.randn(S, B, E, dtype=F64)  # (S, B, E)
+    key_padding_mask = torch.zeros(B, S, dtype=torch.bool)  # (B, S) in both layouts, True = ignore
+    key_padding_mask[1, -2:] = True
+    want_y, want_w = theirs(x, x, x, key_padding_mask=key_padding_mask, need_weights=True,
+                            average_attn_weights=False)
+    y, weights = ours(x, key_mask=~key_padding_mask, return_weights=True)
+    torch.testing.assert_close(y, want_y, rtol=0, atol=ATOL64)
+    torch.testing.assert_close(weights, want_w, rtol=0, atol=ATOL64)  # (B, H, S, S) in both
+
+
+def test_from_seq_first_torch_cross_attention_equals_torch() -> None:
+    theirs = _torch_layer(False, kdim=12, vdim=12)
+    ours = mh.MultiHeadAttention.from_torch(theirs)
+    x, memory = torch.randn(3, B, E, dtype=F64), torch.randn(7, B, 12, dtype=F64)  # (S, B, E), (Sk, B, kdim)
+    want = theirs(x, memory, memory, need_weights=False)[0]
+    torch.testing.assert_close(ours(x, memory), want, rtol=0, atol=ATOL64)
+
+
+def test_seq_first_layer_decodes_through_a_cache_as_without() -> None:
+    ours = mh.MultiHeadAttention.from_torch(_torch_layer(False), causal=True)
+    x = torch.randn(S, B, E, dtype=F64)
+    cache = ours.new_cache(B, S)
+    with torch.no_grad():
+        steps = [ours(x[:3], cache=cache)] + [ours(x[i:i + 1], cache=cache) for i in range(3, S)]
+        full = ours(x)
+    torch.testing.assert_close(torch.cat(steps), full, rtol=0, atol=ATOL64)  # (S, B, E)
+
+
+def test_seq_first_layer_refuses_a_non_3d_input_by_name() -> None:
+    ours = mh.MultiHeadAttention.from_torch(_torch_layer(False))
+    with pytest.raises(ValueError, match="x"):
+        ours(torch.randn(S, E, dtype=F64))
+    assert "batch_first=False" in repr(ours)

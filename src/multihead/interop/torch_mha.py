@@ -3,7 +3,7 @@
 Notation: B batch, S tokens, E embed_dim, H heads, D head_dim.
 
 ``nn.MultiheadAttention`` stores ``in_proj_weight`` [3E, E] (or ``q/k/v_proj_weight``)
-and ``out_proj``; it is seq-first by default and its masks mean True = ignore.
+and ``out_proj``; it is seq-first (S, B, E) by default and its masks mean True = ignore.
 """
 
 from __future__ import annotations
@@ -22,11 +22,13 @@ __all__ = ["from_torch"]
 def from_torch(module: nn.Module, **overrides: Any) -> MultiHeadAttention:
     """Convert a ``torch.nn.MultiheadAttention``, copying its weights.
 
-    Our layer is always batch-first, (B, S, E); ``batch_first`` of the torch module only
-    says how *it* reads inputs, so the converter copies weights and ignores it: transpose
-    seq-first inputs (S, B, E) yourself. Torch masks use True = ignore; convert them with
-    :func:`multihead.masks.from_torch_mha`. ``kdim``/``vdim`` are carried (cross-attention
-    through ``context``, which feeds both k_proj and v_proj, so ``key is value``).
+    The layout is carried: the layer takes and returns what the module does, (S, B, E) for
+    torch's default ``batch_first=False`` (the layer is built ``batch_first=False``; its
+    ``key_mask`` (B, Sk), masks, positions and weights stay batch-first, as torch's
+    ``key_padding_mask`` and weights are), (B, S, E) for ``batch_first=True``. Torch masks use
+    True = ignore; convert them with :func:`multihead.masks.from_torch_mha` (``key_mask`` is
+    ``~key_padding_mask``). ``kdim``/``vdim`` are carried (cross-attention through ``context``,
+    which feeds both k_proj and v_proj, so ``key is value``).
 
     Args:
         module: a ``torch.nn.MultiheadAttention``.
@@ -34,7 +36,8 @@ def from_torch(module: nn.Module, **overrides: Any) -> MultiHeadAttention:
             ``window``, ``backend``, ``rope``, ``dropout``.
 
     Returns:
-        a :class:`MultiHeadAttention` on the module's device and dtype, same mode.
+        a :class:`MultiHeadAttention` on the module's device and dtype, same mode and layout
+        (``layer.batch_first == module.batch_first``).
 
     Raises:
         TypeError: ``module`` is not a ``torch.nn.MultiheadAttention``.
@@ -63,7 +66,8 @@ def from_torch(module: nn.Module, **overrides: Any) -> MultiHeadAttention:
         state["o_proj.bias"] = module.out_proj.bias.detach()
     settings = check_overrides({"dropout": float(module.dropout)}, overrides)
     layer = MultiHeadAttention(e, h, bias=bias, o_bias=o_bias, kdim=module.kdim, vdim=module.vdim,
-                               device=w_q.device, dtype=w_q.dtype, **settings)
+                               batch_first=bool(module.batch_first), device=w_q.device, dtype=w_q.dtype,
+                               **settings)
     load_state(layer, state)
     return layer.train(module.training)
 
