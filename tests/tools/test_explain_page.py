@@ -8,6 +8,7 @@ weights, ``output_attentions=True``) for the values the page shows, and the floa
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from collections.abc import Iterator
@@ -26,6 +27,10 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
 SENTENCE = "The cat sat on the mat because it was warm."
 HOSTILE = '</script><img src=x onerror="window.__pwned=1"> <b>bold</b> \u2028 &amp; done'
 STEPS = ["input", "projection", "split", "rope", "scores", "softmax", "head", "concat", "wo", "residual"]
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+#: With MULTIHEAD_WRITE_DOCS=1 the screenshot is copied to docs/explain_page.png (as tests/heads does);
+#: otherwise it stays in pytest's temporary folder.
+WRITE_DOCS = os.environ.get("MULTIHEAD_WRITE_DOCS") == "1"
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium installed (apt-get install chromium)")
 
 
@@ -136,7 +141,8 @@ def test_selecting_another_head_redraws_its_scores_and_softmax(model_page, brows
 
 
 @needs_chromium
-def test_hovering_a_cell_shows_its_value_and_the_tokens_it_links(model_page, browser, hf_oracle) -> None:
+def test_hovering_a_cell_shows_its_value_and_the_tokens_it_links(model_page, browser, hf_oracle,
+                                                                 tmp_path: Path) -> None:
     summary, path = model_page
     assert summary["tokens"] == hf_oracle["tokens"]
     opened = Opened(browser, path)
@@ -162,7 +168,15 @@ def test_hovering_a_cell_shows_its_value_and_the_tokens_it_links(model_page, bro
     shown = opened.hover_cell("mh-split-Q-head", 5, 1)
     assert (shown["row"], shown["col"]) == (5, 1) and "(feature 101)" in shown["tip"]
     assert abs(shown["value"] - hf_oracle["Q"][0, 1, 101].item()) <= 1e-3
+    # the picture for the docs: the sticky head bar, the scores and the softmax, one cell hovered
+    page.set_viewport_size({"width": 1200, "height": 1240})
+    page.evaluate("document.getElementById('step-scores').scrollIntoView(); window.scrollBy(0, -60)")
+    opened.hover_cell("mh-softmax-A-square", i, j)
+    page.screenshot(path=str(tmp_path / "shot.png"))
     page.close()
+    assert (tmp_path / "shot.png").stat().st_size > 20000
+    if WRITE_DOCS:
+        shutil.copyfile(tmp_path / "shot.png", DOCS / "explain_page.png")
     assert opened.errors == []
 
 

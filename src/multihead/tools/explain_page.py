@@ -239,7 +239,7 @@ def observe(layer: MultiHeadAttention, x: torch.Tensor) -> dict[str, np.ndarray]
     Returns:
         float64 arrays: ``X, Q, K, V, concat, O, residual`` [width, S]; ``Q_rot, K_rot`` [width, S]
         (the rotated heads stacked back; Q_k/K_k/V_k are row blocks of Q/K/V); ``A`` and ``scores``
-        [H, S, S] (scores computed from the observed rotated heads, NaN where masked).
+        [H, S, S] (scores computed from the observed rotated heads; both NaN where masked).
     """
     seen: dict[str, torch.Tensor] = {}
     with torch.no_grad(), layer.watched(lambda n, t: seen.__setitem__(n, t.detach()), weights=True):
@@ -254,7 +254,7 @@ def observe(layer: MultiHeadAttention, x: torch.Tensor) -> dict[str, np.ndarray]
     out["residual"] = _features(x + y)
     if "Q_rot" in seen:
         out["Q_rot"], out["K_rot"] = _features(seen["Q_rot"]), _features(seen["K_rot"])
-    out["A"] = seen["weights"][0].double().numpy()  # (H, S, S)
+    out["A"] = np.where(allowed, seen["weights"][0].double().numpy(), np.nan)  # (H, S, S), masked: NaN
     out["scores"] = np.where(allowed, scores.double().numpy(), np.nan)
     return out
 
@@ -300,7 +300,7 @@ def reference_steps(source: Source) -> dict[str, np.ndarray]:
     allowed = allowed_mask(source.x.shape[1], layer.causal, layer.window)
     scores = np.stack([q_rot[i].T @ k_rot[i // group] * scale for i in range(layer.num_heads)])  # [H, S, S]
     out["scores"] = np.where(allowed, scores, np.nan)
-    out["A"] = np.stack(st["A"])
+    out["A"] = np.where(allowed, np.stack(st["A"]), np.nan)
     return out
 
 
