@@ -206,6 +206,13 @@ class AttentionConfig:
         self._check_features()
         if self.layers is not None:
             object.__setattr__(self, "layers", self._checked_layers(self.layers))
+        self._check_rope_dims()
+
+    def _check_rope_dims(self) -> None:
+        """Each layer's RoPE scaling fits its rotary dims (RopeScaling.check_rotary_dim), refused when read."""
+        for lay in (self.layer(0),) if self.layers is None else self.layers:
+            if lay.rope_base is not None and lay.rope_scaling is not None:
+                lay.rope_scaling.check_rotary_dim(lay.head_dim if self.rotary_dim is None else self.rotary_dim)
 
     def _check_features(self) -> None:
         if isinstance(self.rope_scaling, Mapping):

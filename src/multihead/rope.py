@@ -48,7 +48,9 @@ class RoPE(nn.Module):
             cos and sin) are transformers' bit for bit. Default: plain RoPE.
 
     Raises:
-        ValueError: odd head_dim or rotary_dim, rotary_dim > head_dim, base <= 0.
+        ValueError: odd head_dim or rotary_dim, rotary_dim > head_dim, base <= 0, or a
+            ``scaling`` that does not fit rotary_dim (longrope factors not R/2 long, dynamic
+            with R < 4: :meth:`RopeScaling.check_rotary_dim`), at construction.
         TypeError: ``scaling`` not a RopeScaling.
     """
 

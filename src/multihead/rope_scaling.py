@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["RopeScaling", "ROPE_TYPES", "rope_frequencies"]
+__all__ = ["RopeScaling", "ROPE_TYPES", "rope_frequencies", "FACTOR_RANGE", "MAX_SCALING_POSITIONS"]
 
 #: The RoPE types multihead computes (transformers' table, plus the unscaled default).
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
@@ -48,6 +48,13 @@ _NEEDS = {
 }
 _SCALARS = ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "mscale",
             "mscale_all_dim", "attention_factor")
+#: The closed range every scalar and every longrope entry must lie in (mscale and mscale_all_dim
+#: may also be 0, "off"). Real checkpoints use 1 to 64; outside this range the tables are
+#: meaningless or overflow (a linear factor of 1e-300 gives infinite angles: zeros, then NaN).
+FACTOR_RANGE = (1e-3, 1e6)
+#: The largest ``max_positions`` / ``original_max_positions`` (as ``AttentionConfig.max_positions``):
+#: 10^30 overflows float conversion in llama3's and yarn's formulas.
+MAX_SCALING_POSITIONS = 1 << 30
 _T = TypeVar("_T")
 
 
@@ -67,8 +74,10 @@ class RopeScaling:
         short_factor, long_factor: longrope's R/2 per-frequency factors.
 
     Raises:
-        ValueError: unknown type, a field the type needs missing, a factor not finite > 0,
-            longrope factors of the wrong length (checked by :func:`rope_frequencies`).
+        ValueError: unknown type, a field the type needs missing, a factor outside
+            :data:`FACTOR_RANGE` (non-finite, zero, negative or absurd), a position count
+            outside [1, :data:`MAX_SCALING_POSITIONS`]; longrope factors of the wrong length
+            and dynamic scaling over 2 rotary dims by :meth:`check_rotary_dim`.
         TypeError: a field of the wrong type.
     """
 
@@ -95,12 +104,13 @@ class RopeScaling:
             if value is not None:
                 if isinstance(value, bool) or not isinstance(value, (int, float)):
                     raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-                if not (math.isfinite(value) and (value > 0 or name in ("mscale", "mscale_all_dim") and value >= 0)):
-                    raise ValueError(f"{name} must be a finite number > 0, got {value}")
+                _check_factor(name, value, zero_ok=name in ("mscale", "mscale_all_dim"))
         for name in ("max_positions", "original_max_positions"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
+            if value is not None and not 1 <= value <= MAX_SCALING_POSITIONS:
+                raise ValueError(f"{name} must be an int in [1, {MAX_SCALING_POSITIONS}], got {value}")
         if not isinstance(self.truncate, bool):
             raise TypeError(f"truncate must be a bool, got {type(self.truncate).__name__}")
         for name in ("short_factor", "long_factor"):
@@ -114,6 +124,24 @@ class RopeScaling:
             raise ValueError(f"rope_type={self.rope_type!r} needs {', '.join(missing)}, got None")
         if self.rope_type == "llama3" and self.high_freq_factor == self.low_freq_factor:
             raise ValueError(f"llama3 needs high_freq_factor != low_freq_factor, got both {self.low_freq_factor}")
+
+    def check_rotary_dim(self, rotary_dim: int) -> None:
+        """Refuse a rule that cannot apply to R = ``rotary_dim`` rotated coordinates per head.
+
+        Longrope needs R/2 short and long factors (one per frequency); dynamic raises θ to
+        the power R/(R-2), so it needs R >= 4. Checked when a config is read and when a
+        :class:`~multihead.RoPE` is built, not at the first position past the original length.
+
+        Raises:
+            ValueError: naming the field, with the expected and the actual count.
+        """
+        if self.rope_type == "dynamic" and rotary_dim < 4:
+            raise ValueError(f"rotary_dim must be >= 4 for rope_type='dynamic' (θ is raised to R/(R-2)), "
+                             f"got {rotary_dim}")
+        for name in ("short_factor", "long_factor"):
+            value = getattr(self, name)
+            if self.rope_type == "longrope" and value is not None and len(value) != rotary_dim // 2:
+                raise ValueError(f"{name} must have rotary_dim/2 = {rotary_dim // 2} entries, got {len(value)}")
 
     @property
     def length_dependent(self) -> bool:
@@ -136,13 +164,23 @@ class RopeScaling:
         return cls(rope_type=rope_type, max_positions=max_positions, original_max_positions=original, **given)
 
 
+def _check_factor(name: str, value: float, *, zero_ok: bool = False) -> None:
+    """Refuse ``value`` outside :data:`FACTOR_RANGE` (NaN and infinities included), naming ``name``."""
+    low, high = FACTOR_RANGE
+    if not (low <= value <= high or zero_ok and value == 0):
+        allowed = f"0 or in [{low:g}, {high:g}]" if zero_ok else f"in [{low:g}, {high:g}]"
+        raise ValueError(f"{name} must be a finite number {allowed}, got {value!r}")
+
+
 def _factor_list(name: str, value: object) -> tuple[float, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise TypeError(f"{name} must be a list of numbers, got {type(value).__name__}")
     out = []
     for i, f in enumerate(value):
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not (math.isfinite(f) and f > 0):
-            raise ValueError(f"{name}[{i}] must be a finite number > 0, got {f!r}")
+        if isinstance(f, bool) or not isinstance(f, (int, float)):
+            raise ValueError(f"{name}[{i}] must be a finite number in [{FACTOR_RANGE[0]:g}, {FACTOR_RANGE[1]:g}], "
+                             f"got {f!r}")
+        _check_factor(f"{name}[{i}]", f)
         out.append(float(f))
     return tuple(out)
 
@@ -175,9 +213,11 @@ def rope_frequencies(rotary_dim: int, base: float, scaling: RopeScaling | None =
             initialisation (L ≤ M).
 
     Raises:
-        ValueError: longrope factors whose length is not R/2.
+        ValueError: longrope factors whose length is not R/2, dynamic with R < 4
+            (:meth:`RopeScaling.check_rotary_dim`).
     """
     s = scaling or RopeScaling()
+    s.check_rotary_dim(rotary_dim)
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim  # (R/2,)
     if s.rope_type in ("default", "linear", "llama3"):
         inv_freq = 1.0 / (base ** exponents)

@@ -129,3 +129,153 @@ def test_longrope_factor_count_must_match_the_rotary_dims() -> None:
     scaling = mh.RopeScaling.from_hf(CASES["longrope"], max_positions=M)
     with pytest.raises(ValueError, match="short_factor must have rotary_dim/2 = 16"):
         mh.RoPE(32, scaling=scaling)
+
+
+# ---- hostile values: refused by name, expected vs got ------------------------------------
+
+CONFIGS = __import__("pathlib").Path(__file__).parents[1] / "data" / "configs"
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
+        "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+# (rope_parameters, the field named, the value shown as "got")
+HOSTILE = [
+    ({"rope_type": "linear", "factor": 1e-300}, "factor", "1e-300"),
+    ({"rope_type": "linear", "factor": 1e300}, "factor", "1e+300"),
+    ({"rope_type": "linear", "factor": float("inf")}, "factor", "inf"),
+    ({"rope_type": "linear", "factor": float("nan")}, "factor", "nan"),
+    ({"rope_type": "linear", "factor": 0.0}, "factor", "0.0"),
+    ({"rope_type": "dynamic", "factor": -2.0}, "factor", "-2.0"),
+    ({**LLAMA3, "original_max_position_embeddings": 10**30}, "original_max_positions", str(10**30)),
+    ({**LLAMA3, "original_max_position_embeddings": 0}, "original_max_positions", "0"),
+    ({**LLAMA3, "low_freq_factor": 1e-300}, "low_freq_factor", "1e-300"),
+    ({**LLAMA3, "high_freq_factor": float("inf")}, "high_freq_factor", "inf"),
+    ({**YARN, "beta_fast": 1e300}, "beta_fast", "1e+300"),
+    ({**YARN, "beta_slow": float("nan")}, "beta_slow", "nan"),
+    ({**YARN, "mscale": -1.0}, "mscale", "-1.0"),
+    ({**YARN, "mscale_all_dim": 1e300}, "mscale_all_dim", "1e+300"),
+    ({**YARN, "attention_factor": 1e-300}, "attention_factor", "1e-300"),
+    ({**YARN, "factor": 1e-300}, "factor", "1e-300"),
+    ({**CASES["longrope"], "long_factor": [1.0] * 7 + [1e-300]}, "long_factor[7]", "1e-300"),
+    ({**CASES["longrope"], "short_factor": [float("nan")] + [1.0] * 7}, "short_factor[0]", "nan"),
+    ({**CASES["longrope"], "long_factor": [1e300] * 8}, "long_factor[0]", "1e+300"),
+]
+
+
+def _hostile_id(case: tuple) -> str:
+    params, name, got = case
+    return f"{params['rope_type']}-{name}={got}"
+
+
+@pytest.mark.parametrize(("params", "name", "got"), HOSTILE, ids=[_hostile_id(c) for c in HOSTILE])
+def test_hostile_scaling_values_are_refused_naming_the_field_expected_and_got(params: dict, name: str,
+                                                                                got: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(name) + r" must be .*in \[.*\].*got " + re.escape(got)):
+        mh.RopeScaling.from_hf(params, max_positions=M)
+
+
+@pytest.mark.parametrize(("params", "name", "got"), HOSTILE, ids=[_hostile_id(c) for c in HOSTILE])
+def test_hostile_scaling_values_are_refused_when_a_config_is_read(params: dict, name: str, got: str) -> None:
+    raw = _config("meta-llama-3-8b")
+    with pytest.raises(ValueError, match=r"rope_scaling: " + re.escape(name) + r" must be .*got " + re.escape(got)):
+        mh.AttentionConfig.from_hf({**raw, "rope_scaling": params})
+
+
+def test_an_absurd_max_position_embeddings_is_refused_for_a_scaling_that_reads_it() -> None:
+    with pytest.raises(ValueError, match=r"max_positions must be .*got " + str(10**30)):
+        mh.RopeScaling.from_hf({"rope_type": "dynamic", "factor": 2.0}, max_positions=10**30)
+
+
+@pytest.mark.parametrize("factor", [1e-3, 1e6])
+@pytest.mark.parametrize("rope_type", ["linear", "dynamic"])
+def test_the_extreme_accepted_factors_give_finite_tables(rope_type: str, factor: float) -> None:
+    rope = mh.RoPE(16, 10000.0, max_positions=64,
+                   scaling=mh.RopeScaling(rope_type=rope_type, factor=factor, max_positions=32))
+    x = torch.randn(1, 2, 64, 16)
+    assert torch.isfinite(rope(x, torch.arange(64))).all()
+    assert torch.isfinite(rope(x, torch.arange(64) + 4000)).all()  # past the table: on the fly
+
+
+# ---- facts that need the rotary dims: checked when the config is read ---------------------
+
+def _config(name: str) -> dict:
+    import json
+
+    return {k: v for k, v in json.loads((CONFIGS / f"{name}.json").read_text()).items() if not k.startswith("_")}
+
+
+def _phi3_short_long_factor() -> tuple[dict, int]:
+    raw = _config("phi-3-mini-128k")
+    scaling = dict(raw["rope_scaling"])
+    half = len(scaling["long_factor"])
+    scaling["long_factor"] = scaling["long_factor"][:-1]
+    return {**raw, "rope_scaling": scaling}, half
+
+
+def test_longrope_long_factor_of_the_wrong_length_is_refused_by_from_hf() -> None:
+    raw, half = _phi3_short_long_factor()
+    with pytest.raises(ValueError, match=rf"long_factor must have rotary_dim/2 = {half} entries, got {half - 1}"):
+        mh.AttentionConfig.from_hf(raw)
+
+
+def test_longrope_long_factor_of_the_wrong_length_is_refused_by_cost() -> None:
+    raw, half = _phi3_short_long_factor()
+    with pytest.raises(ValueError, match=rf"long_factor must have rotary_dim/2 = {half} entries, got {half - 1}"):
+        mh.cost(raw, 64)
+
+
+def test_longrope_long_factor_of_the_wrong_length_is_refused_by_the_cost_command(tmp_path, capsys) -> None:
+    import json
+
+    from multihead.tools import cli
+
+    raw, half = _phi3_short_long_factor()
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["cost", str(path), "--seq", "64"])
+    assert exit_info.value.code != 0
+    assert f"long_factor must have rotary_dim/2 = {half} entries, got {half - 1}" in capsys.readouterr().err
+
+
+def test_longrope_factors_of_the_wrong_length_are_refused_by_the_rope_itself() -> None:
+    scaling = mh.RopeScaling.from_hf({**CASES["longrope"], "long_factor": LONG_FACTORS[:7]}, max_positions=M)
+    with pytest.raises(ValueError, match="long_factor must have rotary_dim/2 = 8 entries, got 7"):
+        mh.RoPE(16, scaling=scaling)  # before any position past the original length is asked for
+
+
+def test_longrope_factors_of_the_wrong_length_are_refused_by_attention_config() -> None:
+    scaling = mh.RopeScaling.from_hf({**CASES["longrope"], "long_factor": LONG_FACTORS[:7]}, max_positions=M)
+    with pytest.raises(ValueError, match="long_factor must have rotary_dim/2 = 8 entries, got 7"):
+        mh.AttentionConfig(embed_dim=64, num_heads=4, num_kv_heads=4, head_dim=16, rope_base=10000.0,
+                           rope_scaling=scaling)
+
+
+def test_dynamic_scaling_over_two_rotary_dims_is_refused_by_from_hf() -> None:
+    raw = {**_config("meta-llama-3-8b"), "partial_rotary_factor": 2 / 128,
+           "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}
+    with pytest.raises(ValueError, match=r"rotary_dim must be >= 4 for rope_type='dynamic'.*got 2"):
+        mh.AttentionConfig.from_hf(raw)
+
+
+def test_dynamic_scaling_over_two_rotary_dims_is_refused_by_the_rope() -> None:
+    scaling = mh.RopeScaling(rope_type="dynamic", factor=2.0, max_positions=8)
+    with pytest.raises(ValueError, match=r"rotary_dim must be >= 4 for rope_type='dynamic'.*got 2"):
+        mh.RoPE(8, rotary_dim=2, scaling=scaling)
+
+
+def test_llama3_with_an_absurd_original_length_is_refused_by_from_hf_not_overflowing() -> None:
+    raw = {**_config("llama-3.1-8b"), "rope_scaling": {**LLAMA3, "original_max_position_embeddings": 10**30}}
+    with pytest.raises(ValueError, match="original_max_positions"):
+        mh.AttentionConfig.from_hf(raw)
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.json")), ids=lambda p: p.stem)
+def test_every_real_config_is_still_read_and_its_rope_built(path) -> None:
+    config = mh.AttentionConfig.from_hf(path)
+    for kind in config.layer_kinds():
+        if kind.rope_base is not None and not config.latent:
+            rope = mh.RoPE(kind.head_dim, kind.rope_base, rotary_dim=config.rotary_dim, max_positions=16,
+                           scaling=kind.rope_scaling)
+            assert torch.isfinite(rope.cos).all()
