@@ -239,6 +239,7 @@ def test_a_page_over_max_bytes_is_refused_before_anything_is_written(tmp_path: P
     ({"max_bytes": 0}, ValueError, r"max_bytes must be in \[1"),
     ({"max_bytes": 1.5}, TypeError, "max_bytes must be an int"),
     ({"text": "  "}, ValueError, "text must be a non-empty string"),
+    ({"seed": -1}, ValueError, r"seed must be in \[0"),
     ({"random": True, "text": " ".join(["w"] * 65)}, ValueError, "at most 64 words"),
 ])
 def test_bad_arguments_are_refused_by_name(tmp_path: Path, kwargs: dict, error: type, match: str) -> None:
@@ -270,3 +271,9 @@ def test_the_command_writes_the_page(tmp_path: Path, capsys: pytest.CaptureFixtu
     with pytest.raises(SystemExit):
         main(["explain", "--text", "no page asked for"])
     assert "--text applies only with --html" in capsys.readouterr().err
+
+
+def test_the_commands_help_states_the_librarys_size_limit(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["explain", "--help"])
+    assert f"default {ep.DEFAULT_MAX_BYTES:,})" in " ".join(capsys.readouterr().out.split())

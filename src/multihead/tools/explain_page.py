@@ -64,9 +64,10 @@ class Source:
 
 
 def _check_args(path: object, text: object, model_dir: object, config: object, random: bool,
-                max_bytes: object) -> int:
+                max_bytes: object, seed: object) -> int:
     from .._checks import check_int
 
+    check_int("seed", seed, minimum=0, maximum=(1 << 63) - 1)
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
     if not isinstance(text, str) or not text.strip():
@@ -117,7 +118,7 @@ def explain_page(
             reference lacks; a page over ``max_bytes`` (its size and the flag to raise it
             named; nothing is written).
     """
-    limit = _check_args(path, text, model_dir, config, random, max_bytes)
+    limit = _check_args(path, text, model_dir, config, random, max_bytes, seed)
     source = _source(text, model_dir=model_dir, config=config, random=random, seed=seed)
     ours = observe(source.layer, source.x)
     ref = reference_steps(source)
