@@ -199,13 +199,24 @@ def test_a_wrong_step_shows_as_a_distance() -> None:
     assert ep.distance(a, b) == pytest.approx(0.25)
 
 
-def test_a_gqa_config_with_rope_runs_at_its_sizes(tmp_path: Path) -> None:
+@needs_chromium
+def test_a_gqa_config_with_rope_shows_each_query_head_its_kv_head(tmp_path: Path, browser) -> None:
     config = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
               "num_hidden_layers": 1, "intermediate_size": 128, "rope_theta": 10000.0, "vocab_size": 100,
               "max_position_embeddings": 64}
-    info = ep.explain_page(tmp_path / "cfg.html", text="a b c d e", config=config)
+    path = tmp_path / "cfg.html"
+    info = ep.explain_page(path, text="a b c d e", config=config)
     assert (info["num_heads"], info["num_kv_heads"], info["head_dim"], info["seq_len"]) == (4, 2, 16, 5)
     assert info["causal"] and info["rope"] and info["max_distance"] <= 1e-5
+    opened = Opened(browser, path)
+    page = opened.page
+    page.select_option("#mh-head", "3")  # query head 3 reads K/V head 3 // 2 = 1
+    assert "K/V head 1 = rows 16–31" in page.inner_text("#mh-head-note")
+    assert "row 2 of head 1 " in opened.hover_cell("mh-split-K-kvhead", 2, 0)["tip"]
+    assert "row 2 of head 3 " in opened.hover_cell("mh-split-Q-head", 2, 0)["tip"]
+    assert "masked" in opened.hover_cell("mh-softmax-A-square", 0, 4)["tip"]  # causal: query 0 sees key 0 only
+    page.close()
+    assert opened.errors == []
 
 
 @needs_chromium

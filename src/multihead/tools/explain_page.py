@@ -362,7 +362,8 @@ def lesson_steps(z: dict[str, Any]) -> list[dict[str, Any]]:
         _step("scores", "Scores of one head", f"S_k = Q̃_kᵀ · K̃_k / √d_head   (1/√{dh} = {z['scale']:.4g})",
               f"[S, S] = [{s}, {s}] per head", f"(B, H, S, S) = [1, {h}, {s}, {s}]", ["scores"],
               [_fig("scores", "square", "Q̃_kᵀK̃_k / √d_head")],
-              "Row i, column j: how well query token i matches key token j. The scale is √d_head, not √d." + causal),
+              "Row i, column j: how well query token i matches key token j. The scale is √d_head, not √d." + causal
+              + " (Computed here from the layer's Q̃_k and K̃_k: its attention kernel never stores them.)"),
         _step("softmax", "Softmax, row by row", "A_k = softmax(S_k), over each row: every query's weights sum to 1",
               f"[S, S] = [{s}, {s}] per head", f"(B, H, S, S) = [1, {h}, {s}, {s}]", ["A"],
               [_fig("A", "square", "A_k = softmax(S_k)")],
