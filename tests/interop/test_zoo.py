@@ -345,8 +345,8 @@ def test_zoo_catches_rope_planted_in_vit(monkeypatch: pytest.MonkeyPatch) -> Non
     assert compare("vit").startswith("wrong")
 
 
-def test_readme_table_is_the_registry() -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+def test_docs_table_is_the_registry() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "guides" / "huggingface.md").read_text(encoding="utf-8")
     start, end = "<!-- registry-table -->\n", "\n<!-- /registry-table -->"
     table = readme[readme.index(start) + len(start):readme.index(end)]
     assert table == hf_registry.markdown_table()

@@ -70,7 +70,7 @@ and head counts from the weights, for every entry.
 
 Adding a family: check the class's ``__init__`` and ``forward`` line by line, add one
 entry below (or to ``_Q_PROJ`` / ``_BERT``), add its model type to the zoo test's tiny
-configs (``tests/interop/test_zoo.py``) and regenerate the README table with
+configs (``tests/interop/test_zoo.py``) and regenerate the docs' table (docs/guides/huggingface.md) with
 ``python -m multihead.interop.hf_registry``.
 """
 
@@ -508,7 +508,7 @@ def _config_of(module: nn.Module) -> Any | None:
 
 
 def markdown_table() -> str:
-    """The README's table of supported families, generated from :data:`REGISTRY`."""
+    """The docs' table (docs/guides/huggingface.md) of supported families, generated from :data:`REGISTRY`."""
     rows = ["| model type | attention class | layout | position encoding | window | also |",
             "|---|---|---|---|---|---|"]
     for spec in sorted(REGISTRY.values(), key=lambda s: (s.model_types, s.name)):
@@ -531,5 +531,5 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
-if __name__ == "__main__":  # pragma: no cover - prints the README table
+if __name__ == "__main__":  # pragma: no cover - prints the docs' table
     print(markdown_table())  # noqa: T201

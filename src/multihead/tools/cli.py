@@ -21,6 +21,7 @@ from typing import Any
 
 # Each subcommand imports what it needs when it runs (torch, the layer, transformers): the command
 # itself, its help and its refusals of bad arguments import none of them.
+from .. import __version__
 from .seed import SEED_SEQ_LEN, max_seq_len
 
 
@@ -206,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="multihead",
         description="Multi-head attention exactly as it is taught: see each step, check it, cost it, run it.")
+    parser.add_argument("--version", action="version", version=f"multihead {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("explain", help="the seed's section-7 table, observed while running a layer")
     p.add_argument("config", nargs="?", default=None, metavar="CONFIG|DIR",
