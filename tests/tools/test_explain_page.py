@@ -156,6 +156,8 @@ def test_hovering_a_cell_shows_its_value_and_the_tokens_it_links(model_page, bro
         expected) + 1e-4
     assert f"query {i} “{hf_oracle['tokens'][i]}” → key {j} “{hf_oracle['tokens'][j]}”" in shown["tip"]
     assert "sums to 1.000" in shown["tip"]
+    marked = page.eval_on_selector_all("#mh-tokens .tok", "ts => ts.map(t => t.className)")
+    assert marked[i] == "tok query" and marked[j] == "tok key" and marked.count("tok") == len(marked) - 2
     # a [features, tokens] cell of Q, against HF's own query projection (384 rows in 280 pixels: the
     # feature under the mouse is within a row of the one aimed at)
     shown = opened.hover_cell("mh-projection-Q-full", 40, 7)
@@ -170,7 +172,7 @@ def test_hovering_a_cell_shows_its_value_and_the_tokens_it_links(model_page, bro
     assert abs(shown["value"] - hf_oracle["Q"][0, 1, 101].item()) <= 1e-3
     # the picture for the docs: the sticky head bar, the scores and the softmax, one cell hovered
     page.set_viewport_size({"width": 1200, "height": 1240})
-    page.evaluate("document.getElementById('step-scores').scrollIntoView(); window.scrollBy(0, -60)")
+    page.evaluate("document.getElementById('step-scores').scrollIntoView(); window.scrollBy(0, -document.querySelector('.bar').offsetHeight - 12)")
     opened.hover_cell("mh-softmax-A-square", i, j)
     page.screenshot(path=str(tmp_path / "shot.png"))
     page.close()
