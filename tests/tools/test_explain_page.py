@@ -172,7 +172,8 @@ def test_hovering_a_cell_shows_its_value_and_the_tokens_it_links(model_page, bro
     assert abs(shown["value"] - hf_oracle["Q"][0, 1, 101].item()) <= 1e-3
     # the picture for the docs: the sticky head bar, the scores and the softmax, one cell hovered
     page.set_viewport_size({"width": 1200, "height": 1240})
-    page.evaluate("document.getElementById('step-scores').scrollIntoView(); window.scrollBy(0, -document.querySelector('.bar').offsetHeight - 12)")
+    page.evaluate("document.getElementById('step-scores').scrollIntoView();"
+                  "window.scrollBy(0, -document.querySelector('.bar').offsetHeight - 12)")
     opened.hover_cell("mh-softmax-A-square", i, j)
     page.screenshot(path=str(tmp_path / "shot.png"))
     page.close()
