@@ -7,8 +7,8 @@ Notation: B batch, S tokens, H heads, D head_dim, L layers.
         model(**batch)
     rows = mh.heads.label(mh.heads.metrics(cap, tokens, key_mask=batch["attention_mask"]))
     print(mh.heads.format_table(rows))
-    mh.heads.plot(cap, "heads.png")                # PNG grid, L × H
-    mh.heads.to_html(cap, tokens[0], "heads.html")  # one self-contained page
+    mh.heads.plot(cap, "heads.png", tokens=tokens[0])  # PNG grid, L × H, of the first sequence
+    mh.heads.to_html(cap, tokens, "heads.html")        # one self-contained page, every sequence
     with mh.heads.ablate(model, {0: [3]}):         # head 3 of layer 0 removed for a while
         ...
     mh.heads.prune(model, {0: [3]})                # ... or for good
@@ -22,16 +22,17 @@ from .capture import DEFAULT_LIMIT_BYTES, WORKSPACE_COPIES, Capture, LayerInfo, 
 from .edit import (CurvePoint, Importance, ablate, config_of, importance, prune, pruning_curve, resolve_spec,
                    scale)
 from .labels import LABELS, THRESHOLDS, label
-from .metrics import (METRIC_FIELDS, HeadMetrics, format_table, is_punctuation, is_special, metrics,
+from .metrics import (METRIC_FIELDS, METRIC_HELP, HeadMetrics, format_table, is_punctuation, is_special, metrics,
                       norm_weights, repeated_tokens, to_json)
-from .pictures import DEFAULT_MAX_TOKENS, plot, to_html
+from .pictures import DEFAULT_MAX_TOKENS, DEFAULT_PNG_TOKENS, plot, to_html
 
 __all__ = [
     "capture", "Capture", "LayerInfo", "find_layers", "DEFAULT_LIMIT_BYTES", "WORKSPACE_COPIES",
-    "metrics", "HeadMetrics", "METRIC_FIELDS", "norm_weights", "format_table", "to_json", "repeated_tokens",
+    "metrics", "HeadMetrics", "METRIC_FIELDS", "METRIC_HELP", "norm_weights", "format_table", "to_json",
+    "repeated_tokens",
     "is_special", "is_punctuation",
     "label", "LABELS", "THRESHOLDS",
     "scale", "ablate", "importance", "Importance", "prune", "pruning_curve", "CurvePoint", "config_of",
     "resolve_spec",
-    "plot", "to_html", "DEFAULT_MAX_TOKENS",
+    "plot", "to_html", "DEFAULT_MAX_TOKENS", "DEFAULT_PNG_TOKENS",
 ]

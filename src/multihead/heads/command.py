@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +31,17 @@ def _embed(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tens
 
     out = model(**batch)
     return mean_pool(out.last_hidden_state, batch["attention_mask"])  # (B, E)
+
+
+def model_name(path: Path) -> str:
+    """A checkpoint's name for people: its model card's first heading (``# all-MiniLM-L6-v2``),
+    else the folder's name."""
+    card = path / "README.md"
+    if card.is_file():
+        for line in card.read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.startswith("# ") and line[2:].strip():
+                return line[2:].strip()
+    return path.name
 
 
 def _least_important(ranking: Sequence[tuple[int, int, float]], count: int, heads_per_layer: Sequence[int]
@@ -50,12 +62,15 @@ def run_heads(texts: Sequence[str] | None, model_dir: str | None, *, importance:
     """Everything ``multihead heads`` prints, as a JSON-ready dict.
 
     Returns:
-        ``{"model", "texts", "heads": [row dicts], "table", "wrote": [...]}`` and, with
+        ``{"model", "name", "texts", "cut", "heads": [row dicts], "table", "wrote": [...]}``
+        (``cut``: the texts the tokenizer cut, with their token counts; ``wrote``: the paths
+        actually written) and, with
         ``importance``, ``"importance"`` (ranking by ablation) and ``"pruning"`` (share
         removed -> heads removed and mean/min cosine to the full embeddings).
 
     Raises:
-        ValueError: empty texts or a bad model directory (before loading anything heavy).
+        ValueError: empty texts, a folder as ``html`` or ``png``, or a bad model directory
+            (before loading anything heavy).
     """
     from .. import hf
     from ..tools import models
@@ -68,13 +83,18 @@ def run_heads(texts: Sequence[str] | None, model_dir: str | None, *, importance:
     texts = list(models.DEFAULT_TEXTS if not texts else texts)
     if not all(isinstance(t, str) and t.strip() for t in texts):
         raise ValueError(f"texts must be non-empty strings, got {texts!r}")
+    for argname, target in (("html", html), ("png", png)):
+        if target is not None and Path(target).is_dir():
+            raise ValueError(f"--{argname} must name a file, got the folder {target!r}")
     path = models._checkpoint_dir(model_dir)
     say = progress or (lambda line: None)
     say("loading the model")
     model, tok = models.load_model(path), models.load_tokenizer(path)
     hf.patch(model)
-    batch = dict(tok(texts, padding=True, truncation=True, max_length=models._max_length(path, model.config),
-                     return_tensors="pt"))
+    limit = models._max_length(path, model.config)
+    batch = dict(tok(texts, padding=True, truncation=True, max_length=limit, return_tensors="pt"))
+    whole = [len(ids) for ids in tok(texts, verbose=False)["input_ids"]]  # each text's tokens before the cut
+    cut = [n if n > limit else None for n in whole]
     batch = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
     tokens = [tok.convert_ids_to_tokens(row) for row in batch["input_ids"].tolist()]
     with torch.no_grad(), capture(model, what=("weights", "heads", "v")) as cap:
@@ -96,13 +116,14 @@ def run_heads(texts: Sequence[str] | None, model_dir: str | None, *, importance:
         row.induction = r.induction
     label(rows, causal=causal)
 
-    result: dict[str, Any] = {"model": str(path), "texts": texts,
+    result: dict[str, Any] = {"model": str(path), "name": model_name(path), "texts": texts,
+                              "cut": [{"text": i, "tokens": n, "kept": limit} for i, n in enumerate(cut) if n],
                               "heads": [dict(r.__dict__) for r in rows], "table": format_table(rows), "wrote": []}
     if html:
-        result["wrote"].append(str(to_html(cap, tokens[0], html, key_mask=batch["attention_mask"], rows=rows,
-                                           title=f"multihead heads: {path.name}")))
+        result["wrote"].append(str(to_html(cap, tokens, html, key_mask=batch["attention_mask"], rows=rows,
+                                           title=f"multihead heads: {result['name']}", texts=texts, cut=cut)))
     if png:
-        result["wrote"].append(str(plot(cap, png, key_mask=batch["attention_mask"], rows=rows)))
+        result["wrote"].append(str(plot(cap, png, key_mask=batch["attention_mask"], rows=rows, tokens=tokens[0])))
     if importance:
         result.update(_importance(model, batch, full, [cap.info[n].num_heads for n in cap.layers], say,
                                   rank_heads, prune))
@@ -135,8 +156,11 @@ def _importance(model: torch.nn.Module, batch: dict[str, torch.Tensor], full: to
 
 def format_result(result: dict[str, Any]) -> str:
     """The command's text output."""
-    lines = [f"{result['model']}: {len(result['texts'])} texts; induction on repeated random tokens "
-             f"({INDUCTION_LENGTH} × 2)", "", result["table"]]
+    lines = [f"{result['name']} ({result['model']}): {len(result['texts'])} texts; induction on repeated random "
+             f"tokens ({INDUCTION_LENGTH} × 2)"]
+    lines += [f"note: text {c['text'] + 1} was cut to its first {c['kept']} tokens (it has {c['tokens']})"
+              for c in result["cut"]]
+    lines += ["", result["table"]]
     if "importance" in result:
         top = result["importance"]
         lines += ["", "importance by ablation (mean 1 − cosine of the sentence embeddings with the head zeroed):",

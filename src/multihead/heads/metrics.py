@@ -57,7 +57,7 @@ from ..backends import full_mask
 from .capture import Capture, weighted_layers
 
 __all__ = ["HeadMetrics", "metrics", "norm_weights", "format_table", "to_json", "repeated_tokens",
-           "is_special", "is_punctuation", "METRIC_FIELDS"]
+           "is_special", "is_punctuation", "METRIC_FIELDS", "METRIC_HELP"]
 
 
 @dataclass
@@ -81,6 +81,20 @@ class HeadMetrics:
 
 #: The metric fields (everything but layer, head and label), in table order.
 METRIC_FIELDS = tuple(f.name for f in fields(HeadMetrics) if f.name not in ("layer", "head", "label"))
+
+#: One line per metric, for people (the page's legend); the definitions are in the module docstring.
+METRIC_HELP: dict[str, str] = {
+    "entropy": "how spread the weights are: 0 = all on one key, 1 = uniform over the keys a query may see",
+    "distance": "mean distance in tokens between a query and the keys it attends to",
+    "previous_token": "mean weight on the token just before the query",
+    "next_token": "mean weight on the token just after the query",
+    "diagonal": "mean weight of a token on itself",
+    "first_token": "mean weight on the first token ([CLS] or BOS; an attention 'sink')",
+    "special_tokens": "total weight on special tokens ([CLS], [SEP], ...)",
+    "punctuation": "total weight on punctuation tokens",
+    "induction": "weight on the token after an earlier copy of the current one (repeated random text)",
+    "norm_weight": "weights times the size of what each key writes through o_proj (Kobayashi et al.)",
+}
 
 _SPECIAL = re.compile(r"^(\[[A-Z]+\]|<\|?[A-Za-z_]+\|?>|</?s>)$")
 
