@@ -262,6 +262,16 @@ def test_bad_arguments_are_refused_by_name(tmp_path: Path, kwargs: dict, error: 
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_config_with_features_the_reference_lacks_is_refused(tmp_path: Path) -> None:
+    import multihead as mh
+
+    config = mh.AttentionConfig(embed_dim=64, num_heads=4, num_kv_heads=4, head_dim=16, qk_norm="head",
+                                softcap=30.0, rope_base=10000.0)
+    with pytest.raises(ValueError, match="config has qk_norm, softcap, which the float64 reference does not model"):
+        ep.explain_page(tmp_path / "x.html", text="a b", config=config)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_without_the_model_package_the_seed_sizes_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from multihead.tools import models
 
