@@ -31,7 +31,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world_size: int, port: int, target: str, results: Any) -> None:
+def _child(rank: int, world_size: int, port: int, target: str, results: Any,
+           collective_timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     import torch
     import torch.distributed as dist
@@ -39,7 +40,7 @@ def _child(rank: int, world_size: int, port: int, target: str, results: Any) -> 
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+                                timeout=timedelta(seconds=collective_timeout_s))
         module, name = target.split(":")
         out = getattr(importlib.import_module(module), name)(rank, world_size)
         results.put((rank, out, None))
@@ -50,8 +51,12 @@ def _child(rank: int, world_size: int, port: int, target: str, results: Any) -> 
             dist.destroy_process_group()
 
 
-def run_world(world_size: int, target: str, *, timeout_s: float = 170.0) -> list[dict[str, Any]]:
+def run_world(world_size: int, target: str, *, timeout_s: float = 170.0,
+              collective_timeout_s: float = COLLECTIVE_TIMEOUT_S) -> list[dict[str, Any]]:
     """Run ``target`` ("module:function", called as ``function(rank, world_size)``) on every rank.
+
+    ``collective_timeout_s``: the process group's timeout in the children (a collective that
+    some rank never enters fails after it).
 
     Returns:
         each rank's returned dict, by rank.
@@ -62,7 +67,8 @@ def run_world(world_size: int, target: str, *, timeout_s: float = 170.0) -> list
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world_size, port, target, results), daemon=True)
+    procs = [ctx.Process(target=_child, args=(r, world_size, port, target, results, collective_timeout_s),
+                         daemon=True)
              for r in range(world_size)]
     start_measurable(procs)  # RSS high-water marks count live tensors
     got: dict[int, Any] = {}

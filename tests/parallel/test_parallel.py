@@ -143,7 +143,8 @@ def test_collectives_per_call_are_the_designs(p: int) -> None:
         assert got["backward"] == {"all_to_all_single": 4}, got
     if 8 % p == 0:
         for got in entries(p, "count/heads")["count/heads"]:
-            assert got["forward"] == {"all_reduce": 1}, got
+            # one metadata all-gather (9 int64 + the refusal flag per rank: shapes agreed first), one all-reduce
+            assert got["forward"] == {"all_gather": 1, "all_gather_bytes": 10 * 8 * p, "all_reduce": 1}, got
             replicas = 4 if got["kv_mode"] == "replicate" else 0  # k/v weight and bias gradients summed
             assert got["backward"] == {"all_reduce": 1 + replicas}, got
 

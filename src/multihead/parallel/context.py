@@ -153,8 +153,11 @@ class ContextParallelAttention(nn.Module):
             (B, S_r, E) this rank's outputs; decoding: (B, Sn, E) on every rank.
 
         Raises:
-            ValueError: on every rank, before any data moves: bad shapes, shards that are
-                not the layout's, dropout in training (no dropout across shards).
+            ValueError: on every rank, with one message, before any data moves or any cache
+                changes: bad shapes on any rank, shards that are not the layout's, ranks that
+                disagree (B, E, dtype, key_mask, prefill or decoding step, the tokens cached, a
+                decoding step's Sn: one all-gather of a few int64), dropout in training (no
+                dropout across shards).
         """
         layer = self.layer
         if layer.training and layer.dropout > 0:
@@ -164,14 +167,15 @@ class ContextParallelAttention(nn.Module):
             raise ValueError("multihead.heads.capture and multihead.trace do not record a context-parallel layer "
                              "(its attention runs across ranks, outside the layer's attend step); capture the "
                              "layer itself on one process")
-        if cache is not None and cache.length > 0:
-            return self._decode(x, cache)
         if self.world_size == 1 and cache is None:
             return layer(x, key_mask=key_mask)  # nothing is sharded: the layer itself
-        error = _check_tokens(x, key_mask, layer)
-        meta = [0, 0, 0, 0] if error else [x.shape[0], x.shape[2], _dtype_code(x.dtype), int(key_mask is not None)]
-        table = agree(self.group, meta + [0 if error else x.shape[1]], error,
-                      lambda t: _check_same(t) or check_sizes([row[-1] for row in t], self.layout))
+        step = _step_of(cache)
+        error = _check_cache(cache, x) or (_check_tokens(x, key_mask, layer) if step != DECODE else
+                                           _check_new_tokens(x, key_mask, cache, layer))  # type: ignore[arg-type]
+        table = agree(self.group, [0] * (len(_META) + 1) if error else _meta(step, x, key_mask, cache), error,
+                      lambda t: _check_same(t, self.layout))
+        if step == DECODE:
+            return self._decode(x, cache)  # type: ignore[arg-type]
         sizes = [row[-1] for row in table]
         seq_len = sum(sizes)
         positions = shard_positions(seq_len, self.world_size, self.rank, self.layout, x.device)  # (S_r,)
@@ -180,7 +184,6 @@ class ContextParallelAttention(nn.Module):
         # length-dependent RoPE scaling then rotates as the single-process layer does).
         q, k = layer.rotate(q, k, positions, bound=seq_len)
         if cache is not None:
-            _check_prefill(cache, x, seq_len)
             cache._write(k, v, positions, torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
                          if key_mask is None else key_mask)
             cache.counts, cache.length = list(sizes), seq_len  # (the prefill wrote held = S_r)
@@ -204,15 +207,10 @@ class ContextParallelAttention(nn.Module):
 
     @torch.no_grad()
     def _decode(self, x: torch.Tensor, cache: ShardedKVCache) -> torch.Tensor:
-        """New tokens (B, Sn, E), the same on every rank, against the sharded cache."""
+        """New tokens (B, Sn, E), the same on every rank, against the sharded cache (checked and
+        agreed across the ranks by :meth:`forward`)."""
         layer = self.layer
-        check_tensor("x", x, ndim=3)
         b, sn, e = x.shape
-        if (b, e) != (cache.k.shape[0], layer.embed_dim):
-            raise ValueError(f"x must have shape [B, Sn, E] = [{cache.k.shape[0]}, Sn, {layer.embed_dim}], "
-                             f"got {list(x.shape)}")
-        if cache.length + sn > cache.max_len:
-            raise ValueError(f"cache overflow: {cache.length} tokens cached, {sn} more exceed max_len={cache.max_len}")
         positions = cache.length + torch.arange(sn, device=x.device)  # (Sn,)
         q, k, v = layer.split(*layer.project(x))  # (B, H, Sn, D), (B, Hkv, Sn, D) ×2
         q, k = layer.rotate(q, k, positions, bound=cache.length + sn)
@@ -269,18 +267,71 @@ def _check_tokens(x: object, key_mask: object, layer: MultiHeadAttention) -> str
     return None
 
 
-def _check_same(table: list[list[int]]) -> str | None:
-    if any(row[:-1] != table[0][:-1] for row in table):
-        return "the ranks disagree on (B, E, dtype, key_mask): " + _rows([row[:-1] for row in table])
+#: A call's kind, agreed by the ranks: a prefill without cache, a prefill into an empty cache, a decoding step.
+PREFILL, PREFILL_CACHE, DECODE = 0, 1, 2
+#: What the ranks agree on before any data moves (the last entry: S_r, or a decoding step's Sn).
+_META = ("step (0 prefill, 1 prefill into a cache, 2 decoding)", "B", "E", "dtype", "key_mask",
+         "cache max_len", "cached tokens")
+
+
+def _step_of(cache: ShardedKVCache | None) -> int:
+    if cache is None:
+        return PREFILL
+    return DECODE if isinstance(cache, ShardedKVCache) and cache.length > 0 else PREFILL_CACHE
+
+
+def _meta(step: int, x: torch.Tensor, key_mask: torch.Tensor | None, cache: ShardedKVCache | None) -> list[int]:
+    """This rank's call as the integers every rank compares (:data:`_META`, then S_r or Sn)."""
+    held = [0, 0] if cache is None else [cache.max_len, cache.length]
+    return [step, x.shape[0], x.shape[2], _dtype_code(x.dtype), int(key_mask is not None), *held, x.shape[1]]
+
+
+def _check_cache(cache: object, x: object) -> str | None:
+    """This rank's refusal of its cache (the type; a prompt's batch against the cache's), as a message."""
+    if cache is not None and not isinstance(cache, ShardedKVCache):
+        return f"TypeError: cache must come from ContextParallelAttention.new_cache, got {type(cache).__name__}"
+    if isinstance(cache, ShardedKVCache) and cache.length == 0 and isinstance(x, torch.Tensor) and x.dim() == 3 \
+            and x.shape[0] != cache.k.shape[0]:
+        return f"ValueError: cache holds batch {cache.k.shape[0]}; the prompt has batch {x.shape[0]}"
     return None
 
 
-def _check_prefill(cache: object, x: torch.Tensor, seq_len: int) -> None:
-    if not isinstance(cache, ShardedKVCache):
-        raise TypeError(f"cache must come from ContextParallelAttention.new_cache, got {type(cache).__name__}")
-    if cache.k.shape[0] != x.shape[0] or seq_len > cache.max_len or x.shape[1] > cache.capacity or cache.length:
-        raise ValueError(f"cache holds batch {cache.k.shape[0]} and max_len {cache.max_len}; the prompt has "
-                         f"batch {x.shape[0]} and {seq_len} tokens")
+def _check_new_tokens(x: object, key_mask: object, cache: ShardedKVCache, layer: MultiHeadAttention) -> str | None:
+    """This rank's refusal of a decoding step's new tokens (B, Sn, E), as a message."""
+    try:
+        x = check_tensor("x", x, ndim=3)
+        b, sn, e = x.shape
+        if (b, e) != (cache.k.shape[0], layer.embed_dim):
+            raise ValueError(f"x must have shape [B, Sn, E] = [{cache.k.shape[0]}, Sn, {layer.embed_dim}], "
+                             f"got {list(x.shape)}")
+        if x.dtype != cache.k.dtype:
+            raise TypeError(f"x must have dtype {cache.k.dtype} like the cache, got {x.dtype}")
+        if key_mask is not None:
+            raise ValueError("key_mask is for the prompt: a decoding step's new tokens are all real")
+        if cache.length + sn > cache.max_len:
+            raise ValueError(f"cache overflow: {cache.length} tokens cached, {sn} more exceed max_len={cache.max_len}")
+    except (TypeError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _check_same(table: list[list[int]], layout: str) -> str | None:
+    """The refusal every rank derives from every rank's :func:`_meta` (one message on every rank)."""
+    head = [row[:-1] for row in table]
+    if any(row != head[0] for row in head):
+        return f"the ranks disagree on ({', '.join(_META)}): {_rows(head)}"
+    step, b, max_len, held = table[0][0], table[0][1], table[0][5], table[0][6]
+    sizes = [row[-1] for row in table]
+    if step == DECODE:
+        if any(n != sizes[0] for n in sizes):
+            return (f"the ranks' decoding steps have different numbers of new tokens Sn {sizes}: every rank must "
+                    "be given the same new tokens (B, Sn, E)")
+        return None
+    message = check_sizes(sizes, layout)
+    if message is None and step == PREFILL_CACHE and sum(sizes) > max_len:
+        message = (f"cache holds {held} tokens of max_len {max_len}; the prompt has batch {b} and {sum(sizes)} "
+                   "tokens: prefill an empty cache (cache.reset()) of max_len >= the prompt's length")
+    return message
 
 
 def context_parallel(layer: MultiHeadAttention, group: object = None, *, layout: str = "zigzag",

@@ -28,7 +28,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..module import MultiHeadAttention
-from ._comm import resolve_group, world_and_rank
+from ._comm import agree, resolve_group, world_and_rank
+from .layout import _dtype_code, _rows
 
 __all__ = ["shard_heads", "HeadParallelAttention", "tensor_parallel_plan", "check_head_split"]
 
@@ -207,10 +208,19 @@ class HeadParallelAttention(nn.Module):
 
         Returns:
             y (B, S, E), equal on every rank (or ``(y, weights)``).
+
+        Raises:
+            ValueError: on every rank with one message (:class:`~multihead.parallel.ParallelError`),
+                before anything is computed, communicated or cached, if one rank's call fails the
+                layer's checks, or the ranks' calls differ in B, S, Sk, dtype, the arguments given,
+                the tokens their caches hold or autograd (one all-gather of a few int64).
         """
-        if mask is not None and mask.dim() == 4 and mask.shape[1] == self.num_heads and self.world_size > 1:
+        if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] == self.num_heads \
+                and self.world_size > 1:
             h = self.num_heads // self.world_size
             mask = mask[:, self.rank * h:(self.rank + 1) * h]
+        if self.world_size > 1:
+            self._agree(x, context, mask, key_mask, positions, cache)
         if self.world_size > 1 and torch.is_grad_enabled():
             x = _CopyToRanks.apply(x, self.group)
             context = None if context is None else _CopyToRanks.apply(context, self.group)
@@ -222,6 +232,39 @@ class HeadParallelAttention(nn.Module):
             if self.o_bias is not None:
                 y = y + self.o_bias
         return (y, result[1]) if return_weights else y
+
+
+    def _agree(self, x: torch.Tensor, context: torch.Tensor | None, mask: torch.Tensor | None,
+               key_mask: torch.Tensor | None, positions: torch.Tensor | None, cache: object) -> None:
+        """Every rank's call passes the layer's checks and has the same shapes, or every rank raises.
+
+        Otherwise the all-reduce after o_proj would get tensors of different sizes (gloo aborts)
+        or wait for a rank that already raised (until the group's timeout).
+        """
+        error = None
+        try:
+            self.local.check(x, context, mask=mask, key_mask=key_mask, positions=positions,
+                             cache=cache)  # type: ignore[arg-type]
+        except (TypeError, ValueError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        meta = [0] * len(_CALL) if error is not None else [
+            x.shape[0], x.shape[1], -1 if context is None else context.shape[1], _dtype_code(x.dtype),
+            int(mask is not None), int(key_mask is not None), int(positions is not None),
+            -1 if cache is None else max(cache.host_lengths()),  # type: ignore[attr-defined]
+            int(torch.is_grad_enabled())]
+        agree(self.group, meta, error, _check_same_call)
+
+
+#: What the ranks of a head-parallel call agree on (:meth:`HeadParallelAttention._agree`).
+_CALL = ("B", "S", "Sk (-1: no context)", "dtype", "mask", "key_mask", "positions", "cached tokens (-1: no cache)",
+         "grad enabled")
+
+
+def _check_same_call(table: list[list[int]]) -> str | None:
+    if any(row != table[0] for row in table):
+        return (f"the ranks' head-parallel calls differ in ({', '.join(_CALL)}): {_rows(table)}; every rank must "
+                "call with the same x (B, S, E) and the same arguments")
+    return None
 
 
 def shard_heads(layer: MultiHeadAttention, group: object = None) -> HeadParallelAttention:
@@ -239,7 +282,8 @@ def shard_heads(layer: MultiHeadAttention, group: object = None) -> HeadParallel
     Raises:
         ValueError: H not divisible by P, or Hkv neither divisible by P nor dividing it;
             decided from sizes every rank shares, so every rank raises before any
-            communication.
+            communication. At a call: on every rank, if the ranks' calls disagree (see
+            :meth:`HeadParallelAttention.forward`).
     """
     return HeadParallelAttention(layer, group)
 
