@@ -54,17 +54,46 @@ def sdpa_attention(
         if not gqa and scale == 1.0 / math.sqrt(qs[3]):
             # SDPA's own default scale (the same double): the same numbers, and no keywords for
             # torch to parse (a microsecond of a small call).
-            return F.scaled_dot_product_attention(q, k, v, None, dropout_p, causal), None, None
-        out = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=gqa
-        )
-        return out, None, None
+            out = F.scaled_dot_product_attention(q, k, v, None, dropout_p, causal)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=gqa
+            )
+        return _nan_rows_kept(q, out, sk), None, None
     combined = full_mask(mask, causal, window, sq, sk, q.device)
     # torch >= 2.5 returns zeros for rows with no allowed key (its _safe_softmax).
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=combined, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
     )
-    return out, None, None
+    return _empty_rows_zero(q, out, combined), None, None
+
+
+def _nan_rows_kept(q: torch.Tensor, out: torch.Tensor, sk: int) -> torch.Tensor:
+    """NaN in, NaN out, as the reference and every other backend: torch's unmasked CPU kernel
+    returns zeros for a query row holding a NaN (its row maximum skips NaN scores).
+
+    q (B, H, Sq, D), out (B, H, Sq, Dv). One sum of q decides in eager mode (a NaN anywhere
+    makes it NaN; an overflow to inf only costs the exact check); compiled graphs always take
+    the exact, branch-free masking.
+    """
+    if sk == 0 or not q.is_floating_point():
+        return out
+    if not torch.compiler.is_compiling() and not math.isnan(float(q.sum())):
+        return out
+    return out.masked_fill(q.isnan().any(dim=-1, keepdim=True), math.nan)  # (B, H, Sq, 1) over Dv
+
+
+def _empty_rows_zero(q: torch.Tensor, out: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """A query that may attend to nothing outputs zeros even when it holds a NaN (SDPA's
+    masked softmax gives zeros for such a row, but NaN once its scores are NaN).
+
+    ``allowed``: bool broadcastable to (B, H, Sq, Sk), or None (no row is empty).
+    """
+    if allowed is None or not q.is_floating_point():
+        return out
+    if not torch.compiler.is_compiling() and not math.isnan(float(q.sum())):
+        return out
+    return out.masked_fill(~allowed.any(dim=-1, keepdim=True), 0.0)  # (B|1, H|1, Sq, 1)
 
 
 def _with_bias(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
@@ -85,5 +114,6 @@ def _with_bias(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
         bias = torch.cat((bias, sink_column(sinks, b, sq, work)), dim=-1)  # (B, H, Sq, Sk + 1)
         zeros = k.new_zeros(b, k.shape[1], 1, k.shape[3])
         k, v = torch.cat((k, zeros), dim=2), torch.cat((v, v.new_zeros(b, v.shape[1], 1, v.shape[3])), dim=2)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), dropout_p=dropout_p, scale=scale,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), dropout_p=dropout_p, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out if sinks is not None else _empty_rows_zero(q, out, combined)  # a sink is a key every row sees
