@@ -179,6 +179,10 @@ def test_the_page_refuses_a_token_list_of_the_wrong_length_and_long_inputs(tmp_p
         mh.heads.to_html(cap, tokens[2][:n - 1], tmp_path / "x.html", sequence=2, key_mask=batch["attention_mask"])
     with pytest.raises(ValueError, match="over max_tokens=4"):
         mh.heads.to_html(cap, tokens[0], tmp_path / "x.html", max_tokens=4)
+    with pytest.raises(ValueError, match=r"sequence must be an index in \[0, 2\], got 3"):
+        mh.heads.to_html(cap, tokens, tmp_path / "x.html", sequence=3, key_mask=batch["attention_mask"])
+    with pytest.raises(ValueError, match=r"cut must hold one entry per shown sequence \(3\)"):
+        mh.heads.to_html(cap, tokens, tmp_path / "x.html", key_mask=batch["attention_mask"], cut=[None])
     assert not (tmp_path / "x.html").exists()
 
 

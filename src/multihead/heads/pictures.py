@@ -249,6 +249,8 @@ def page_data(cap: Capture, tokens: Sequence[str] | Sequence[Sequence[str]], *, 
     if nested and len(tokens) != b:
         raise ValueError(f"tokens must hold one list per sequence (B={b}) or one sequence's tokens, "
                          f"got {len(tokens)} lists")
+    if nested and (isinstance(sequence, bool) or not isinstance(sequence, int) or not 0 <= sequence < b):
+        raise ValueError(f"sequence must be an index in [0, {b - 1}], got {sequence!r}")
     shown = list(range(b)) if nested else [sequence]
     for argname, given in (("texts", texts), ("cut", cut)):
         if given is not None and (isinstance(given, (str, bytes)) or not isinstance(given, Sequence)
@@ -272,7 +274,7 @@ def page_data(cap: Capture, tokens: Sequence[str] | Sequence[Sequence[str]], *, 
         "heads": list(cap.info[names[0]].heads),
         "causal": [cap.info[n].causal for n in names],
         "levels": LEVELS,
-        "first": shown.index(sequence) if sequence in shown else 0,
+        "first": shown.index(sequence),
         "texts": out_texts,
         "metrics": [dict(r.__dict__) for r in all_rows],
         "legend": {
