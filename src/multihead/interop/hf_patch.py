@@ -84,7 +84,7 @@ class PatchedAttention(nn.Module):
         self.layer_idx = getattr(original, "layer_idx", getattr(getattr(original, "self", None), "layer_idx", None))
         self.is_causal = mh.causal
         #: (H, Hkv) the original class holds, to tell a pruned layer (multihead.heads.prune) at save time
-        self.original_heads = (mh.num_heads, mh.num_kv_heads)
+        self.original_heads = _head_counts(mh)
         #: transformers' output keys recorded from this module (``attentions``...): see :func:`patch`
         self.records: tuple[str, ...] = ()
         self.train(original.training)
@@ -103,7 +103,7 @@ class PatchedAttention(nn.Module):
     def _check_not_pruned(self, prefix: str) -> None:
         """Refuse, by name, a layer whose heads :func:`multihead.heads.prune` removed: the original
         class has no pruned shapes (transformers keeps no pruned heads for these models)."""
-        now = (self.mh.num_heads, self.mh.num_kv_heads)
+        now = _head_counts(self.mh)
         if now != self.original_heads:
             (h, hkv), (h_now, hkv_now) = self.original_heads, now
             raise ValueError(
@@ -184,6 +184,11 @@ class PatchedAttention(nn.Module):
     def _from_cache(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The cache's K/V back as the layer's (B, Hkv, Sk, D) (the inverse of :meth:`_to_cache`)."""
         return k, v
+
+
+def _head_counts(layer: nn.Module) -> tuple[int | None, int | None]:
+    """(H, Hkv) of a converted layer (latent attention has no Hkv: None)."""
+    return getattr(layer, "num_heads", None), getattr(layer, "num_kv_heads", None)
 
 
 def _hf_cache(cache: Any | None, kwargs: dict[str, Any]) -> Any | None:
@@ -497,7 +502,7 @@ class _LatentWrapper(PatchedAttention):
     def _check_not_pruned(self, prefix: str) -> None:
         """Refuse, by name, a layer whose heads :func:`multihead.heads.prune` removed: the original
         class has no pruned shapes (transformers keeps no pruned heads for these models)."""
-        now = (self.mh.num_heads, self.mh.num_kv_heads)
+        now = _head_counts(self.mh)
         if now != self.original_heads:
             (h, hkv), (h_now, hkv_now) = self.original_heads, now
             raise ValueError(
