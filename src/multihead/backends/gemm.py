@@ -7,7 +7,10 @@ Which of the two is faster depends on the machine, not on its vendor: oneDNN's G
 AMD EPYC Zen 3 VM, and 128-148 against 131-172 on another of the same CPU model (2 threads,
 the layer's shapes). So it is measured, once per machine (:func:`gemm_choice`), and the
 verdict kept in the cache folder, so that every process on the machine computes with the
-same GEMM (bitwise the same results run to run). ``$MULTIHEAD_GEMM`` (``onednn`` or
+same GEMM (bitwise the same results run to run). Processes that first ask at the same time
+take turns (a lock beside the record): the first measures and writes, the others read its
+verdict back, so there is one verdict per machine. A damaged record is discarded, measured
+again and replaced, never fatal. ``$MULTIHEAD_GEMM`` (``onednn`` or
 ``torch``) chooses without measuring; it is read once per process (the choice is asked at every
 call of a layer), and again after :func:`refresh_settings`, for a program or test that changes
 it at run time; ``torch.backends.mkldnn.enabled = False`` means torch.matmul.
@@ -42,6 +45,7 @@ TORCH_WINS_BELOW = 0.95
 #: The shape measured: the projections of a d = 768 layer at 1,024 tokens (x (M, K), w (N, K)).
 PROBE_SHAPE = (1024, 768, 768)
 _CHOICE_FILE = "gemm-choice.json"
+_LOCK_FILE = "gemm-choice.lock"
 
 MatMul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -119,11 +123,20 @@ def _measured_choice() -> str:
 
     One verdict per machine (CPU, torch version), measured at the thread count of the
     process that asks first: with another thread count the same GEMM keeps running, so
-    results do not change with it."""
+    results do not change with it. Processes asking at once take turns (:func:`~.native.files.locked`)."""
+    from .native.files import locked
+
     entry = _kept().get(_machine_key())
-    if isinstance(entry, dict) and entry.get("choice") in GEMM_CHOICES:
+    if entry is not None:
         return str(entry["choice"])
-    return str(keep_gemm_measurement()["choice"])
+    path = _record()
+    if path is None:  # nowhere to keep it: this process's own measurement
+        return str(gemm_measurement()["choice"])
+    with locked(path.with_name(_LOCK_FILE)):
+        entry = _kept().get(_machine_key())  # measured by another process while this one waited
+        if entry is not None:
+            return str(entry["choice"])
+        return str(_measure_and_keep(path)["choice"])
 
 
 def _record() -> Path | None:
@@ -134,18 +147,19 @@ def _record() -> Path | None:
     return folders[0] / _CHOICE_FILE if folders else None
 
 
-def _kept() -> dict[str, Any]:
-    """The verdicts kept so far (machine key -> measurement); {} if none, damaged or unsafe."""
-    from .native.files import unsafe
+def _kept() -> dict[str, dict[str, Any]]:
+    """The well-formed verdicts kept so far (machine key -> measurement with a ``"choice"`` of
+    :data:`GEMM_CHOICES`); {} if none, damaged or unsafe (:func:`~.native.files.read_record`)."""
+    from .native.files import read_record
 
     path = _record()
     try:
-        if path is not None and unsafe(os.lstat(path)) is None:
-            kept = json.loads(path.read_text())
-            return kept if isinstance(kept, dict) else {}
-    except (OSError, ValueError):
-        pass
-    return {}
+        kept = {} if path is None else read_record(path)
+    except (OSError, ValueError):  # missing, unsafe or damaged: measured again and replaced
+        return {}
+    if not isinstance(kept, dict):
+        return {}
+    return {k: v for k, v in kept.items() if isinstance(v, dict) and v.get("choice") in GEMM_CHOICES}
 
 
 def keep_gemm_measurement() -> dict[str, Any]:
@@ -153,18 +167,29 @@ def keep_gemm_measurement() -> dict[str, Any]:
     any earlier one; this process uses it from now on. ``multihead bench`` calls it first, at
     a quiet moment (a first measurement taken under load falls back to oneDNN: see
     :data:`TORCH_WINS_BELOW`). Returns the measurement."""
+    from .native.files import locked
+
+    path = _record()
+    if path is None:
+        found = gemm_measurement()
+    else:
+        with locked(path.with_name(_LOCK_FILE)):
+            found = _measure_and_keep(path)
+    _measured_choice.cache_clear()
+    return found
+
+
+def _measure_and_keep(path: Path) -> dict[str, Any]:
+    """Measure and write the verdict into ``path`` beside the other machines' well-formed ones
+    (damaged entries are dropped); the caller holds the lock."""
     from .native.files import write_atomically
 
     found = gemm_measurement()
-    path = _record()
-    if path is not None:
-        kept = _kept()
-        kept[_machine_key()] = found
-        try:
-            write_atomically(path, json.dumps(kept, indent=1).encode(), 0o600)
-        except OSError:
-            pass  # measured again by the next process
-    _measured_choice.cache_clear()
+    kept = {**_kept(), _machine_key(): found}
+    try:
+        write_atomically(path, json.dumps(kept, indent=1, allow_nan=False).encode(), 0o600)
+    except (OSError, ValueError):  # ValueError: a measurement that is not finite; not kept
+        pass  # measured again by the next process
     return found
 
 

@@ -49,7 +49,7 @@ from pathlib import Path
 from types import ModuleType
 
 from .cpu import cpuinfo
-from .files import cache_dirs, private_dir, unsafe, write_atomically
+from .files import cache_dirs, private_dir, read_record, unsafe, write_atomically
 from .isa import MACHINE, module_name
 
 __all__ = ["load"]
@@ -58,6 +58,7 @@ _MODULE = f"_kernels_{MACHINE}"
 _COMPILE_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-std=c++17", f"-DMH_MODULE={_MODULE}")  # each unit, with _march()
 _LINK_FLAGS = ("-fopenmp", "-shared")
 _ARCH = re.compile(r"[a-z0-9][a-z0-9.-]{0,39}")  # a -march CPU name
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 _SOURCES = ("common.h", "kernels.h", "module.cpp", "attention.cpp", "attention_amx.cpp", "decode.cpp", "backward.cpp")
 _LOG = logging.getLogger("multihead")
 _FILE_MODE = 0o700  # the kernel: the user's only (umask can only remove bits; set explicitly)
@@ -117,18 +118,31 @@ def _verify(target: Path) -> str | None:
     try:
         if unsafe(os.lstat(record_file)) is not None:
             return f"its build record {record_file.name} is not a safe file"
-        record = json.loads(record_file.read_text())
-        size, sha = int(record["size"]), str(record["sha256"])
+        record = read_record(record_file)  # any damage is a ValueError: the kernel is rebuilt
     except FileNotFoundError:
         return "it has no build record (size and SHA-256)"
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        return f"its build record is unreadable ({type(err).__name__})"
-    got_size, got_sha = _digest(target)
+    except (OSError, ValueError) as err:
+        return f"its build record is unreadable ({err})"
+    recorded = _recorded(record)
+    if recorded is None:
+        return (f"its build record is unreadable (a {type(record).__name__}, not "
+                "{\"size\": an int >= 0, \"sha256\": 64 hex digits})")
+    (size, sha), (got_size, got_sha) = recorded, _digest(target)
     if got_size != size:
         return f"it is {got_size} bytes, its build recorded {size} (truncated or damaged)"
     if got_sha != sha:
         return "its SHA-256 differs from the one its build recorded (damaged or replaced)"
     return None
+
+
+def _recorded(record: object) -> tuple[int, str] | None:
+    """(size, SHA-256) of a build record ``{"size": int >= 0, "sha256": 64 hex digits}``, or None."""
+    if not isinstance(record, dict):
+        return None
+    size, sha = record.get("size"), record.get("sha256")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        return None
+    return (size, sha) if isinstance(sha, str) and _SHA256.fullmatch(sha) else None
 
 
 def _run_all(commands: list[list[str]]) -> str:
