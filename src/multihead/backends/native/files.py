@@ -101,7 +101,12 @@ def read_record(path: Path, max_bytes: int = MAX_RECORD_BYTES) -> object:
     why = unsafe(os.lstat(path))
     if why is not None:
         raise ValueError(f"{path.name} is not a safe file: {why}")
-    with open(path, "rb") as f:
+    # No symlink followed, no FIFO waited on, and the file read is the one checked (fstat).
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        why = unsafe(os.fstat(f.fileno()))
+        if why is not None:
+            raise ValueError(f"{path.name} is not a safe file: {why}")
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:
         raise ValueError(f"{path.name} must be at most {max_bytes} bytes, got more")
