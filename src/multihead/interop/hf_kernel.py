@@ -9,10 +9,19 @@ attention a 4-D mask (B or 1, 1, S, Sk): bool (True = attend, the ``"sdpa"`` for
 which :func:`register` asks for) or additive float (``"eager"``: 0 or ``finfo.min``);
 or None when the mask is purely causal or absent, with causality in
 ``module.is_causal``. transformers is imported only inside :func:`register`.
+
+What it accepts, by name (:func:`refusal`, :func:`check_keywords`): a model that transformers
+lets run ``attn_implementation="sdpa"`` (its class's ``_supports_sdpa``; the kernel keeps
+SDPA's contract: bool or additive masks, ``is_causal``, ``scaling``), and the keyword arguments
+of :data:`HONOURED` (computed), :data:`CARRIES_NOTHING` (model plumbing that transformers
+forwards to every attention function, meaningless here) and :data:`REFUSED_WHEN_SET`. Any
+other model or keyword is refused, naming it: PEGASUS-X, BigBird-Pegasus, NLLB-MoE,
+BridgeTower, GIT and DeepSeek-V4 say ``_supports_sdpa = False`` and would be computed wrong.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -21,7 +30,8 @@ from torch import nn
 from ..functional import attention
 from ..masks import from_additive
 
-__all__ = ["bool_mask", "written_keys", "hf_recording", "attention_forward", "register", "NAME"]
+__all__ = ["bool_mask", "written_keys", "hf_recording", "attention_forward", "register", "NAME", "refusal",
+           "check_keywords", "HONOURED", "CARRIES_NOTHING", "REFUSED_WHEN_SET", "SDPA_OFF_BUT_COMPUTED"]
 
 #: The name under which :func:`register` installs the kernel.
 NAME = "multihead"
@@ -40,6 +50,131 @@ def bool_mask(attention_mask: torch.Tensor | None, sk: int | None = None) -> tor
         raise ValueError(f"attention_mask must be a 4-D HF mask [B, 1, S, Sk], got shape {list(attention_mask.shape)}")
     mask = attention_mask if sk is None else attention_mask[..., :sk]  # may be built for a longer cache
     return mask if mask.dtype == torch.bool else from_additive(mask)
+
+
+# ---- what the kernel accepts -----------------------------------------------------------------
+#: Keyword arguments the kernel computes with HF's meaning (besides ``scaling`` and ``dropout``).
+HONOURED: dict[str, str] = {
+    "is_causal": "causal attention where HF gives no mask (default: module.is_causal)",
+    "sliding_window": "the causal window where HF gives no mask (a mask already holds it)",
+    "softcap": "logit soft-capping, cap · tanh(s / cap) (Gemma 2)",
+    "s_aux": "one sink logit per head, (H,) (gpt-oss)",
+    "output_attentions": "the per-head weights (B, H, S, Sk) are returned",
+    "cu_seq_lens_q": "packed sequences of one row: attention stays inside each (the core's cu_seqlens)",
+    "cu_seq_lens_k": "the keys' bounds of packed sequences: must equal cu_seq_lens_q",
+}
+#: Keyword arguments transformers forwards to every attention function that carry nothing the
+#: kernel computes (their work is done before it is called, or after), with the reason.
+CARRIES_NOTHING: dict[str, str] = {
+    "position_ids": "RoPE is applied before the kernel; packing by position is in HF's mask",
+    "position_embeddings": "RoPE is applied before the kernel",
+    "cache_position": "the cache is updated before the kernel",
+    "use_cache": "the cache is updated before the kernel",
+    "past_key_values": "the cache is updated before the kernel",
+    "past_key_value": "the cache is updated before the kernel",
+    "cache": "the cache is updated before the kernel",
+    "encoder_hidden_states": "keys and values were projected from it before the kernel",
+    "max_length_q": "flash-attn's launch bound for cu_seq_lens_q",
+    "max_length_k": "flash-attn's launch bound for cu_seq_lens_k",
+    "output_hidden_states": "the model's outputs",
+    "output_router_logits": "the mixture of experts' outputs",
+    "return_dict": "the model's outputs",
+    "num_items_in_batch": "the loss's normaliser",
+}
+#: Keyword arguments with a meaning the kernel does not compute: refused unless None.
+REFUSED_WHEN_SET: dict[str, str] = {
+    "position_bias": "an additive attention bias (T5 style)",
+    "head_mask": "a per-head scaling of the attention probabilities",
+}
+_KNOWN = frozenset(HONOURED) | frozenset(CARRIES_NOTHING) | frozenset(REFUSED_WHEN_SET)
+
+
+def check_keywords(module: nn.Module, kwargs: dict[str, Any]) -> None:
+    """Refuse, by name, a keyword argument outside the three lists, or one of
+    :data:`REFUSED_WHEN_SET` that is not None.
+
+    Raises:
+        TypeError: an unknown keyword (named, with the calling class).
+        ValueError: a set keyword whose meaning the kernel does not compute.
+    """
+    unknown = kwargs.keys() - _KNOWN
+    if unknown:
+        raise TypeError(f"{type(module).__name__} passed keyword argument(s) {sorted(unknown)} to the multihead "
+                        f"kernel, which implements only {sorted(HONOURED)} (and ignores HF's plumbing "
+                        f"{sorted(CARRIES_NOTHING)}); use attn_implementation='eager' for this model")
+    for name, meaning in REFUSED_WHEN_SET.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{name} ({meaning}, passed by {type(module).__name__}) is not supported by the "
+                             "multihead kernel")
+
+
+#: Model types transformers keeps off SDPA for a logit feature SDPA lacks and the kernel computes
+#: (or for a reason of its own tests), each compared exact with eager through the kernel, padded
+#: and through greedy generation, in tests/interop/test_kernel_route.py: accepted all the same.
+SDPA_OFF_BUT_COMPUTED: dict[str, str] = {
+    "gemma2": "soft-capping (softcap=)",
+    "gpt_oss": "sinks (s_aux=)",
+    "flint": "sinks (s_aux=)",
+    "granite_swa": "sinks (s_aux=)",
+    "granitemoe_swa": "sinks (s_aux=)",
+    "speech_to_text": "its tests' inputs (transformers: 'tests always assume certain inputs'), not its attention",
+    "time_series_transformer": "its tests' inputs (as speech_to_text), not its attention",
+}
+
+#: Per config class (or attention class, for a module without a config): why the kernel refuses
+#: its model, or None. Facts of transformers' classes, computed once each.
+_REFUSALS: dict[type, str | None] = {}
+
+
+def refusal(module: nn.Module | None = None, config: object | None = None) -> str | None:
+    """Why the kernel refuses the model of ``config`` (default ``module.config``), or None.
+
+    A model is accepted where transformers lets it run ``attn_implementation="sdpa"``: its
+    model class (``MODEL_MAPPING_NAMES[config.model_type]``, else the classes of the config's
+    modeling module built on that config class) says ``_supports_sdpa = True``. A module
+    without a config is judged by the model classes of its own modeling module.
+    """
+    if config is None and module is not None:
+        config = getattr(module, "config", None)
+    key = type(config) if config is not None else type(module)
+    if key not in _REFUSALS:
+        _REFUSALS[key] = _sdpa_refusal(config, type(module) if module is not None else None)
+    return _REFUSALS[key]
+
+
+def _sdpa_refusal(config: object | None, module_cls: type | None) -> str | None:
+    import transformers
+    from transformers import PreTrainedModel
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    models: list[type] = []
+    if getattr(config, "model_type", None) in SDPA_OFF_BUT_COMPUTED:
+        return None
+    if config is not None:
+        names = MODEL_MAPPING_NAMES.get(getattr(config, "model_type", None) or "", ())
+        for name in (names,) if isinstance(names, str) else names:
+            model = getattr(transformers, name, None)
+            models += [model] if isinstance(model, type) else []
+        where = type(config).__module__.replace(".configuration_", ".modeling_")
+    else:
+        assert module_cls is not None
+        where = module_cls.__module__
+    if not models:  # the model classes of the modeling module (built on this config class, if any)
+        try:
+            modeling = importlib.import_module(where)
+        except ImportError:
+            return None
+        models = [c for c in vars(modeling).values() if isinstance(c, type) and issubclass(c, PreTrainedModel)
+                  and c.__module__ == where and (config is None or getattr(c, "config_class", None) is type(config))]
+        if config is None and any(getattr(c, "_supports_sdpa", False) for c in models):
+            return None  # no config to tell the models apart: one supporting SDPA is enough
+    refusing = [c.__name__ for c in models if not getattr(c, "_supports_sdpa", False)]
+    if not refusing:
+        return None
+    kind = f" (model type {config.model_type!r})" if config is not None and hasattr(config, "model_type") else ""
+    return (f"attn_implementation={NAME!r} is refused for {', '.join(refusing)}{kind}: transformers marks it "
+            "_supports_sdpa=False (it refuses 'sdpa' too), so its attention does not keep the contract the kernel "
+            "implements; use attn_implementation='eager', or multihead.hf.patch where its class is supported")
 
 
 # ---- the kernel for AttentionInterface ------------------------------------------------------
@@ -92,18 +227,24 @@ def attention_forward(
         attention_mask: 4-D bool (True = attend) or additive float, or None.
         scaling: logit scale; default 1/√D.
         dropout: attention-probability dropout (HF passes 0 in eval).
-        **kwargs: ``is_causal`` (else ``module.is_causal``), ``sliding_window``,
+        **kwargs: :data:`HONOURED`: ``is_causal`` (else ``module.is_causal``), ``sliding_window``,
             ``output_attentions`` (then weights are returned), ``softcap`` (Gemma 2/3),
-            ``s_aux`` (gpt-oss's sinks, (H,)); ``position_bias`` is refused.
+            ``s_aux`` (gpt-oss's sinks, (H,)), ``cu_seq_lens_q``/``_k`` (packed sequences, B = 1);
+            :data:`CARRIES_NOTHING`, ignored; :data:`REFUSED_WHEN_SET` (``position_bias``) unless None.
 
     Returns:
         (attn_output (B, S, H, D), weights (B, H, S, Sk) or None), as HF expects.
 
     Raises:
-        ValueError: a position bias, or an additive mask with real bias values.
+        ValueError: a model transformers does not let run SDPA (:func:`refusal`), a position
+            bias, packed sequences the core cannot take, or an additive mask with real bias values.
+        TypeError: a keyword argument outside :data:`HONOURED`, :data:`CARRIES_NOTHING` and
+            :data:`REFUSED_WHEN_SET`.
     """
-    if kwargs.get("position_bias") is not None:
-        raise ValueError("position_bias (additive attention bias, T5 style) is not supported by the multihead kernel")
+    why = refusal(module)
+    if why is not None:
+        raise ValueError(why)
+    check_keywords(module, kwargs)
     sq, sk = query.shape[2], key.shape[2]
     mask = bool_mask(attention_mask, sk)
     is_causal = kwargs.get("is_causal")
@@ -116,9 +257,41 @@ def attention_forward(
     want_weights = bool(kwargs.get("output_attentions", False))
     result = attention(query, key, value, causal=causal, mask=mask, window=window, scale=scaling,
                        dropout_p=dropout, return_weights=want_weights, softcap=kwargs.get("softcap"),
-                       sinks=kwargs.get("s_aux"))
+                       sinks=kwargs.get("s_aux"), cu_seqlens=_packed(query, key, kwargs))
     out, weights = result if isinstance(result, tuple) else (result, None)  # (B, H, S, D); a tuple iff want_weights
     return out.transpose(1, 2).contiguous(), weights  # (B, S, H, D)
+
+
+def _packed(query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """HF's ``cu_seq_lens_q`` (N+1,) as the core's ``cu_seqlens``, or None when not given.
+
+    Raises:
+        ValueError: packed sequences over more than one row, or keys packed unlike queries.
+    """
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None and cu_k is None:
+        return None
+    if cu_q is None or cu_k is None or query.shape[0] != 1 or query.shape[2] != key.shape[2] \
+            or not torch.equal(cu_q, cu_k):
+        raise ValueError("cu_seq_lens_q/cu_seq_lens_k (packed sequences) are supported by the multihead kernel "
+                         "for one row of packed self-attention (B = 1, equal bounds for queries and keys) only, got "
+                         f"query {list(query.shape)}, key {list(key.shape)}")
+    return cu_q
+
+
+def _mask_for_accepted_models(sdpa_mask: Any) -> Any:
+    """HF's ``sdpa_mask`` (bool, True = attend), refusing a model :func:`refusal` refuses: the
+    mask is built for every model set to the kernel, also one whose attention never calls it
+    (GIT's text layers add it as if it were eager's additive mask)."""
+
+    def mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+        config = kwargs.get("config")
+        why = None if config is None else refusal(config=config)
+        if why is not None:
+            raise ValueError(why)
+        return sdpa_mask(*args, **kwargs)
+
+    return mask
 
 
 def register(name: str = NAME) -> str:
@@ -126,7 +299,8 @@ def register(name: str = NAME) -> str:
 
     It also registers HF's ``sdpa_mask`` under the same name in ``AttentionMaskInterface``,
     so models build bool masks (True = attend) for it; without a mask function HF would
-    build no padding mask at all for an unknown implementation.
+    build no padding mask at all for an unknown implementation. Both refuse a model that
+    transformers does not let run ``"sdpa"`` (:func:`refusal`), at its first forward.
 
     Returns:
         ``name``, for ``from_pretrained(..., attn_implementation=name)``,
@@ -141,7 +315,7 @@ def register(name: str = NAME) -> str:
     if not isinstance(name, str) or not name or name in ("eager", "sdpa") or name.startswith("flash"):
         raise ValueError(f"name must be a new non-empty implementation name, got {name!r}")
     AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, _mask_for_accepted_models(sdpa_mask))
     return name
 
 
