@@ -340,7 +340,7 @@ def test_the_rules_read_of_a_call_only_what_its_signature_holds(monkeypatch: pyt
                    (True, False, False, False, False))
     assert set(auto.Call.__slots__) == {"q", "k", "v", "dropout_p", "return_weights", "return_lse", "softcap",
                                         "alibi", "sinks", "varlen", "learned_grad", "differentiable", "logits",
-                                        "few_rows", "scores", "asked"}  # a new field: extend auto.signature
+                                        "few_rows", "scores", "asked", "symbolic"}  # a new field: extend auto.signature
 
 
 # -- (c) bad input raises what it raised, with the caches warm ------------------------------------

@@ -138,7 +138,7 @@ class Call:
     decision remembered under a signature is the one the rules give (:func:`decision`)."""
 
     __slots__ = ("q", "k", "v", "dropout_p", "return_weights", "return_lse", "softcap", "alibi", "sinks",
-                 "varlen", "learned_grad", "differentiable", "logits", "few_rows", "scores", "asked")
+                 "varlen", "learned_grad", "differentiable", "logits", "few_rows", "scores", "asked", "symbolic")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                  return_weights: bool = False, return_lse: bool = False, softcap: bool = False,
@@ -152,8 +152,10 @@ class Call:
         self.differentiable = (dropout_p > 0 or learned_grad or needs_grad(q, k, v) or q.device.type != "cpu")
         #: A logit feature (soft-capping, ALiBi, sinks) is asked for.
         self.logits = softcap or alibi or sinks
-        self.few_rows = native.rows_per_kv_head(q, k) <= DECODE_ROWS
-        self.scores = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
+        #: A size is symbolic (a graph traced for a range of sizes): no rule may compare one.
+        self.symbolic = native.ops.symbolic(q, k, v)
+        self.few_rows = False if self.symbolic else native.rows_per_kv_head(q, k) <= DECODE_ROWS
+        self.scores = 0 if self.symbolic else q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
         #: The machine facts asked so far, in order, with their answers (:data:`FACTS`).
         self.asked: list[Asked] = []
 
@@ -188,7 +190,7 @@ class Rule:
     run: Runner
 
 
-def _native(decode: bool) -> Runner:
+def _native(decode: bool | None) -> Runner:
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None, causal: bool,
             window: int | None, scale: float, return_lse: bool, features: Features, **_: object
             ) -> tuple[torch.Tensor, None, torch.Tensor | None]:
@@ -215,6 +217,26 @@ def _torch_kernel(fn: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Ten
 def _backend(fn: Backend) -> Runner:
     """A registered backend as a :data:`Runner`: its own signature, the call passed whole."""
     return fn
+
+
+def _any_size(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None, causal: bool,
+              window: int | None, scale: float, dropout_p: float, return_weights: bool, return_lse: bool,
+              features: Features = NO_FEATURES) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One path for every size of a traced range, chosen from dtype, device and flags only: the
+    native operator where it takes the call (it picks its loop inside, from the real sizes), else
+    SDPA, else 'explicit' (soft-capping, or the log-sum-exp, without the kernel)."""
+    learned = features.learned()
+    grads = needs_grad(q, k, v) or (bool(learned) and needs_grad(*learned))
+    features_used = features is not NO_FEATURES and any(f is not None for f in features)
+    if (q.device.type == "cpu" and q.dtype in native.DTYPES and dropout_p == 0 and not (grads and features_used)
+            and native.vector_bits() > 0):
+        fn: Runner = _native(decode=None)
+    elif features.softcap is None and not return_lse:
+        fn = sdpa_attention
+    else:
+        fn = explicit_attention
+    return fn(q, k, v, mask=mask, causal=causal, window=window, scale=scale, dropout_p=dropout_p,
+              return_weights=return_weights, return_lse=return_lse, features=features)
 
 
 def _widths(least: dict[int, int]) -> str:
@@ -273,6 +295,10 @@ def _native_features_fit(c: Call) -> bool:
 AUTO_RULES: tuple[Rule, ...] = (
     Rule("explicit", "attention weights were asked for: only 'explicit' returns them",
          lambda c: c.return_weights, _backend(explicit_attention)),
+    Rule("any size", "symbolic sizes (torch.export with a Dim, torch.compile(dynamic=True)): one path valid over "
+         "the whole range, chosen without comparing a size (which would become a guard): the native operator, "
+         "which picks its loop inside from the real sizes; SDPA where the kernel does not take the call, "
+         "'explicit' for soft-capping or the log-sum-exp there", lambda c: c.symbolic, _any_size),
     Rule("native (features)", f"soft-capping, ALiBi, sinks or packed sequences (cu_seqlens) without gradients, "
          f"where a native loop would run without them (from {_widths(NATIVE_MIN_SCORES)} scores, "
          f"{_widths(NATIVE_MIN_DECODE_SCORES)} for few rows): the native FlashAttention loop applies them, packed "

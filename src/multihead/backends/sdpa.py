@@ -76,9 +76,9 @@ def _nan_rows_kept(q: torch.Tensor, out: torch.Tensor, sk: int) -> torch.Tensor:
     makes it NaN; an overflow to inf only costs the exact check); compiled graphs always take
     the exact, branch-free masking.
     """
-    if sk == 0 or not q.is_floating_point():
+    if sk == 0 or q.device.type != "cpu":  # the CPU kernel's habit; no device sync elsewhere (meta: no data)
         return out
-    if not torch.compiler.is_compiling() and not math.isnan(float(q.sum())):
+    if not torch.compiler.is_compiling() and not math.isnan(float(q.detach().sum())):
         return out
     return out.masked_fill(q.isnan().any(dim=-1, keepdim=True), math.nan)  # (B, H, Sq, 1) over Dv
 
@@ -89,9 +89,9 @@ def _empty_rows_zero(q: torch.Tensor, out: torch.Tensor, allowed: torch.Tensor |
 
     ``allowed``: bool broadcastable to (B, H, Sq, Sk), or None (no row is empty).
     """
-    if allowed is None or not q.is_floating_point():
+    if allowed is None or q.device.type != "cpu":
         return out
-    if not torch.compiler.is_compiling() and not math.isnan(float(q.sum())):
+    if not torch.compiler.is_compiling() and not math.isnan(float(q.detach().sum())):
         return out
     return out.masked_fill(~allowed.any(dim=-1, keepdim=True), 0.0)  # (B|1, H|1, Sq, 1)
 

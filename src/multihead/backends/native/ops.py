@@ -39,7 +39,8 @@ from . import attention as loops  # the name `attention` is the operator multihe
 from . import loader, step
 from ._ffi import ptr
 
-__all__ = ["attention", "attention_impl", "attention_backward", "decode_step", "direct", "forward", "run"]
+__all__ = ["attention", "attention_impl", "attention_backward", "decode_step", "direct", "forward", "run",
+           "symbolic"]
 
 Tensor = torch.Tensor
 
@@ -104,8 +105,14 @@ def direct(*tensors: Tensor | None) -> bool:
     return True
 
 
+def symbolic(*tensors: Tensor) -> bool:
+    """Whether any size of these tensors is symbolic (a graph traced for a range of sizes):
+    then no decision may compare a size, or it becomes a guard that narrows the range."""
+    return any(isinstance(n, torch.SymInt) for t in tensors for n in t.shape)
+
+
 def attention_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, causal: bool,
-              window: Optional[int], decode: bool, softcap: Optional[float] = None,
+              window: Optional[int], decode: Optional[bool], softcap: Optional[float] = None,
               alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
               cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Attention with the native kernels: ``(out (B, H, Sq, Dv), lse (B, H, Sq))``, the body of
@@ -116,7 +123,9 @@ def attention_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scal
             bfloat16 or float64, validated by the caller (:func:`multihead.attention`).
         mask: bool, broadcastable to (B, H, Sq, Sk), True = may attend; or None.
         scale, causal, window: as in :func:`multihead.attention` (bottom-right aligned).
-        decode: the decoding loop (few rows per K/V head) instead of the FlashAttention loop.
+        decode: the decoding loop (few rows per K/V head) instead of the FlashAttention loop;
+            None: chosen here from the rows per K/V head (what a graph with symbolic sizes
+            passes, so that no size becomes a guard of ``torch.export`` or ``torch.compile``).
         softcap, alibi_slopes (H,), sinks (H,), cu_seqlens (N+1,) or (B, N+1): the logit
             features and packed sequences (:func:`multihead.attention`); the FlashAttention
             loop only (``decode`` must be False), float32 and half precision only.
@@ -137,12 +146,14 @@ def attention_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scal
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, causal: bool,
-            window: Optional[int], decode: bool, softcap: Optional[float] = None,
+            window: Optional[int], decode: Optional[bool], softcap: Optional[float] = None,
             alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
             cu_seqlens: Optional[Tensor] = None, *, return_lse: bool) -> tuple[Tensor, Tensor | None]:
     """:func:`attention_impl`, with the lse only when ``return_lse`` (float32 and half precision:
     the kernel then writes none); what eager calls run directly when :func:`direct`."""
     plain = softcap is None and alibi_slopes is None and sinks is None and cu_seqlens is None
+    if decode is None:  # the loop for these sizes, chosen where no tracer sees the sizes
+        decode = plain and loops.rows_per_kv_head(q, k) <= loops.DECODE_ROWS
     logits = None if plain else loops.Logits(softcap, alibi_slopes, sinks, cu_seqlens)
     if logits is not None and (decode or q.dtype == torch.float64):
         raise ValueError("softcap, alibi_slopes, sinks and cu_seqlens run in the float32 FlashAttention loop only "
@@ -164,7 +175,7 @@ attention = torch.library.custom_op("multihead::attention", mutates_args=())(att
 
 @attention.register_fake
 def _attention_fake(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, causal: bool,
-                    window: Optional[int], decode: bool, softcap: Optional[float] = None,
+                    window: Optional[int], decode: Optional[bool], softcap: Optional[float] = None,
                     alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
                     cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     b, h, sq, _ = q.shape
@@ -313,8 +324,9 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, caus
     plain = softcap is None and alibi_slopes is None and sinks is None and cu_seqlens is None
     if not plain:
         decode = False  # the decoding loop takes none of them
-    elif decode is None:
+    elif decode is None and not symbolic(q, k):
         decode = q.shape[2] * (q.shape[1] // k.shape[1]) <= loops.DECODE_ROWS  # rows per K/V head
+    # symbolic sizes (torch.export with a Dim, torch.compile(dynamic=True)): None, the operator chooses
     if not direct(q, k, v, mask, alibi_slopes, sinks, cu_seqlens):
         out, lse = torch.ops.multihead.attention(q, k, v, mask, float(scale), bool(causal), window, decode,
                                                  None if softcap is None else float(softcap), alibi_slopes, sinks,
