@@ -37,7 +37,8 @@ _NAMES = {
 }
 #: Each public module, by the name it has here.
 _MODULES = {
-    "backends": ".backends", "native": ".backends.native", "masks": ".masks", "rope": ".rope", "reference": ".reference",
+    "backends": ".backends", "native": ".backends.native", "masks": ".masks", "rope": ".rope",
+    "reference": ".reference",
     "logits": ".logits", "decode": ".decode", "interop": ".interop", "hf": ".hf", "models": ".tools.models",
     "bench": ".tools.bench", "cli": ".tools.cli", "heads": ".heads", "parallel": ".parallel",
 }
