@@ -21,7 +21,7 @@ BridgeTower, GIT and DeepSeek-V4 say ``_supports_sdpa = False`` and would be com
 
 from __future__ import annotations
 
-import importlib
+import sys
 from typing import Any
 
 import torch
@@ -160,9 +160,8 @@ def _sdpa_refusal(config: object | None, module_cls: type | None) -> str | None:
         assert module_cls is not None
         where = module_cls.__module__
     if not models:  # the model classes of the modeling module (built on this config class, if any)
-        try:
-            modeling = importlib.import_module(where)
-        except ImportError:
+        modeling = sys.modules.get(where)  # imported when its model runs
+        if modeling is None:
             return None
         models = [c for c in vars(modeling).values() if isinstance(c, type) and issubclass(c, PreTrainedModel)
                   and c.__module__ == where and (config is None or getattr(c, "config_class", None) is type(config))]
