@@ -169,7 +169,7 @@ def _greedy_or_seq2seq(model: nn.Module) -> Any:
 
 #: Tiny-config fields for the accepted types outside the zoo.
 OWN_FIELDS: dict[str, dict[str, Any]] = {
-    "flint": {}, "granite_swa": {}, "granitemoe_swa": {},
+    "flint": {}, "granite_swa": {}, "granitemoe_swa": {}, "mimo_v2_flash": {},
 }
 
 
@@ -179,6 +179,18 @@ def test_type_accepted_though_off_sdpa_equals_eager(model_type: str) -> None:
     assert not _sdpa_supported(model)  # else it needs no entry
     got = through_kernel(model, model_type, generator, _text_batches(model), _greedy_or_seq2seq(model))
     assert got == "exact", got
+
+
+#: Types transformers lets run SDPA whose attention passes keywords the zoo's do not (ModernBERT:
+#: ``deterministic``, flash-attn's backward switch, and a bidirectional window).
+OUTSIDE_ZOO = ["modernbert"]
+
+
+@pytest.mark.parametrize("model_type", OUTSIDE_ZOO)
+def test_sdpa_type_outside_the_zoo_equals_eager(model_type: str) -> None:
+    model, generator = _tiny(model_type)
+    assert _sdpa_supported(model)
+    assert through_kernel(model, model_type, generator, _text_batches(model), _greedy_or_seq2seq(model)) == "exact"
 
 
 def test_every_type_accepted_though_off_sdpa_is_compared() -> None:

@@ -80,6 +80,7 @@ CARRIES_NOTHING: dict[str, str] = {
     "output_router_logits": "the mixture of experts' outputs",
     "return_dict": "the model's outputs",
     "num_items_in_batch": "the loss's normaliser",
+    "deterministic": "flash-attn's switch for a deterministic backward (ModernBERT); no value depends on it",
 }
 #: Keyword arguments with a meaning the kernel does not compute: refused unless None.
 REFUSED_WHEN_SET: dict[str, str] = {
@@ -117,6 +118,7 @@ SDPA_OFF_BUT_COMPUTED: dict[str, str] = {
     "flint": "sinks (s_aux=)",
     "granite_swa": "sinks (s_aux=)",
     "granitemoe_swa": "sinks (s_aux=)",
+    "mimo_v2_flash": "sinks (s_aux=) and values wider than keys (D_v != D)",
     "speech_to_text": "its tests' inputs (transformers: 'tests always assume certain inputs'), not its attention",
     "time_series_transformer": "its tests' inputs (as speech_to_text), not its attention",
 }
@@ -147,9 +149,9 @@ def _sdpa_refusal(config: object | None, module_cls: type | None) -> str | None:
     from transformers import PreTrainedModel
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
-    models: list[type] = []
     if getattr(config, "model_type", None) in SDPA_OFF_BUT_COMPUTED:
         return None
+    models: list[type] = []
     if config is not None:
         names = MODEL_MAPPING_NAMES.get(getattr(config, "model_type", None) or "", ())
         for name in (names,) if isinstance(names, str) else names:
