@@ -136,7 +136,9 @@ def validate_call(layer: Layer, x: torch.Tensor, context: torch.Tensor | None, m
         raise ValueError("packed=True needs positions (restarting where each sequence begins) and no "
                          "context or cache")
     real = _check_cache(layer, x, context, mask, key_mask, cache) if cache is not None else None
-    attn_mask = _check_inputs(layer, x, context, mask, None if cache is not None else key_mask, positions)
+    # packed without a rope: the positions only mark where each sequence begins (checked below)
+    at = positions if layer.rope is not None or not packed else None
+    attn_mask = _check_inputs(layer, x, context, mask, None if cache is not None else key_mask, at)
     if attn_mask is not None:
         attn_mask = attn_mask[(None,) * (4 - attn_mask.dim())]  # (B|1, H|1, S|1, Sk|1)
     cu = None

@@ -1,17 +1,19 @@
 """``multihead.hf``: run Hugging Face models on multihead (patching, the kernel, the cache).
 
-The code lives in :mod:`multihead.interop.hf_patch`, :mod:`multihead.interop.hf_kernel` and
-:mod:`multihead.interop.hf_cache`; this module keeps the short public name ``mh.hf``.
+The code lives in :mod:`multihead.interop.hf_patch`, :mod:`multihead.interop.hf_kernel`,
+:mod:`multihead.interop.hf_cache` and :mod:`multihead.interop.hf_packing`; this module keeps the
+short public name ``mh.hf``.
 ``KVCacheAdapter`` (a transformers ``Cache`` subclass) is built on first access.
 """
 
 from typing import Any
 
 from .interop.hf_kernel import NAME, attention_forward, bool_mask, register
+from .interop.hf_packing import PackedPadding, pack_padding
 from .interop.hf_patch import PatchedAttention, is_patched, patch, unpatch
 
 __all__ = ["patch", "unpatch", "is_patched", "register", "attention_forward", "bool_mask", "PatchedAttention",
-           "NAME", "KVCacheAdapter"]  # noqa: F822 - KVCacheAdapter: module __getattr__ (imports transformers)
+           "pack_padding", "PackedPadding", "NAME", "KVCacheAdapter"]  # noqa: F822 - KVCacheAdapter: module __getattr__ (imports transformers)
 
 
 def __getattr__(name: str) -> Any:

@@ -356,7 +356,8 @@ class MultiHeadAttention(nn.Module):
             packed: each row holds several sequences one after another, each starting
                 where ``positions`` does not continue the previous token's (Hugging Face's
                 packing without padding, positions restarting at 0): tokens attend only
-                inside their own sequence. Needs ``positions``; not with a cache or context.
+                inside their own sequence. Needs ``positions`` (a layer without RoPE reads
+                them only for the sequences' bounds); not with a cache or context.
                 A backend taking packed sequences as structure (``"native"``, ``"auto"`` on
                 its native paths; forward) gets their bounds and no S×S mask is built.
             *extra, **unexpected: refused (``TypeError``), torch's habits named with their

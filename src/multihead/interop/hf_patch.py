@@ -87,6 +87,8 @@ class PatchedAttention(nn.Module):
         self.original_heads = _head_counts(mh)
         #: transformers' output keys recorded from this module (``attentions``...): see :func:`patch`
         self.records: tuple[str, ...] = ()
+        #: (1, N) positions restarting at each text while the encoder runs packed (hf_packing), else None
+        self.packing: torch.Tensor | None = None
         self.train(original.training)
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
@@ -149,6 +151,8 @@ class PatchedAttention(nn.Module):
         want = self.wants_weights(output_attentions, kwargs)
         mask = bool_mask(attention_mask, x.shape[1] if cache is None else None)
         at = positions if layer.rope is not None else None
+        if self.packing is not None:  # the real tokens of a padded batch, one text per sequence
+            return layer(x, positions=self.packing, packed=True), None
         if cache is None:
             result = layer(x, mask=mask, positions=at, return_weights=want)
             return result if isinstance(result, tuple) else (result, None)
