@@ -71,8 +71,12 @@ def test_cohere_with_qk_norm_is_refused_naming_it() -> None:
         mh.MultiHeadAttention.from_hf(module)
 
 
-def test_cohere2_is_refused_by_name() -> None:
-    assert "Cohere2Attention" in _refused("cohere2")
+def test_cohere2_rotates_only_its_sliding_layers_and_is_exact() -> None:
+    """Cohere 2 (once refused by name): interleaved RoPE in its sliding layers, none in its global ones."""
+    model = mh.hf.patch(_meta_model("cohere2", layer_types=["sliding_attention", "full_attention"]))
+    ropes = [m.mh.rope for m in model.modules() if isinstance(m, mh.hf.PatchedAttention)]
+    assert ropes[0] is not None and ropes[0].interleaved and ropes[1] is None
+    assert compare("cohere2") == "exact"
 
 
 # ---- 3. RoPE parameters per layer type ----------------------------------------------------------

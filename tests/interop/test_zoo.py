@@ -120,6 +120,21 @@ ZOO: dict[str, tuple[dict[str, Any], bool]] = {
     "distilbert": ({"dim": 64, "n_heads": 4, "n_layers": 2, "hidden_dim": 128}, False),
     "deepseek_v3": ({**DEEPSEEK, "rope_interleave": True}, True),
     "deepseek_v2": (DEEPSEEK, True),  # always interleaved RoPE
+    # ---- copies and near-copies of the classes above (hf_registry._COPIES) ----
+    "arcee": ({}, True),
+    "phimoe": ({"num_local_experts": 4, "num_experts_per_tok": 2}, True),  # config.sliding_window=6
+    "granitemoe": ({"attention_multiplier": 0.3, "num_local_experts": 4, "num_experts_per_tok": 2}, True),
+    "qwen3_moe": ({"head_dim": 16, "use_sliding_window": True, "num_experts": 4, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 32}, True),
+    "seed_oss": ({"head_dim": 16, "attention_bias": True, "attention_out_bias": False}, True),
+    "apertus": ({}, True),
+    "ernie4_5": ({"head_dim": 16, "use_bias": True}, True),
+    "olmo3": ({"layer_types": ["sliding_attention", "full_attention"], "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500000.0}}}, True),
+    # layer 0 with RoPE, no window; layer 1 without RoPE, sliding
+    "smollm3": ({"no_rope_layers": [1, 0], "use_sliding_window": True}, True),
+    "cohere2": ({"layer_types": ["sliding_attention", "full_attention"]}, True),
 }
 #: Encoder-decoders: built for generation (``AutoModelForSeq2SeqLM``, Whisper's speech class),
 #: their encoder's and decoder's outputs compared, the decoder's cross-attention included.
@@ -350,3 +365,21 @@ def test_docs_table_is_the_registry() -> None:
     start, end = "<!-- registry-table -->\n", "\n<!-- /registry-table -->"
     table = readme[readme.index(start) + len(start):readme.index(end)]
     assert table == hf_registry.markdown_table()
+
+
+def _planted(monkeypatch: pytest.MonkeyPatch, cls: str, **wrong: Any) -> None:
+    """Replace ``cls``'s registry entry by one with the ``wrong`` fields."""
+    monkeypatch.setitem(hf_registry.REGISTRY, cls, dataclasses.replace(hf_registry.REGISTRY[cls], **wrong))
+
+
+def test_zoo_catches_rope_planted_in_smollm3_no_rope_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SmolLM3 described as rotating every layer (its layer 1 has use_rope=0): the comparison fails."""
+    _planted(monkeypatch, "transformers.models.smollm3.modeling_smollm3.SmolLM3Attention", rope_on=None)
+    assert compare("smollm3").startswith("wrong")
+
+
+def test_zoo_catches_rotate_half_planted_in_ernie4_5(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ERNIE 4.5 described with rotate-half pairing instead of its interleaved pairs: the comparison fails."""
+    _planted(monkeypatch, "transformers.models.ernie4_5.modeling_ernie4_5.Ernie4_5Attention", rope="half")
+    assert compare("ernie4_5").startswith("wrong")
+

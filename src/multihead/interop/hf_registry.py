@@ -43,6 +43,11 @@ is never imported here):
   (interleaved when ``config.rope_interleave`` is true, rotate-half otherwise, DeepSeek-V3);
   base and scaling are read by
   :mod:`multihead.interop.hf_config` (only ``rope_type="default"``, full rotary).
+* ``rope_on``: where set, the layer applies its RoPE only when ``rope_on(module, config)``
+  holds and none otherwise (no-RoPE layers: SmolLM3's ``use_rope``, Cohere 2's global layers).
+  ``layer_type_attr``: the module attribute naming its layer type (``"full_attention"`` /
+  ``"sliding_attention"``), which picks its ``rope_parameters`` where the config nests them per
+  layer type (OLMo 3: ``attention_type``).
 * ``window``: ``None`` (never a window), ``"module"`` (``module.sliding_window``, per layer)
   or ``"config"`` (``config.sliding_window``, what the class's forward passes to HF's kernel).
 * ``config_must``: config keys whose other values change the computation, with the value
@@ -112,6 +117,8 @@ class AttentionSpec:
     cross_attention: bool = False
     alternatives: tuple[Mapping[str, str], ...] = ()
     config_equal: tuple[tuple[str, str], ...] = ()
+    rope_on: Callable[[Any, Any], bool] | None = None
+    layer_type_attr: str = "layer_type"
 
     @property
     def name(self) -> str:
@@ -382,6 +389,71 @@ _DEEPSEEK = [_deepseek(2, "interleaved"), _deepseek(3, "rope_interleave")]
 # ---- end DeepSeek ------------------------------------------------------------------------
 
 
+# ---- Llama / Qwen3 / OLMo 2 / Cohere copies and near-copies (transformers 5.24, read line by line) ----
+def _check_default_rope(module: Any, config: Any) -> None:
+    """PhiMoE: a ``rope_type`` other than ``"default"`` multiplies cos/sin by the config's
+    ``short_mscale`` / ``long_mscale`` (chosen by the sequence length), not the type's own factor."""
+    params = hf_config.rope_parameters(config.to_dict() if hasattr(config, "to_dict") else config, None,
+                                       f"{type(module).__name__} config")
+    rope_type = params.get("rope_type", "default")
+    if rope_type != "default":
+        raise ValueError(f"rope_parameters rope_type={rope_type!r} is not supported (PhimoeRotaryEmbedding scales "
+                         "cos/sin by short_mscale / long_mscale by sequence length); only 'default'")
+
+
+def _smollm3_rope(module: Any, config: Any) -> bool:
+    """SmolLM3: ``use_rope = config.no_rope_layers[layer_idx]`` (1: RoPE, 0: none)."""
+    use = module.use_rope
+    if isinstance(use, bool) or use not in (0, 1):
+        raise TypeError(f"SmolLM3Attention.use_rope (config.no_rope_layers) must be 0 or 1, got {use!r}")
+    return bool(use)
+
+
+def _cohere2_rope(module: Any, config: Any) -> bool:
+    """Cohere 2: RoPE where ``sliding_window is not None`` (its sliding layers only)."""
+    return module.sliding_window is not None
+
+
+_WINDOWED = frozenset({"sliding_window"})
+#: Not here, refused by name: HunYuan dense (q/k RMSNorm after RoPE, ours is before); EXAONE 4
+#: (Qwen3's q/k norm, no RoPE in its global layers): its forward would be exact, but
+#: multihead.heads.capture records such a layer's q/k before the per-head norm on an uncached call
+#: (MultiHeadAttention.split reports Q_k/K_k before the norm and rotate reports nothing without RoPE).
+_COPIES = [
+    # LlamaAttention line for line, the class prefix aside (their models differ outside attention)
+    _q_proj("arcee", "ArceeAttention"),
+    # LlamaAttention's source; the model's mask holds config.sliding_window where it is set
+    # (PhimoeModel's create_sliding_window_causal_mask). Only the default rope_type: see the check.
+    _q_proj("phimoe", "PhimoeAttention", window="config", check=_check_default_rope),
+    # GraniteAttention's source (scaling = config.attention_multiplier)
+    _q_proj("granitemoe", "GraniteMoeAttention"),
+    # Qwen3Attention but for its window: config.sliding_window in every layer (the config sets it
+    # to None unless use_sliding_window), no layer_type
+    _q_proj("qwen3_moe", "Qwen3MoeAttention", window="module", extra_attrs=_WINDOWED, norm="Qwen3MoeRMSNorm",
+            qk_norm="head"),
+    # Llama + o_proj's bias from attention_out_bias (read from the weights) + dropout after o_proj
+    _q_proj("seed_oss", "SeedOssAttention", extra_attrs=frozenset({"num_attention_heads", "num_key_value_heads",
+                                                                   "residual_dropout"}),
+            resid_dropout="residual_dropout"),
+    # Llama + RMSNorm over D of each head of q and k (after the transpose: the same over D), before RoPE
+    _q_proj("apertus", "ApertusAttention", norm="ApertusRMSNorm", qk_norm="head"),
+    # Llama with interleaved RoPE: cos/sin's first D/2 frequencies repeated pairwise, pairs (2p, 2p+1)
+    # rotated (rotate_half on 0::2 / 1::2), in float32; bias from config.use_bias (the weights);
+    # attention_dropout fixed at 0.0
+    _q_proj("ernie4_5", "Ernie4_5Attention", rope="interleaved"),
+    # Olmo2Attention (q/k RMSNorm over the whole projection) + per-layer window; its RoPE is per
+    # layer type (rope_parameters nested by attention_type)
+    _q_proj("olmo3", "Olmo3Attention", norm="Olmo3RMSNorm", qk_norm="proj", window="module",
+            extra_attrs=frozenset({"attention_type", "sliding_window"}), layer_type_attr="attention_type"),
+    # Llama with RoPE only where use_rope (config.no_rope_layers), window where use_sliding_window
+    # and the layer is a sliding one (module.sliding_window)
+    _q_proj("smollm3", "SmolLM3Attention", window="module", extra_attrs=frozenset({"sliding_window", "use_rope"}),
+            rope_on=_smollm3_rope),
+    # CohereAttention without use_qk_norm; RoPE (interleaved) and window in the sliding layers only
+    _q_proj("cohere2", "Cohere2Attention", rope="interleaved", window="module", extra_attrs=_WINDOWED,
+            rope_on=_cohere2_rope),
+]
+
 #: Every supported class, keyed by its qualified name.
 REGISTRY: Mapping[str, AttentionSpec] = {s.cls: s for s in [
     _q_proj("llama", "LlamaAttention", also=("exaone", "internlm3", "iquestcoder")),  # their models are Llama
@@ -416,6 +488,7 @@ REGISTRY: Mapping[str, AttentionSpec] = {s.cls: s for s in [
     *_FUSED_QKV,
     *_OUT_PROJ_FAMILIES,
     *_DEEPSEEK,
+    *_COPIES,
 ]}
 
 
@@ -481,9 +554,11 @@ def why_not(module: nn.Module, config: Any | None = None) -> str | None:
         got = hf_config.field(config, key) if config is not None else None
         if got != want:
             return f"{spec.name} with config.{key}={got!r} is not supported (only {want!r})"
-    if spec.check is not None:
+    for rule in (spec.check, spec.rope_on):
+        if rule is None:
+            continue
         try:
-            spec.check(module, config)
+            rule(module, config)
         except (TypeError, ValueError) as e:
             return f"{spec.name}: {e}"
     for key, other in spec.config_equal:
@@ -521,6 +596,7 @@ def markdown_table() -> str:
         rope += ", partial" if spec.partial_rotary else ""
         window = {None: "none", "module": "per layer (`module.sliding_window`)",
                   "config": "`config.sliding_window`"}[spec.window]
+        rope += ", not in every layer" if spec.rope_on is not None else ""
         also = [f"QK-norm ({spec.qk_norm})"] if spec.qk_norm else []
         also += ["soft-capping"] if spec.softcap else []
         also += ["sinks"] if "sinks" in spec.params else []

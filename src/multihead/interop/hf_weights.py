@@ -299,10 +299,10 @@ def _q_proj_settings(module: Any, config: Any, state: dict[str, torch.Tensor],
 
 
 def _rope(module: Any, config: Any, spec: hf_registry.AttentionSpec) -> RoPE | None:
-    if spec.rope is None:
-        return None
+    if spec.rope is None or (spec.rope_on is not None and not spec.rope_on(module, config)):
+        return None  # no position encoding in this class, or in this layer (SmolLM3's no-RoPE layers)
     src = f"{spec.name} config"
-    base, scaling, factor = hf_config.module_rope(config, getattr(module, "layer_type", None), src,
+    base, scaling, factor = hf_config.module_rope(config, getattr(module, spec.layer_type_attr, None), src,
                                                   partial=spec.partial_rotary)
     head_dim = int(module.head_dim)
     return RoPE.from_facts(head_dim, base, interleaved=spec.rope == "interleaved", rotary_dim=int(head_dim * factor),

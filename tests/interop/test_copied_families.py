@@ -1,0 +1,63 @@
+"""Families registered as copies of verified classes (hf_registry._COPIES): the options and
+neighbours their descriptions do not cover are refused by name. Their exactness is the zoo's
+(tests/interop/test_zoo.py). Models on ``meta`` (no weights). Runtime: a few seconds.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import multihead as mh
+from multihead.interop import hf_registry
+
+from test_zoo import tiny_config  # same folder (pytest puts it on sys.path)
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoModel  # noqa: E402
+
+
+def _meta_model(model_type: str, **extra: Any) -> nn.Module:
+    with warnings.catch_warnings(), torch.device("meta"):
+        warnings.simplefilter("ignore")
+        return AutoModel.from_config(tiny_config(model_type, **extra))
+
+
+def _attention(model: nn.Module, layer: int = 0) -> nn.Module:
+    return model.get_submodule(f"layers.{layer}.self_attn")
+
+
+def test_phimoe_with_scaled_rope_is_refused_naming_rope_type() -> None:
+    """PhimoeRotaryEmbedding scales cos/sin by short_mscale / long_mscale: only the default type."""
+    model = _meta_model("phimoe", num_local_experts=2, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+        "short_mscale": 1.2, "long_mscale": 1.3, "original_max_position_embeddings": 32})
+    with pytest.raises(ValueError, match="rope_type='longrope' is not supported"):
+        mh.hf.patch(model)
+
+
+def test_smollm3_use_rope_other_than_0_or_1_is_refused_naming_it() -> None:
+    module = _attention(_meta_model("smollm3", no_rope_layers=[1, 0]))
+    module.use_rope = 2
+    assert "use_rope" in str(hf_registry.why_not(module))
+
+
+def test_olmo3_reads_each_layers_rope_by_its_attention_type() -> None:
+    model = mh.hf.patch(_meta_model("olmo3", layer_types=["sliding_attention", "full_attention"], rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 500000.0}}))
+    bases = [m.mh.rope.base for m in model.modules() if isinstance(m, mh.hf.PatchedAttention)]
+    assert bases == [10000.0, 500000.0]
+
+
+@pytest.mark.parametrize("model_type, cls", [
+    ("hunyuan_v1_dense", "HunYuanDenseV1Attention"),  # q/k RMSNorm after RoPE, not before
+    ("exaone4", "Exaone4Attention"),  # see hf_registry._COPIES
+])
+def test_near_copies_not_described_are_refused_by_name(model_type: str, cls: str) -> None:
+    with pytest.raises(ValueError, match=f"{cls} is not a supported attention class"):
+        mh.hf.patch(_meta_model(model_type, head_dim=16))
