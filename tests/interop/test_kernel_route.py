@@ -169,7 +169,7 @@ def _greedy_or_seq2seq(model: nn.Module) -> Any:
 
 #: Tiny-config fields for the accepted types outside the zoo.
 OWN_FIELDS: dict[str, dict[str, Any]] = {
-    "flint": {}, "granite_swa": {}, "granitemoe_swa": {}, "mimo_v2_flash": {},
+    "flint": {}, "granite_swa": {}, "granitemoe_swa": {}, "mimo_v2_flash": {}, "vaultgemma": {}, "splinter": {},
 }
 
 

@@ -114,6 +114,7 @@ def check_keywords(module: nn.Module, kwargs: dict[str, Any]) -> None:
 #: and through greedy generation, in tests/interop/test_kernel_route.py: accepted all the same.
 SDPA_OFF_BUT_COMPUTED: dict[str, str] = {
     "gemma2": "soft-capping (softcap=)",
+    "vaultgemma": "soft-capping (softcap=)",
     "gpt_oss": "sinks (s_aux=)",
     "flint": "sinks (s_aux=)",
     "granite_swa": "sinks (s_aux=)",
@@ -121,6 +122,7 @@ SDPA_OFF_BUT_COMPUTED: dict[str, str] = {
     "mimo_v2_flash": "sinks (s_aux=) and values wider than keys (D_v != D)",
     "speech_to_text": "its tests' inputs (transformers: 'tests always assume certain inputs'), not its attention",
     "time_series_transformer": "its tests' inputs (as speech_to_text), not its attention",
+    "splinter": "BERT's attention; the class never sets _supports_sdpa (the default False), no gap is named",
 }
 
 #: Per config class (or attention class, for a module without a config): why the kernel refuses
