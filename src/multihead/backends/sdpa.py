@@ -51,21 +51,40 @@ def sdpa_attention(
     sq, sk = qs[2], ks[2]
     gqa = qs[1] != ks[1]
     if mask is None and window is None and (not causal or sq == sk):
+        # Bidirectional on the CPU without autograd: a zero additive bias keeps a NaN query row NaN
+        # (the unmasked kernel returns zeros there) for less than a check of q would cost; + 0 is exact.
+        bias = _zero_bias(q) if not causal and not torch.compiler.is_compiling() else None
         if not gqa and scale == 1.0 / math.sqrt(qs[3]):
             # SDPA's own default scale (the same double): the same numbers, and no keywords for
             # torch to parse (a microsecond of a small call).
-            out = F.scaled_dot_product_attention(q, k, v, None, dropout_p, causal)
+            out = F.scaled_dot_product_attention(q, k, v, bias, dropout_p, causal)
+        elif bias is not None:
+            out = F.scaled_dot_product_attention(q, k, v, bias, dropout_p, scale=scale, enable_gqa=gqa)
         else:
             out = F.scaled_dot_product_attention(
                 q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=gqa
             )
-        return _nan_rows_kept(q, out, sk), None, None
+        return (out if bias is not None else _nan_rows_kept(q, out, sk)), None, None
     combined = full_mask(mask, causal, window, sq, sk, q.device)
     # torch >= 2.5 returns zeros for rows with no allowed key (its _safe_softmax).
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=combined, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
     )
     return _empty_rows_zero(q, out, combined), None, None
+
+
+_ZERO_BIAS: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _zero_bias(q: torch.Tensor) -> torch.Tensor | None:
+    """A (1, 1, 1, 1) zero of q's dtype, made once per dtype, for a CPU call without autograd
+    (with gradients SDPA's backward would take another kernel: the check of q is used there)."""
+    if not q.is_cpu or (q.requires_grad and torch.is_grad_enabled()):
+        return None
+    zero = _ZERO_BIAS.get(q.dtype)
+    if zero is None:
+        zero = _ZERO_BIAS[q.dtype] = torch.zeros((1, 1, 1, 1), dtype=q.dtype)
+    return zero
 
 
 def _nan_rows_kept(q: torch.Tensor, out: torch.Tensor, sk: int) -> torch.Tensor:
