@@ -61,3 +61,19 @@ def test_olmo3_reads_each_layers_rope_by_its_attention_type() -> None:
 def test_near_copies_not_described_are_refused_by_name(model_type: str, cls: str) -> None:
     with pytest.raises(ValueError, match=f"{cls} is not a supported attention class"):
         mh.hf.patch(_meta_model(model_type, head_dim=16))
+
+
+@pytest.mark.parametrize("model_type", ["phi", "stablelm"])
+def test_qk_layernorm_is_refused_naming_it(model_type: str) -> None:
+    """Phi's and StableLM's optional per-head LayerNorm on q and k is not described."""
+    with pytest.raises(ValueError, match="q_layernorm"):  # its submodules, named
+        mh.hf.patch(_meta_model(model_type, qk_layernorm=True))
+
+
+@pytest.mark.parametrize("model_type", ["phi", "stablelm", "glm"])
+def test_an_odd_rotary_width_is_refused_naming_the_factor(model_type: str) -> None:
+    """int(16 · 0.5625) = 9 dims would rotate: an odd count, refused before any conversion."""
+    params = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5625}
+    model = _meta_model(model_type, head_dim=16, rope_parameters=params)
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.5625 rotates 9 of 16 dims"):
+        mh.hf.patch(model)

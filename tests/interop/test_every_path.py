@@ -62,7 +62,7 @@ CACHED = set(GENERATORS) | TIME_SERIES
 LATENT = {t for spec in hf_registry.REGISTRY.values() if spec.layout == "latent" for t in spec.model_types}
 #: Per layout, the attention module's output projection (its output: the attention's, before any residual).
 OUTPUT_PROJ = {"q_proj": "o_proj", "phi3": "o_proj", "latent": "o_proj", "bert": "output.dense", "gpt2": "c_proj",
-               "qkv-grouped": "dense", "out_proj": "out_proj", "distilbert": "out_lin"}
+               "qkv-grouped": "dense", "out_proj": "out_proj", "distilbert": "out_lin", "dense": "dense"}
 #: Registered classes the matrix does not patch alone, and why: converted by ``from_hf`` but never
 #: patched alone (``spec.call is None``), they are covered as the ``.self`` of their parent class.
 COVERED_BY_PARENT = {

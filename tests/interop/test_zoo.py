@@ -135,6 +135,13 @@ ZOO: dict[str, tuple[dict[str, Any], bool]] = {
     # layer 0 with RoPE, no window; layer 1 without RoPE, sliding
     "smollm3": ({"no_rope_layers": [1, 0], "use_sliding_window": True}, True),
     "cohere2": ({"layer_types": ["sliding_attention", "full_attention"]}, True),
+    # partial rotary: 10 of D=16 dims rotate (Phi, StableLM rotate-half; GLM interleaved pairs)
+    "phi": ({"num_key_value_heads": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                           "partial_rotary_factor": 0.625}}, True),
+    "stablelm": ({"use_qkv_bias": True, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                            "partial_rotary_factor": 0.625}}, True),
+    "glm": ({"head_dim": 16, "attention_bias": True, "partial_rotary_factor": 0.625}, True),
+    "glm4": ({"head_dim": 16, "attention_bias": True, "partial_rotary_factor": 0.625}, True),
 }
 #: Encoder-decoders: built for generation (``AutoModelForSeq2SeqLM``, Whisper's speech class),
 #: their encoder's and decoder's outputs compared, the decoder's cross-attention included.
@@ -383,3 +390,16 @@ def test_zoo_catches_rotate_half_planted_in_ernie4_5(monkeypatch: pytest.MonkeyP
     _planted(monkeypatch, "transformers.models.ernie4_5.modeling_ernie4_5.Ernie4_5Attention", rope="half")
     assert compare("ernie4_5").startswith("wrong")
 
+
+
+def test_zoo_catches_rotate_half_planted_in_glm_partial_rotary(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GLM described with rotate-half on its partial rotary dims (it pairs (2p, 2p+1)): the comparison fails."""
+    _planted(monkeypatch, "transformers.models.glm.modeling_glm.GlmAttention", rope="half")
+    assert compare("glm").startswith("wrong")
+
+
+def test_zoo_refuses_phi_described_without_its_partial_rotary(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Phi described as rotating all of D: its config's partial_rotary_factor is refused, never ignored."""
+    _planted(monkeypatch, "transformers.models.phi.modeling_phi.PhiAttention", partial_rotary=False, check=None)
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.625 is not supported"):
+        compare("phi")

@@ -19,10 +19,12 @@ is never imported here):
   whose rows are groups of [q_1 .. q_g | k | v] heads, + ``dense``: GPT-NeoX, BLOOM and Falcon,
   grouping in :func:`qkv_groups`; ``"out_proj"``: q/k/v_proj +
   ``out_proj`` nn.Linear, CLIP, SigLIP, OPT, BART (and its copies), mBART, Whisper, where a projection may lack its
-  bias, Whisper's k_proj; ``"distilbert"``: ``q_lin/k_lin/v_lin/out_lin``; ``"latent"``:
+  bias, Whisper's k_proj; ``"distilbert"``: ``q_lin/k_lin/v_lin/out_lin``; ``"dense"``: q/k/v_proj + ``dense``
+  nn.Linear (Phi); ``"latent"``:
   DeepSeek's multi-head latent attention, converted to
   :class:`~multihead.MultiHeadLatentAttention`, its own names). ``partial_rotary``:
-  the class rotates the first ``int(D · partial_rotary_factor)`` dims (Phi-3, GPT-NeoX).
+  the class rotates the first ``int(D · partial_rotary_factor)`` dims (Phi-3, GPT-NeoX, Phi,
+  StableLM; GLM in interleaved pairs).
 * ``call``: the forward signature the patch wrapper imitates (``"llama"``, ``"vit"``,
   ``"bert"``, ``"gpt2"``, ``"gpt_neox"``, ``"falcon"``, ``"bloom"``, ``"clip"`` (ViT's, with
   the ``is_causal`` keyword HF's kernels obey), ``"opt"``, ``"bart"`` (``hidden_states,
@@ -401,6 +403,17 @@ def _check_default_rope(module: Any, config: Any) -> None:
                          "cos/sin by short_mscale / long_mscale by sequence length); only 'default'")
 
 
+def _check_partial_rotary(module: Any, config: Any) -> None:
+    """Phi, StableLM, GLM: ``int(D · partial_rotary_factor)`` dims rotate, an even count, the
+    module's ``rotary_ndims`` where it has one (its RoPE table is sized by the config)."""
+    _, _, factor = hf_config.module_rope(config, None, f"{type(module).__name__} config", partial=True)
+    rotary = int(module.head_dim * factor)
+    ndims = getattr(module, "rotary_ndims", rotary)
+    if rotary % 2 or rotary != ndims or rotary < 2:
+        raise ValueError(f"partial_rotary_factor={factor} rotates {rotary} of {module.head_dim} dims (module "
+                         f"rotary_ndims={ndims}); only an even count >= 2 that equals rotary_ndims is supported")
+
+
 def _smollm3_rope(module: Any, config: Any) -> bool:
     """SmolLM3: ``use_rope = config.no_rope_layers[layer_idx]`` (1: RoPE, 0: none)."""
     use = module.use_rope
@@ -449,6 +462,23 @@ _COPIES = [
     # and the layer is a sliding one (module.sliding_window)
     _q_proj("smollm3", "SmolLM3Attention", window="module", extra_attrs=frozenset({"sliding_window", "use_rope"}),
             rope_on=_smollm3_rope),
+    # ---- partial rotary: the first int(D · partial_rotary_factor) dims rotate, the rest pass ----
+    # Phi (1/2): q/k/v_proj with bias + dense; optional per-head nn.LayerNorm on q/k (qk_layernorm)
+    # not described: refused; rotate-half on q[..., :rotary_ndims]
+    AttentionSpec("transformers.models.phi.modeling_phi.PhiAttention", ("phi",), "dense", "llama",
+                  {"q_proj": "Linear", "k_proj": "Linear", "v_proj": "Linear", "dense": "Linear"},
+                  {"": _LLAMA_ATTRS | {"qk_layernorm", "rotary_ndims"}}, rope="half", partial_rotary=True,
+                  config_must={"qk_layernorm": False}, check=_check_partial_rotary),
+    # StableLM: Phi's rotation with q/k/v bias from use_qkv_bias and o_proj without; its optional
+    # per-head LayerNorm (qk_layernorm, StableLmLayerNormPerHead) not described: refused
+    _q_proj("stablelm", "StableLmAttention", partial_rotary=True, config_must={"qk_layernorm": False},
+            extra_attrs=frozenset({"hidden_size", "num_heads", "num_key_value_heads", "qk_layernorm",
+                                   "rotary_ndims"}), check=_check_partial_rotary),
+    # GLM / GLM-4 (the same class source): Llama's with o_proj without bias, RoPE in interleaved
+    # pairs (2p, 2p + 1) on the first R = int(D · partial_rotary_factor) dims (cos/sin's first R/2
+    # frequencies repeated pairwise, R the width of GlmRotaryEmbedding's table), the rest passed
+    _q_proj("glm", "GlmAttention", rope="interleaved", partial_rotary=True, check=_check_partial_rotary),
+    _q_proj("glm4", "Glm4Attention", rope="interleaved", partial_rotary=True, check=_check_partial_rotary),
     # CohereAttention without use_qk_norm; RoPE (interleaved) and window in the sliding layers only
     _q_proj("cohere2", "Cohere2Attention", rope="interleaved", window="module", extra_attrs=_WINDOWED,
             rope_on=_cohere2_rope),

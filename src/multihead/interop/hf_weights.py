@@ -11,7 +11,8 @@ by :mod:`multihead.interop.hf_config`. The weight layouts:
 * GPT-2 family (GPT2Attention): fused ``c_attn`` and ``c_proj`` Conv1D, stored ``[in, out]``,
   the transpose of nn.Linear.
 * q_proj classes (Llama, Mistral, Qwen2, ViT, Cohere, ...): ``q_proj/k_proj/v_proj/o_proj``
-  nn.Linear, our names and layout; RoPE as each class's registry entry says.
+  nn.Linear, our names and layout; RoPE as each class's registry entry says. Phi's (layout
+  ``"dense"``): the same with W_o named ``dense``.
 * fused ``query_key_value`` classes (GPT-NeoX, Falcon, BLOOM: layout ``"qkv-grouped"``): the
   rows are G groups of [q_1 .. q_g | k | v] heads of D rows each
   (:func:`multihead.interop.hf_registry.qkv_groups`); W_o is
@@ -63,6 +64,7 @@ def hf_family(module: nn.Module) -> str | None:
         ``"bert"`` (BertAttention: ``.self`` + ``.output.dense``), ``"bert-self"``
         (BertSelfAttention: query/key/value, no W_o), ``"gpt2"`` (``c_attn`` + ``c_proj``),
         ``"q_proj"`` (q_proj/k_proj/v_proj/o_proj nn.Linear), ``"phi3"`` (fused ``qkv_proj``),
+        ``"dense"`` (q/k/v_proj + ``dense``, Phi),
         ``"out_proj"`` (q/k/v_proj + ``out_proj``), ``"distilbert"`` (``q_lin`` ... ``out_lin``),
         or None. A registered class
         may still be refused for its configuration: see :func:`hf_registry.why_not`.
@@ -98,6 +100,9 @@ def _links(module: nn.Module, family: str) -> list[_Link]:
         links += [_Link(f"o_proj.{p}", f"o_proj.{p}") for p in ("weight", "bias")]
     elif family in _RENAMED:
         links = _renamed_links(family)
+    elif family == "dense":  # q/k/v_proj, W_o named dense (Phi)
+        links = [_Link(f"{n}.{p}", f"{n}.{p}") for n in ("q_proj", "k_proj", "v_proj") for p in ("weight", "bias")]
+        links += [_Link(f"o_proj.{p}", f"dense.{p}") for p in ("weight", "bias")]
     else:
         links = [_Link(f"{n}.{p}", f"{n}.{p}") for n in ("q_proj", "k_proj", "v_proj", "o_proj")
                  for p in ("weight", "bias")]
@@ -236,7 +241,7 @@ def from_hf(module: nn.Module, config: Any | None = None, **overrides: Any) -> M
     state = state_from_hf(module)  # our names and layout
     w = state["q_proj.weight"]  # (H·D, E)
     read = {"bert": _bert_settings, "bert-self": _bert_settings, "gpt2": _gpt2_settings, "q_proj": _q_proj_settings,
-            "phi3": _q_proj_settings, "qkv-grouped": _qkv_grouped_settings,
+            "phi3": _q_proj_settings, "dense": _q_proj_settings, "qkv-grouped": _qkv_grouped_settings,
             **{family: _renamed_settings for family in _RENAMED}}
     settings, sizes = read[family](module, config, state, spec)
     head_dim = sizes.pop("head_dim")
