@@ -79,7 +79,7 @@ def test_the_command_line_starts_without_torch(tmp_path) -> None:
             "    pass\nprint(sorted(m for m in sys.modules if m.startswith('torch')))")
     done = _python(code, tmp_path)
     assert done.returncode == 0 and done.stdout.rstrip().endswith("[]"), done.stdout[-2000:] + done.stderr[-2000:]
-    assert "{explain,cost,run,bench,heads,build}" in done.stdout
+    assert "{explain,cost,run,bench,heads,embed,build}" in done.stdout
 
 
 def test_multihead_build_reports_the_build_this_cpu_uses(tmp_path) -> None:

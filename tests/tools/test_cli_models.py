@@ -118,6 +118,87 @@ def test_run_rejects_a_missing_directory(tmp_path: Path, capsys) -> None:
     assert e.value.code == 2 and "nope" in capsys.readouterr().err
 
 
+# ---- --threads ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("value", ["0", "-1", "x"])
+@pytest.mark.parametrize("command", ["run", "heads", "bench", "embed"])
+def test_timing_commands_refuse_a_bad_thread_count(capsys, command: str, value: str) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.main([command, "--threads", value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"argument --threads: must be a positive integer, got '{value}'" in err
+
+
+def test_run_uses_the_threads_asked_for_shows_them_and_restores_torchs(tmp_path: Path, capsys,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from multihead.tools import models as tool
+
+    path = _tiny_llama_dir(tmp_path)
+    before = torch.get_num_threads()
+    seen: list[int] = []
+    timed = tool._time_layers
+
+    def time_layers(*args):
+        seen.append(torch.get_num_threads())
+        return timed(*args)
+
+    monkeypatch.setattr(tool, "_time_layers", time_layers)
+    info = _main_json(capsys, "run", "one", "two", "--model", str(path), "--no-progress", "--threads", "1")
+    assert info["threads"] == 1 and seen == [1] and torch.get_num_threads() == before
+    assert cli.main(["run", "one", "--model", str(path), "--no-progress", "--threads", "1"]) == 0
+    assert "on this CPU, 1 torch threads):" in capsys.readouterr().out
+
+
+def test_heads_uses_the_threads_asked_for_and_shows_them(tmp_path: Path, capsys,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from multihead.heads import command
+
+    before = torch.get_num_threads()
+    seen: list[int] = []
+
+    def run_heads(*args, **kwargs) -> dict:
+        seen.append(torch.get_num_threads())
+        return {"name": "tiny", "model": "dir", "texts": ["one"], "cut": [], "table": "TABLE", "wrote": []}
+
+    monkeypatch.setattr(command, "run_heads", run_heads)
+    assert cli.main(["heads", "one", "--threads", "1"]) == 0
+    assert seen == [1] and torch.get_num_threads() == before
+    assert "1 torch threads" in capsys.readouterr().out.splitlines()[0]
+    assert _main_json(capsys, "heads", "one", "--threads", "1")["threads"] == 1
+
+
+def test_bench_sets_the_threads_asked_for(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    from multihead.tools import bench
+
+    seen: list[int] = []
+
+    def run_suite(**kwargs) -> dict:
+        seen.append(torch.get_num_threads())
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(bench, "run_suite", run_suite)
+    before = torch.get_num_threads()
+    try:
+        with pytest.raises(SystemExit):
+            cli.main(["bench", "--quick", "--threads", "1"])
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1] and "torch threads: 1" in capsys.readouterr().err
+
+
+def test_torch_threads_is_checked_and_restored() -> None:
+    before = torch.get_num_threads()
+    with models.torch_threads(1) as used:
+        assert used == torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with models.torch_threads(None) as used:
+        assert used == before
+    for bad, error in ((0, ValueError), (-1, ValueError), ("2", TypeError), (True, TypeError), (1.0, TypeError)):
+        with pytest.raises(error, match="threads"):
+            with models.torch_threads(bad):
+                pass
+    assert torch.get_num_threads() == before
+
+
 # ---- explain CONFIG -----------------------------------------------------------------------------
 def test_explain_llama3_config_shows_gqa_shapes() -> None:
     done = _cli("explain", str(CONFIGS / "meta-llama-3-8b.json"), "--seq", "256", "--json")

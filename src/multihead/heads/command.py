@@ -156,8 +156,9 @@ def _importance(model: torch.nn.Module, batch: dict[str, torch.Tensor], full: to
 
 def format_result(result: dict[str, Any]) -> str:
     """The command's text output."""
+    threads = f"; {result['threads']} torch threads" if "threads" in result else ""
     lines = [f"{result['name']} ({result['model']}): {len(result['texts'])} texts; induction on repeated random "
-             f"tokens ({INDUCTION_LENGTH} × 2)"]
+             f"tokens ({INDUCTION_LENGTH} × 2){threads}"]
     lines += [f"note: text {c['text'] + 1} was cut to its first {c['kept']} tokens (it has {c['tokens']})"
               for c in result["cut"]]
     lines += ["", result["table"]]
@@ -177,12 +178,17 @@ def format_result(result: dict[str, Any]) -> str:
 
 
 def main(args: Any) -> int:
-    """The ``multihead heads`` subcommand on parsed arguments (text, model, html, png, json, importance)."""
+    """The ``multihead heads`` subcommand on parsed arguments (text, model, html, png, json, importance,
+    threads: torch's threads while it runs, restored after, and ``"threads"`` in the result)."""
     import json
 
+    from ..tools.models import torch_threads
+
     progress = lambda line: print(f"  {line}", file=sys.stderr, flush=True)  # noqa: E731
-    result = run_heads(args.text or None, args.model, importance=args.importance, html=args.html, png=args.png,
-                       progress=progress)
+    with torch_threads(getattr(args, "threads", None)) as threads:
+        result = run_heads(args.text or None, args.model, importance=args.importance, html=args.html, png=args.png,
+                           progress=progress)
+    result["threads"] = threads
     if args.json:
         payload = {k: v for k, v in result.items() if k != "table"}
         print(json.dumps(payload, indent=2, allow_nan=False))

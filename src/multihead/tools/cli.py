@@ -7,6 +7,7 @@
     multihead run [TEXT ...]            the bundled MiniLM (or --model DIR), patched and checked
     multihead bench [--quick]           multihead against torch and Hugging Face on this machine
     multihead heads [TEXT ...]          what each head of the bundled MiniLM does (table, page, picture)
+    multihead embed FILE                sentence embeddings of a file's lines (.npy or .jsonl), as sentence-transformers
     multihead build [--machine]         which build of the native kernels runs here (or compile this machine's)
 """
 
@@ -23,6 +24,17 @@ from typing import Any
 # itself, its help and its refusals of bad arguments import none of them.
 from .. import __version__
 from .seed import SEED_SEQ_LEN, max_seq_len
+
+
+def _positive_int(value: str) -> int:
+    """argparse type of ``--threads`` and ``--batch-size``: a positive integer, else a refusal naming it."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
+    return number
 
 
 def _emit(args: argparse.Namespace, payload: dict[str, Any], text: str) -> None:
@@ -108,7 +120,7 @@ def cmd_cost(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from .models import TIMED_RUNS, run_model
 
-    info = run_model(args.text or None, args.model, progress=not args.no_progress)
+    info = run_model(args.text or None, args.model, progress=not args.no_progress, threads=args.threads)
     cos = info["cosine_vs_sentence_transformers"]
     hf_ms, mh_ms = info["ms_per_layer"]["hf"], info["ms_per_layer"]["multihead"]
     timing = [f"  layer {i}: Hugging Face {a:7.2f} ms   multihead {b:7.2f} ms"
@@ -127,7 +139,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         ("sentence embeddings vs sentence-transformers encode: cosine " +
          ", ".join(f"{c:.6f}" for c in cos)) if cos is not None else "not a sentence-transformers model",
         f"unpatch restored the original modules: {info['unpatch_restored']}",
-        f"time per attention layer (medians of {TIMED_RUNS} runs each, the two alternating, on this CPU):",
+        f"time per attention layer (medians of {TIMED_RUNS} runs each, the two alternating, on this CPU, "
+        f"{info['threads']} torch threads):",
         *timing,
     ])
     _emit(args, {k: v for k, v in info.items() if k != "table_text"}, text)
@@ -139,9 +152,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from . import bench
 
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be a positive integer, got {args.threads}")
+    if args.threads is not None:  # positive: _positive_int
         torch.set_num_threads(args.threads)
     print(f"torch threads: {torch.get_num_threads()}", file=sys.stderr, flush=True)
     if args.hf_generate:
@@ -181,6 +192,41 @@ def cmd_heads(args: argparse.Namespace) -> int:
     from ..heads.command import main as heads_main  # the heads toolkit, imported only when asked for
 
     return heads_main(args)
+
+
+def cmd_embed(args: argparse.Namespace) -> int:
+    """``multihead embed FILE``: :func:`~multihead.tools.embed.embed_file`, a progress bar on stderr."""
+    from tqdm.auto import tqdm
+
+    from .embed import embed_file
+
+    bars: list[Any] = []  # the bar starts with the first batch: a refused file or model shows none
+
+    def progress(done: int, total: int) -> None:
+        if not bars:
+            bars.append(tqdm(total=total, desc="multihead embed", unit="text", disable=args.no_progress,
+                             leave=False, file=sys.stderr))
+        bars[0].update(done - bars[0].n)
+
+    try:
+        info = embed_file(args.file, args.out, model_dir=args.model, batch_size=args.batch_size,
+                          threads=args.threads, progress=progress)
+    finally:
+        for bar in bars:
+            bar.close()
+    cut = info["truncated"]
+    if cut["count"]:  # said on stderr even with --json: a cut is never silent
+        lines = ", ".join(map(str, cut["lines"][:10])) + (" ..." if cut["count"] > 10 else "")
+        print(f"note: {cut['count']} of {info['texts']} lines were cut to the model's {info['max_length']} tokens "
+              f"(as sentence-transformers cuts them): line {lines}", file=sys.stderr, flush=True)
+    text = (f"wrote {info['out']}: {info['texts']} embeddings of {info['embed_dim']} float32 "
+            f"({'unit vectors' if info['normalized'] else 'not normalised'}) of the lines of {info['input']}\n"
+            f"model {info['model_dir']} (attention patched by multihead), at most {info['max_length']} tokens a text\n"
+            f"{info['batches']} batch{'es' if info['batches'] != 1 else ''} of up to {info['batch_size']} texts "
+            "sorted by length, "
+            f"{info['threads']} torch threads, {info['seconds']:.2f} s")
+    _emit(args, info, text)
+    return 0
 
 
 def cmd_build(args: argparse.Namespace) -> int:
@@ -241,13 +287,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, metavar="DIR", help="checkpoint folder (config.json + model.safetensors)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's)")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("bench", help="benchmark multihead against torch and Hugging Face on this machine")
     p.add_argument("--quick", action="store_true", help="tiny sizes, few repetitions (a smoke test)")
     p.add_argument("--out", default="benchmarks/results", metavar="DIR",
                    help="where to write bench.json and bench.png (default %(default)s)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="torch threads (default: torch's, one per core)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
     p.add_argument("--hf-generate", action="store_true",
                    help="instead of the suite: a transformers Llama's prefill and decoding step, unpatched vs "
@@ -261,7 +309,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--png", default=None, metavar="PATH", help="write the layers × heads picture here")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--importance", action="store_true", help="rank heads by ablation and report pruning")
+    p.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's)")
     p.set_defaults(func=cmd_heads)
+
+    p = sub.add_parser("embed", help="sentence embeddings of a file's lines, equal to sentence-transformers' encode")
+    p.add_argument("file", metavar="FILE", help="a UTF-8 text file, one text per line (no blank lines)")
+    p.add_argument("--out", default=None, metavar="PATH.npy|PATH.jsonl",
+                   help="where to write the (N, E) float32 rows (default: FILE with the suffix .npy)")
+    p.add_argument("--batch-size", type=_positive_int, default=32,
+                   help="texts per forward pass, sorted by length (default %(default)s)")
+    p.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--model", default=None, metavar="DIR", help="checkpoint folder (default: the bundled MiniLM)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_embed)
 
     p = sub.add_parser("build", help="which build of the native kernels runs here; --machine compiles this machine's")
     p.add_argument("--machine", action="store_true",

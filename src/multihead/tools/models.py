@@ -23,7 +23,8 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ from ..interop.hf_patch import attention_modules
 from .trace import trace
 
 __all__ = ["bundled_model_dir", "load_model", "load_tokenizer", "run_model", "mean_pool", "explain_config",
-           "DEFAULT_TEXTS"]
+           "DEFAULT_TEXTS", "check_threads", "torch_threads"]
 
 #: Texts of different lengths, so that the batch has padding.
 DEFAULT_TEXTS = (
@@ -130,6 +131,36 @@ def mean_pool(hidden: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.normalize(pooled, dim=-1)
 
 
+def check_threads(threads: int | None) -> int | None:
+    """``threads`` if it is None or a positive int, else a TypeError/ValueError naming it."""
+    if threads is None:
+        return None
+    if isinstance(threads, bool) or not isinstance(threads, int):
+        raise TypeError(f"threads must be None or an int, got {threads!r}")
+    if threads < 1:
+        raise ValueError(f"threads must be a positive integer, got {threads}")
+    return threads
+
+
+@contextmanager
+def torch_threads(threads: int | None) -> Iterator[int]:
+    """torch's intra-op threads set to ``threads`` within the block, restored after; None
+    leaves them as they are. Yields the number in force.
+
+    Raises:
+        ValueError, TypeError: ``threads`` not None or a positive int (before any change).
+    """
+    check_threads(threads)
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
 def _is_sentence_transformer(path: Path) -> bool:
     return (path / "modules.json").is_file()
 
@@ -217,6 +248,7 @@ def run_model(
     model_dir: str | os.PathLike[str] | None = None,
     *,
     progress: bool = False,
+    threads: int | None = None,
 ) -> dict[str, Any]:
     """Load, patch and run a model on ``texts``; compare with the unpatched model.
 
@@ -225,6 +257,7 @@ def run_model(
         model_dir: a checkpoint directory (config.json + model.safetensors + tokenizer);
             default the bundled all-MiniLM-L6-v2.
         progress: show a tqdm progress bar on stderr.
+        threads: torch's intra-op threads for the run (restored after); default as set.
 
     Returns:
         a JSON-ready dict: ``model_dir``, ``model_type``, ``embed_dim`` (d), ``num_heads``
@@ -235,18 +268,26 @@ def run_model(
         ``cosine_vs_sentence_transformers`` (per text; None if not a
         sentence-transformers model) and ``min_cosine``, ``ms_per_layer``
         (``{"hf": [...], "multihead": [...]}``, medians of :data:`TIMED_RUNS` runs, alternating),
-        ``unpatch_restored``.
+        ``threads`` (torch's, during the run), ``unpatch_restored``.
 
     Raises:
-        ValueError: empty ``texts`` or non-strings, a bad ``model_dir`` or checkpoint, or a
-            model whose attention multihead cannot patch.
+        ValueError: empty ``texts`` or non-strings, a bad ``model_dir`` or checkpoint, a
+            ``threads`` below 1, or a model whose attention multihead cannot patch.
+        TypeError: a ``threads`` that is not an int.
     """
-    from tqdm.auto import tqdm
-
     texts = list(DEFAULT_TEXTS if texts is None else texts)
     if not texts or not all(isinstance(t, str) and t for t in texts):
         raise ValueError(f"texts must be a non-empty list of non-empty strings, got {texts!r}")
     path = _checkpoint_dir(model_dir)
+    with torch_threads(threads) as used:
+        info = _run_model(texts, path, progress=progress)
+    return {**info, "threads": used}
+
+
+def _run_model(texts: list[str], path: Path, *, progress: bool) -> dict[str, Any]:
+    """:func:`run_model` on checked arguments."""
+    from tqdm.auto import tqdm
+
     bar = tqdm(total=4, desc="multihead run", disable=not progress, leave=False)
     bar.set_postfix_str("load")
     model, tokenizer = load_model(path), load_tokenizer(path)

@@ -1,0 +1,323 @@
+"""``multihead embed`` and :mod:`multihead.tools.embed`: the bundled MiniLM, patched with
+multihead's attention, against ``SentenceTransformer(bundled_dir).encode`` (the oracle).
+
+The model loads once per module (:func:`embedder`); the command-line tests reuse it where they
+check files and refusals, and one test runs the real command in a subprocess.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from multihead import cli
+from multihead.tools import embed as embed_mod
+from multihead.tools import models
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+#: ~40 texts: short and long (past MiniLM's 256 tokens and past BERT's 512 positions), cased,
+#: accented, CJK, emoji, right-to-left, code, numbers, spaces and tabs at the edges.
+TEXTS = [
+    "Hello world",
+    "Multi-head attention splits the model width into heads.",
+    "  leading and trailing spaces  ",
+    "\ttabs\tinside\tand around\t",
+    "UPPER CASE and lower case",
+    "Café, naïve, façade, jalapeño, Ångström",
+    "日本語の文章を埋め込みます。",
+    "中文句子，测试一下。",
+    "한국어 문장입니다",
+    "Emoji 🙂🚀🔥 in a sentence 👍🏽",
+    "مرحبا بالعالم، هذه جملة عربية",
+    "שלום עולם",
+    "Ελληνικά γράμματα αβγδ",
+    "Кириллица: съешь же ещё этих мягких французских булок",
+    "def f(x): return x ** 2",
+    "3.14159 2.71828 1e-10 -42 0x1F",
+    "a",
+    "?",
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "word " * 300,  # 302 tokens: cut to 256
+    "Attention is all you need. " * 120,  # ~720 tokens: past the 512 positions too
+    " ".join(f"token{i}" for i in range(400)),
+    "Zero\u200bwidth\u200bspaces and a soft\u00adhyphen",
+    "Mixed: English, français, Deutsch (Größe), español (¿qué?), 日本",
+    "https://example.com/path?query=1&other=two#frag",
+    "email@example.org wrote: \"quoted\" 'single' `back`",
+    "Line with   many     internal      spaces",
+    "A sentence about heads, keys, values and queries.",
+    "Each head attends on its own.",
+    "The heads are concatenated and mixed by the output projection.",
+    "Short.",
+    "Another short one",
+    "Numbers: one two three four five six seven eight nine ten",
+    "Punctuation!!! ... ??? ;;; ::: ---",
+    "ﬁ ligature and fullwidth ＡＢＣ１２３",
+    "Combining: e\u0301 a\u0308 o\u0302",
+    "Tamil தமிழ் and Hindi हिन्दी",
+    "Thai ภาษาไทย no spaces between words",
+    "x " * 255,  # 257 tokens: just past the limit
+    "y " * 254,  # 256 tokens: exactly at the limit, not cut
+]
+
+
+@pytest.fixture(scope="module")
+def embedder() -> embed_mod.Embedder:
+    return embed_mod.Embedder()
+
+
+@pytest.fixture(scope="module")
+def sentence_transformer():
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(models.bundled_model_dir()), device="cpu", local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def theirs(sentence_transformer) -> np.ndarray:
+    return sentence_transformer.encode(TEXTS, show_progress_bar=False)  # (N, E)
+
+
+@pytest.fixture(scope="module")
+def ours(embedder: embed_mod.Embedder) -> embed_mod.Embedded:
+    return embedder.embed(TEXTS, batch_size=8)
+
+
+def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    return (a64 * b64).sum(-1) / (np.linalg.norm(a64, axis=-1) * np.linalg.norm(b64, axis=-1))
+
+
+@pytest.fixture
+def reuse(monkeypatch: pytest.MonkeyPatch, embedder: embed_mod.Embedder) -> None:
+    """:func:`embed_file` (and so the command) given the module's loaded model, not a new one."""
+    monkeypatch.setattr(embed_mod, "Embedder", lambda model_dir=None, normalize=None: embedder)
+
+
+@pytest.fixture
+def no_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading a model fails the test: refusals must come before it."""
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was loaded before the refusal")
+    monkeypatch.setattr(embed_mod, "Embedder", refuse)
+
+
+def _write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+# ---- equal to sentence-transformers ----------------------------------------------------------------
+def test_embeddings_equal_sentence_transformers_encode(ours: embed_mod.Embedded, theirs: np.ndarray) -> None:
+    assert ours.vectors.shape == theirs.shape == (len(TEXTS), 384) and ours.vectors.dtype == np.float32
+    cos = _cosines(ours.vectors, theirs)
+    assert cos.min() >= 1 - 1e-5, (cos.argmin(), cos.min())
+    assert np.abs(ours.vectors - theirs).max() <= 1e-5
+    np.testing.assert_allclose(np.linalg.norm(ours.vectors, axis=-1), 1.0, atol=1e-5)  # the Normalize module
+    assert ours.normalized
+
+
+def test_rows_come_back_in_input_order(ours: embed_mod.Embedded, theirs: np.ndarray) -> None:
+    """Each row is nearest to the oracle's row of the same text, though batches ran longest first."""
+    nearest = _cosines(ours.vectors[:, None, :], theirs[None, :, :]).argmax(1)
+    assert nearest.tolist() == list(range(len(TEXTS)))
+
+
+def test_texts_over_the_limit_are_cut_as_sentence_transformers_cuts_them_and_reported(
+        ours: embed_mod.Embedded, sentence_transformer) -> None:
+    limit = sentence_transformer.max_seq_length
+    whole = [len(ids) for ids in sentence_transformer.tokenizer(TEXTS, verbose=False)["input_ids"]]
+    assert ours.max_length == limit == 256
+    assert ours.tokens == whole
+    assert ours.truncated == [i for i, n in enumerate(whole) if n > limit]
+    assert len(ours.truncated) == 4 and TEXTS.index("y " * 254) not in ours.truncated  # 256 tokens: kept whole
+
+
+def test_batching_by_length_equals_one_text_at_a_time(embedder: embed_mod.Embedder,
+                                                      ours: embed_mod.Embedded) -> None:
+    some = [*range(0, len(TEXTS), 4), 20, 38]  # short, long and cut ones, batched with others in ``ours``
+    one = embedder.embed([TEXTS[i] for i in some], batch_size=1)
+    assert one.batches == len(some) and ours.batches == 5
+    assert np.abs(one.vectors - ours.vectors[some]).max() <= 1e-5
+
+
+def test_normalize_false_is_the_pooling_alone(embedder: embed_mod.Embedder, sentence_transformer) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    pooled_only = SentenceTransformer(modules=[sentence_transformer[0], sentence_transformer[1]], device="cpu")
+    theirs = pooled_only.encode(TEXTS[:6], show_progress_bar=False)
+    raw = copy.copy(embedder)  # the same model and tokenizer, as Embedder(normalize=False) loads them
+    raw.normalize = False
+    mine = raw.embed(TEXTS[:6]).vectors
+    assert np.abs(mine - theirs).max() <= 1e-5 and not np.allclose(np.linalg.norm(mine, axis=-1), 1.0)
+
+
+def test_progress_is_called_after_each_batch(embedder: embed_mod.Embedder) -> None:
+    calls: list[tuple[int, int]] = []
+    embedder.embed(TEXTS[:5], batch_size=2, progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(2, 5), (4, 5), (5, 5)]
+
+
+def test_threads_are_set_while_embedding_and_restored(embedder: embed_mod.Embedder,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    before = torch.get_num_threads()
+    seen: list[int] = []
+    forward = embedder._forward
+
+    def counting(rows):
+        seen.append(torch.get_num_threads())
+        return forward(rows)
+
+    monkeypatch.setattr(embedder, "_forward", counting)
+    result = embedder.embed(TEXTS[:2], threads=1)
+    assert result.threads == 1 and seen == [1] and torch.get_num_threads() == before
+
+
+# ---- the function on bad texts ---------------------------------------------------------------------
+@pytest.mark.parametrize("texts, error, message", [
+    ([], ValueError, "at least one"),
+    (["fine", ""], ValueError, "texts[1]"),
+    (["fine", "ok", "  \t "], ValueError, "texts[2]"),
+    (["fine", 3], TypeError, "texts[1] is int"),
+    ("a single string", TypeError, "sequence of strings"),
+])
+def test_bad_texts_are_refused_by_index(embedder: embed_mod.Embedder, texts, error, message: str) -> None:
+    with pytest.raises(error) as e:
+        embedder.embed(texts)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"batch_size": 0}, ValueError, "batch_size"), ({"batch_size": 2.0}, TypeError, "batch_size"),
+    ({"threads": 0}, ValueError, "threads"), ({"threads": -1}, ValueError, "threads"),
+    ({"threads": "2"}, TypeError, "threads"), ({"threads": True}, TypeError, "threads"),
+])
+def test_bad_arguments_are_refused_before_the_model_loads(no_model: None, kwargs, error, message: str) -> None:
+    with pytest.raises(error, match=message):
+        embed_mod.embed(["a text"], **kwargs)
+
+
+def test_embed_function_warns_of_cut_texts(reuse: None, theirs: np.ndarray) -> None:
+    with pytest.warns(UserWarning, match=r"1 of 3 texts were cut to the model's 256 tokens: texts\[1\]"):
+        vectors = embed_mod.embed([TEXTS[0], TEXTS[19], TEXTS[1]])
+    assert _cosines(vectors, theirs[[0, 19, 1]]).min() >= 1 - 1e-5
+
+
+def test_a_pipeline_it_cannot_reproduce_is_refused_by_name(tmp_path: Path) -> None:
+    bundled = models.bundled_model_dir()
+    (tmp_path / "config.json").write_bytes((bundled / "config.json").read_bytes())
+    modules = json.loads((bundled / "modules.json").read_text())
+    dense = [*modules, {"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"}]
+    (tmp_path / "modules.json").write_text(json.dumps(dense))
+    with pytest.raises(ValueError, match="Dense"):
+        embed_mod.Embedder(tmp_path)
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_cls_token": True}))
+    with pytest.raises(ValueError, match=r"pooling \['cls'\]"):
+        embed_mod.Embedder(tmp_path)
+
+
+# ---- files -----------------------------------------------------------------------------------------
+def test_lines_are_read_as_written(tmp_path: Path) -> None:
+    path = tmp_path / "t.txt"
+    path.write_bytes("\ufeffone\r\ntwo é\nthree".encode())  # a BOM, CRLF, no final newline
+    assert embed_mod.read_texts(path) == ["one", "two é", "three"]
+
+
+def test_an_empty_file_is_refused_by_name(tmp_path: Path, no_model: None, capsys) -> None:
+    path = tmp_path / "empty.txt"
+    path.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"empty\.txt is empty"):
+        embed_mod.embed_file(path)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["embed", str(path)])
+    assert e.value.code == 2 and "empty.txt is empty" in capsys.readouterr().err
+
+
+def test_empty_lines_are_refused_by_line_number(tmp_path: Path, no_model: None) -> None:
+    path = _write_lines(tmp_path / "t.txt", ["one", "", "three", "   ", "five"])
+    with pytest.raises(ValueError, match=r"t\.txt has empty lines .*line 2, 4 \(2 of 5\)"):
+        embed_mod.embed_file(path)
+
+
+def test_non_utf8_is_refused_with_its_byte_and_line(tmp_path: Path, no_model: None) -> None:
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("first line\nsecond\ncaf".encode() + b"\xe9 au lait\n")
+    with pytest.raises(ValueError, match=r"latin1\.txt is not UTF-8: byte 21 \(line 3\) is b'\\xe9'"):
+        embed_mod.embed_file(path)
+
+
+def test_a_missing_file_is_refused(tmp_path: Path, no_model: None, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.main(["embed", str(tmp_path / "nope.txt")])
+    assert e.value.code == 2 and "nope.txt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("out, message", [
+    ("out.csv", "must end in .npy or .jsonl"),
+    ("folder.npy", "must name a file, got the folder"),
+    ("missing/out.npy", "does not exist"),
+    ("t.jsonl", "is the input file"),
+])
+def test_bad_out_paths_are_refused_by_name(tmp_path: Path, no_model: None, out: str, message: str) -> None:
+    source = _write_lines(tmp_path / "t.jsonl", ["one"])
+    (tmp_path / "folder.npy").mkdir()
+    with pytest.raises(ValueError, match=message):
+        embed_mod.embed_file(source, tmp_path / out)
+
+
+def test_the_command_writes_npy_and_jsonl_that_load_back_equal(tmp_path: Path, reuse: None, theirs: np.ndarray,
+                                                             capsys) -> None:
+    some = [*range(0, 10), 19, 38]  # lines 11 and 12 are over the limit
+    source = _write_lines(tmp_path / "texts.txt", [TEXTS[i] for i in some])
+    assert cli.main(["embed", str(source), "--batch-size", "5", "--json"]) == 0  # default: texts.npy
+    out, err = capsys.readouterr()
+    info = json.loads(out)
+    assert info["out"] == str(tmp_path / "texts.npy") and info["texts"] == len(some) and info["batches"] == 3
+    assert info["truncated"] == {"count": 2, "lines": [11, 12]} and info["max_length"] == 256
+    assert "2 of 12 lines were cut to the model's 256 tokens" in err and "line 11, 12" in err
+    assert "multihead embed" in err  # the progress bar
+    npy = np.load(tmp_path / "texts.npy")
+    assert npy.dtype == np.float32 and npy.shape == (len(some), 384)
+    assert _cosines(npy, theirs[some]).min() >= 1 - 1e-5
+
+    jsonl = tmp_path / "texts.jsonl"
+    assert cli.main(["embed", str(source), "--out", str(jsonl), "--batch-size", "5", "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith(f"wrote {jsonl}: 12 embeddings of 384 float32 (unit vectors)")
+    assert "multihead embed" not in err and "2 of 12 lines were cut" in err
+    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert [r["line"] for r in records] == list(range(1, len(some) + 1))
+    assert np.array_equal(np.array([r["embedding"] for r in records], dtype=np.float32), npy)  # the same batches
+    assert not list(tmp_path.glob(".*partial"))
+
+
+def test_the_command_end_to_end(tmp_path: Path, theirs: np.ndarray) -> None:
+    source = _write_lines(tmp_path / "texts.txt", TEXTS[:3])
+    done = subprocess.run([sys.executable, "-m", "multihead", "embed", str(source), "--out",
+                           str(tmp_path / "e.npy"), "--threads", "1", "--json"],
+                          capture_output=True, text=True, env=ENV, timeout=300)
+    assert done.returncode == 0, done.stderr
+    info = json.loads(done.stdout)
+    assert info["threads"] == 1 and info["truncated"]["count"] == 0
+    assert _cosines(np.load(tmp_path / "e.npy"), theirs[:3]).min() >= 1 - 1e-5
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "x", "1.5"])
+@pytest.mark.parametrize("flag", ["--threads", "--batch-size"])
+def test_the_command_refuses_bad_counts(tmp_path: Path, no_model: None, capsys, flag: str, value: str) -> None:
+    source = _write_lines(tmp_path / "t.txt", ["one"])
+    with pytest.raises(SystemExit) as e:
+        cli.main(["embed", str(source), flag, value])
+    assert e.value.code == 2 and f"argument {flag}: must be a positive integer, got '{value}'" in \
+        capsys.readouterr().err
