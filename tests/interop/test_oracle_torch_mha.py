@@ -171,3 +171,15 @@ def test_seq_first_layer_refuses_a_non_3d_input_by_name() -> None:
     with pytest.raises(ValueError, match="x"):
         ours(torch.randn(S, E, dtype=F64))
     assert "batch_first=False" in repr(ours)
+
+
+def test_a_seq_first_layer_is_refused_where_its_layout_would_be_lost() -> None:
+    """shard_heads, context_parallel and mh.trace read (B, S, E): a batch_first=False layer is refused."""
+    layer = mh.MultiHeadAttention.from_torch(torch.nn.MultiheadAttention(16, 2))  # batch_first=False
+    assert not layer.batch_first
+    with pytest.raises(ValueError, match="batch_first=False"):
+        mh.parallel.shard_heads(layer)
+    with pytest.raises(ValueError, match="batch_first=False"):
+        mh.parallel.context_parallel(layer)
+    with pytest.raises(ValueError, match="batch_first=False"):
+        mh.trace(layer, torch.randn(5, 1, 16))

@@ -114,6 +114,10 @@ class ContextParallelAttention(nn.Module):
         super().__init__()
         if not isinstance(layer, MultiHeadAttention):
             raise TypeError(f"layer must be a multihead.MultiHeadAttention, got {type(layer).__name__}")
+        if not layer.batch_first:  # its x and y are (S, B, E): the shards would read them as (B, S, E)
+            raise ValueError("context_parallel takes (B, S, E) inputs; the layer was built batch_first=False (from a "
+                             "seq-first nn.MultiheadAttention): transpose x to (B, S, E) and build the layer "
+                             "batch_first=True")
         check_layout(layout)
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")

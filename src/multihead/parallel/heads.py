@@ -97,6 +97,10 @@ class HeadParallelAttention(nn.Module):
         super().__init__()
         if not isinstance(layer, MultiHeadAttention):
             raise TypeError(f"layer must be a multihead.MultiHeadAttention, got {type(layer).__name__}")
+        if not layer.batch_first:  # its x and y are (S, B, E): the shards would read them as (B, S, E)
+            raise ValueError("shard_heads takes (B, S, E) inputs; the layer was built batch_first=False (from a "
+                             "seq-first nn.MultiheadAttention): transpose x to (B, S, E) and build the layer "
+                             "batch_first=True")
         if layer.per_head_extras or layer.softcap is not None or layer.qk_norm is not None:
             raise ValueError(f"shard_heads does not carry QK-norm, soft-capping or per-head state "
                              f"{layer.per_head_extras} yet; got a layer with them")

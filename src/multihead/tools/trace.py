@@ -96,6 +96,9 @@ def trace(
     """
     if not isinstance(layer, MultiHeadAttention):
         raise TypeError(f"layer must be a multihead.MultiHeadAttention, got {type(layer).__name__}")
+    if not layer.batch_first:  # the table's torch shapes are (B, S, E)
+        raise ValueError("trace takes a batch-first layer; this one was built batch_first=False: trace "
+                         "MultiHeadAttention(..., batch_first=True) with the same weights on x.transpose(0, 1)")
     seen: list[tuple[str, torch.Tensor]] = []
     with torch.no_grad(), layer.watched(lambda n, t: seen.append((n, t))):
         y = layer(x, context, mask=mask, key_mask=key_mask, positions=positions)
