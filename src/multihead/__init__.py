@@ -40,14 +40,14 @@ _MODULES = {
     "backends": ".backends", "native": ".backends.native", "masks": ".masks", "rope": ".rope",
     "reference": ".reference",
     "logits": ".logits", "decode": ".decode", "interop": ".interop", "hf": ".hf", "models": ".tools.models",
-    "bench": ".tools.bench", "cli": ".tools.cli", "heads": ".heads", "parallel": ".parallel",
+    "bench": ".tools.bench", "cli": ".tools.cli", "heads": ".heads", "parallel": ".parallel", "embed": ".tools.embed",
 }
 
 __all__ = [
     "attention", "MultiHeadAttention", "MultiHeadLatentAttention", "LatentCache", "RoPE", "RopeScaling", "KVCache",
     "trace", "Trace", "split_heads", "merge_heads", "interleaved_to_half", "half_to_interleaved", "masks",
     "logits", "Structure", "backends", "decode", "native", "reference", "AttentionConfig", "cost", "Cost",
-    "interop", "hf", "models", "heads", "parallel",
+    "interop", "hf", "models", "heads", "parallel", "embed",
 ]
 
 

@@ -15,7 +15,8 @@ attention with multihead's (:func:`multihead.hf.patch`) and embeds texts as
   mean and not normalised, as sentence-transformers does for a plain checkpoint; a module
   or pooling mode other than these is refused by name;
 * texts are sorted by token count, batched, and the rows put back in input order, so that a
-  batch pads little (the order changes no embedding beyond float rounding).
+  batch pads little (the order changes no embedding beyond float rounding); a BERT-family
+  encoder then runs each batch on its real tokens only (:func:`multihead.hf.pack_padding`).
 
 Empty texts (``""`` or only whitespace) are refused with their index (a line number in
 :func:`embed_file`): sentence-transformers would embed them as ``[CLS] [SEP]`` alone, which is
@@ -146,6 +147,13 @@ def check_batch_size(batch_size: int) -> int:
     return batch_size
 
 
+def _packable(model: Any) -> bool:
+    """Whether :func:`multihead.hf.pack_padding` takes this model (a BERT-family encoder)."""
+    from ..interop.hf_packing import ENCODER_CLASSES
+
+    return any(type(m).__name__ in ENCODER_CLASSES for m in model.modules())
+
+
 class Embedder:
     """A checkpoint loaded once, patched with multihead's attention, ready to embed texts.
 
@@ -172,6 +180,8 @@ class Embedder:
         self.normalize = listed if normalize is None else normalize
         self.model, self.tokenizer = models.load_model(self.path), models.load_tokenizer(self.path)
         hf.patch(self.model)
+        # BERT-family encoders run each batch on its real tokens only (the padding costs nothing)
+        self.packing = hf.pack_padding(self.model) if _packable(self.model) else None
         self.max_length = _token_limit(self.path, self.model.config, self.tokenizer)
         settings = self.path / "sentence_bert_config.json"
         self.lower_case = settings.is_file() and bool(_read_json(settings).get("do_lower_case", False))
