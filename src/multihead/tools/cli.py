@@ -142,6 +142,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"time per attention layer (medians of {TIMED_RUNS} runs each, the two alternating, on this CPU, "
         f"{info['threads']} torch threads):",
         *timing,
+        *(["(multihead runs the padded batch on its real tokens only, mh.hf.pack_padding; Hugging Face "
+           "runs it padded)"] if info.get("packed") else []),
     ])
     _emit(args, {k: v for k, v in info.items() if k != "table_text"}, text)
     return 0

@@ -212,12 +212,14 @@ class _Timer:
 
 
 def _time_layers(model: nn.Module, inputs: dict[str, Any], wrappers: dict[str, hf.PatchedAttention],
-                 ) -> tuple[list[float], list[float]]:
+                 *, packed: bool = False) -> tuple[list[float], list[float]]:
     """Each attention layer's time in ms, Hugging Face's and ours: :data:`TIMED_RUNS` runs of the
     model each, alternating (the original modules put back in place of the wrappers, then the
     wrappers again), so that the machine's drift between minutes falls on both alike; medians.
 
-    ``wrappers``: the patched modules by name; they are in place again after."""
+    ``wrappers``: the patched modules by name; they are in place again after. ``packed``: our
+    side runs the padded batch on its real tokens (:func:`multihead.hf.pack_padding`), as the
+    patched model does; Hugging Face's side runs it padded, as transformers does."""
     from ..interop.hf_patch import set_submodule
 
     sides = {"hf": {name: w.original for name, w in wrappers.items()}, "multihead": dict(wrappers)}
@@ -225,10 +227,15 @@ def _time_layers(model: nn.Module, inputs: dict[str, Any], wrappers: dict[str, h
     try:
         with torch.no_grad():
             for _ in range(TIMED_RUNS + 1):  # the first round warms both up and is not counted
-                for modules in sides.values():
+                for side, modules in sides.items():
                     for name, module in modules.items():
                         set_submodule(model, name, module)
-                    model(**inputs)
+                    packing = hf.pack_padding(model) if packed and side == "multihead" else None
+                    try:
+                        model(**inputs)
+                    finally:
+                        if packing is not None:
+                            packing.remove()
     finally:
         for name, wrapper in wrappers.items():
             set_submodule(model, name, wrapper)
@@ -236,6 +243,13 @@ def _time_layers(model: nn.Module, inputs: dict[str, Any], wrappers: dict[str, h
             timer.remove()
     hf_ms, mh_ms = ([s * 1e3 for s in timers[side].seconds(skip=1)] for side in sides)
     return hf_ms, mh_ms
+
+
+def _packable(model: nn.Module) -> bool:
+    """Whether :func:`multihead.hf.pack_padding` takes this model (a BERT-family encoder)."""
+    from ..interop.hf_packing import ENCODER_CLASSES
+
+    return any(type(m).__name__ in ENCODER_CLASSES for m in model.modules())
 
 
 def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -268,7 +282,8 @@ def run_model(
         ``cosine_vs_sentence_transformers`` (per text; None if not a
         sentence-transformers model) and ``min_cosine``, ``ms_per_layer``
         (``{"hf": [...], "multihead": [...]}``, medians of :data:`TIMED_RUNS` runs, alternating),
-        ``threads`` (torch's, during the run), ``unpatch_restored``.
+        ``threads`` (torch's, during the run), ``packed`` (our side of the timing ran the padded
+        batch on its real tokens: a BERT-family encoder), ``unpatch_restored``.
 
     Raises:
         ValueError: empty ``texts`` or non-strings, a bad ``model_dir`` or checkpoint, a
@@ -323,9 +338,17 @@ def _run_model(texts: list[str], path: Path, *, progress: bool) -> dict[str, Any
     wrappers = [m for _, m in patched]
     with torch.no_grad():
         out = model(**inputs, output_hidden_states=True)
-    ms_hf, ms_mh = _time_layers(model, inputs, {name: m for name, m in patched if isinstance(m, hf.PatchedAttention)})
+    packed = _packable(model) and not bool(real.all())
+    ms_hf, ms_mh = _time_layers(model, inputs, {name: m for name, m in patched if isinstance(m, hf.PatchedAttention)},
+                                packed=packed)
     diff = max(float((a - b)[real].abs().max()) for a, b in zip(ref.hidden_states, out.hidden_states))
     diff = max(diff, float((ref.last_hidden_state - out.last_hidden_state)[real].abs().max()))
+    if packed:  # the packed run agrees too (its padding rows are zeros, not compared)
+        packing = hf.pack_padding(model)
+        with torch.no_grad():
+            packed_out = model(**inputs).last_hidden_state
+        packing.remove()
+        diff = max(diff, float((ref.last_hidden_state - packed_out)[real].abs().max()))
 
     first = wrappers[0]
     if not isinstance(first, hf.PatchedAttention):  # hf.patch replaces every supported module
@@ -363,6 +386,7 @@ def _run_model(texts: list[str], path: Path, *, progress: bool) -> dict[str, Any
         "cosine_vs_sentence_transformers": cosines,
         "min_cosine": None if cosines is None else min(cosines),
         "ms_per_layer": {"hf": ms_hf, "multihead": ms_mh},
+        "packed": packed,
         "unpatch_restored": unpatch_restored,
     }
 
