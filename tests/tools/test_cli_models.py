@@ -137,9 +137,9 @@ def test_run_uses_the_threads_asked_for_shows_them_and_restores_torchs(tmp_path:
     seen: list[int] = []
     timed = tool._time_layers
 
-    def time_layers(*args):
+    def time_layers(*args, **kwargs):
         seen.append(torch.get_num_threads())
-        return timed(*args)
+        return timed(*args, **kwargs)
 
     monkeypatch.setattr(tool, "_time_layers", time_layers)
     info = _main_json(capsys, "run", "one", "two", "--model", str(path), "--no-progress", "--threads", "1")
@@ -277,3 +277,12 @@ def test_cost_rejects_bad_arguments(capsys, args: list[str], message: str) -> No
         cli.main(["cost", str(CONFIGS / "gpt2.json"), *args])
     assert e.value.code == 2 and message in capsys.readouterr().err
 
+
+
+def test_run_times_our_side_packed_on_a_padded_encoder_batch() -> None:
+    """The bundled encoder's batch is padded: our side runs it on its real tokens, and agrees."""
+    from multihead.tools.models import run_model
+
+    info = run_model(["a short one", "a somewhat longer sentence than the first, with more words"])
+    assert info["packed"] is True and info["max_abs_diff_hidden"] < 1e-4
+    assert info["min_cosine"] > 1 - 1e-5
