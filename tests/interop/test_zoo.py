@@ -142,6 +142,17 @@ ZOO: dict[str, tuple[dict[str, Any], bool]] = {
                                                             "partial_rotary_factor": 0.625}}, True),
     "glm": ({"head_dim": 16, "attention_bias": True, "partial_rotary_factor": 0.625}, True),
     "glm4": ({"head_dim": 16, "attention_bias": True, "partial_rotary_factor": 0.625}, True),
+    # verbatim copies of verified classes (their model's MoE small)
+    "jais2": ({}, True),
+    "granitemoeshared": ({"attention_multiplier": 0.3, "num_local_experts": 4, "num_experts_per_tok": 2,
+                          "shared_intermediate_size": 32}, True),
+    "hyperclovax": ({"attention_multiplier": 0.3}, True),
+    "dots1": ({"head_dim": 16, "layer_types": ["full_attention", "sliding_attention"], "n_routed_experts": 4,
+               "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1,
+               "topk_group": 1, "n_shared_experts": 1}, True),
+    "flex_olmo": ({"num_experts": 4, "num_experts_per_tok": 2}, True),
+    "ernie4_5_moe": ({"head_dim": 16, "use_bias": True, "moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 32,
+                      "moe_num_shared_experts": 1}, True),
 }
 #: Encoder-decoders: built for generation (``AutoModelForSeq2SeqLM``, Whisper's speech class),
 #: their encoder's and decoder's outputs compared, the decoder's cross-attention included.

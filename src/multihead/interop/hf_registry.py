@@ -462,6 +462,14 @@ _COPIES = [
     # and the layer is a sliding one (module.sliding_window)
     _q_proj("smollm3", "SmolLM3Attention", window="module", extra_attrs=frozenset({"sliding_window", "use_rope"}),
             rope_on=_smollm3_rope),
+    # Verbatim copies (the attention class, apply_rotary_pos_emb, rotate_half, eager_attention_forward
+    # and the rotary embedding class equal to the verified family's, the class prefix aside)
+    _q_proj("jais2", "Jais2Attention"), _q_proj("granitemoeshared", "GraniteMoeSharedAttention"),
+    _q_proj("hyperclovax", "HyperCLOVAXAttention"),  # GraniteAttention's (scaling = attention_multiplier)
+    _q_proj("dots1", "Dots1Attention", window="module", extra_attrs=_LAYER_TYPED, norm="Dots1RMSNorm",
+            qk_norm="head"),  # Qwen3Attention's
+    _q_proj("flex_olmo", "FlexOlmoAttention", norm="FlexOlmoRMSNorm", qk_norm="proj"),  # Olmo2Attention's
+    _q_proj("ernie4_5_moe", "Ernie4_5_MoeAttention", rope="interleaved"),  # Ernie4_5Attention's
     # ---- partial rotary: the first int(D · partial_rotary_factor) dims rotate, the rest pass ----
     # Phi (1/2): q/k/v_proj with bias + dense; optional per-head nn.LayerNorm on q/k (qk_layernorm)
     # not described: refused; rotate-half on q[..., :rotary_ndims]
