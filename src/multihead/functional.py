@@ -124,8 +124,8 @@ def attention(
             of its own sequence (and, with ``causal``/``window``, by position inside it).
             Needs Sq == Sk. A backend declaring ``varlen`` (``"native"``, and ``"auto"``
             on its native paths) takes it as structure and computes no score across
-            sequences; every other gets a block-diagonal mask (dense FLOPs).
-        See :mod:`multihead.logits` for the order of these steps.
+            sequences; every other gets a block-diagonal mask (dense FLOPs). The order in
+            which the logit features apply is :mod:`multihead.logits`'s.
         **unexpected: refused (``TypeError``); torch's keywords (``attn_mask``, ``is_causal``,
             ``key_padding_mask``, ``need_weights``, ``average_attn_weights``, ``enable_gqa``)
             with their equivalents named, mask polarity included.
