@@ -19,12 +19,12 @@
 // whole pairs, packs a pair's K once and runs its items one after another (0.94-0.96× the
 // time, float32, S = 512..4096). An item
 //
-//   packs its G heads' queries, pre-multiplied by scale·log2(e)       (G, QT, D) float32
+//   packs its G heads' queries (the scale applied to the scores)      (G, QT, D) float32
 //   for each chunk of KC keys its rows may see:
 //       packs K of the chunk as panels of NR keys, (D, NR) each         (kt) float32
 //           (or finds it packed: the pair's K, packed whole by its thread)
 //       for each head, for each MR query rows:
-//           s = q · kᵀ  over the panels some row may see (MR × NR tiles)
+//           s = (q · kᵀ)·scale·log2(e)  over the panels some row may see (MR × NR tiles)
 //           -inf where causal / window / the caller's mask / padding forbid
 //           online softmax (base 2): m' = max(m, max s); o *= 2^(m - m'); l *= 2^(m - m')
 //           p = 2^(s - m'); l += Σp; o += p · v      (MR_PV × Dv tiles, V read in place,
@@ -95,14 +95,14 @@ void run_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t p0
     const int64_t off = P.Sk - P.Sq;
     const T *q = reinterpret_cast<const T*>(P.q), *k = reinterpret_cast<const T*>(P.k);
     const T* v = reinterpret_cast<const T*>(P.v);
-    // Scaled queries of the G heads: (G, qt_pad, D), padding rows zero.
+    // Queries of the G heads, unscaled (qk_tile scales the scores): (G, qt_pad, D), padding rows zero.
     for (int64_t g = 0; g < G; ++g) {
         const T* src = q + b * P.qs[0] + (kvh * G + g) * P.qs[1];
         float* dst = buf.qbuf + g * qt_pad * D;
         for (int64_t r = 0; r < qt_pad; ++r) {
             if (r < rows) {
                 const T* qr = src + (p0 + r) * P.qs[2];
-                for (int64_t t = 0; t < D; ++t) dst[r * D + t] = to_f32(qr[t]) * P.scale;
+                for (int64_t t = 0; t < D; ++t) dst[r * D + t] = to_f32(qr[t]);
             } else {
                 std::memset(dst + r * D, 0, sizeof(float) * D);
             }
@@ -138,7 +138,7 @@ void run_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t p0
                 float* s = buf.s;  // (MR, KC)
                 panels += pb - pa;
                 for (int64_t pan = pa; pan < pb; ++pan)
-                    qk_tile(buf.qbuf + (g * qt_pad + r0) * D, D, D, kt + pan * D * NR, s + (pan - pa) * NR, KC);
+                    qk_tile(buf.qbuf + (g * qt_pad + r0) * D, D, D, kt + pan * D * NR, s + (pan - pa) * NR, KC, P.scale);
                 const int64_t valid = std::min(j0 + width, P.Sk) - j0;  // columns that are real keys
                 for (int64_t i = 0; i < nr; ++i) {
                     const uint8_t* mrow = P.mask ? P.mask + b * P.ms[0] + h * P.ms[1] + (p0 + r0 + i) * P.ms[2] : nullptr;
