@@ -56,11 +56,11 @@ def test_native_forward_gqa_asymmetric_window(seed: int) -> None:
 
 
 def gradients(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, upstream: torch.Tensor,
-              **structure: object) -> tuple[torch.Tensor, ...]:
+              causal: bool) -> list[torch.Tensor]:
     """dq, dk, dv of ``(attention(q, k, v) · upstream).sum()`` through ``backend``."""
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    mh.attention(q, k, v, backend=backend, **structure).backward(upstream)
-    return q.grad, k.grad, v.grad
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = mh.attention(*leaves, causal=causal, backend=backend)
+    return list(torch.autograd.grad(out, leaves, upstream))
 
 
 def test_native_gradients_causal_gqa_d96() -> None:
