@@ -94,8 +94,12 @@ def test_run_times_both_sides_alternately_and_leaves_the_patch_in_place() -> Non
     for name, w in wrappers.items():
         w.original.register_forward_pre_hook(lambda *_, n=name: order.append(f"hf {n}"))
         w.register_forward_pre_hook(lambda *_, n=name: order.append(f"mh {n}"))
-    ms_hf, ms_mh = tool._time_layers(model, {"input_ids": torch.randint(0, 100, (2, 7))}, wrappers)
+    timing = tool._time_layers(model, {"input_ids": torch.randint(0, 100, (2, 7))}, wrappers)
+    ms_hf, ms_mh = timing["hf"], timing["multihead"]
     assert len(ms_hf) == len(ms_mh) == 2 and all(t > 0 for t in ms_hf + ms_mh)
+    for side, medians in (("hf", ms_hf), ("multihead", ms_mh)):  # each median lies within its range
+        assert all(lo <= m <= hi for m, (lo, hi) in zip(medians, timing["spread"][side]))
+    assert timing["others"] is None or 0.0 <= timing["others"] <= 1.0
     one_round = [f"{side} {n}" for side in ("hf", "mh") for n in wrappers]
     assert order == one_round * (tool.TIMED_RUNS + 1)
     assert {n: m for n, m in model.named_modules() if isinstance(m, hf.PatchedAttention)} == wrappers

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 
@@ -29,3 +32,23 @@ def test_the_peak_counts_what_was_allocated_after_the_reset() -> None:
 def test_an_unknown_status_field_is_refused_by_name() -> None:
     with pytest.raises(OSError, match="VmNothing:"):
         machine.rss("VmNothing:")
+
+
+def test_others_load_sees_a_competing_process() -> None:
+    """One CPU-bound process beside an idle block: the block reports others using about one core."""
+    import subprocess
+    import sys
+
+    from multihead.tools.machine import OthersLoad
+
+    spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 3: pass"])
+    try:
+        time.sleep(0.5)  # the competitor is running
+        with OthersLoad() as load:
+            time.sleep(1.0)  # this process idles: what the machine did was someone else's
+    finally:
+        spin.kill()
+        spin.wait()
+    cores = os.cpu_count() or 1
+    assert load.share is not None and load.share > 0.6 / cores and load.busy
+

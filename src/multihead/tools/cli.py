@@ -118,13 +118,20 @@ def cmd_cost(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from .machine import BUSY_SHARE
     from .models import TIMED_RUNS, run_model
 
     info = run_model(args.text or None, args.model, progress=not args.no_progress, threads=args.threads)
     cos = info["cosine_vs_sentence_transformers"]
     hf_ms, mh_ms = info["ms_per_layer"]["hf"], info["ms_per_layer"]["multihead"]
-    timing = [f"  layer {i}: Hugging Face {a:7.2f} ms   multihead {b:7.2f} ms"
-              for i, (a, b) in enumerate(zip(hf_ms, mh_ms))]
+    spread = info["ms_spread"]
+    timing = [f"  layer {i}: Hugging Face {a:7.2f} ms ({sa[0]:.2f}-{sa[1]:.2f})   "
+              f"multihead {b:7.2f} ms ({sb[0]:.2f}-{sb[1]:.2f})"
+              for i, (a, b, sa, sb) in enumerate(zip(hf_ms, mh_ms, spread["hf"], spread["multihead"]))]
+    others = info["others_cpu_share"]
+    if others is not None and others > BUSY_SHARE:
+        timing.append(f"  the machine was busy: other processes used {100 * others:.0f}% of its CPUs meanwhile, "
+                      "so these times say little; run it again on an idle machine")
     text = "\n".join([
         f"{info['model_type']} from {info['model_dir']}",
         f"d={info['embed_dim']}, h={info['num_heads']}, h_kv={info['num_kv_heads']}, d_head={info['head_dim']}, "
@@ -139,8 +146,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         ("sentence embeddings vs sentence-transformers encode: cosine " +
          ", ".join(f"{c:.6f}" for c in cos)) if cos is not None else "not a sentence-transformers model",
         f"unpatch restored the original modules: {info['unpatch_restored']}",
-        f"time per attention layer (medians of {TIMED_RUNS} runs each, the two alternating, on this CPU, "
-        f"{info['threads']} torch threads):",
+        f"time per attention layer (medians of {TIMED_RUNS} runs each and their range, the two alternating, "
+        f"on this CPU, {info['threads']} torch threads):",
         *timing,
         *(["(multihead runs the padded batch on its real tokens only, mh.hf.pack_padding; Hugging Face "
            "runs it padded)"] if info.get("packed") else []),

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 from typing import Any
 
 import torch
 
-__all__ = ["VECTOR_FEATURES", "cpu_model", "machine_info", "rss", "reset_peak_rss"]
+__all__ = ["VECTOR_FEATURES", "cpu_model", "machine_info", "rss", "reset_peak_rss", "OthersLoad", "BUSY_SHARE"]
+
+#: Other processes using more than this share of the machine's CPUs make a timing unreliable.
+BUSY_SHARE = 0.10
 
 #: The vector features the kernels (or their peers) can use, as /proc/cpuinfo names them.
 VECTOR_FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
@@ -72,3 +76,48 @@ def reset_peak_rss() -> None:
     """Reset this process's high-water mark (``VmHWM``) to its current RSS (Linux)."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
+def _cpu_seconds() -> float | None:
+    """Busy CPU time of the whole machine so far (all cores; Linux's /proc/stat), or None."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 5:
+        return None
+    ticks = [int(x) for x in fields[1:]]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+    busy = sum(ticks[:8]) - idle  # user nice system idle iowait irq softirq steal; guests are in user
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+class OthersLoad:
+    """How much of the machine other processes used while a block ran: their CPU time (the
+    machine's busy time less this process's) over the block's wall time × the cores.
+
+    ``with OthersLoad() as load: ...`` then ``load.share`` (0 = nobody else; None where the
+    machine does not tell, e.g. not Linux) and ``load.busy`` (over :data:`BUSY_SHARE`).
+    """
+
+    def __init__(self) -> None:
+        self.share: float | None = None
+
+    def __enter__(self) -> "OthersLoad":
+        self._wall, self._mine, self._all = time.perf_counter(), time.process_time(), _cpu_seconds()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall = time.perf_counter() - self._wall
+        mine = time.process_time() - self._mine
+        end = _cpu_seconds()
+        if self._all is None or end is None or wall <= 0:
+            return
+        cores = os.cpu_count() or 1
+        self.share = max(0.0, min(1.0, (end - self._all - mine) / (wall * cores)))
+
+    @property
+    def busy(self) -> bool:
+        """Other processes used more than :data:`BUSY_SHARE` of the CPUs during the block."""
+        return self.share is not None and self.share > BUSY_SHARE

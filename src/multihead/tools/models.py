@@ -34,6 +34,7 @@ from torch import nn
 from .. import hf, interop
 from ..interop.hf_patch import attention_modules
 from .trace import trace
+from .machine import OthersLoad
 
 __all__ = ["bundled_model_dir", "load_model", "load_tokenizer", "run_model", "mean_pool", "explain_config",
            "DEFAULT_TEXTS", "check_threads", "torch_threads"]
@@ -206,16 +207,22 @@ class _Timer:
         """The median of each module's calls after its first ``skip`` ones."""
         return [statistics.median(c[skip:]) if c[skip:] else 0.0 for c in self.calls]
 
+    def spread(self, skip: int = 0) -> list[tuple[float, float]]:
+        """The least and the largest of each module's calls after its first ``skip`` ones."""
+        return [(min(c[skip:]), max(c[skip:])) if c[skip:] else (0.0, 0.0) for c in self.calls]
+
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
 
 
 def _time_layers(model: nn.Module, inputs: dict[str, Any], wrappers: dict[str, hf.PatchedAttention],
-                 *, packed: bool = False) -> tuple[list[float], list[float]]:
+                 *, packed: bool = False) -> dict[str, Any]:
     """Each attention layer's time in ms, Hugging Face's and ours: :data:`TIMED_RUNS` runs of the
     model each, alternating (the original modules put back in place of the wrappers, then the
-    wrappers again), so that the machine's drift between minutes falls on both alike; medians.
+    wrappers again), so that the machine's drift between minutes falls on both alike:
+    ``{"hf": medians, "multihead": medians, "spread": {side: [(least, largest)]}, "others":
+    the share of the CPUs other processes used meanwhile, or None}`` (ms).
 
     ``wrappers``: the patched modules by name; they are in place again after. ``packed``: our
     side runs the padded batch on its real tokens (:func:`multihead.hf.pack_padding`), as the
@@ -224,8 +231,9 @@ def _time_layers(model: nn.Module, inputs: dict[str, Any], wrappers: dict[str, h
 
     sides = {"hf": {name: w.original for name, w in wrappers.items()}, "multihead": dict(wrappers)}
     timers = {side: _Timer(list(modules.values())) for side, modules in sides.items()}
+    load = OthersLoad()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), load:
             for _ in range(TIMED_RUNS + 1):  # the first round warms both up and is not counted
                 for side, modules in sides.items():
                     for name, module in modules.items():
@@ -241,8 +249,10 @@ def _time_layers(model: nn.Module, inputs: dict[str, Any], wrappers: dict[str, h
             set_submodule(model, name, wrapper)
         for timer in timers.values():
             timer.remove()
-    hf_ms, mh_ms = ([s * 1e3 for s in timers[side].seconds(skip=1)] for side in sides)
-    return hf_ms, mh_ms
+    out: dict[str, Any] = {side: [t * 1e3 for t in timers[side].seconds(skip=1)] for side in sides}
+    out["spread"] = {side: [(a * 1e3, b * 1e3) for a, b in timers[side].spread(skip=1)] for side in sides}
+    out["others"] = load.share
+    return out
 
 
 def _packable(model: nn.Module) -> bool:
@@ -282,6 +292,8 @@ def run_model(
         ``cosine_vs_sentence_transformers`` (per text; None if not a
         sentence-transformers model) and ``min_cosine``, ``ms_per_layer``
         (``{"hf": [...], "multihead": [...]}``, medians of :data:`TIMED_RUNS` runs, alternating),
+        ``ms_spread`` (the least and largest run of each), ``others_cpu_share`` (the share of
+        the CPUs other processes used during the timing; None where unknown),
         ``threads`` (torch's, during the run), ``packed`` (our side of the timing ran the padded
         batch on its real tokens: a BERT-family encoder), ``unpatch_restored``.
 
@@ -339,8 +351,8 @@ def _run_model(texts: list[str], path: Path, *, progress: bool) -> dict[str, Any
     with torch.no_grad():
         out = model(**inputs, output_hidden_states=True)
     packed = _packable(model) and not bool(real.all())
-    ms_hf, ms_mh = _time_layers(model, inputs, {name: m for name, m in patched if isinstance(m, hf.PatchedAttention)},
-                                packed=packed)
+    timing = _time_layers(model, inputs, {name: m for name, m in patched if isinstance(m, hf.PatchedAttention)},
+                          packed=packed)
     diff = max(float((a - b)[real].abs().max()) for a, b in zip(ref.hidden_states, out.hidden_states))
     diff = max(diff, float((ref.last_hidden_state - out.last_hidden_state)[real].abs().max()))
     if packed:  # the packed run agrees too (its padding rows are zeros, not compared)
@@ -385,7 +397,9 @@ def _run_model(texts: list[str], path: Path, *, progress: bool) -> dict[str, Any
         "max_abs_diff_hidden": diff,
         "cosine_vs_sentence_transformers": cosines,
         "min_cosine": None if cosines is None else min(cosines),
-        "ms_per_layer": {"hf": ms_hf, "multihead": ms_mh},
+        "ms_per_layer": {"hf": timing["hf"], "multihead": timing["multihead"]},
+        "ms_spread": timing["spread"],
+        "others_cpu_share": timing["others"],
         "packed": packed,
         "unpatch_restored": unpatch_restored,
     }
