@@ -153,6 +153,7 @@ ZOO: dict[str, tuple[dict[str, Any], bool]] = {
     "flex_olmo": ({"num_experts": 4, "num_experts_per_tok": 2}, True),
     "ernie4_5_moe": ({"head_dim": 16, "use_bias": True, "moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 32,
                       "moe_num_shared_experts": 1}, True),
+    "hy_v3": ({"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}, True),
 }
 #: Encoder-decoders: built for generation (``AutoModelForSeq2SeqLM``, Whisper's speech class),
 #: their encoder's and decoder's outputs compared, the decoder's cross-attention included.

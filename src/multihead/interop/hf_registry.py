@@ -470,6 +470,7 @@ _COPIES = [
             qk_norm="head"),  # Qwen3Attention's
     _q_proj("flex_olmo", "FlexOlmoAttention", norm="FlexOlmoRMSNorm", qk_norm="proj"),  # Olmo2Attention's
     _q_proj("ernie4_5_moe", "Ernie4_5_MoeAttention", rope="interleaved"),  # Ernie4_5Attention's
+    _q_proj("hy_v3", "HYV3Attention", norm="HYV3RMSNorm", qk_norm="head"),  # ApertusAttention's
     # ---- partial rotary: the first int(D · partial_rotary_factor) dims rotate, the rest pass ----
     # Phi (1/2): q/k/v_proj with bias + dense; optional per-head nn.LayerNorm on q/k (qk_layernorm)
     # not described: refused; rotate-half on q[..., :rotary_ndims]
