@@ -1,4 +1,4 @@
-"""torch.export with a dynamic sequence length: one program valid over the whole range.
+"""torch.export and torch.compile(dynamic=True) with a dynamic sequence length: one program valid over the whole range.
 
 The router used to compare sizes while tracing ("few rows", "enough scores"), and each
 comparison became a guard that narrowed the range (``Dim("s", min=2, max=1024)`` failed with
@@ -63,3 +63,22 @@ def test_the_operator_picks_its_loop_when_told_none(rows: int) -> None:
     chosen, _ = torch.ops.multihead.attention(q, k, v, None, 0.2, True, None, None)
     given, _ = torch.ops.multihead.attention(q, k, v, None, 0.2, True, None, decode)
     assert torch.equal(chosen, given)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True, num_kv_heads=2, rope=mh.RoPE(16))],
+                         ids=["bidirectional", "causal-gqa-rope"])
+def test_compile_dynamic_makes_one_graph_for_every_size(kw: dict[str, object]) -> None:
+    """torch.compile(dynamic=True): sizes crossing every threshold of the rules recompile nothing."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    layer = _layer(**kw)
+    compiled = torch.compile(layer, dynamic=True, fullgraph=True)
+    with torch.no_grad():
+        for s in SIZES:
+            x = torch.randn(1, s, 64)
+            torch.testing.assert_close(compiled(x), layer(x), atol=2e-5, rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()

@@ -107,8 +107,20 @@ def direct(*tensors: Tensor | None) -> bool:
 
 def symbolic(*tensors: Tensor) -> bool:
     """Whether any size of these tensors is symbolic (a graph traced for a range of sizes):
-    then no decision may compare a size, or it becomes a guard that narrows the range."""
-    return any(isinstance(n, torch.SymInt) for t in tensors for n in t.shape)
+    then no decision may compare a size, or it becomes a guard that narrows the range.
+
+    ``torch.export`` shows such sizes as ``SymInt``; ``torch.compile(dynamic=True)`` shows them
+    to Python as ints, so its tracing is asked for by its setting (read only while compiling)."""
+    return any(isinstance(n, torch.SymInt) for t in tensors for n in t.shape) or _compiling_dynamic()
+
+
+def _compiling_dynamic() -> bool:
+    """``torch.compile(dynamic=True)`` is tracing (its sizes are symbolic whatever Python sees)."""
+    if not torch.compiler.is_compiling():
+        return False
+    import torch._dynamo.config as dynamo_config  # loaded already: dynamo is tracing
+
+    return not dynamo_config.assume_static_by_default
 
 
 def attention_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, causal: bool,
