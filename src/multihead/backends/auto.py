@@ -108,6 +108,16 @@ NATIVE_MIN_GRAD_SCORES: dict[int, int] = {512: 1 << 20, 256: 1 << 20}
 #: (no mask / causal) at 2^16 scores (S=128, H=4), 2.1×/2.5× at 2^17, 3×/4.7× at 2^19,
 #: 3.3×/6.2× at 2^22; parity at 2^14 (S=64, H=4).
 NATIVE_MIN_GRAD_LSE_SCORES: dict[int, int] = {512: 1 << 22, 256: 1 << 16}
+#: float32 gradients on the CPU with a head dim above SDPA_GRAD_MAX_HEAD_DIM, where the native
+#: kernel does not take them, go to 'explicit' up to EXPLICIT_GRAD_MAX_SCORES scores: torch's SDPA
+#: backward computes Δ = rowsum(dO·O) from its output, not from the probabilities it recomputes,
+#: and the mismatch reaches dq through Σ p·k. Measured against flash-attention's criterion (dq's
+#: error vs float64 at most 3× the naive float32 one's, i.e. 'explicit'), 512×256, causal, GQA
+#: 6/2, B = 4, 4 seeds: D = 32 and 64 at most 1.6×, D = 96 3.0×, 111 2.8× (3.2× with a window),
+#: 112 2.8×, 113 3.0×, 120 2.2×, 128 2.4×, 256 1.8×. Up to 2^22 scores, 'explicit''s S×S tensors
+#: (a few of 16 MiB) are affordable; above, SDPA's O(S) memory wins and its error stands.
+SDPA_GRAD_MAX_HEAD_DIM = 64
+EXPLICIT_GRAD_MAX_SCORES = 1 << 22
 
 
 #: The machine facts the rules ask, each through :meth:`Call.ask`: name -> (the module holding the
@@ -284,6 +294,15 @@ def _blocked_fits(c: Call) -> bool:
             and (c.return_lse or not _intel_avx512(c)))
 
 
+def _explicit_grad_fits(c: Call) -> bool:
+    """float32 gradients on the CPU, no dropout, no log-sum-exp, a head dim above
+    SDPA_GRAD_MAX_HEAD_DIM and at most EXPLICIT_GRAD_MAX_SCORES scores (SDPA's dq fails
+    flash-attention's criterion there; see the constants)."""
+    return (c.differentiable and c.dropout_p == 0 and c.q.device.type == "cpu" and c.q.dtype == torch.float32
+            and not c.return_lse and c.q.shape[-1] > SDPA_GRAD_MAX_HEAD_DIM
+            and c.scores <= EXPLICIT_GRAD_MAX_SCORES)
+
+
 def _native_features_fit(c: Call) -> bool:
     """Logit features or packed sequences, forward only, where a native loop would run without
     them: the decoding threshold for few rows, the FlashAttention one otherwise."""
@@ -317,6 +336,11 @@ AUTO_RULES: tuple[Rule, ...] = (
          lambda c: (c.differentiable and c.dropout_p == 0 and c.q.device.type == "cpu" and not c.return_lse
                     and c.native_fits(NATIVE_MIN_GRAD_SCORES)
                     and not _bf16_on_amx(c)), _native(decode=False)),
+    Rule("explicit (gradients, accuracy)", f"float32 gradients on the CPU without dropout, head dim > "
+         f"{SDPA_GRAD_MAX_HEAD_DIM}, at most 2^{EXPLICIT_GRAD_MAX_SCORES.bit_length() - 1} scores, not native: "
+         "SDPA's dq there reached 3.2× the naive float32 error (flash-attention's criterion: 3×; its Δ = "
+         "rowsum(dO·O) does not match the probabilities it recomputes); 'explicit' is the naive computation",
+         _explicit_grad_fits, _backend(explicit_attention)),
     Rule("sdpa (gradients)", "gradients or dropout are needed (or the tensors are not on the CPU): "
          "SDPA is differentiable", lambda c: c.differentiable and not c.return_lse, _backend(sdpa_attention)),
     Rule("native (gradients, lse)", f"gradients and the log-sum-exp on the CPU, no dropout, from "
