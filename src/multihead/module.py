@@ -469,6 +469,8 @@ class MultiHeadAttention(nn.Module):
             self._see(name, t)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)  # over D, per head (Qwen3, Gemma 3)
+            self._see("Q_norm", q)  # what attention reads when no RoPE follows (EXAONE 4's global layers)
+            self._see("K_norm", k)
         return q, k, v
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None = None, *,

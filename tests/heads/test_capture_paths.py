@@ -201,3 +201,26 @@ def test_a_ring_cache_that_dropped_keys_refuses_to_append_rows_it_cannot_align()
         with pytest.raises(ValueError, match="no longer holds every earlier token"):
             layer(x[:, 3:4], cache=cache)
     assert cap.weights[cap.layers[0]].shape == (1, H, 3, 3)  # the rows that could be placed
+
+
+def test_capture_records_the_normed_keys_of_a_layer_without_rope() -> None:
+    """QK-norm and no RoPE (EXAONE 4's global layers): q and k as attention read them, after the
+    norm, the same with and without a cache (they were the keys before the norm without one)."""
+    import multihead as mh
+
+    torch.manual_seed(0)
+    layer = mh.MultiHeadAttention(32, 4, qk_norm="head", causal=True).eval()
+    with torch.no_grad():
+        layer.k_norm.weight.mul_(3.0)  # a norm that changes the keys visibly
+        layer.q_norm.weight.mul_(0.5)
+    x = torch.randn(1, 6, 32)
+    with mh.heads.capture(layer, what=("q", "k")) as whole, torch.no_grad():
+        layer(x)
+    q, k = layer.split(*layer.project(x))[:2]
+    torch.testing.assert_close(whole.k[""], k)  # normed (B, Hkv, S, D)
+    torch.testing.assert_close(whole.q[""], q)
+    cache = layer.new_cache(batch_size=1, max_len=8)
+    with mh.heads.capture(layer, what=("k",)) as stepwise, torch.no_grad():
+        for t in range(6):
+            layer(x[:, t:t + 1], cache=cache)
+    torch.testing.assert_close(stepwise.k[""][:, :, :6], k, atol=1e-6, rtol=1e-5)

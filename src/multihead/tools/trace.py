@@ -24,6 +24,8 @@ _STEPS: dict[str, tuple[str, str]] = {
     "Q_k": ("split heads", "Q_k"),
     "K_k": ("split heads", "K_k"),
     "V_k": ("split heads", "V_k"),
+    "Q_norm": ("QK-norm (per head)", "norm(Q_k)"),
+    "K_norm": ("QK-norm (per head)", "norm(K_k)"),
     "Q_rot": ("RoPE", "RoPE(Q_k)"),
     "K_rot": ("RoPE", "RoPE(K_k)"),
     "K_cache": ("KV cache", "K (cached)"),
