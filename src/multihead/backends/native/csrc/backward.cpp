@@ -504,8 +504,8 @@ void dq_item(const Grad<float>& g, F32Buffers& w, int64_t b, int64_t kvh, int64_
                 const float* qt = w.qb + (gi * QT1 + r0) * D;
                 const float* dot = w.dob + (gi * QT1 + r0) * Dv;
                 for (int64_t pan = pa; pan < pb; ++pan) {
-                    qk_tile(qt, D, D, w.kp + pan * D * NR, w.s + (pan - pa) * NR, KC1);
-                    qk_tile(dot, Dv, Dv, w.vp + pan * Dv * NR, w.dp + (pan - pa) * NR, KC1);
+                    qk_tile(qt, D, D, w.kp + pan * D * NR, w.s + (pan - pa) * NR, KC1, 1.f, QK_BLOCK_BACKWARD);
+                    qk_tile(dot, Dv, Dv, w.vp + pan * Dv * NR, w.dp + (pan - pa) * NR, KC1, 1.f, QK_BLOCK_BACKWARD);
                 }
                 for (int64_t i = 0; i < nr; ++i)
                     row_p_ds(g, b, h, i0 + r0 + i, j0, width, valid, w.s + i * KC1, w.dp + i * KC1, nullptr, 1.f,
@@ -582,8 +582,10 @@ void dkdv_item(const Grad<float>& g, F32Buffers& w, int64_t b, int64_t kvh, int6
             pack_rows(g.dorow(b, h, ib), Dv, g.dos[2], nb, round_up(nb, MR), Dvp, 1.f, w.dob);
             for (int64_t r0 = 0; r0 < nb; r0 += MR) {
                 for (int64_t pan = 0; pan < npan; ++pan) {
-                    qk_tile(w.qb + r0 * Dp, Dp, D, w.kp + pan * D * NR, w.s + r0 * KB2 + pan * NR, KB2);
-                    qk_tile(w.dob + r0 * Dvp, Dvp, Dv, w.vp + pan * Dv * NR, w.dp + r0 * KB2 + pan * NR, KB2);
+                    qk_tile(w.qb + r0 * Dp, Dp, D, w.kp + pan * D * NR, w.s + r0 * KB2 + pan * NR, KB2, 1.f,
+                            QK_BLOCK_BACKWARD);
+                    qk_tile(w.dob + r0 * Dvp, Dvp, Dv, w.vp + pan * Dv * NR, w.dp + r0 * KB2 + pan * NR, KB2, 1.f,
+                            QK_BLOCK_BACKWARD);
                 }
                 for (int64_t i = r0; i < std::min(r0 + MR, nb); ++i) {
                     float unused = 0.f;

@@ -224,9 +224,16 @@ inline vf reduce_w(const vf* x) {
 // logit, whose error the exponential turns into the relative error of its probability. At
 // D = 96 (GQA 6/2, Sq = Sk = 1024, an asymmetric window) that made the forward's error 3.9×
 // the naive float32 one (flash-attention's criterion: 2×) and the backward's dq 3.4× (3×).
-// Blocks of 16 make the partial sums short (2.6× less error on aligned rows, D = 96), for
-// one load, add and store of the tile per 16 products (a cost to measure on an idle machine).
-constexpr int64_t QK_BLOCK = 16;
+// Blocks of 64 bound the partial sums (with the scale applied after the product, below, that
+// case is 1.3-1.5× the naive error). Each block costs one load, add and store of the tile:
+// measured on AVX2 (Zen 3, 2 threads, H=12, D=64, S=1024/2048, paired against SDPA in one
+// process), blocks of 16 made the float32 forward 8-10% slower, 32 about 5%, 64 nothing (one
+// block at D ≤ 64, the common head width; two at D = 96 or 128).
+constexpr int64_t QK_BLOCK = 64;
+// The backward's tiles (scores and dP, whose errors its gradients carry: dq of the strided
+// cases, D = 64, measured 3.5× the naive error with blocks of 64) sum blocks of 16; its time is
+// mostly the dQ/dK/dV products, not these tiles.
+constexpr int64_t QK_BLOCK_BACKWARD = 16;
 
 // c (MR × NR, row stride ldc) = scale · a (MR × d, row stride lda) · panel (d × NR), NR = 2·W:
 // the q·kᵀ tile of the forward and the backward (scores, dP), summed in blocks of QK_BLOCK; the
@@ -234,9 +241,9 @@ constexpr int64_t QK_BLOCK = 16;
 // scale folded into a rounds every element of a: the case above, seed 3, 2.0× the naive error
 // with blocks alone, 1.3× with the scale here).
 inline void qk_tile(const float* __restrict a, int64_t lda, int64_t d, const float* __restrict panel,
-                    float* __restrict c, int64_t ldc, float scale = 1.f) {
-    for (int64_t t0 = 0; t0 < d; t0 += QK_BLOCK) {
-        const int64_t t1 = std::min(d, t0 + QK_BLOCK);
+                    float* __restrict c, int64_t ldc, float scale = 1.f, int64_t block = QK_BLOCK) {
+    for (int64_t t0 = 0; t0 < d; t0 += block) {
+        const int64_t t1 = std::min(d, t0 + block);
         vf c0[MR], c1[MR];
 #pragma GCC unroll 12
         for (int i = 0; i < MR; ++i) c0[i] = c1[i] = (vf){};
