@@ -6,6 +6,11 @@ and show them through :func:`markdown` (every case, ours against each peer) and
 files, so the pages always show what was measured, never figures typed in by hand.
 
     python -m multihead.tools.bench_page docs/results/NAME.json [--headline]
+    python -m multihead.tools.bench_page docs/results/NAME.json --write   # the pages, in place
+
+The performance page holds one section per results file, between ``<!-- results:NAME -->``
+and ``<!-- /results:NAME -->`` (a picture ``NAME.png`` beside the JSON is shown with it); the
+README's table is the headline of the file named in its ``<!-- headline:NAME -->`` marker.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["markdown", "headline", "machine_line", "load", "HEADLINE"]
+__all__ = ["markdown", "headline", "machine_line", "load", "HEADLINE", "section", "replace_between"]
 
 Result = dict[str, Any]
 
@@ -76,21 +81,26 @@ def _groups(suite: dict[str, Any]) -> list[tuple[str, str, Result, list[Result]]
     return out
 
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f}" if seconds < 1e-3 else f"{seconds * 1e3:.2f}"
+def _per_call(row: Result) -> float:
+    """Seconds of one call: a small case's sample is ``calls`` calls in a row."""
+    return float(row["median_s"]) / int(row.get("calls", 1))
+
+
+def _time(seconds: float) -> str:
+    return f"{seconds * 1e6:.1f} µs" if seconds < 1e-3 else f"{seconds * 1e3:.2f} ms"
 
 
 def markdown(suite: dict[str, Any]) -> str:
     """Every measured point as one table row per peer: times, the paired ratio, and our rate
     as a share of the best GEMM timed in the same loop where the suite measured it."""
     lines = [machine_line(suite) + ".", "",
-             "| case | point | multihead ms | peer | peer ms | peer / ours (paired) | ours % of the GEMM |",
+             "| case | point | multihead | peer | peer's time | peer / ours (paired) | ours % of the GEMM |",
              "|---|---|---|---|---|---|---|"]
     for case, label, ours, peers in _groups(suite):
         share = f"{100 * ours['frac_gemm_loop']:.0f}%" if "frac_gemm_loop" in ours else ""
         for peer in peers:
-            lines.append(f"| {case} | {label} | {_ms(ours['median_s'])} | {peer['impl']} | {_ms(peer['median_s'])} "
-                         f"| {paired(ours, peer):.2f}× | {share} |")
+            lines.append(f"| {case} | {label} | {_time(_per_call(ours))} | {peer['impl']} | "
+                         f"{_time(_per_call(peer))} | {paired(ours, peer):.2f}× | {share} |")
     return "\n".join(lines)
 
 
@@ -105,26 +115,70 @@ def _find(suite: dict[str, Any], case: str, where: dict[str, Any], peer: str) ->
 
 def headline(suite: dict[str, Any]) -> str:
     """The README's table: the :data:`HEADLINE` rows found in this run, ours against the peer."""
-    lines = ["| case | multihead | peer | peer / ours (paired) |", "|---|---|---|---|"]
+    lines = [f"Measured on {machine_line(suite)}, with `multihead bench`; a ratio above 1 means multihead "
+             "took less time than the peer.", "",
+             "| case | multihead | peer | peer / ours (paired) |", "|---|---|---|---|"]
     for case, where, peer, words in HEADLINE:
         pair = _find(suite, case, where, peer)
         if pair is not None:
             ours, other = pair
-            lines.append(f"| {words} | {_ms(ours['median_s'])} ms | {peer} {_ms(other['median_s'])} ms "
+            lines.append(f"| {words} | {_time(_per_call(ours))} | {peer} {_time(_per_call(other))} "
                          f"| {paired(ours, other):.2f}× |")
     return "\n".join(lines)
 
 
+def section(name: str, suite: dict[str, Any], picture: bool) -> str:
+    """The performance page's section of one results file ``docs/results/NAME.json``."""
+    lines = [f"### {suite['machine']['cpu']}: `{name}`", ""]
+    if picture:
+        lines += [f"![throughput against sequence length, {suite['machine']['cpu']}](results/{name}.png)", ""]
+    return "\n".join(lines) + "\n" + markdown(suite)
+
+
+def replace_between(text: str, marker: str, body: str) -> str:
+    """``text`` with what lies between ``<!-- marker -->`` and ``<!-- /marker -->`` replaced by ``body``.
+
+    Raises:
+        ValueError: the markers are missing (named)."""
+    start, end = f"<!-- {marker} -->\n", f"\n<!-- /{marker} -->"
+    i, j = text.find(start), text.find(end)
+    if i < 0 or j < i:
+        raise ValueError(f"the markers {start.strip()} ... {end.strip()} are missing")
+    return text[:i + len(start)] + body + text[j:]
+
+
+def _write(path: Path) -> None:
+    """Put one results file's section into docs/performance.md (and the README's headline
+    if the README names that file)."""
+    name, suite = path.stem, load(path)
+    docs = path.parent.parent
+    page = docs / "performance.md"
+    text = page.read_text(encoding="utf-8")
+    marker = f"results:{name}"
+    if f"<!-- {marker} -->" not in text:  # a new machine: its markers before the closing one
+        text = text.replace("<!-- /results -->", f"<!-- {marker} -->\n<!-- /{marker} -->\n<!-- /results -->")
+    page.write_text(replace_between(text, marker, section(name, suite, path.with_suffix(".png").exists())),
+                    encoding="utf-8")
+    readme = docs.parent / "README.md"
+    text = readme.read_text(encoding="utf-8")
+    if f"<!-- headline:{name} -->" in text:
+        readme.write_text(replace_between(text, f"headline:{name}", headline(suite)), encoding="utf-8")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Print the Markdown of a results file (``--headline``: the README's rows)."""
+    """Print the Markdown of a results file (``--headline``: the README's rows), or write it
+    into the pages (``--write``)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    want_headline = "--headline" in args
-    paths = [a for a in args if a != "--headline"]
-    if len(paths) != 1:
-        sys.stderr.write("usage: python -m multihead.tools.bench_page RESULTS.json [--headline]\n")
+    flags = {a for a in args if a.startswith("--")}
+    paths = [a for a in args if not a.startswith("--")]
+    if len(paths) != 1 or not flags <= {"--headline", "--write"}:
+        sys.stderr.write("usage: python -m multihead.tools.bench_page RESULTS.json [--headline | --write]\n")
         return 2
+    if "--write" in flags:
+        _write(Path(paths[0]))
+        return 0
     suite = load(paths[0])
-    sys.stdout.write((headline(suite) if want_headline else markdown(suite)) + "\n")
+    sys.stdout.write((headline(suite) if "--headline" in flags else markdown(suite)) + "\n")
     return 0
 
 
