@@ -503,20 +503,6 @@ class _LatentWrapper(PatchedAttention):
         layer: Any = self.mh
         return layer
 
-    def _check_not_pruned(self, prefix: str) -> None:
-        """Refuse, by name, a layer whose heads :func:`multihead.heads.prune` removed: the original
-        class has no pruned shapes (transformers keeps no pruned heads for these models)."""
-        now = _head_counts(self.mh)
-        if now != self.original_heads:
-            (h, hkv), (h_now, hkv_now) = self.original_heads, now
-            raise ValueError(
-                f"cannot write the {type(self.original).__name__} state dict at {prefix!r}: its heads were pruned "
-                f"({h} query / {hkv} K/V heads -> {h_now} / {hkv_now}) and that class only loads unpruned "
-                "shapes, so state_dict() and save_pretrained() of a pruned patched model are refused; save the "
-                "model before pruning (save_pretrained) with the head spec, and prune again after loading: "
-                "multihead.heads.prune(multihead.hf.patch(Model.from_pretrained(path)), spec) gives the same "
-                "model (weights trained after pruning have no checkpoint form in this class)")
-
     def _synced_original(self) -> nn.Module:
         weight = self.latent.o_proj.weight
         original = self.original.to(device=weight.device, dtype=weight.dtype).train(self.training)
