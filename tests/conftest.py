@@ -19,6 +19,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 # Set MULTIHEAD_GEMM=torch to run the whole suite on torch.matmul instead.
 os.environ.setdefault("MULTIHEAD_GEMM", "onednn")
 
+from collections.abc import Iterator  # noqa: E402
 from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -230,3 +231,16 @@ def amd_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(native, "cpu_vendor", lambda: "AuthenticAMD")
     monkeypatch.setattr(native, "amx_bf16", lambda: False)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """Debian's chromium under Playwright (tests/browser.py: the flags, RecordedPage)."""
+    from playwright.sync_api import sync_playwright
+
+    from browser import CHROMIUM, FLAGS
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        yield b
+        b.close()

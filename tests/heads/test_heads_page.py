@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 import multihead as mh
+from browser import RecordedPage, needs_chromium
 from heads_helpers import TEXTS, hand_capture, minilm
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -24,11 +24,6 @@ DOCS = Path(__file__).resolve().parents[2] / "docs"
 #: copy them into docs/; otherwise they stay in pytest's temporary folder (no test run
 #: changes the working tree).
 WRITE_DOCS = os.environ.get("MULTIHEAD_WRITE_DOCS") == "1"
-CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-needs_chromium = pytest.mark.skipif(CHROMIUM is None,
-                                    reason="no Chromium installed (apt-get install chromium); .ci/run installs it")
 #: A text the tokenizer cuts at the model's 256 tokens.
 LONG = " ".join(["Attention heads, each on its own, look at different things in the sentence!"] * 20)
 #: One step of the page's stored weights (round(w · 255) / 255), and its rounding bound.
@@ -64,35 +59,11 @@ def long_capture() -> tuple[mh.heads.Capture, list[list[str]], dict[str, torch.T
     return cap, tokens, batch, len(tok(LONG, verbose=False)["input_ids"])
 
 
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        yield b
-        b.close()
-
-
-class Page:
-    """A page opened from file:// with every console error, request, dialog and page error kept."""
+class Page(RecordedPage):
+    """The heads page opened from file:// with every console error, request, dialog and page error kept."""
 
     def __init__(self, browser: Any, path: Path) -> None:
-        self.errors: list[str] = []
-        self.requests: list[str] = []
-        self.dialogs: list[str] = []
-        self.page = page = browser.new_page(viewport={"width": 1100, "height": 900}, device_scale_factor=1)
-        page.on("request", lambda r: self.requests.append(r.url))
-        page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
-        page.on("pageerror", lambda e: self.errors.append(str(e)))
-        page.on("dialog", lambda d: (self.dialogs.append(d.message), d.dismiss()))
-        page.route("**/*", lambda r: r.continue_() if r.request.url.startswith(("file:", "data:", "about:", "blob:"))
-                   else r.abort())
-        page.goto(path.as_uri())
-        page.wait_for_function("window.__mhReady === true", timeout=20000)
-
-    def foreign(self) -> list[str]:
-        return [u for u in self.requests if not u.startswith(("file:", "data:", "about:", "blob:"))]
+        super().__init__(browser, path, ready="window.__mhReady === true", width=1100, height=900)
 
     def lines(self) -> list[str]:
         return self.page.eval_on_selector_all(

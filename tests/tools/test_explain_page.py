@@ -11,19 +11,16 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from browser import RecordedPage, needs_chromium
 from multihead.tools import explain_page as ep
 from multihead.tools.cli import main
 
-CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 SENTENCE = "The cat sat on the mat because it was warm."
 HOSTILE = '</script><img src=x onerror="window.__pwned=1"> <b>bold</b> \u2028 &amp; done'
 STEPS = ["input", "projection", "split", "rope", "scores", "softmax", "head", "concat", "wo", "residual"]
@@ -31,7 +28,6 @@ DOCS = Path(__file__).resolve().parents[2] / "docs"
 #: With MULTIHEAD_WRITE_DOCS=1 the screenshot is copied to docs/explain_page.png (as tests/heads does);
 #: otherwise it stays in pytest's temporary folder.
 WRITE_DOCS = os.environ.get("MULTIHEAD_WRITE_DOCS") == "1"
-needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium installed (apt-get install chromium)")
 
 
 @pytest.fixture(scope="module")
@@ -56,30 +52,12 @@ def hf_oracle() -> dict[str, Any]:
             "A": out.attentions[0]}
 
 
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        yield b
-        b.close()
-
-
-class Opened:
-    """A page loaded from file://, recording console errors and every request."""
+class Opened(RecordedPage):
+    """The lesson page loaded from file://, recording console errors and every request."""
 
     def __init__(self, browser: Any, path: Path) -> None:
-        self.requests: list[str] = []
-        self.errors: list[str] = []
-        self.page = browser.new_page(viewport={"width": 1200, "height": 1000}, device_scale_factor=1)
-        self.page.on("request", lambda r: self.requests.append(r.url))
-        self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
-        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
-        self.page.route("**/*", lambda r: r.continue_() if r.request.url.startswith(("file:", "data:", "about:"))
-                        else r.abort())
-        self.page.goto(path.as_uri())
-        self.page.wait_for_function("window.__mhExplain && window.__mhExplain.ready === true", timeout=15000)
+        super().__init__(browser, path, ready="window.__mhExplain && window.__mhExplain.ready === true",
+                         width=1200, height=1000, timeout_ms=15000)
 
     def hover_cell(self, canvas_id: str, row: int, col: int) -> dict[str, Any]:
         """Move the mouse onto cell (row, col) of a heat map; the page's report of it and the tooltip."""
