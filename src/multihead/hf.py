@@ -9,11 +9,11 @@ short public name ``mh.hf``.
 from typing import Any
 
 from .interop.hf_kernel import NAME, attention_forward, bool_mask, register
-from .interop.hf_packing import PackedPadding, pack_padding
+from .interop.hf_packing import PackedPadding, pack_padding, packable
 from .interop.hf_patch import PatchedAttention, is_patched, patch, unpatch
 
 __all__ = ["patch", "unpatch", "is_patched", "register", "attention_forward", "bool_mask", "PatchedAttention",
-           "pack_padding", "PackedPadding", "NAME", "KVCacheAdapter"]  # noqa: F822 - KVCacheAdapter: module __getattr__ (imports transformers)
+           "pack_padding", "packable", "PackedPadding", "NAME", "KVCacheAdapter"]  # noqa: F822 - KVCacheAdapter: module __getattr__ (imports transformers)
 
 
 def __getattr__(name: str) -> Any:

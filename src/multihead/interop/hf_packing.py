@@ -31,7 +31,7 @@ from torch import nn
 
 from .hf_patch import PatchedAttention
 
-__all__ = ["pack_padding", "PackedPadding", "ENCODER_CLASSES"]
+__all__ = ["pack_padding", "packable", "PackedPadding", "ENCODER_CLASSES"]
 
 #: The encoders whose layers are BERT's (attention + token-wise MLP), by class name.
 ENCODER_CLASSES = ("BertEncoder", "RobertaEncoder", "XLMRobertaEncoder", "ElectraEncoder")
@@ -110,6 +110,12 @@ class PackedPadding:
         self.real, self.shape = None, None
         for wrapper in self.wrappers:
             wrapper.packing = None
+
+
+def packable(model: nn.Module) -> bool:
+    """Whether ``model`` holds a BERT-family encoder (:data:`ENCODER_CLASSES`) that
+    :func:`pack_padding` takes once its attention is patched."""
+    return any(type(m).__name__ in ENCODER_CLASSES for m in model.modules())
 
 
 def pack_padding(model: nn.Module) -> PackedPadding:

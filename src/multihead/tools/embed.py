@@ -147,13 +147,6 @@ def check_batch_size(batch_size: int) -> int:
     return batch_size
 
 
-def _packable(model: Any) -> bool:
-    """Whether :func:`multihead.hf.pack_padding` takes this model (a BERT-family encoder)."""
-    from ..interop.hf_packing import ENCODER_CLASSES
-
-    return any(type(m).__name__ in ENCODER_CLASSES for m in model.modules())
-
-
 class Embedder:
     """A checkpoint loaded once, patched with multihead's attention, ready to embed texts.
 
@@ -181,7 +174,7 @@ class Embedder:
         self.model, self.tokenizer = models.load_model(self.path), models.load_tokenizer(self.path)
         hf.patch(self.model)
         # BERT-family encoders run each batch on its real tokens only (the padding costs nothing)
-        self.packing = hf.pack_padding(self.model) if _packable(self.model) else None
+        self.packing = hf.pack_padding(self.model) if hf.packable(self.model) else None
         self.max_length = _token_limit(self.path, self.model.config, self.tokenizer)
         settings = self.path / "sentence_bert_config.json"
         self.lower_case = settings.is_file() and bool(_read_json(settings).get("do_lower_case", False))

@@ -255,13 +255,6 @@ def _time_layers(model: nn.Module, inputs: dict[str, Any], wrappers: dict[str, h
     return out
 
 
-def _packable(model: nn.Module) -> bool:
-    """Whether :func:`multihead.hf.pack_padding` takes this model (a BERT-family encoder)."""
-    from ..interop.hf_packing import ENCODER_CLASSES
-
-    return any(type(m).__name__ in ENCODER_CLASSES for m in model.modules())
-
-
 def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in attention_modules(model, include_patched=True)
             if interop.hf_family(m) is not None or isinstance(m, hf.PatchedAttention)]
@@ -350,7 +343,7 @@ def _run_model(texts: list[str], path: Path, *, progress: bool) -> dict[str, Any
     wrappers = [m for _, m in patched]
     with torch.no_grad():
         out = model(**inputs, output_hidden_states=True)
-    packed = _packable(model) and not bool(real.all())
+    packed = hf.packable(model) and not bool(real.all())
     timing = _time_layers(model, inputs, {name: m for name, m in patched if isinstance(m, hf.PatchedAttention)},
                           packed=packed)
     diff = max(float((a - b)[real].abs().max()) for a, b in zip(ref.hidden_states, out.hidden_states))
