@@ -87,17 +87,19 @@ def _zero_bias(q: torch.Tensor) -> torch.Tensor | None:
     return zero
 
 
+def _may_hold_nan(q: torch.Tensor) -> bool:
+    """Whether q may hold a NaN: one sum decides in eager mode (an overflow to inf only costs the
+    exact masking after it); a compiled graph always takes the exact, branch-free masking."""
+    return torch.compiler.is_compiling() or math.isnan(float(q.detach().sum()))
+
+
 def _nan_rows_kept(q: torch.Tensor, out: torch.Tensor, sk: int) -> torch.Tensor:
     """NaN in, NaN out, as the reference and every other backend: torch's unmasked CPU kernel
     returns zeros for a query row holding a NaN (its row maximum skips NaN scores).
 
-    q (B, H, Sq, D), out (B, H, Sq, Dv). One sum of q decides in eager mode (a NaN anywhere
-    makes it NaN; an overflow to inf only costs the exact check); compiled graphs always take
-    the exact, branch-free masking.
+    q (B, H, Sq, D), out (B, H, Sq, Dv); :func:`_may_hold_nan` decides whether to look.
     """
-    if sk == 0 or q.device.type != "cpu":  # the CPU kernel's habit; no device sync elsewhere (meta: no data)
-        return out
-    if not torch.compiler.is_compiling() and not math.isnan(float(q.detach().sum())):
+    if sk == 0 or q.device.type != "cpu" or not _may_hold_nan(q):  # the CPU kernel's habit; no device sync
         return out
     return out.masked_fill(q.isnan().any(dim=-1, keepdim=True), math.nan)  # (B, H, Sq, 1) over Dv
 
@@ -108,9 +110,7 @@ def _empty_rows_zero(q: torch.Tensor, out: torch.Tensor, allowed: torch.Tensor |
 
     ``allowed``: bool broadcastable to (B, H, Sq, Sk), or None (no row is empty).
     """
-    if allowed is None or q.device.type != "cpu":
-        return out
-    if not torch.compiler.is_compiling() and not math.isnan(float(q.detach().sum())):
+    if allowed is None or q.device.type != "cpu" or not _may_hold_nan(q):
         return out
     return out.masked_fill(~allowed.any(dim=-1, keepdim=True), 0.0)  # (B|1, H|1, Sq, 1)
 
