@@ -34,7 +34,7 @@ from .._compile import constant_in_graphs
 
 __all__ = ["MatMul", "onednn_available", "onednn_usable", "gemm_choice", "gemm_setting", "refresh_settings",
            "gemm_measurement", "keep_gemm_measurement",
-           "gemm_for", "mm_nt", "onednn_mm_nt", "onednn_linear_op", "compiled_onednn"]
+           "gemm_for", "mm_nt", "matmul_nt", "onednn_mm_nt", "onednn_linear_op", "compiled_onednn"]
 
 #: The choices of ``$MULTIHEAD_GEMM``.
 GEMM_CHOICES = ("onednn", "torch")
@@ -232,7 +232,8 @@ def _verdict(ratios: list[float]) -> str:
     return "torch" if faster else "onednn"
 
 
-def _matmul_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def matmul_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x · wᵀ`` by ``torch.matmul``: x (M, K), w (N, K) -> (M, N)."""
     return torch.matmul(x, w.transpose(0, 1))
 
 
@@ -248,7 +249,7 @@ def gemm_for(x: torch.Tensor) -> MatMul:
     if op is not None and x.dtype == torch.float32 and x.device.type == "cpu" and onednn_available():
         empty: list[float] = []
         return lambda a, w: op(a, w, None, "none", empty, "")
-    return _matmul_nt
+    return matmul_nt
 
 
 def onednn_mm_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
