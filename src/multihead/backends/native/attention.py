@@ -24,7 +24,7 @@ from . import loader
 from ._ffi import SUFFIX, kernel, ptr
 from .loader import require
 
-__all__ = ["attention_f32", "check_operator_inputs", "key_panels", "decode_f32", "Logits", "run_kernel",
+__all__ = ["attention_f32", "check_operator_inputs", "key_panels", "decode_f32", "Logits", "Tiles", "run_kernel",
            "query_tile", "QUERY_TILE", "rows_per_kv_head", "DECODE_ROWS"]
 
 
@@ -58,6 +58,7 @@ def attention_f32(
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    tiles: Tiles | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention with the native kernel, forward only (no autograd).
 
@@ -77,6 +78,8 @@ def attention_f32(
         cu_seqlens: (N+1,) or (B, N+1) cumulative lengths of packed sequences (Sq == Sk):
             each query sees keys of its own sequence only, and key panels outside a tile's
             sequences are never computed.
+        tiles: a block mask (:class:`Tiles`; not with ``mask``): its empty tiles are never
+            computed, its full ones read no mask.
 
     Returns:
         (B, H, Sq, Dv) in q's dtype, a view of a (B, Sq, H, Dv) buffer; zeros for rows
@@ -88,18 +91,20 @@ def attention_f32(
     """
     _check_logits(q, k, softcap, alibi_slopes, sinks, cu_seqlens)
     return run_kernel("mh_attention_f32", q, k, v, scale, causal, window, mask, return_lse, query_tile(),
-                logits=Logits(softcap, alibi_slopes, sinks, cu_seqlens))
+                      logits=Logits(softcap, alibi_slopes, sinks, cu_seqlens, tiles=tiles))
 
 
 def key_panels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool = False,
-               window: int | None = None, cu_seqlens: torch.Tensor | None = None) -> int:
+               window: int | None = None, cu_seqlens: torch.Tensor | None = None,
+               tiles: Tiles | None = None) -> int:
     """How many q·kᵀ key panels (NR keys × a tile of query rows) the FlashAttention loop computes
-    for this problem: the evidence that packed sequences spend no scores across sequences
-    (the tests compare it with the panels the query tiles' sequences and structure cover)."""
+    for this problem: the evidence that packed sequences spend no scores across sequences, and
+    a block mask none in its empty tiles (the tests compare it with the panels the query tiles'
+    sequences, structure and tiles cover)."""
     _check_logits(q, k, None, None, None, cu_seqlens)
     counter = torch.zeros(1, dtype=torch.int64)
     run_kernel("mh_attention_f32", q, k, v, scale, causal, window, None, False, query_tile(),
-         logits=Logits(cu_seqlens=cu_seqlens, panels=counter))
+               logits=Logits(cu_seqlens=cu_seqlens, panels=counter, tiles=tiles))
     return int(counter.item())
 
 
@@ -178,19 +183,77 @@ class Logits(NamedTuple):
     sinks: torch.Tensor | None = None  # (H,)
     cu_seqlens: torch.Tensor | None = None  # (N+1,) or (B, N+1)
     panels: torch.Tensor | None = None  # (1,) int64 counter of the key panels computed (tests)
+    tiles: Tiles | None = None  # a block mask's tile classes and bytes
 
     def any(self) -> bool:
         return any(value is not None for value in self)
 
     def arguments(self, seq: int) -> tuple[object, ...]:
-        """The C arguments: softcap, slopes, sinks, segment bounds, their batch stride, counter;
-        with the tensors that must outlive the call (kept by the caller)."""
+        """The C arguments: softcap, slopes, sinks, segment bounds, their batch stride, counter,
+        tiles, their strides and block sizes, the partial tiles' bytes; with the tensors that must
+        outlive the call (kept by the caller)."""
         slopes, sinks = (None if t is None else t.detach().float().contiguous()
                          for t in (self.alibi_slopes, self.sinks))
         seg = None if self.cu_seqlens is None else segment_bounds(self.cu_seqlens, seq)  # (B|1, 2, S)
         seg_bs = 0 if seg is None or seg.shape[0] == 1 else seg.stride(0)
+        tiles = self.tiles
+        tile_args: tuple[object, ...] = (None, (), None) if tiles is None else tiles.arguments()
         return (float(self.softcap or 0.0), ptr(slopes), ptr(sinks), ptr(seg), seg_bs, ptr(self.panels),
-                slopes, sinks, seg)
+                *tile_args, slopes, sinks, seg, tiles)
+
+
+class Tiles(NamedTuple):
+    """A block mask as the FlashAttention loop reads it (:class:`multihead.BlockMask`'s layout).
+
+    Attributes:
+        classes: int32 (B|1, H|1, nQ, nK), nQ = ⌈Sq / bq⌉, nK = ⌈Sk / bk⌉: ``-1`` no pair of
+            the tile may attend (skipped), ``-2`` every pair may, ``p >= 0`` the tile's bytes
+            are ``partial[p]``.
+        partial: uint8 (P, bq, bk), contiguous, 1 = may attend.
+        bq, bk: query and key block sizes (bk a multiple of 32, at most 1024).
+    """
+
+    classes: torch.Tensor
+    partial: torch.Tensor
+    bq: int
+    bk: int
+
+    def check(self, b: int, h: int, sq: int, sk: int) -> None:
+        """What the kernel reads as raw memory, checked first: the classes' dtype, shape and values,
+        the partial tiles' dtype, shape and layout, the block sizes.
+
+        Raises:
+            TypeError, ValueError: naming the field, expected against got.
+        """
+        c, part, bq, bk = self.classes, self.partial, self.bq, self.bk
+        check_int("bq", bq, minimum=1)
+        check_int("bk", bk, minimum=32, maximum=1024)
+        if bk % 32:
+            raise ValueError(f"bk must be a multiple of 32, got {bk}")
+        want = (-(-sq // bq), -(-sk // bk))
+        if (not isinstance(c, torch.Tensor) or c.dtype != torch.int32 or c.dim() != 4 or c.device.type != "cpu"
+                or c.shape[0] not in (1, b) or c.shape[1] not in (1, h) or tuple(c.shape[2:]) != want):
+            got = f"{c.dtype} {list(c.shape)}" if isinstance(c, torch.Tensor) else type(c).__name__
+            raise ValueError(f"tile classes must be int32 CPU [B|1, H|1, nQ, nK] = [{b}|1, {h}|1, {want[0]}, "
+                             f"{want[1]}], got {got}")
+        if (not isinstance(part, torch.Tensor) or part.dtype not in (torch.uint8, torch.bool) or part.dim() != 3
+                or tuple(part.shape[1:]) != (bq, bk) or not part.is_contiguous() or part.device.type != "cpu"):
+            got = f"{part.dtype} {list(part.shape)}" if isinstance(part, torch.Tensor) else type(part).__name__
+            raise ValueError(f"partial tiles must be contiguous uint8 CPU [P, bq, bk] = [P, {bq}, {bk}], got {got}")
+        if c.numel() and (int(c.min()) < -2 or int(c.max()) >= part.shape[0]):
+            raise ValueError(f"tile classes must be -1, -2 or an index below {part.shape[0]} (the partial tiles), "
+                             f"got values in [{int(c.min())}, {int(c.max())}]")
+
+    def expanded(self, b: int, h: int) -> torch.Tensor:
+        """``classes`` broadcast to (B, H, nQ, nK) (strides 0 where it has one batch row or head)."""
+        c = self.classes
+        return c.expand(b, h, c.shape[2], c.shape[3])
+
+    def arguments(self) -> tuple[object, ...]:
+        """tiles, (4 strides, bq, bk), partial: the C arguments (callers keep ``self`` alive)."""
+        c = self.classes
+        strides = tuple(0 if c.shape[i] == 1 else c.stride(i) for i in range(4))
+        return c.data_ptr(), (*strides, self.bq, self.bk), self.partial.data_ptr()
 
 
 def _check_logits(q: object, k: object, softcap: object, alibi_slopes: object, sinks: object,
@@ -214,7 +277,7 @@ def _check_logits(q: object, k: object, softcap: object, alibi_slopes: object, s
 
 #: The FlashAttention loop's features when none is given: softcap, slopes, sinks, segments, their
 #: batch stride, panel counter.
-_NO_LOGITS = (0.0, None, None, None, 0, None)
+_NO_LOGITS = (0.0, None, None, None, 0, None, None, (), None)
 _NO_MASK_STRIDES = (0, 0, 0, 0)
 _NO_LSE_STRIDES = (0, 0, 0)
 
@@ -259,12 +322,17 @@ def run_kernel(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
                *(_NO_LSE_STRIDES if lse is None else (h * sq, sq, 1)))
     features: tuple[object, ...] = ()
     keep: tuple[object, ...] = ()  # the tensors behind the features' pointers, alive through the call
+    if logits is not None and logits.tiles is not None:
+        if mask is not None:
+            raise ValueError("a block mask (tiles) and a dense mask cannot be given together: fold the mask "
+                             "into the block mask")
+        logits.tiles.check(b, h, sq, sk)
     if name == "mh_attention_f32":
         if logits is None or not logits.any():
             features = _NO_LOGITS
         else:
             arguments = logits.arguments(sq)
-            features, keep = arguments[:6], arguments[6:]
+            features, keep = arguments[:9], arguments[9:]
     elif logits is not None and logits.any():
         raise ValueError(f"{name} takes no logit features or packed sequences (the FlashAttention loop does)")
     code = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), None if lse is None else lse.data_ptr(),

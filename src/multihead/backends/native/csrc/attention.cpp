@@ -86,6 +86,67 @@ inline void pack_panel(const Problem& P, const T* kb, int64_t first, float* __re
 // The most bytes of one (b, K/V head)'s packed K for a thread to pack it whole (L2: 2 MiB here).
 constexpr int64_t OWN_K_BYTES = 1 << 20;
 
+// With a block mask: the tiles' classes of rows [i0, i0 + nr) for key block kb: whether any
+// of them may attend (else the block is skipped) and whether all are FULL (no mask to read).
+inline void block_class(const Problem& P, int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t kb, bool& any,
+                        bool& full) {
+    any = false;
+    full = true;
+    for (int64_t qb = i0 / P.bq; qb <= (i0 + nr - 1) / P.bq; ++qb) {
+        const int32_t t = tile_at(P, b, h, qb, kb);
+        any |= t != TILE_EMPTY;
+        full &= t == TILE_FULL;
+    }
+}
+
+// With a block mask: the rows [i0, i0 + nr) of head h (their packed queries at row qrow of
+// buf.qbuf, their running state at row srow) against keys [j0, j1) (panel aligned; kt: the
+// packed panel of key j0 and those after it). Key blocks whose tiles are all EMPTY for these
+// rows are skipped (no product), consecutive all-FULL blocks run as one segment without a
+// mask, any other block alone with each row's bytes (a row whose tile is EMPTY reads zeros).
+// Returns the q·kᵀ panels computed.
+template <class T>
+int64_t tiled_rows(const Problem& P, Buffers& buf, const float* kt, int64_t j0, int64_t j1, int64_t b, int64_t h,
+                   int64_t qrow, int64_t srow, int64_t i0, int64_t nr, const T* vb) {
+    static const uint8_t zeros[MAX_BLOCK_KEYS] = {};
+    const int64_t D = P.D, Dv = P.Dv, off = P.Sk - P.Sq;
+    int64_t panels = 0;
+    for (int64_t a = j0; a < j1;) {
+        const int64_t kb = a / P.bk;
+        int64_t e = std::min(j1, (kb + 1) * P.bk);
+        bool any, full;
+        block_class(P, b, h, i0, nr, kb, any, full);
+        if (!any) { a = e; continue; }
+        while (full && e < j1) {  // join the next blocks while they are FULL for every row too
+            bool any2, full2;
+            block_class(P, b, h, i0, nr, e / P.bk, any2, full2);
+            if (!full2) break;
+            e = std::min(j1, e + P.bk);
+        }
+        const int64_t width = e - a, valid = std::min(e, P.Sk) - a;
+        float* s = buf.s;  // (MR, KC)
+        for (int64_t pan = 0; pan < width / NR; ++pan)
+            qk_tile(buf.qbuf + qrow * D, D, D, kt + ((a - j0) / NR + pan) * D * NR, s + pan * NR, KC, P.scale);
+        panels += width / NR;
+        for (int64_t i = 0; i < nr; ++i) {
+            const int64_t qi = i0 + i;
+            const uint8_t* mrow = nullptr;
+            if (!full) {
+                const int32_t t = tile_at(P, b, h, qi / P.bq, kb);
+                mrow = t == TILE_FULL ? nullptr
+                       : t == TILE_EMPTY ? zeros
+                       : P.partial + (int64_t(t) * P.bq + qi % P.bq) * P.bk;
+            }
+            const int64_t row = srow + i;
+            row_update(P, s + i * KC, width, valid, a, qi + off, mrow, buf.m[row], buf.l[row], buf.o + row * Dv, b,
+                       h, kb * P.bk);
+        }
+        pv(s, KC, nr, valid, vb + a * P.vs[2], P.vs[2], buf.o + srow * Dv, Dv, Dv);
+        a = e;
+    }
+    return panels;
+}
+
 // T: the element type of q, k, v and out (float, bf16 or f16); P's pointers hold T data.
 // kt_head: null, or K of (b, kvh) packed whole (its panels in order): no packing per chunk.
 template <class T>
@@ -134,6 +195,11 @@ void run_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t p0
                 bhi = std::min(bhi, c1);
                 if (bhi <= blo) continue;
                 const int64_t pa = (blo - c0) / NR, pb = (bhi - c0 + NR - 1) / NR;
+                if (P.tiles) {
+                    panels += tiled_rows(P, buf, kt + pa * D * NR, c0 + pa * NR, c0 + pb * NR, b, h, g * qt_pad + r0,
+                                         g * rows + r0, p0 + r0, nr, vb);
+                    continue;
+                }
                 const int64_t j0 = c0 + pa * NR, width = (pb - pa) * NR;  // score columns [j0, j0 + width)
                 float* s = buf.s;  // (MR, KC)
                 panels += pb - pa;
@@ -173,16 +239,27 @@ template <class T>
 int attention(const void* q, const void* k, const void* v, void* out, float* lse, const uint8_t* mask,
               const int64_t* dims, const int64_t* strides, float scale, int causal, int64_t window, float softcap,
               const float* alibi, const float* sinks, const int64_t* seg, int64_t seg_bs, int64_t* panels,
-              int64_t query_tile, int threads) {
+              const int32_t* tile_class, const int64_t* tile_info, const uint8_t* partial, int64_t query_tile,
+              int threads) {
     Problem P = make_problem(static_cast<const float*>(q), static_cast<const float*>(k),
                              static_cast<const float*>(v), static_cast<float*>(out), lse, mask, dims, strides,
                              scale, causal, window);
     P.softcap = softcap > 0.f ? softcap * 1.4426950408889634f : 0.f;
     P.alibi = alibi; P.sinks = sinks; P.seg = seg; P.seg_bs = seg_bs; P.panels = panels;
     if (seg && P.Sq != P.Sk) return -2;
+    if (tile_class) {  // a block mask: its strides, block sizes, and its tiles' bytes (see Problem)
+        if (mask || !partial || !tile_info) return -2;
+        for (int i = 0; i < 4; ++i) P.ts[i] = tile_info[i];
+        P.bq = tile_info[4];
+        P.bk = tile_info[5];
+        if (P.bq <= 0 || P.bk <= 0 || P.bk % NR || P.bk > MAX_BLOCK_KEYS) return -2;
+        P.tiles = tile_class;
+        P.partial = partial;
+        P.ms[3] = 1;  // a tile's row of bytes is contiguous
+    }
     if (!valid(P) || query_tile <= 0) return -2;
     if constexpr (std::is_same_v<T, bf16>)
-        if (amx_takes(P)) return attention_amx(P, query_tile, threads);
+        if (!P.tiles && amx_takes(P)) return attention_amx(P, query_tile, threads);
     const int64_t G = P.H / P.Hkv;
     const int64_t qt = std::min(query_tile, std::max<int64_t>(P.Sq, 1));
     const int64_t tiles = (P.Sq + qt - 1) / qt;
@@ -239,34 +316,40 @@ int attention(const void* q, const void* k, const void* v, void* out, float* lse
 // softcap (natural units), alibi (H,) slopes, sinks (H,) logits (lse leaves the sink out,
 // as the torch backends' does), seg (B|1, 2, Sk) int64 [start, end) of each key position's
 // packed sequence (Sq == Sk), seg_bs its batch stride; panels: null or a counter the
-// kernel adds the q·kᵀ key panels it computed to.
+// kernel adds the q·kᵀ key panels it computed to. tiles: null, or a block mask's int32
+// classes (B|1, H|1, ceil(Sq/bq), ceil(Sk/bk)) (-1 empty: skipped, -2 full: no mask read, p >= 0:
+// the tile's bq × bk bytes at partial + p·bq·bk), tile_info its 4 strides then bq, bk (bk a
+// multiple of the panel width, at most 1024); mask must then be null.
 extern "C" int mh_attention_f32(const float* q, const float* k, const float* v, float* out, float* lse,
                                 const uint8_t* mask, const int64_t* dims, const int64_t* strides, float scale,
                                 int causal, int64_t window, float softcap, const float* alibi, const float* sinks,
-                                const int64_t* seg, int64_t seg_bs, int64_t* panels, int64_t query_tile,
+                                const int64_t* seg, int64_t seg_bs, int64_t* panels, const int32_t* tiles,
+                                const int64_t* tile_info, const uint8_t* partial, int64_t query_tile,
                                 int threads) {
     return attention<float>(q, k, v, out, lse, mask, dims, strides, scale, causal, window, softcap, alibi, sinks,
-                            seg, seg_bs, panels, query_tile, threads);
+                            seg, seg_bs, panels, tiles, tile_info, partial, query_tile, threads);
 }
 
 // As mh_attention_f32 with q, k, v and out bfloat16 (uint16 bits); lse, alibi, sinks float32.
 extern "C" int mh_attention_bf16(const void* q, const void* k, const void* v, void* out, float* lse,
                                  const uint8_t* mask, const int64_t* dims, const int64_t* strides, float scale,
                                  int causal, int64_t window, float softcap, const float* alibi, const float* sinks,
-                                 const int64_t* seg, int64_t seg_bs, int64_t* panels, int64_t query_tile,
+                                 const int64_t* seg, int64_t seg_bs, int64_t* panels, const int32_t* tiles,
+                                const int64_t* tile_info, const uint8_t* partial, int64_t query_tile,
                                  int threads) {
     return attention<bf16>(q, k, v, out, lse, mask, dims, strides, scale, causal, window, softcap, alibi, sinks,
-                           seg, seg_bs, panels, query_tile, threads);
+                           seg, seg_bs, panels, tiles, tile_info, partial, query_tile, threads);
 }
 
 // As mh_attention_f32 with q, k, v and out float16 (uint16 bits); lse, alibi, sinks float32.
 extern "C" int mh_attention_f16(const void* q, const void* k, const void* v, void* out, float* lse,
                                 const uint8_t* mask, const int64_t* dims, const int64_t* strides, float scale,
                                 int causal, int64_t window, float softcap, const float* alibi, const float* sinks,
-                                const int64_t* seg, int64_t seg_bs, int64_t* panels, int64_t query_tile,
+                                const int64_t* seg, int64_t seg_bs, int64_t* panels, const int32_t* tiles,
+                                const int64_t* tile_info, const uint8_t* partial, int64_t query_tile,
                                 int threads) {
     return attention<f16>(q, k, v, out, lse, mask, dims, strides, scale, causal, window, softcap, alibi, sinks,
-                          seg, seg_bs, panels, query_tile, threads);
+                          seg, seg_bs, panels, tiles, tile_info, partial, query_tile, threads);
 }
 
 // The scalar conversions of common.h (the whole conversion where a build has no AVX2 or

@@ -505,7 +505,20 @@ struct Problem {
     const int64_t* seg;  // nullptr or (B|1, 2, Sk): [start, end) of the packed sequence of each key position
     int64_t seg_bs;  // seg's batch stride (0: one packing shared by the batch)
     int64_t* panels;  // nullptr or a count of the q·kᵀ key panels computed (the tests' evidence)
+    // A block mask (multihead.BlockMask), set by the FlashAttention loop only; nullptr = none. One
+    // int32 per (batch|1, head|1, query block, key block) at strides ts: EMPTY, FULL, or p >= 0,
+    // the index of the tile's (bq, bk) bytes in partial. Never with mask (the caller folds it in).
+    const int32_t* tiles;
+    int64_t ts[4];
+    int64_t bq, bk;
+    const uint8_t* partial;
 };
+
+constexpr int32_t TILE_EMPTY = -1, TILE_FULL = -2;
+constexpr int64_t MAX_BLOCK_KEYS = 1024;  // bk at most (a row of zeros this long stands for an empty tile)
+inline int32_t tile_at(const Problem& P, int64_t b, int64_t h, int64_t qb, int64_t kb) {
+    return P.tiles[b * P.ts[0] + h * P.ts[1] + qb * P.ts[2] + kb * P.ts[3]];
+}
 
 struct Buffers {
     float *qbuf, *kt, *s, *m, *l, *o;
@@ -597,8 +610,9 @@ inline void apply_logits(const Problem& P, float* __restrict si, int64_t a, int6
 // The logit features, then -inf where a query row may not look: its scores si[0, width) (keys
 // j0 + j; width a multiple of W; columns from `valid` on are not keys), at key position pos of
 // batch row b, head h, mask row mrow (or null).
+// mrow[(key - mcol0) · ms[3]] is the byte of key `key` (mcol0: the first key of a block mask's tile).
 inline void mask_row(const Problem& P, float* __restrict si, int64_t width, int64_t valid, int64_t j0,
-                     int64_t pos, const uint8_t* mrow, int64_t b, int64_t h) {
+                     int64_t pos, const uint8_t* mrow, int64_t b, int64_t h, int64_t mcol0 = 0) {
     // This query's span (key position pos, batch row b), as column indices into si.
     int64_t a, e;
     span(P, b, pos, a, e);
@@ -609,7 +623,7 @@ inline void mask_row(const Problem& P, float* __restrict si, int64_t width, int6
     for (int64_t j = e; j < width; ++j) si[j] = NEG_INF;
     if (mrow)
         for (int64_t j = a; j < e; ++j)
-            if (!mrow[(j0 + j) * P.ms[3]]) si[j] = NEG_INF;
+            if (!mrow[(j0 + j - mcol0) * P.ms[3]]) si[j] = NEG_INF;
 }
 
 // The largest of si[0, width), width a multiple of W, with four running maxima: one chain of
@@ -632,8 +646,8 @@ inline float row_max(const float* __restrict si, int64_t width) {
 // leaving the probabilities 2^(si - m') in si for p · v.
 inline void row_update(const Problem& P, float* __restrict si, int64_t width, int64_t valid, int64_t j0,
                        int64_t pos, const uint8_t* mrow, float& m, float& l, float* __restrict orow,
-                       int64_t b = 0, int64_t h = 0) {
-    mask_row(P, si, width, valid, j0, pos, mrow, b, h);
+                       int64_t b = 0, int64_t h = 0, int64_t mcol0 = 0) {
+    mask_row(P, si, width, valid, j0, pos, mrow, b, h, mcol0);
     const float m_new = std::max(m, row_max(si, width));
     // No allowed key yet: keep probabilities 0 (2^-inf) without NaN.
     const float m_use = m_new == NEG_INF ? 0.f : m_new;
