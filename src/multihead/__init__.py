@@ -5,7 +5,10 @@
     y = layer(x)                               # x (B, S, 768) -> (B, S, 768)
     out = mh.attention(q, k, v, causal=True)   # q (B, H, Sq, D), k/v (B, Hkv, Sk, D)
 
-Masks everywhere: bool, **True = may attend** (see :mod:`multihead.masks`).
+Masks everywhere: bool, **True = may attend** (see :mod:`multihead.masks`). FlexAttention's
+interface: ``mh.attention(q, k, v, mask_mod=..., score_mod=..., bias=...)``, block masks built
+once with ``mh.BlockMask.from_mask_mod`` (:mod:`multihead.block_mask`, :mod:`multihead.mask_mods`,
+:mod:`multihead.score_mods`).
 
 ``import multihead`` imports nothing else: each name below is imported on first use (torch and
 the layer with ``mh.attention`` or ``mh.MultiHeadAttention``; Hugging Face glue with ``mh.hf``),
@@ -31,6 +34,7 @@ _NAMES = {
     "RopeScaling": ".rope_scaling",
     "KVCache": ".cache",
     "Structure": ".masks",
+    "BlockMask": ".block_mask", "create_block_mask": ".block_mask",
     "AttentionConfig": ".config",
     "trace": ".tools.trace", "Trace": ".tools.trace",
     "cost": ".tools.cost", "Cost": ".tools.cost",
@@ -38,6 +42,7 @@ _NAMES = {
 #: Each public module, by the name it has here.
 _MODULES = {
     "backends": ".backends", "native": ".backends.native", "masks": ".masks", "rope": ".rope",
+    "block_mask": ".block_mask", "mask_mods": ".mask_mods", "score_mods": ".score_mods",
     "reference": ".reference",
     "logits": ".logits", "decode": ".decode", "interop": ".interop", "hf": ".hf", "models": ".tools.models",
     "bench": ".tools.bench", "cli": ".tools.cli", "heads": ".heads", "parallel": ".parallel", "embed": ".tools.embed",
@@ -47,7 +52,8 @@ __all__ = [
     "attention", "MultiHeadAttention", "MultiHeadLatentAttention", "LatentCache", "RoPE", "RopeScaling", "KVCache",
     "trace", "Trace", "split_heads", "merge_heads", "interleaved_to_half", "half_to_interleaved", "masks",
     "logits", "Structure", "backends", "decode", "native", "reference", "AttentionConfig", "cost", "Cost",
-    "interop", "hf", "models", "heads", "parallel", "embed",
+    "interop", "hf", "models", "heads", "parallel", "embed", "BlockMask", "create_block_mask", "block_mask",
+    "mask_mods", "score_mods",
 ]
 
 
@@ -68,8 +74,9 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and editors see: the core's names, eagerly (not the tools')
-    from . import backends, decode, interop, logits, masks, reference  # noqa: F401
+    from . import backends, block_mask, decode, interop, logits, mask_mods, masks, reference, score_mods  # noqa: F401
     from .backends import native  # noqa: F401
+    from .block_mask import BlockMask, create_block_mask  # noqa: F401
     from .cache import KVCache  # noqa: F401
     from .config import AttentionConfig  # noqa: F401
     from .functional import attention  # noqa: F401

@@ -29,9 +29,11 @@ from ._checks import check_bool_mask, check_float, check_float_tensor, check_int
 from ._call_checks import ATTENTION_HABITS, refuse_unexpected
 from ._memo import remember
 from .backends import auto, resolve_backend
-from .backends.registry import Backend, BackendSpec, get_spec, place_segments
+from .backends.registry import Backend, BackendSpec, get_spec, place_block_mask, place_segments
+from .block_mask import DEFAULT_BLOCK_SIZE, BlockMask, MaskMod
 from .logits import NO_FEATURES, Features
 from .masks import check_cu_seqlens
+from .score_mods import ScoreMod
 
 __all__ = ["attention", "DEFAULT_BACKEND", "default_backend"]
 
@@ -47,7 +49,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               dropout_p: float = 0.0, return_weights: Literal[False] = False, return_lse: Literal[False] = False,
               backend: str | None = None, check_finite: bool = False,
               softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
-              sinks: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor: ...
+              sinks: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+              mask_mod: MaskMod | None = None, block_mask: BlockMask | None = None,
+              bias: torch.Tensor | None = None, score_mod: ScoreMod | None = None) -> torch.Tensor: ...
 @overload
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               mask: torch.Tensor | None = None, window: int | None = None, scale: float | None = None,
@@ -55,6 +59,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               backend: str | None = None, check_finite: bool = False,
               softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
               sinks: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+              mask_mod: MaskMod | None = None, block_mask: BlockMask | None = None,
+              bias: torch.Tensor | None = None, score_mod: ScoreMod | None = None,
               ) -> torch.Tensor | tuple[torch.Tensor, ...]: ...
 def attention(
     q: torch.Tensor,
@@ -74,6 +80,10 @@ def attention(
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    mask_mod: MaskMod | None = None,
+    block_mask: BlockMask | None = None,
+    bias: torch.Tensor | None = None,
+    score_mod: ScoreMod | None = None,
     **unexpected: Any,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Multi-head scaled dot-product attention.
@@ -126,6 +136,21 @@ def attention(
             on its native paths) takes it as structure and computes no score across
             sequences; every other gets a block-diagonal mask (dense FLOPs). The order in
             which the logit features apply is :mod:`multihead.logits`'s.
+        mask_mod: ``(b, h, q_idx, kv_idx) -> bool`` (FlexAttention's signature; True = may
+            attend; ``q_idx`` bottom-right aligned, ``i + Sk - Sq``: :mod:`multihead.block_mask`),
+            classified for this call's (B, H, Sq, Sk) in tiles of 128 (build it once with
+            :meth:`multihead.BlockMask.from_mask_mod` and pass ``block_mask`` to reuse it).
+        block_mask: a prebuilt :class:`multihead.BlockMask` for (B|1, H|1, Sq, Sk). A backend
+            declaring ``block_mask`` takes its tiles (empty ones skipped); every other gets its
+            dense form as a mask. ``mask_mod`` and ``block_mask`` combine with ``mask``,
+            ``causal``, ``window``, ``cu_seqlens`` and each other by logical and.
+        bias: float broadcastable to (B, H, Sq, Sk): added to the scaled logits after
+            soft-capping and ALiBi (:mod:`multihead.logits`; T5's ``position_bias``);
+            differentiable. Backends declaring ``bias``: ``"explicit"``, ``"sdpa"``.
+        score_mod: ``(score, b, h, q_idx, kv_idx) -> score`` (FlexAttention's signature; the
+            building blocks of :mod:`multihead.score_mods`, or any Python callable), applied
+            after the bias, before masking. Runs on ``"explicit"`` (exact, differentiable into
+            the tensors it captures); ``"auto"`` sends it there.
         **unexpected: refused (``TypeError``); torch's keywords (``attn_mask``, ``is_causal``,
             ``key_padding_mask``, ``need_weights``, ``average_attn_weights``, ``enable_gqa``)
             with their equivalents named, mask polarity included.
@@ -148,15 +173,19 @@ def attention(
         raise refuse_unexpected("attention()", unexpected, ATTENTION_HABITS)
     mask, scale, dropout_p, tensors = _validate(q, k, v, mask, window, scale, dropout_p)
     name = default_backend(backend, return_weights)
-    if softcap is None and alibi_slopes is None and sinks is None and cu_seqlens is None:
+    if (softcap is None and alibi_slopes is None and sinks is None and cu_seqlens is None and mask_mod is None
+            and block_mask is None and bias is None and score_mod is None):
         features = NO_FEATURES  # the common call: nothing to check, its backend remembered
         fn = _backend_for(name, tensors, q, k, v, dropout_p, return_weights, return_lse)
     else:
         features = _validate_features(q, k, softcap, alibi_slopes, sinks, return_lse)._replace(
-            cu_seqlens=_check_segments(cu_seqlens, q, k))
+            cu_seqlens=_check_segments(cu_seqlens, q, k), bias=_check_bias(bias, q, k),
+            score_mod=_check_score_mod(score_mod), block_mask=_block_mask_for(mask_mod, block_mask, q, k))
         fn = resolve_backend(name, q, k, v, dropout_p=dropout_p, return_weights=return_weights,
                              return_lse=return_lse, features=features)
-        features, mask = place_segments(get_spec(name), q, k, v, features, mask)  # structure, or a mask
+        spec = get_spec(name)
+        features, mask = place_segments(spec, q, k, v, features, mask)  # structure, or a mask
+        features, mask = place_block_mask(spec, features, mask)  # tiles, or a mask
     if check_finite:
         for name, t in (("q", q), ("k", k), ("v", v)):
             _check_finite(name, t)
@@ -340,6 +369,53 @@ def _check_segments(cu_seqlens: object, q: torch.Tensor, k: torch.Tensor) -> tor
         raise ValueError(f"cu_seqlens needs as many keys as queries (packed self-attention), got Sq={s}, "
                          f"Sk={k.shape[2]}")
     return check_cu_seqlens(cu_seqlens, s, batch=q.shape[0])
+
+
+def _check_bias(bias: object, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """``bias`` checked (a floating tensor broadcastable to (B, H, Sq, Sk), on q's device) as a
+    4-D view, or None."""
+    if bias is None:
+        return None
+    t = check_tensor("bias", bias)
+    if not t.dtype.is_floating_point:
+        raise TypeError(f"bias must be a floating tensor (added to the logits), got dtype {t.dtype}; "
+                        "a bool mask goes in mask=")
+    b, h, sq, _ = q.shape
+    target = (b, h, sq, k.shape[2])
+    if t.dim() > 4 or any(got not in (1, want) for got, want in zip(reversed(t.shape), reversed(target))):
+        raise ValueError(f"bias must be broadcastable to [B, H, Sq, Sk] = {list(target)}, got shape {list(t.shape)}")
+    if t.device != q.device:
+        raise ValueError(f"bias must be on device {q.device} like q, got {t.device}")
+    return t[(None,) * (4 - t.dim())]  # (B|1, H|1, Sq|1, Sk|1)
+
+
+def _check_score_mod(score_mod: object) -> ScoreMod | None:
+    """``score_mod`` checked (callable), or None."""
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(f"score_mod must be a callable (score, b, h, q_idx, kv_idx) -> score, "
+                        f"got {type(score_mod).__name__}")
+    return score_mod  # type: ignore[return-value]  # callable: checked
+
+
+def _block_mask_for(mask_mod: MaskMod | None, block_mask: object, q: torch.Tensor,
+                    k: torch.Tensor) -> BlockMask | None:
+    """The call's block mask: ``block_mask`` checked against (B, H, Sq, Sk), and-ed with
+    ``mask_mod``'s, built for the call in tiles of :data:`~multihead.block_mask.DEFAULT_BLOCK_SIZE`."""
+    b, h, sq, _ = q.shape
+    sk = k.shape[2]
+    if block_mask is not None:
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(f"block_mask must be a multihead.BlockMask, got {type(block_mask).__name__}")
+        got = block_mask.shape
+        if got[0] not in (1, b) or got[1] not in (1, h) or got[2:] != (sq, sk):
+            raise ValueError(f"block_mask must be built for (B, H, Sq, Sk) = {(b, h, sq, sk)} (B and H may be 1), "
+                             f"got {got}")
+        if block_mask.tiles.device != q.device:
+            raise ValueError(f"block_mask must be on device {q.device} like q, got {block_mask.tiles.device}")
+    if mask_mod is None:
+        return block_mask
+    built = BlockMask.from_mask_mod(mask_mod, b, h, sq, sk, DEFAULT_BLOCK_SIZE, device=q.device)
+    return built if block_mask is None else block_mask & built
 
 
 def default_backend(backend: str | None, return_weights: bool) -> str:

@@ -1,4 +1,5 @@
-"""What happens to the logits between ``q kᵀ · scale`` and the softmax: soft-capping, ALiBi, sinks.
+"""What happens to the logits between ``q kᵀ · scale`` and the softmax: soft-capping, ALiBi, an
+additive bias, a score_mod, sinks.
 
 Notation: B batch, H query heads, Sq queries, Sk keys.
 
@@ -7,7 +8,10 @@ In order, for row i (query) and column j (key) of head h::
     s = scale · q_i · k_j
     s = cap · tanh(s / cap)                      soft-capping (Gemma 2, flash-attn ``softcap``)
     s = s - slope_h · |i + Sk - Sq - j|          ALiBi (BLOOM, MPT; flash-attn ``alibi_slopes``)
-    s = -inf where the mask forbids j            masking (causal, window, mask, packed sequences)
+    s = s + bias[b, h, i, j]                     an additive bias (``bias=``; T5's position_bias)
+    s = score_mod(s, b, h, i + Sk - Sq, j)       a score_mod (:mod:`multihead.score_mods`)
+    s = -inf where the mask forbids j            masking (causal, window, mask, packed sequences,
+                                                 a block mask or mask_mod: :mod:`multihead.block_mask`)
     p = softmax over the row's keys and, with sinks, one more logit ``sink_h``
         whose probability is dropped (gpt-oss: the sink takes mass from the keys)
 
@@ -20,11 +24,13 @@ with no visible key gives zeros, sinks or not.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
 from ._checks import check_int
+from .block_mask import BlockMask
 
 __all__ = ["Features", "NO_FEATURES", "alibi_slopes", "alibi_bias", "soft_cap", "sink_column"]
 
@@ -40,21 +46,31 @@ class Features(NamedTuple):
         alibi_slopes: (H,) float ALiBi slopes.
         sinks: (H,) float sink logits.
         cu_seqlens: (N+1,) or (B, N+1) cumulative lengths of packed sequences (Sq == Sk).
+        block_mask: a :class:`multihead.block_mask.BlockMask` for (B|1, H|1, Sq, Sk), given only
+            to a backend declaring ``block_mask`` (the others receive it as a dense ``mask``).
+        bias: float broadcastable to (B, H, Sq, Sk) (a 4-D view), added to the logits.
+        score_mod: ``(score, b, h, q_idx, kv_idx) -> score`` (:mod:`multihead.score_mods`).
     """
 
     softcap: float | None = None
     alibi_slopes: torch.Tensor | None = None
     sinks: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None
+    block_mask: BlockMask | None = None
+    bias: torch.Tensor | None = None
+    score_mod: Callable[..., torch.Tensor] | None = None
 
     def logits(self) -> dict[str, object]:
-        """The logit features asked for, by keyword (``softcap``, ``alibi_slopes``, ``sinks``)."""
+        """The logit features asked for, by keyword (``softcap``, ``alibi_slopes``, ``sinks``, ``bias``,
+        ``score_mod``)."""
         return {name: value for name, value in (("softcap", self.softcap), ("alibi_slopes", self.alibi_slopes),
-                                                ("sinks", self.sinks)) if value is not None}
+                                                ("sinks", self.sinks), ("bias", self.bias),
+                                                ("score_mod", self.score_mod)) if value is not None}
 
     def learned(self) -> list[torch.Tensor]:
-        """The features that are tensors a gradient may flow into (ALiBi slopes, sinks)."""
-        return [t for t in (self.alibi_slopes, self.sinks) if t is not None]
+        """The features that are tensors a gradient may flow into (ALiBi slopes, sinks, the bias; a
+        score_mod's captured tensors are not seen: it runs on a differentiable backend only)."""
+        return [t for t in (self.alibi_slopes, self.sinks, self.bias) if t is not None]
 
     def any(self) -> bool:
         """Whether anything is asked beyond masked softmax attention."""

@@ -337,10 +337,11 @@ def test_the_rules_read_of_a_call_only_what_its_signature_holds(monkeypatch: pyt
     q, k, v = _qkv(1, 4, 2, 3, 5, d=8)
     key = auto.signature(q, k, v, 0.25, True, False, Features(softcap=1.0))
     assert key == (q.shape, k.shape, v.shape, q.dtype, q.device, False, 0.25, True, False,
-                   (True, False, False, False, False))
+                   (True, False, False, False, False, False, False))
     assert set(auto.Call.__slots__) == {"q", "k", "v", "dropout_p", "return_weights", "return_lse", "softcap",
-                                        "alibi", "sinks", "varlen", "learned_grad", "differentiable", "logits",
-                                        "few_rows", "scores", "asked", "symbolic"}  # a new field: extend auto.signature
+                                        "alibi", "sinks", "varlen", "learned_grad", "bias", "score_mod",
+                                        "differentiable", "logits", "few_rows", "scores", "asked",
+                                        "symbolic"}  # a new field: extend auto.signature
 
 
 # -- (c) bad input raises what it raised, with the caches warm ------------------------------------

@@ -30,6 +30,7 @@ from . import gemm, native
 from .blocked import blocked_attention, decode_attention
 from .eager import explicit_attention
 from .._memo import remember
+from ..block_mask import BlockMask
 from ..logits import NO_FEATURES, Features
 from ..masks import segment_mask
 from .registry import Backend, needs_grad, register_backend
@@ -148,16 +149,19 @@ class Call:
     decision remembered under a signature is the one the rules give (:func:`decision`)."""
 
     __slots__ = ("q", "k", "v", "dropout_p", "return_weights", "return_lse", "softcap", "alibi", "sinks",
-                 "varlen", "learned_grad", "differentiable", "logits", "few_rows", "scores", "asked", "symbolic")
+                 "varlen", "learned_grad", "bias", "score_mod", "differentiable", "logits", "few_rows", "scores",
+                 "asked", "symbolic")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                  return_weights: bool = False, return_lse: bool = False, softcap: bool = False,
-                 alibi: bool = False, sinks: bool = False, varlen: bool = False, learned_grad: bool = False) -> None:
+                 alibi: bool = False, sinks: bool = False, varlen: bool = False, learned_grad: bool = False,
+                 bias: bool = False, score_mod: bool = False) -> None:
         self.q, self.k, self.v = q, k, v
         self.dropout_p, self.return_weights, self.return_lse = dropout_p, return_weights, return_lse
         self.softcap, self.alibi, self.sinks = softcap, alibi, sinks  # the logit features asked for
         self.varlen = varlen  # packed sequences (cu_seqlens)
-        self.learned_grad = learned_grad  # alibi_slopes or sinks require grad
+        self.learned_grad = learned_grad  # alibi_slopes, sinks or the bias require grad
+        self.bias, self.score_mod = bias, score_mod  # an additive bias, a score_mod
         #: Gradients or dropout are needed, or the tensors are not on the CPU.
         self.differentiable = (dropout_p > 0 or learned_grad or needs_grad(q, k, v) or q.device.type != "cpu")
         #: A logit feature (soft-capping, ALiBi, sinks) is asked for.
@@ -192,12 +196,14 @@ Runner = Callable[..., tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | N
 
 @dataclass(frozen=True)
 class Rule:
-    """One row of the table: ``path`` is taken when ``applies(call)``, for ``reason``."""
+    """One row of the table: ``path`` is taken when ``applies(call)``, for ``reason``; a block mask
+    reaches ``run`` as structure (``features.block_mask``) where ``block_mask``, else as a dense mask."""
 
     path: str
     reason: str
     applies: Callable[[Call], bool]
     run: Runner
+    block_mask: bool = False
 
 
 def _native(decode: bool | None) -> Runner:
@@ -234,14 +240,16 @@ def _any_size(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.
               features: Features = NO_FEATURES) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One path for every size of a traced range, chosen from dtype, device and flags only: the
     native operator where it takes the call (it picks its loop inside, from the real sizes), else
-    SDPA, else 'explicit' (soft-capping, or the log-sum-exp, without the kernel)."""
+    SDPA, else 'explicit' (soft-capping, a score_mod, or the log-sum-exp, without the kernel); an
+    additive bias takes SDPA or 'explicit' (no native loop adds it)."""
     learned = features.learned()
     grads = needs_grad(q, k, v) or (bool(learned) and needs_grad(*learned))
     features_used = features is not NO_FEATURES and any(f is not None for f in features)
+    scored = features.bias is not None or features.score_mod is not None  # no native loop applies them
     if (q.device.type == "cpu" and q.dtype in native.DTYPES and dropout_p == 0 and not (grads and features_used)
-            and native.vector_bits() > 0):
+            and not scored and native.vector_bits() > 0):
         fn: Runner = _native(decode=None)
-    elif features.softcap is None and not return_lse:
+    elif features.softcap is None and features.score_mod is None and not return_lse:
         fn = sdpa_attention
     else:
         fn = explicit_attention
@@ -307,13 +315,17 @@ def _native_features_fit(c: Call) -> bool:
     """Logit features or packed sequences, forward only, where a native loop would run without
     them: the decoding threshold for few rows, the FlashAttention one otherwise."""
     least = NATIVE_MIN_DECODE_SCORES if c.few_rows else NATIVE_MIN_SCORES
-    return (c.logits or c.varlen) and not c.differentiable and c.native_fits(least)
+    return ((c.logits or c.varlen) and not (c.bias or c.score_mod) and not c.differentiable
+            and c.native_fits(least))
 
 
 #: The rules, in order; the first whose test holds is the path.
 AUTO_RULES: tuple[Rule, ...] = (
     Rule("explicit", "attention weights were asked for: only 'explicit' returns them",
          lambda c: c.return_weights, _backend(explicit_attention)),
+    Rule("explicit (score_mod)", "a score_mod (score_mod=...): 'explicit' evaluates any Python callable on the "
+         "whole score tensor, exactly and differentiably (no other path runs one)",
+         lambda c: c.score_mod, _backend(explicit_attention)),
     Rule("any size", "symbolic sizes (torch.export with a Dim, torch.compile(dynamic=True)): one path valid over "
          "the whole range, chosen without comparing a size (which would become a guard): the native operator, "
          "which picks its loop inside from the real sizes; SDPA where the kernel does not take the call, "
@@ -323,6 +335,14 @@ AUTO_RULES: tuple[Rule, ...] = (
          f"{_widths(NATIVE_MIN_DECODE_SCORES)} for few rows): the native FlashAttention loop applies them, packed "
          "sequences as structure (no scores across sequences); the decoding loop takes none of them",
          _native_features_fit, _native(decode=False)),
+    Rule("sdpa (additive bias)", "an additive bias (bias=...) without soft-capping or the log-sum-exp, and not "
+         f"float32 gradients at head dim > {SDPA_GRAD_MAX_HEAD_DIM} (see 'explicit (gradients, accuracy)'): SDPA "
+         "with the bias merged into its float mask (-inf where masked), exact and differentiable (no native loop "
+         "adds a bias)", lambda c: (c.bias and not c.softcap and not c.return_lse and not _explicit_grad_fits(c)),
+         _backend(sdpa_attention)),
+    Rule("explicit (additive bias)", "an additive bias with soft-capping (SDPA cannot cap), the log-sum-exp "
+         f"(SDPA returns none), or float32 gradients at head dim > {SDPA_GRAD_MAX_HEAD_DIM} (SDPA's dq fails "
+         "flash-attention's criterion there): 'explicit'", lambda c: c.bias, _backend(explicit_attention)),
     Rule("explicit (softcap)", "logit soft-capping with gradients or below the native thresholds (or no native "
          "kernel): 'explicit' (SDPA cannot cap)", lambda c: c.softcap, _backend(explicit_attention)),
     Rule("sdpa (bias)", "ALiBi or sinks without the log-sum-exp, with gradients or below the native thresholds: "
@@ -384,7 +404,8 @@ def _rule(call: Call) -> Rule:
 def auto_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0,
               return_weights: bool = False, return_lse: bool = False, softcap: float | None = None,
               alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-              cu_seqlens: torch.Tensor | None = None) -> str:
+              cu_seqlens: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+              score_mod: Callable[..., torch.Tensor] | None = None, block_mask: BlockMask | None = None) -> str:
     """The path the ``"auto"`` backend takes for these tensors: a key of :data:`AUTO_PATHS`.
 
     No hidden slow path: call this (``AUTO_PATHS[path]`` says why) to see what a call of
@@ -395,10 +416,11 @@ def auto_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: f
     Args:
         q: (B, H, Sq, D); k: (B, Hkv, Sk, D); v: (B, Hkv, Sk, Dv); as given to
             :func:`multihead.attention` (whose checks this does not repeat).
-        dropout_p, return_weights, return_lse, softcap, alibi_slopes, sinks, cu_seqlens: as
-            given to :func:`multihead.attention`.
+        dropout_p, return_weights, return_lse, softcap, alibi_slopes, sinks, cu_seqlens, bias, score_mod,
+            block_mask: as given to :func:`multihead.attention` (a block mask or mask_mod does not
+            change the path: a path that does not take it as tiles gets it as a dense mask).
     """
-    features = Features(softcap, alibi_slopes, sinks, cu_seqlens)
+    features = Features(softcap, alibi_slopes, sinks, cu_seqlens, block_mask, bias, score_mod)
     return _rule(_call(q, k, v, dropout_p, return_weights, return_lse, features)).path
 
 
@@ -407,7 +429,7 @@ def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, r
     learned = features.learned()
     return Call(q, k, v, dropout_p, return_weights, return_lse, features.softcap is not None,
                 features.alibi_slopes is not None, features.sinks is not None, features.cu_seqlens is not None,
-                bool(learned) and needs_grad(*learned))
+                bool(learned) and needs_grad(*learned), features.bias is not None, features.score_mod is not None)
 
 
 class Decision(NamedTuple):
@@ -438,7 +460,7 @@ class Decision(NamedTuple):
 DECISION_CACHE_SIZE = 1024
 _decisions: dict[tuple[object, ...], Decision] = {}
 _generation = 0
-_NO_FEATURES_KEY = (False, False, False, False, False)
+_NO_FEATURES_KEY = (False, False, False, False, False, False, False)
 
 
 def signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
@@ -446,17 +468,19 @@ def signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: floa
               features: Features = NO_FEATURES) -> tuple[object, ...]:
     """Everything of a call the rules read (the key of :func:`decision`'s memory): the three
     shapes, q's dtype and device, whether autograd records on q, k or v (grad mode and
-    ``requires_grad``), ``dropout_p``, the two flags, which features are asked for and whether
-    alibi_slopes or sinks need gradients. The machine's facts are not in it: a decision keeps
-    those it asked (:attr:`Decision.asked`), checked before reuse. Masks, ``causal`` and
-    ``window`` are not read by the rules (every path takes them), nor the thread count."""
+    ``requires_grad``), ``dropout_p``, the two flags, which features are asked for (a bias and a
+    score_mod among them) and whether alibi_slopes, sinks or the bias need gradients. The
+    machine's facts are not in it: a decision keeps those it asked (:attr:`Decision.asked`),
+    checked before reuse. Masks, block masks, ``causal`` and ``window`` are not read by the
+    rules (every path takes them), nor the thread count."""
     grad = torch.is_grad_enabled()
     if features is NO_FEATURES:
         asked = _NO_FEATURES_KEY
     else:
         learned = features.learned()
         asked = (features.softcap is not None, features.alibi_slopes is not None, features.sinks is not None,
-                 features.cu_seqlens is not None, grad and any(t.requires_grad for t in learned))
+                 features.cu_seqlens is not None, grad and any(t.requires_grad for t in learned),
+                 features.bias is not None, features.score_mod is not None)
     return (q.shape, k.shape, v.shape, q.dtype, q.device,
             grad and (q.requires_grad or k.requires_grad or v.requires_grad),
             dropout_p, return_weights, return_lse, asked)
@@ -503,7 +527,7 @@ def clear_decisions() -> None:
 
 
 @register_backend("auto", weights=True, lse=True, grad=True, dropout=True, softcap=True, alibi=True, sinks=True,
-                  varlen=True)
+                  varlen=True, block_mask=True, bias=True, score_mod=True)
 def auto_backend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     mask: torch.Tensor | None, causal: bool, window: int | None, scale: float,
@@ -513,11 +537,15 @@ def auto_backend(
     remembered per call signature: :func:`decision`).
 
     Packed sequences (``features.cu_seqlens``) reach a native forward path as structure, every
-    other path as a block-diagonal mask."""
+    other path as a block-diagonal mask; a block mask (``features.block_mask``) reaches a rule
+    declaring :attr:`Rule.block_mask` as tiles, every other as its dense mask."""
     picked = decision(q, k, v, dropout_p, return_weights, return_lse, features)
-    rule, cu = picked.rule, features.cu_seqlens
+    rule, cu, block = picked.rule, features.cu_seqlens, features.block_mask
     if cu is not None and (picked.differentiable or not rule.path.startswith("native")):
         segments = segment_mask(cu, q.shape[2], q.device)  # (B|1, 1, S, S)
         mask, features = (segments if mask is None else mask & segments), features._replace(cu_seqlens=None)
+    if block is not None and not rule.block_mask:
+        dense = block.dense()  # (Bm, Hm, Sq, Sk)
+        mask, features = (dense if mask is None else mask & dense), features._replace(block_mask=None)
     return rule.run(q, k, v, mask=mask, causal=causal, window=window, scale=scale, dropout_p=dropout_p,
                     return_weights=return_weights, return_lse=return_lse, features=features)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from ..logits import NO_FEATURES, Features, alibi_bias, sink_column, soft_cap
 from ..masks import full_mask
+from ..score_mods import apply_score_mod
 from .registry import register_backend
 
 __all__ = ["explicit_attention", "safe_softmax", "accumulation_dtype", "lse_dtype"]
@@ -48,7 +49,8 @@ def masked_logsumexp(scores: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(scores.to(accumulation_dtype(scores.dtype)), dim=-1).to(lse_dtype(scores.dtype))
 
 
-@register_backend("explicit", weights=True, lse=True, grad=True, dropout=True, softcap=True, alibi=True, sinks=True)
+@register_backend("explicit", weights=True, lse=True, grad=True, dropout=True, softcap=True, alibi=True, sinks=True,
+                  bias=True, score_mod=True)
 def explicit_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -65,7 +67,9 @@ def explicit_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """softmax(q kᵀ · scale) v, written out, with GQA by grouping (no repeat of K/V).
 
-    Soft-capping, ALiBi and sinks (``features``) in the order of :mod:`multihead.logits`.
+    Soft-capping, ALiBi, an additive bias, a score_mod (any Python callable, evaluated once on
+    the (B, H, Sq, Sk) scores: exact, differentiable into what it captures) and sinks
+    (``features``) in the order of :mod:`multihead.logits`.
     """
     softcap, alibi_slopes, sinks = features.softcap, features.alibi_slopes, features.sinks
     b, h, sq, _ = q.shape
@@ -83,6 +87,10 @@ def explicit_attention(
         scores = soft_cap(scores, softcap)
     if alibi_slopes is not None:
         scores = scores + alibi_bias(alibi_slopes, sq, sk, acc)  # (B, H, Sq, Sk)
+    if features.bias is not None:
+        scores = scores + features.bias.to(acc)  # (B, H, Sq, Sk)
+    if features.score_mod is not None:
+        scores = apply_score_mod(features.score_mod, scores)  # (B, H, Sq, Sk)
     combined = full_mask(mask, causal, window, sq, sk, q.device)
     if combined is not None:
         scores = scores.masked_fill(~combined, _NEG_INF)

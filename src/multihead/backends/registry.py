@@ -13,7 +13,10 @@ or a 4-D bool view broadcastable to (B, H, Sq, Sk)). ``features`` is one
 :class:`multihead.logits.Features` value: the logit features (``softcap``, ``alibi_slopes``
 (H,), ``sinks`` (H,)), set only when asked for and only for a backend that declares them,
 and packed sequences (``cu_seqlens``), set only for a backend declaring ``varlen`` (the
-others receive them as a dense block-diagonal mask: :func:`takes_segments`). Each is registered with a
+others receive them as a dense block-diagonal mask: :func:`takes_segments`), and a block mask
+(``block_mask``), set only for a backend declaring ``block_mask`` (the others receive its dense
+form in ``mask``: :func:`place_block_mask`). An additive ``bias`` and a ``score_mod`` reach only
+a backend declaring them; any other is refused by name. Each is registered with a
 :class:`BackendSpec` stating its capabilities; :func:`resolve_backend` compares a call
 with them **before any work** and raises a ``ValueError`` naming the missing one: a
 backend the user names never hands the call to another (the only router is ``"auto"``,
@@ -32,7 +35,8 @@ from ..logits import NO_FEATURES, Features
 from ..masks import segment_mask
 
 __all__ = ["Backend", "BackendSpec", "register_backend", "get_backend", "get_spec", "resolve_backend",
-           "available_backends", "missing_capability", "takes_segments", "place_segments", "FEATURES"]
+           "available_backends", "missing_capability", "takes_segments", "place_segments", "place_block_mask",
+           "FEATURES"]
 
 
 class Backend(Protocol):
@@ -80,6 +84,10 @@ class BackendSpec:
         grad_features: the features (keys of :data:`FEATURES`, and ``"cu_seqlens"``) its
             backward applies; None = every feature it declares. Gradients with any other
             are refused by name (packed sequences then arrive as a dense mask instead).
+        block_mask: takes a :class:`multihead.block_mask.BlockMask` as structure
+            (``features.block_mask``); others get it as a dense mask (:func:`place_block_mask`).
+        bias: adds an additive float bias to the logits (keyword ``bias``).
+        score_mod: applies a Python score_mod (keyword ``score_mod``).
     """
 
     name: str
@@ -96,6 +104,9 @@ class BackendSpec:
     sinks: bool = False
     varlen: bool = False
     grad_features: frozenset[str] | None = None
+    block_mask: bool = False
+    bias: bool = False
+    score_mod: bool = False
 
 
 #: The logit features a call may ask for: keyword -> (BackendSpec field, in words).
@@ -103,6 +114,8 @@ FEATURES: dict[str, tuple[str, str]] = {
     "softcap": ("softcap", "logit soft-capping (softcap=...)"),
     "alibi_slopes": ("alibi", "ALiBi biases (alibi_slopes=...)"),
     "sinks": ("sinks", "attention sinks (sinks=...)"),
+    "bias": ("bias", "an additive bias (bias=...)"),
+    "score_mod": ("score_mod", "a score_mod (score_mod=...)"),
 }
 
 _SPECS: dict[str, BackendSpec] = {}
@@ -117,6 +130,7 @@ def register_backend(name: str, fn: None = None, *, weights: bool = False, lse: 
                      devices: frozenset[str] | None = None, ready: Callable[[], str | None] = _always,
                      softcap: bool = False, alibi: bool = False, sinks: bool = False,
                      varlen: bool = False, grad_features: frozenset[str] | None = None,
+                     block_mask: bool = False, bias: bool = False, score_mod: bool = False,
                      ) -> Callable[[F], F]: ...
 @overload
 def register_backend(name: str, fn: F, *, weights: bool = False, lse: bool = False,
@@ -124,12 +138,14 @@ def register_backend(name: str, fn: F, *, weights: bool = False, lse: bool = Fal
                      devices: frozenset[str] | None = None, ready: Callable[[], str | None] = _always,
                      softcap: bool = False, alibi: bool = False, sinks: bool = False,
                      varlen: bool = False, grad_features: frozenset[str] | None = None,
+                     block_mask: bool = False, bias: bool = False, score_mod: bool = False,
                      ) -> F: ...
 def register_backend(name: str, fn: Backend | None = None, *, weights: bool = False, lse: bool = False,
                      grad: bool = False, dropout: bool = False, dtypes: frozenset[torch.dtype] | None = None,
                      devices: frozenset[str] | None = None, ready: Callable[[], str | None] = _always,
                      softcap: bool = False, alibi: bool = False, sinks: bool = False,
                      varlen: bool = False, grad_features: frozenset[str] | None = None,
+                     block_mask: bool = False, bias: bool = False, score_mod: bool = False,
                      ) -> Callable[[F], F] | Backend:
     """Register ``fn`` under ``name`` with its capabilities (usable as a decorator).
 
@@ -141,7 +157,8 @@ def register_backend(name: str, fn: Backend | None = None, *, weights: bool = Fa
     def deco(f: F) -> F:
         _SPECS[name] = BackendSpec(name, f, weights=weights, lse=lse, grad=grad, dropout=dropout,
                                    dtypes=dtypes, devices=devices, ready=ready, softcap=softcap, alibi=alibi,
-                                   sinks=sinks, varlen=varlen, grad_features=grad_features)
+                                   sinks=sinks, varlen=varlen, grad_features=grad_features,
+                                   block_mask=block_mask, bias=bias, score_mod=score_mod)
         return f
 
     return deco if fn is None else deco(fn)
@@ -190,7 +207,7 @@ def missing_capability(spec: BackendSpec, q: torch.Tensor, k: torch.Tensor, v: t
                 return words
         learned = features.learned()
         if not spec.grad and learned and needs_grad(*learned):
-            return "gradients (alibi_slopes or sinks requires grad)"
+            return "gradients (alibi_slopes, sinks or bias requires grad)"
         if spec.grad and spec.grad_features is not None and asked and needs_grad(q, k, v, *learned):
             for key in asked:
                 if key not in spec.grad_features:
@@ -229,6 +246,18 @@ def place_segments(spec: BackendSpec, q: torch.Tensor, k: torch.Tensor, v: torch
         return features, mask
     segments = segment_mask(cu, q.shape[2], q.device)  # (B|1, 1, S, S)
     return features._replace(cu_seqlens=None), (segments if mask is None else mask & segments)
+
+
+def place_block_mask(spec: BackendSpec, features: Features,
+                     mask: torch.Tensor | None) -> tuple[Features, torch.Tensor | None]:
+    """A block mask where ``spec`` takes it: as structure (``features.block_mask``) for a backend
+    declaring ``block_mask``, else and-ed into ``mask`` as its dense (Bm, Hm, Sq, Sk) form and
+    dropped from ``features``. Returns (features, mask)."""
+    block = features.block_mask
+    if block is None or spec.block_mask:
+        return features, mask
+    dense = block.dense()  # (Bm, Hm, Sq, Sk)
+    return features._replace(block_mask=None), (dense if mask is None else mask & dense)
 
 
 def resolve_backend(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0,

@@ -2,10 +2,11 @@
 
 Notation: B batch, H query heads, Hkv key/value heads, Sq queries, Sk keys, D head dim.
 
-Differentiable, with dropout, any dtype and device; no weights, no log-sum-exp. ALiBi
-and sinks go in exactly through an additive float mask (a sink is one more key of zeros
-whose bias is the sink logit: its score is exactly ``sink_h``, its value adds nothing);
-soft-capping, a function of the score itself, cannot and is refused.
+Differentiable, with dropout, any dtype and device; no weights, no log-sum-exp. ALiBi,
+an additive ``bias`` (differentiable: SDPA's backward gives the float mask's gradient) and
+sinks go in exactly through an additive float mask (a sink is one more key of zeros whose
+bias is the sink logit: its score is exactly ``sink_h``, its value adds nothing);
+soft-capping and score_mods, functions of the score itself, cannot and are refused.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from .registry import register_backend
 __all__ = ["sdpa_attention"]
 
 
-@register_backend("sdpa", grad=True, dropout=True, alibi=True, sinks=True)
+@register_backend("sdpa", grad=True, dropout=True, alibi=True, sinks=True, bias=True)
 def sdpa_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -37,16 +38,16 @@ def sdpa_attention(
     return_lse: bool,
     features: Features = NO_FEATURES,
 ) -> tuple[torch.Tensor, None, None]:
-    """torch's fused ``scaled_dot_product_attention``; ALiBi and sinks (``features``) as an
-    additive float mask.
+    """torch's fused ``scaled_dot_product_attention``; ALiBi, an additive bias and sinks
+    (``features``) as an additive float mask (-inf where masked; a row with no key gives zeros).
 
     SDPA's ``is_causal`` is top-left aligned, so it is only used when Sq == Sk (where
     both alignments agree) and no other mask is given; otherwise the bottom-right
     causal mask is built and passed as ``attn_mask``.
     """
-    if features is not NO_FEATURES and (features.alibi_slopes is not None or features.sinks is not None):
-        return _with_bias(q, k, v, mask, causal, window, scale, dropout_p, features.alibi_slopes,
-                          features.sinks), None, None
+    if features is not NO_FEATURES and (features.alibi_slopes is not None or features.sinks is not None
+                                        or features.bias is not None):
+        return _with_bias(q, k, v, mask, causal, window, scale, dropout_p, features), None, None
     qs, ks = q.shape, k.shape
     sq, sk = qs[2], ks[2]
     gqa = qs[1] != ks[1]
@@ -116,15 +117,18 @@ def _empty_rows_zero(q: torch.Tensor, out: torch.Tensor, allowed: torch.Tensor |
 
 
 def _with_bias(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
-               window: int | None, scale: float, dropout_p: float, alibi_slopes: torch.Tensor | None,
-               sinks: torch.Tensor | None) -> torch.Tensor:
-    """SDPA with ALiBi and/or sinks as an additive float mask (-inf where masked)."""
+               window: int | None, scale: float, dropout_p: float, features: Features) -> torch.Tensor:
+    """SDPA with ALiBi, the bias and/or sinks (``features``) as an additive float mask (-inf where
+    masked)."""
+    alibi_slopes, sinks = features.alibi_slopes, features.sinks
     b, h, sq, _ = q.shape
     sk = k.shape[2]
     work = torch.promote_types(q.dtype, torch.float32) if q.dtype != torch.float64 else q.dtype
     bias = torch.zeros(1, 1, sq, sk, dtype=work, device=q.device)  # (1, 1, Sq, Sk)
     if alibi_slopes is not None:
         bias = bias + alibi_bias(alibi_slopes, sq, sk, work)[None]  # (1, H, Sq, Sk)
+    if features.bias is not None:
+        bias = bias + features.bias.to(work)  # (B|1, H|1, Sq, Sk)
     combined = full_mask(mask, causal, window, sq, sk, q.device)
     if combined is not None:
         bias = bias.masked_fill(~combined, float("-inf"))
