@@ -244,10 +244,17 @@ class Tiles(NamedTuple):
             raise ValueError(f"tile classes must be -1, -2 or an index below {part.shape[0]} (the partial tiles), "
                              f"got values in [{int(c.min())}, {int(c.max())}]")
 
-    def expanded(self, b: int, h: int) -> torch.Tensor:
-        """``classes`` broadcast to (B, H, nQ, nK) (strides 0 where it has one batch row or head)."""
-        c = self.classes
-        return c.expand(b, h, c.shape[2], c.shape[3])
+    def dense(self, sq: int, sk: int) -> torch.Tensor:
+        """The mask it stands for: bool (B|1, H|1, Sq, Sk), True = may attend."""
+        c = self.classes.long()  # (Bm, Hm, nQ, nK)
+        bm, hm, nq, nk = c.shape
+        tile_bytes = torch.cat((self.partial.bool(), torch.zeros(1, self.bq, self.bk, dtype=torch.bool),
+                                torch.ones(1, self.bq, self.bk, dtype=torch.bool)))  # (P + 2, bq, bk): then EMPTY, FULL
+        empty, full_tile = self.partial.shape[0], self.partial.shape[0] + 1
+        pick = torch.where(c == -1, empty, torch.where(c == -2, full_tile, c))  # (Bm, Hm, nQ, nK)
+        blocks = tile_bytes[pick]  # (Bm, Hm, nQ, nK, bq, bk)
+        full = blocks.permute(0, 1, 2, 4, 3, 5).reshape(bm, hm, nq * self.bq, nk * self.bk)
+        return full[:, :, :sq, :sk]
 
     def arguments(self) -> tuple[object, ...]:
         """tiles, (4 strides, bq, bk), partial: the C arguments (callers keep ``self`` alive)."""

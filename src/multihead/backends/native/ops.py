@@ -126,7 +126,8 @@ def _compiling_dynamic() -> bool:
 def attention_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, causal: bool,
               window: Optional[int], decode: Optional[bool], softcap: Optional[float] = None,
               alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
-              cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+              cu_seqlens: Optional[Tensor] = None, tiles: Optional[Tensor] = None,
+              partial: Optional[Tensor] = None, bq: int = 0, bk: int = 0) -> tuple[Tensor, Tensor]:
     """Attention with the native kernels: ``(out (B, H, Sq, Dv), lse (B, H, Sq))``, the body of
     the operator ``multihead::attention`` (:data:`attention`): :func:`forward` with the lse.
 
@@ -141,6 +142,9 @@ def attention_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scal
         softcap, alibi_slopes (H,), sinks (H,), cu_seqlens (N+1,) or (B, N+1): the logit
             features and packed sequences (:func:`multihead.attention`); the FlashAttention
             loop only (``decode`` must be False), float32 and half precision only.
+        tiles, partial, bq, bk: a block mask (:class:`.attention.Tiles`: int32 classes
+            (B|1, H|1, ⌈Sq/bq⌉, ⌈Sk/bk⌉), uint8 partial tiles (P, bq, bk)), not with ``mask``;
+            the FlashAttention loop skips its empty tiles (float64: applied as its dense mask).
 
     Returns:
         out in q's dtype (a view of a (B, Sq, H, Dv) buffer; contiguous for float64),
@@ -151,8 +155,9 @@ def attention_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scal
             memory is read: the operator may be called directly).
     """
     loops.check_operator_inputs(q, k, v, mask, window, softcap, alibi_slopes, sinks, cu_seqlens)
+    blocks = _tiles(q, k, mask, tiles, partial, bq, bk)
     out, lse = forward(q, k, v, mask, scale, causal, window, decode, softcap, alibi_slopes, sinks, cu_seqlens,
-                       return_lse=True)
+                       return_lse=True, tiles=blocks)
     assert lse is not None  # asked for
     return out, lse
 
@@ -160,16 +165,21 @@ def attention_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scal
 def forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, causal: bool,
             window: Optional[int], decode: Optional[bool], softcap: Optional[float] = None,
             alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
-            cu_seqlens: Optional[Tensor] = None, *, return_lse: bool) -> tuple[Tensor, Tensor | None]:
+            cu_seqlens: Optional[Tensor] = None, *, return_lse: bool,
+            tiles: loops.Tiles | None = None) -> tuple[Tensor, Tensor | None]:
     """:func:`attention_impl`, with the lse only when ``return_lse`` (float32 and half precision:
-    the kernel then writes none); what eager calls run directly when :func:`direct`."""
-    plain = softcap is None and alibi_slopes is None and sinks is None and cu_seqlens is None
+    the kernel then writes none); what eager calls run directly when :func:`direct`. ``tiles``:
+    a block mask, checked (:meth:`.attention.Tiles.check`) before the kernel reads it."""
+    if tiles is not None and q.dtype == torch.float64:  # the plain float64 loop: as a dense mask
+        tiles.check(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        mask, tiles = tiles.dense(q.shape[2], k.shape[2]), None
+    plain = softcap is None and alibi_slopes is None and sinks is None and cu_seqlens is None and tiles is None
     if decode is None:  # the loop for these sizes, chosen where no tracer sees the sizes
         decode = plain and loops.rows_per_kv_head(q, k) <= loops.DECODE_ROWS
-    logits = None if plain else loops.Logits(softcap, alibi_slopes, sinks, cu_seqlens)
+    logits = None if plain else loops.Logits(softcap, alibi_slopes, sinks, cu_seqlens, tiles=tiles)
     if logits is not None and (decode or q.dtype == torch.float64):
-        raise ValueError("softcap, alibi_slopes, sinks and cu_seqlens run in the float32 FlashAttention loop only "
-                         f"(got decode={decode}, dtype {q.dtype})")
+        raise ValueError("softcap, alibi_slopes, sinks, cu_seqlens and block masks run in the float32 "
+                         f"FlashAttention loop only (got decode={decode}, dtype {q.dtype})")
     if q.dtype == torch.float64:
         return _forward_f64(loader.require(), q, k, v, mask, scale, causal, window)
     name, extra = ("mh_decode_f32", ()) if decode else ("mh_attention_f32", (loops.query_tile(),))
@@ -182,6 +192,21 @@ def forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: floa
     return result if isinstance(result, tuple) else (result, None)
 
 
+def _tiles(q: Tensor, k: Tensor, mask: Optional[Tensor], tiles: Optional[Tensor], partial: Optional[Tensor],
+           bq: int, bk: int) -> loops.Tiles | None:
+    """The operator's block mask arguments as :class:`.attention.Tiles` (None without one), checked."""
+    if tiles is None and partial is None:
+        return None
+    if tiles is None or partial is None:
+        raise ValueError("a block mask needs both tiles and partial, got "
+                         f"tiles={type(tiles).__name__}, partial={type(partial).__name__}")
+    if mask is not None:
+        raise ValueError("a block mask (tiles) and a dense mask cannot be given together: fold the mask into it")
+    blocks = loops.Tiles(tiles, partial, bq, bk)
+    blocks.check(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    return blocks
+
+
 attention = torch.library.custom_op("multihead::attention", mutates_args=())(attention_impl)
 
 
@@ -189,7 +214,8 @@ attention = torch.library.custom_op("multihead::attention", mutates_args=())(att
 def _attention_fake(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, causal: bool,
                     window: Optional[int], decode: Optional[bool], softcap: Optional[float] = None,
                     alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
-                    cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                    cu_seqlens: Optional[Tensor] = None, tiles: Optional[Tensor] = None,
+                    partial: Optional[Tensor] = None, bq: int = 0, bk: int = 0) -> tuple[Tensor, Tensor]:
     b, h, sq, _ = q.shape
     dv = v.shape[-1]
     if q.dtype == torch.float64:
@@ -217,7 +243,8 @@ def _forward_f64(lib: object, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | No
 @torch.library.custom_op("multihead::attention_backward", mutates_args=())
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor,
                        mask: Optional[Tensor], scale: float, causal: bool, window: Optional[int],
-                       ) -> tuple[Tensor, Tensor, Tensor]:
+                       tiles: Optional[Tensor] = None, partial: Optional[Tensor] = None, bq: int = 0,
+                       bk: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """FlashAttention-2's backward: ``(dq, dk, dv)`` shaped and typed like q, k, v.
 
     Args:
@@ -226,6 +253,8 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tenso
             ``Σ_t dout·out − dlse`` per row (float32, float64 for float64).
             q, k, v and dout are read at their strides (copied only if their last dim is
             not contiguous); the results do not depend on the strides (bitwise).
+        tiles, partial, bq, bk: the forward's block mask, if any (its empty tiles cost no
+            product; float64 applies it as its dense mask).
 
     Returns:
         dq, dk, dv with the strides of q, k, v where those are dense (the layer's heads:
@@ -233,18 +262,26 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tenso
         (B, S, H, D) (:func:`_gradient_like`).
     """
     _check_backward(dout, q, k, v, lse, delta, mask, window)
+    blocks = _tiles(q, k, mask, tiles, partial, bq, bk)
     lib = loader.require()
     wide = _wide(q.dtype)
+    if blocks is not None and wide == torch.float64:
+        mask, blocks = blocks.dense(q.shape[2], k.shape[2]), None
     b, h, sq, d = q.shape
     hkv, sk, dv_ = k.shape[1], k.shape[2], v.shape[-1]
     q_, k_, v_, do_ = (_rows(t.to(wide)) for t in (q, k, v, dout))
     lse_, delta_ = lse.to(wide).contiguous(), delta.to(wide).contiguous()
     mask, mstrides = _mask_strides(mask, (b, h, sq, sk))
     dq, dk, dv = (_gradient_like(t, wide) for t in (q, k, v))  # (half precision: rounded to it below)
-    fn = lib.mh_attention_backward_f64 if wide == torch.float64 else lib.mh_attention_backward_f32  # type: ignore[attr-defined]
-    _check(fn(ptr(q_), ptr(k_), ptr(v_), ptr(do_), ptr(lse_), ptr(delta_), ptr(mask), ptr(dq), ptr(dk), ptr(dv),
+    common = (ptr(q_), ptr(k_), ptr(v_), ptr(do_), ptr(lse_), ptr(delta_), ptr(mask), ptr(dq), ptr(dk), ptr(dv),
               (b, h, hkv, sq, sk, d, dv_), (*_strides(q_, k_, v_, do_, dq, dk, dv), *mstrides),
-              float(scale), int(causal), int(window or 0), torch.get_num_threads()), "attention backward")
+              float(scale), int(causal), int(window or 0))
+    if wide == torch.float64:
+        code = lib.mh_attention_backward_f64(*common, torch.get_num_threads())  # type: ignore[attr-defined]
+    else:
+        tile_args = (None, (), None) if blocks is None else blocks.arguments()
+        code = lib.mh_attention_backward_f32(*common, *tile_args, torch.get_num_threads())  # type: ignore[attr-defined]
+    _check(code, "attention backward")
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -265,24 +302,27 @@ def _check_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, 
 @attention_backward.register_fake
 def _attention_backward_fake(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor,
                              mask: Optional[Tensor], scale: float, causal: bool, window: Optional[int],
-                             ) -> tuple[Tensor, Tensor, Tensor]:
+                             tiles: Optional[Tensor] = None, partial: Optional[Tensor] = None, bq: int = 0,
+                             bk: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     return _gradient_like(q), _gradient_like(k), _gradient_like(v)  # the real strides (.to keeps them)
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    q, k, v, mask, scale, causal, window, _, *logits = inputs
+    q, k, v, mask, scale, causal, window, _, *rest = inputs
+    logits, blocks = rest[:4], (rest + [None, None, 0, 0])[4:8]  # the features; the block mask (tiles, partial, bq, bk)
     named = [name for name, value in zip(("softcap", "alibi_slopes", "sinks", "cu_seqlens"), logits)
              if value is not None]
     if named:  # the backward would compute another function's gradients: refused (the registry refuses first)
         raise ValueError(f"the native backward does not apply {', '.join(named)}: compute gradients with "
                          "backend='explicit' or 'sdpa' (or 'auto', which routes there)")
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, mask)
+    ctx.save_for_backward(q, k, v, out, lse, mask, blocks[0], blocks[1])
     ctx.structure = (scale, causal, window)
+    ctx.block_size = (blocks[2], blocks[3])
 
 
 def _backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
-    q, k, v, out, lse, mask = ctx.saved_tensors
+    q, k, v, out, lse, mask, tiles, partial = ctx.saved_tensors
     wide = _wide(q.dtype)
     # dout's rows made contiguous (if they are not) before delta's sums, which then run in one order
     # for every layout: the gradients do not depend on dout's strides (bitwise).
@@ -290,8 +330,9 @@ def _backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tenso
     delta = (dout.to(wide) * out.to(wide)).sum(-1)  # (B, H, Sq): Σ_t dO·O
     if dlse is not None:
         delta = delta - dlse.to(wide)  # lse's own gradient: ds += p · dlse
-    dq, dk, dv = torch.ops.multihead.attention_backward(dout, q, k, v, lse, delta, mask, *ctx.structure)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+    dq, dk, dv = torch.ops.multihead.attention_backward(dout, q, k, v, lse, delta, mask, *ctx.structure, tiles,
+                                                        partial, *ctx.block_size)
+    return dq, dk, dv, *(None,) * 13
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)
@@ -322,7 +363,8 @@ def _decode_step_fake(x: Tensor, weights: list[Tensor], biases: list[Optional[Te
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool, window: int | None,
         mask: torch.Tensor | None, return_lse: bool = False, decode: bool | None = None,
         softcap: float | None = None, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cu_seqlens: torch.Tensor | None = None, tiles: loops.Tiles | None = None,
+        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The native loop for these tensors (decoding loop for few rows per K/V head, else
     the FlashAttention loop), half precision read and written as such and computed in
     float32: ``(out, lse or None)``.
@@ -333,17 +375,20 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, caus
     (:data:`attention`): differentiable (the native backward) without them, traceable by
     ``torch.compile`` and ``torch.export``; in eager calls without gradients its body
     directly (:func:`direct`)."""
-    plain = softcap is None and alibi_slopes is None and sinks is None and cu_seqlens is None
+    plain = softcap is None and alibi_slopes is None and sinks is None and cu_seqlens is None and tiles is None
     if not plain:
-        decode = False  # the decoding loop takes none of them
+        decode = False  # the decoding loop takes none of them (nor a block mask)
     elif decode is None and not symbolic(q, k):
         decode = q.shape[2] * (q.shape[1] // k.shape[1]) <= loops.DECODE_ROWS  # rows per K/V head
     # symbolic sizes (torch.export with a Dim, torch.compile(dynamic=True)): None, the operator chooses
     if not direct(q, k, v, mask, alibi_slopes, sinks, cu_seqlens):
+        blocks = (None, None, 0, 0) if tiles is None else tiles
         out, lse = torch.ops.multihead.attention(q, k, v, mask, float(scale), bool(causal), window, decode,
                                                  None if softcap is None else float(softcap), alibi_slopes, sinks,
-                                                 cu_seqlens)
+                                                 cu_seqlens, *blocks)
         return out, (lse if return_lse else None)
     # the operator's body, without its dispatch
+    if tiles is not None:
+        tiles.check(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     return forward(q, k, v, mask, float(scale), bool(causal), window, decode, softcap, alibi_slopes, sinks, cu_seqlens,
-                   return_lse=return_lse)
+                   return_lse=return_lse, tiles=tiles)

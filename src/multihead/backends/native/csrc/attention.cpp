@@ -248,7 +248,7 @@ int attention(const void* q, const void* k, const void* v, void* out, float* lse
     P.alibi = alibi; P.sinks = sinks; P.seg = seg; P.seg_bs = seg_bs; P.panels = panels;
     if (seg && P.Sq != P.Sk) return -2;
     if (tile_class) {  // a block mask: its strides, block sizes, and its tiles' bytes (see Problem)
-        if (mask || !partial || !tile_info) return -2;
+        if (mask || !tile_info) return -2;  // partial: null when no tile is partial
         for (int i = 0; i < 4; ++i) P.ts[i] = tile_info[i];
         P.bq = tile_info[4];
         P.bk = tile_info[5];

@@ -419,6 +419,46 @@ inline void pack_rows(const float* src, int64_t d, int64_t ld, int64_t n, int64_
     }
 }
 
+// A block mask (P.tiles) on row i of head h: -inf in s[j] for the keys j of [a, e) that its
+// tiles forbid (s indexed by key).
+inline void tile_mask(const Problem& P, int64_t b, int64_t h, int64_t i, int64_t a, int64_t e, float* s) {
+    const int64_t qb = i / P.bq;
+    for (int64_t kb = a / P.bk; kb * P.bk < e; ++kb) {
+        const int64_t k0 = std::max(a, kb * P.bk), k1 = std::min(e, (kb + 1) * P.bk);
+        const int32_t t = tile_at(P, b, h, qb, kb);
+        if (t == TILE_EMPTY) {
+            std::fill(s + k0, s + k1, NEG_INF);
+        } else if (t != TILE_FULL) {
+            const uint8_t* m = P.partial + (int64_t(t) * P.bq + i % P.bq) * P.bk - kb * P.bk;
+            for (int64_t j = k0; j < k1; ++j)
+                if (!m[j]) s[j] = NEG_INF;
+        }
+    }
+}
+
+// Whether some tile of rows [i0, i0 + nr) × keys [j0, j1) may attend (true without a block mask).
+inline bool any_tile(const Problem& P, int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t j0, int64_t j1) {
+    if (!P.tiles) return true;
+    for (int64_t qb = i0 / P.bq; qb <= (i0 + nr - 1) / P.bq; ++qb)
+        for (int64_t kb = j0 / P.bk; kb * P.bk < j1; ++kb)
+            if (tile_at(P, b, h, qb, kb) != TILE_EMPTY) return true;
+    return false;
+}
+
+// The next run of keys [a', e) within [a, j1) (both panel aligned) that rows [i0, i0 + nr) may
+// see by the block mask: its whole key blocks that are EMPTY for every row are left out
+// (without a block mask, [a, j1) itself). Returns a' (j1 when none is left).
+inline int64_t next_run(const Problem& P, int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t a, int64_t j1,
+                        int64_t& e) {
+    e = j1;
+    if (!P.tiles) return a;
+    auto block_end = [&](int64_t j) { return std::min(j1, (j / P.bk + 1) * P.bk); };
+    while (a < j1 && !any_tile(P, b, h, i0, nr, a, block_end(a))) a = block_end(a);
+    e = a;
+    while (e < j1 && any_tile(P, b, h, i0, nr, e, block_end(e))) e = block_end(e);
+    return a;
+}
+
 // One query row (head h, row i) against score columns [0, width) = keys j0 + j: s (base 2)
 // and dp in, p · factor into p (if not null) and ds = p · factor · (dp − delta) into s out;
 // Σ p (before the factor) added to *sum. Columns outside the row's span, past `valid`, or
@@ -442,6 +482,7 @@ inline void row_p_ds(const Grad<float>& g, int64_t b, int64_t h, int64_t i, int6
     if (const uint8_t* m = g.mrow(b, h, i))
         for (int64_t j = a; j < e; ++j)
             if (!m[(j0 + j) * g.ms[3]]) s[j] = NEG_INF;
+    if (g.rule.tiles) tile_mask(g.rule, b, h, i, j0 + a, j0 + e, s - j0);
     const vf l2 = splat(lse * LOG2E), dl = splat(g.delta[r]), f = splat(factor), zero = (vf){};
     vf total = zero;
     for (int64_t j = 0; j < width; j += W) {
@@ -499,18 +540,25 @@ void dq_item(const Grad<float>& g, F32Buffers& w, int64_t b, int64_t kvh, int64_
                 blo = std::max(blo, c0);
                 bhi = std::min(bhi, c1);
                 if (bhi <= blo) continue;
-                const int64_t pa = (blo - c0) / NR, pb = (bhi - c0 + NR - 1) / NR;
-                const int64_t j0 = c0 + pa * NR, width = (pb - pa) * NR, valid = std::min(j0 + width, g.Sk) - j0;
+                const int64_t ja = c0 + (blo - c0) / NR * NR, jb = c0 + (bhi - c0 + NR - 1) / NR * NR;
                 const float* qt = w.qb + (gi * QT1 + r0) * D;
                 const float* dot = w.dob + (gi * QT1 + r0) * Dv;
-                for (int64_t pan = pa; pan < pb; ++pan) {
-                    qk_tile(qt, D, D, w.kp + pan * D * NR, w.s + (pan - pa) * NR, KC1, 1.f, QK_BLOCK_BACKWARD);
-                    qk_tile(dot, Dv, Dv, w.vp + pan * Dv * NR, w.dp + (pan - pa) * NR, KC1, 1.f, QK_BLOCK_BACKWARD);
+                int64_t j1;  // runs of keys [j0, j1): all of [ja, jb), or its key blocks a block mask leaves
+                for (int64_t j0 = next_run(g.rule, b, h, i0 + r0, nr, ja, jb, j1); j0 < jb;
+                     j0 = next_run(g.rule, b, h, i0 + r0, nr, j1, jb, j1)) {
+                    const int64_t pa = (j0 - c0) / NR, pb = (j1 - c0) / NR;
+                    const int64_t width = j1 - j0, valid = std::min(j1, g.Sk) - j0;
+                    for (int64_t pan = pa; pan < pb; ++pan) {
+                        qk_tile(qt, D, D, w.kp + pan * D * NR, w.s + (pan - pa) * NR, KC1, 1.f, QK_BLOCK_BACKWARD);
+                        qk_tile(dot, Dv, Dv, w.vp + pan * Dv * NR, w.dp + (pan - pa) * NR, KC1, 1.f,
+                                QK_BLOCK_BACKWARD);
+                    }
+                    for (int64_t i = 0; i < nr; ++i)
+                        row_p_ds(g, b, h, i0 + r0 + i, j0, width, valid, w.s + i * KC1, w.dp + i * KC1, nullptr,
+                                 1.f, w.sums + gi * QT1 + r0 + i);
+                    acc_gemm(w.s, KC1, 1, nr, width, kn + (j0 - c0) * ldn, ldn, w.acc_a + (gi * QT1 + r0) * Dp, Dp,
+                             Dp);
                 }
-                for (int64_t i = 0; i < nr; ++i)
-                    row_p_ds(g, b, h, i0 + r0 + i, j0, width, valid, w.s + i * KC1, w.dp + i * KC1, nullptr, 1.f,
-                             w.sums + gi * QT1 + r0 + i);
-                acc_gemm(w.s, KC1, 1, nr, width, kn + (j0 - c0) * ldn, ldn, w.acc_a + (gi * QT1 + r0) * Dp, Dp, Dp);
             }
         }
     }
@@ -578,10 +626,13 @@ void dkdv_item(const Grad<float>& g, F32Buffers& w, int64_t b, int64_t kvh, int6
         const int64_t h = kvh * G + gi;
         for (int64_t ib = ilo; ib < ihi; ib += QB2) {
             const int64_t nb = std::min(QB2, ihi - ib);
+            if (!any_tile(g.rule, b, h, ib, nb, j0, j1)) continue;  // a block mask's empty tiles
             pack_rows(g.qrow(b, h, ib), D, g.qs[2], nb, round_up(nb, MR), Dp, sc2, w.qb);
             pack_rows(g.dorow(b, h, ib), Dv, g.dos[2], nb, round_up(nb, MR), Dvp, 1.f, w.dob);
             for (int64_t r0 = 0; r0 < nb; r0 += MR) {
-                for (int64_t pan = 0; pan < npan; ++pan) {
+                // Rows whose tiles here are all EMPTY: no product (row_p_ds masks their garbage to p = ds = 0).
+                const bool some = any_tile(g.rule, b, h, ib + r0, std::min<int64_t>(MR, nb - r0), j0, j1);
+                for (int64_t pan = 0; some && pan < npan; ++pan) {
                     qk_tile(w.qb + r0 * Dp, Dp, D, w.kp + pan * D * NR, w.s + r0 * KB2 + pan * NR, KB2, 1.f,
                             QK_BLOCK_BACKWARD);
                     qk_tile(w.dob + r0 * Dvp, Dvp, Dv, w.vp + pan * Dv * NR, w.dp + r0 * KB2 + pan * NR, KB2, 1.f,
@@ -689,8 +740,15 @@ void set_strides(Grad<T>& g, const int64_t* strides) {
 template <typename T>
 int run_backward(const T* q, const T* k, const T* v, const T* dout, const T* lse, const T* delta,
                  const uint8_t* mask, T* dq, T* dk, T* dv, const int64_t* dims, const int64_t* strides,
-                 double scale, int causal, int64_t window, int threads) {
+                 double scale, int causal, int64_t window, int threads, const Problem* blocks = nullptr) {
     Grad<T> g{};
+    if (blocks) {  // the block mask (float32 only: rule.tiles is read by its loops)
+        g.rule.tiles = blocks->tiles;
+        for (int i = 0; i < 4; ++i) g.rule.ts[i] = blocks->ts[i];
+        g.rule.bq = blocks->bq;
+        g.rule.bk = blocks->bk;
+        g.rule.partial = blocks->partial;
+    }
     g.q = q; g.k = k; g.v = v; g.dout = dout; g.lse = lse; g.delta = delta; g.mask = mask;
     g.dq = dq; g.dk = dk; g.dv = dv;
     g.B = dims[0]; g.H = dims[1]; g.Hkv = dims[2]; g.Sq = dims[3]; g.Sk = dims[4]; g.D = dims[5]; g.Dv = dims[6];
@@ -737,11 +795,25 @@ void forward_f64_row(const Grad<double>& g, int64_t b, int64_t h, int64_t i, dou
 // delta (B, H, Sq) contiguous; mask bytes or null. dims: B, H, Hkv, Sq, Sk, D, Dv. strides (25):
 // q, k, v, dout, dq, dk, dv (b, h, s), then the mask's (b, h, i, j). The results do not depend
 // on the strides (bitwise).
+// tiles, tile_info, partial: null, or a block mask as the forward takes it (mask then null):
+// tiles that are EMPTY for a block of rows cost no product.
 extern "C" int mh_attention_backward_f32(const float* q, const float* k, const float* v, const float* dout,
                                          const float* lse, const float* delta, const uint8_t* mask, float* dq,
                                          float* dk, float* dv, const int64_t* dims, const int64_t* strides,
-                                         double scale, int causal, int64_t window, int threads) {
-    return run_backward(q, k, v, dout, lse, delta, mask, dq, dk, dv, dims, strides, scale, causal, window, threads);
+                                         double scale, int causal, int64_t window, const int32_t* tiles,
+                                         const int64_t* tile_info, const uint8_t* partial, int threads) {
+    Problem blocks{};
+    if (tiles) {
+        if (mask || !tile_info) return -2;  // partial: null when no tile is partial
+        for (int i = 0; i < 4; ++i) blocks.ts[i] = tile_info[i];
+        blocks.bq = tile_info[4];
+        blocks.bk = tile_info[5];
+        if (blocks.bq <= 0 || blocks.bk <= 0 || blocks.bk % NR || blocks.bk > MAX_BLOCK_KEYS) return -2;
+        blocks.tiles = tiles;
+        blocks.partial = partial;
+    }
+    return run_backward(q, k, v, dout, lse, delta, mask, dq, dk, dv, dims, strides, scale, causal, window, threads,
+                        &blocks);
 }
 
 extern "C" int mh_attention_backward_f64(const double* q, const double* k, const double* v, const double* dout,

@@ -44,7 +44,7 @@ int mh_decode_f16(const void* q, const void* k, const void* v, void* out, float*
 int mh_attention_backward_f32(const float* q, const float* k, const float* v, const float* dout, const float* lse,
                               const float* delta, const uint8_t* mask, float* dq, float* dk, float* dv,
                               const int64_t* dims, const int64_t* strides, double scale, int causal, int64_t window,
-                              int threads);
+                              const int32_t* tiles, const int64_t* tile_info, const uint8_t* partial, int threads);
 int mh_attention_backward_f64(const double* q, const double* k, const double* v, const double* dout,
                               const double* lse, const double* delta, const uint8_t* mask, double* dq, double* dk,
                               double* dv, const int64_t* dims, const int64_t* strides, double scale, int causal,
