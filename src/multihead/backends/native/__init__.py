@@ -47,7 +47,8 @@ from ...logits import NO_FEATURES, Features
 from ..registry import register_backend
 from . import ops  # registers torch.ops.multihead.*: cheap, builds nothing
 from ._ffi import MAX_STEP_ROWS, SUFFIX, kernel
-from .attention import DECODE_ROWS, Logits, attention_f32, decode_f32, key_panels, rows_per_kv_head
+from .attention import (DECODE_ROWS, MAX_BLOCK_KEYS, Logits, Tiles, attention_f32, decode_f32, key_panels,
+                        rows_per_kv_head)
 from .counters import advance_counters
 from .cpu import amx_bf16, cpu_vendor
 from .loader import amx, amx_enabled, available, build, build_name, compile_for_machine, status, vector_bits
@@ -71,7 +72,7 @@ def _not_ready() -> str | None:
 
 
 @register_backend("native", lse=True, grad=True, dtypes=DTYPES, devices=frozenset({"cpu"}), ready=_not_ready,
-                  softcap=True, alibi=True, sinks=True, varlen=True, grad_features=frozenset())
+                  softcap=True, alibi=True, sinks=True, varlen=True, grad_features=frozenset(), block_mask=True)
 def native_backend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     mask: torch.Tensor | None, causal: bool, window: int | None, scale: float,
@@ -84,10 +85,30 @@ def native_backend(
     gradients with a logit feature here by name, and packed sequences with gradients reach
     it as a dense mask.
 
+    A block mask (``features.block_mask``, and-ed with ``mask`` if both are given) runs in the
+    FlashAttention loop, forward and backward, its empty tiles never computed; few query rows
+    per K/V head (decoding) take it as its dense mask in the decoding loop instead.
+
     Anything else (dropout, weights, float64, another device, no compiler here) is
     refused by the registry before the call, naming what is missing.
     """
+    mask, tiles = _block_mask(q, k, mask, features)
     out, lse = run(q, k, v, scale=scale, causal=causal, window=window, mask=mask, return_lse=return_lse,
                    softcap=features.softcap, alibi_slopes=features.alibi_slopes, sinks=features.sinks,
-                   cu_seqlens=features.cu_seqlens)
+                   cu_seqlens=features.cu_seqlens, tiles=tiles)
     return out, None, lse
+
+
+def _block_mask(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None,
+                features: Features) -> tuple[torch.Tensor | None, Tiles | None]:
+    """(mask, tiles) for the kernels: a block mask as :class:`Tiles` (a dense mask folded into it),
+    or as a dense mask where the kernels take no tiles (decoding rows, key blocks over 1024)."""
+    block = features.block_mask
+    if block is None:
+        return mask, None
+    if rows_per_kv_head(q, k) <= DECODE_ROWS or block.block_size[1] > MAX_BLOCK_KEYS:
+        dense = block.dense()  # (Bm, Hm, Sq, Sk)
+        return (dense if mask is None else mask & dense), None
+    if mask is not None:
+        block = block & mask
+    return None, Tiles(block.tiles, block.partial, *block.block_size)

@@ -24,7 +24,8 @@ from . import loader
 from ._ffi import SUFFIX, kernel, ptr
 from .loader import require
 
-__all__ = ["attention_f32", "check_operator_inputs", "key_panels", "decode_f32", "Logits", "Tiles", "run_kernel",
+__all__ = ["attention_f32", "check_operator_inputs", "key_panels", "decode_f32", "Logits", "Tiles", "MAX_BLOCK_KEYS",
+           "run_kernel",
            "query_tile", "QUERY_TILE", "rows_per_kv_head", "DECODE_ROWS"]
 
 
@@ -202,6 +203,10 @@ class Logits(NamedTuple):
                 *tile_args, slopes, sinks, seg, tiles)
 
 
+#: The largest key block the FlashAttention loop takes a block mask in.
+MAX_BLOCK_KEYS = 1024
+
+
 class Tiles(NamedTuple):
     """A block mask as the FlashAttention loop reads it (:class:`multihead.BlockMask`'s layout).
 
@@ -227,7 +232,7 @@ class Tiles(NamedTuple):
         """
         c, part, bq, bk = self.classes, self.partial, self.bq, self.bk
         check_int("bq", bq, minimum=1)
-        check_int("bk", bk, minimum=32, maximum=1024)
+        check_int("bk", bk, minimum=32, maximum=MAX_BLOCK_KEYS)
         if bk % 32:
             raise ValueError(f"bk must be a multiple of 32, got {bk}")
         want = (-(-sq // bq), -(-sk // bk))
