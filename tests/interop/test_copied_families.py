@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import multihead as mh
-from multihead.interop import hf_registry
+from multihead.interop import hf_copies, hf_registry
 
 from test_zoo import tiny_config  # same folder (pytest puts it on sys.path)
 
@@ -77,3 +77,58 @@ def test_an_odd_rotary_width_is_refused_naming_the_factor(model_type: str) -> No
     model = _meta_model(model_type, head_dim=16, rope_parameters=params)
     with pytest.raises(ValueError, match="partial_rotary_factor=0.5625 rotates 9 of 16 dims"):
         mh.hf.patch(model)
+
+
+# ---- hf_copies.COPIES: each class's source is its original's, but for the lines its entry names ----
+def _source_lines(obj: Any, prefix: str, original_prefix: str) -> list[str]:
+    """``obj``'s source without comments, docstrings, blank lines and trailing blanks, its class
+    prefix written as the original's (``CamembertSelfOutput`` -> ``BertSelfOutput``)."""
+    import inspect
+    import re
+
+    text = re.sub(r'"""(.|\n)*?"""', "", inspect.getsource(obj))
+    text = re.sub(r"#.*", "", text).replace(prefix, original_prefix)
+    return [line.rstrip() for line in text.splitlines() if line.strip()]
+
+
+def _source_diff(copy: hf_copies.Copy) -> list[str]:
+    """``"<object>: -line"`` / ``"<object>: +line"`` for the copy's class and helpers against the original's."""
+    import difflib
+    import importlib
+
+    where, _, name = copy.qualified.rpartition(".")
+    of_where, _, of_name = copy.original.rpartition(".")
+    mine, theirs = importlib.import_module(where), importlib.import_module(of_where)
+    prefix, of_prefix = hf_copies.class_prefix(name), hf_copies.class_prefix(of_name)
+    lines = []
+    for obj_name, of_obj_name in [(name, of_name), *((h, h) for h in hf_copies.HELPERS)]:
+        a, b = getattr(theirs, of_obj_name, None), getattr(mine, obj_name, None)
+        if a is None and b is None:
+            continue
+        old = _source_lines(a, of_prefix, of_prefix) if a is not None else []
+        new = _source_lines(b, prefix, of_prefix) if b is not None else []
+        label = "class" if obj_name == name else obj_name
+        lines += [f"{label}: {d}" for d in difflib.unified_diff(old, new, lineterm="", n=0)
+                  if d[:1] in "+-" and not d.startswith(("+++", "---"))]
+    return lines
+
+
+@pytest.mark.parametrize("copy", hf_copies.COPIES, ids=lambda c: c.cls)
+def test_copy_differs_from_its_original_only_where_its_entry_says(copy: hf_copies.Copy) -> None:
+    assert _source_diff(copy) == list(copy.differs)
+
+
+def test_copy_entry_is_its_originals_with_renamed_parts() -> None:
+    spec = hf_registry.REGISTRY["transformers.models.camembert.modeling_camembert.CamembertAttention"]
+    bert = hf_registry.REGISTRY["transformers.models.bert.modeling_bert.BertAttention"]
+    assert spec.copy_of == "BertAttention" and spec.model_types == ("camembert",)
+    assert spec.parts["self"] == "CamembertSelfAttention" and spec.parts["output"] == "CamembertSelfOutput"
+    assert spec.parts["self.query"] == "Linear" and spec.attrs == bert.attrs and spec.layout == bert.layout
+
+
+def test_a_copy_is_refused_where_its_original_is() -> None:
+    """DeiT's attention with a submodule ViT's description does not cover is refused by name."""
+    model = _meta_model("deit")
+    module = model.get_submodule("layers.0.attention")
+    module.add_module("gate", nn.Linear(4, 4))
+    assert "gate (Linear)" in str(hf_registry.why_not(module))

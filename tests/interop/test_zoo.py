@@ -154,15 +154,36 @@ ZOO: dict[str, tuple[dict[str, Any], bool]] = {
     "ernie4_5_moe": ({"head_dim": 16, "use_bias": True, "moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 32,
                       "moe_num_shared_experts": 1}, True),
     "hy_v3": ({"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}, True),
+    # ---- copies of verified classes described by their original's entry (hf_copies.COPIES) ----
+    "deit": ({}, False), "vit_mae": ({"mask_ratio": 0.5}, False), "vit_msn": ({}, False), "ijepa": ({}, False),
+    "pixio": ({}, False), "dinov2": ({}, False), "dinov2_with_registers": ({"num_register_tokens": 2}, False),
+    "vivit": ({"num_frames": 4, "tubelet_size": [2, 8, 8]}, False),
+    "audio-spectrogram-transformer": ({"num_mel_bins": 16, "max_length": 32, "frequency_stride": 8,
+                                       "time_stride": 8}, False),
+    "camembert": ({}, False), "data2vec-text": ({}, False), "ernie": ({}, False), "roc_bert": ({}, False),
+    "bert-generation": ({}, False),
+    "metaclip_2_text_model": ({}, False), "metaclip_2_vision_model": ({}, False),
+    "clipseg_text_model": ({}, False), "clipseg_vision_model": ({}, False),
+    "siglip2_text_model": ({}, False), "siglip2_vision_model": ({"num_patches": 16}, False),
+    "aria_text": ({"moe_num_experts": 4, "moe_topk": 2, "moe_intermediate_size": 32}, True),
+    "cosmos3_edge_text": ({}, False),
+    "granite_docling_text": ({"attention_multiplier": 0.3}, False),
+    "apertus1p5_text": ({}, True),
+    "decision_transformer": ({"state_dim": 5, "act_dim": 3, "max_ep_len": 16}, False),
+    "glm4_moe_lite": ({**DEEPSEEK, "rope_interleave": True, "n_shared_experts": 1}, True),
+    "youtu": ({**DEEPSEEK, "rope_interleave": True}, True),
 }
 #: Encoder-decoders: built for generation (``AutoModelForSeq2SeqLM``, Whisper's speech class),
 #: their encoder's and decoder's outputs compared, the decoder's cross-attention included.
 SEQ2SEQ = {"bart", "mbart", "whisper", "pegasus", "marian", "plbart", "m2m_100", "blenderbot", "blenderbot-small",
            "nllb-moe", "speech_to_text"}
-VISION = {"vit", "clip_vision_model", "siglip_vision_model"}
+VISION = {"vit", "clip_vision_model", "siglip_vision_model", "deit", "vit_mae", "vit_msn", "ijepa", "pixio", "dinov2",
+          "dinov2_with_registers", "metaclip_2_vision_model", "clipseg_vision_model"}
 TIME_SERIES = {"time_series_transformer", "informer"}
 #: Model types AutoModel does not map: built with their own class.
-OWN_CLASS = {"siglip_text_model": "SiglipTextModel"}
+OWN_CLASS = {"siglip_text_model": "SiglipTextModel", "metaclip_2_text_model": "MetaClip2TextModel",
+             "metaclip_2_vision_model": "MetaClip2VisionModel", "clipseg_text_model": "CLIPSegTextModel",
+             "clipseg_vision_model": "CLIPSegVisionModel", "siglip2_text_model": "Siglip2TextModel"}
 
 
 def build(model_type: str, config: Any, auto: Any, impl: str | None = None) -> nn.Module:
@@ -206,7 +227,21 @@ def _inputs(model_type: str, side: str = "right") -> dict[str, torch.Tensor]:
     """A batch of two where the second row has 3 padding tokens on ``side``."""
     g = torch.Generator().manual_seed(1)
     if model_type in VISION:
-        return {"pixel_values": torch.randn(B, 3, 32, 32, generator=g)}
+        inputs = {"pixel_values": torch.randn(B, 3, 32, 32, generator=g)}
+        if model_type == "vit_mae":  # the noise that picks the masked patches, fixed
+            inputs["noise"] = torch.rand(B, 16, generator=g)
+        return inputs
+    if model_type == "siglip2_vision_model":  # 16 patches of 3 × 8 × 8 values as a 4 × 4 grid, some padding
+        return {"pixel_values": torch.randn(B, 16, 192, generator=g), "pixel_attention_mask": _padding_mask(16, side),
+                "spatial_shapes": torch.tensor([[4, 4], [4, 4]])}
+    if model_type == "vivit":  # (B, frames, C, H, W): 2 tubelets of 4 patches
+        return {"pixel_values": torch.randn(B, 4, 3, 32, 32, generator=g)}
+    if model_type == "decision_transformer":  # trajectories of S steps; the model interleaves 3 tokens a step
+        return {"states": torch.randn(B, S, 5, generator=g), "actions": torch.randn(B, S, 3, generator=g),
+                "rewards": torch.randn(B, S, 1, generator=g), "returns_to_go": torch.randn(B, S, 1, generator=g),
+                "timesteps": torch.arange(S).expand(B, S), "attention_mask": _padding_mask(S, side)}
+    if model_type == "audio-spectrogram-transformer":  # (B, time, mel bins): 3 × 1 patches
+        return {"input_values": torch.randn(B, 32, 16, generator=g)}
     if model_type in TIME_SERIES:  # past values (8 = 6 + the largest lag), 3 unobserved on ``side``; no attention mask
         past = ZOO[model_type][0]["context_length"] + 2
         observed = _padding_mask(past, side).float()
@@ -248,7 +283,10 @@ def _outs(model: nn.Module, inputs: dict[str, torch.Tensor]) -> list[tuple[torch
     for name in ("logits", "last_hidden_state", "pooler_output"):
         if getattr(out, name, None) is not None:
             want = out[name]
-            return [(want, inputs["attention_mask"].bool() if want.dim() == 3 and "attention_mask" in inputs else ...)]
+            real = inputs["attention_mask"].bool() if want.dim() == 3 and "attention_mask" in inputs else ...
+            if "returns_to_go" in inputs:  # DecisionTransformer: (return, state, action) tokens per step
+                real = inputs["attention_mask"].bool().repeat_interleave(3, dim=1)
+            return [(want, real)]
     raise AssertionError(f"no output to compare in {type(out).__name__}")
 
 

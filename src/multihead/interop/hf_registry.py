@@ -90,6 +90,7 @@ from typing import Any
 from torch import nn
 
 from . import hf_config  # the one reader of config facts
+from . import hf_copies
 
 __all__ = ["AttentionSpec", "REGISTRY", "spec_of", "require_spec", "why_not", "qualified_name", "markdown_table"]
 
@@ -121,6 +122,7 @@ class AttentionSpec:
     config_equal: tuple[tuple[str, str], ...] = ()
     rope_on: Callable[[Any, Any], bool] | None = None
     layer_type_attr: str = "layer_type"
+    copy_of: str | None = None
 
     @property
     def name(self) -> str:
@@ -350,6 +352,9 @@ LEFT_ALONE: Mapping[str, str] = {
     "transformers.models.siglip.modeling_siglip.SiglipMultiheadAttentionPoolingHead":
         "SigLIP's vision pooling head: a learned probe attends with torch.nn.MultiheadAttention "
         "(torch's module, not transformers'), then LayerNorm and MLP; left unpatched",
+    "transformers.models.siglip2.modeling_siglip2.Siglip2MultiheadAttentionPoolingHead":
+        "SigLIP 2's vision pooling head: SigLIP's, with the padding mask passed to torch.nn.MultiheadAttention; "
+        "left unpatched",
 }
 
 # ---- DeepSeek-V2/V3: multi-head latent attention (issue #15) -------------------------------
@@ -493,8 +498,8 @@ _COPIES = [
             rope_on=_cohere2_rope),
 ]
 
-#: Every supported class, keyed by its qualified name.
-REGISTRY: Mapping[str, AttentionSpec] = {s.cls: s for s in [
+#: The classes described here, keyed by their qualified names.
+_DESCRIBED: Mapping[str, AttentionSpec] = {s.cls: s for s in [
     _q_proj("llama", "LlamaAttention", also=("exaone", "internlm3", "iquestcoder")),  # their models are Llama
     _q_proj("mistral", "MistralAttention", window="config"),
     _q_proj("mixtral", "MixtralAttention", window="config"),
@@ -529,6 +534,9 @@ REGISTRY: Mapping[str, AttentionSpec] = {s.cls: s for s in [
     *_DEEPSEEK,
     *_COPIES,
 ]}
+#: Every supported class, keyed by its qualified name: those described here and their copies
+#: (:mod:`multihead.interop.hf_copies`, each described by its original's entry).
+REGISTRY: Mapping[str, AttentionSpec] = {**_DESCRIBED, **hf_copies.derive(_DESCRIBED)}
 
 
 def qualified_name(module: nn.Module) -> str:
@@ -641,6 +649,7 @@ def markdown_table() -> str:
         also += ["sinks"] if "sinks" in spec.params else []
         also += ["cross-attention (encoder-decoder cache)"] if spec.cross_attention else []
         also += ["latent KV (MLA)"] if spec.layout == "latent" else []
+        also += [f"copy of `{spec.copy_of}`"] if spec.copy_of else []
         rows.append(f"| {', '.join(spec.model_types)} | `{spec.name}` | {spec.layout} | {rope} | {window} | "
                     f"{', '.join(also) or '-'} |")
     return "\n".join(rows)

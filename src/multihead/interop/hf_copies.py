@@ -1,0 +1,151 @@
+"""Hugging Face attention classes that are copies of a verified class, described by its entry.
+
+Notation: E embed_dim, H query heads, Hkv key/value heads, D head_dim.
+
+transformers copies attention classes between model packages ("Copied from", modular files):
+DeiT's attention is ViT's, Camembert's is BERT's, Aria's text attention is Llama's. A copy's
+registry entry (:class:`~multihead.interop.hf_registry.AttentionSpec`) is its original's with
+the copy's class, its config model types, and its part classes renamed (the original's class
+prefix replaced by the copy's: ``BertSelfOutput`` -> ``CamembertSelfOutput``). So a copy is
+converted and patched exactly as its original, and refused where its original is (the same
+options, checks and attributes).
+
+Each :class:`Copy` states how its source differs from the original's, in the class and in
+the module's functions the class calls (:data:`HELPERS`), the class prefix aside, comments,
+docstrings and blank lines dropped: ``differs`` holds the lines of that diff
+(``"<object>: -<original's line>"`` / ``"<object>: +<copy's line>"``), empty for a verbatim
+copy; ``why`` says why they change nothing the description does not read from the module
+(``is_causal``, ``sliding_window``), or what they change (an eager kernel's softmax dtype).
+``tests/interop/test_copied_families.py`` compares the sources in the installed transformers
+(a class that changes is caught there) and ``tests/interop/test_zoo.py`` compares every model
+type numerically, patched against unpatched.
+
+This module imports nothing from transformers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .hf_registry import AttentionSpec
+
+__all__ = ["Copy", "COPIES", "HELPERS", "derive", "class_prefix"]
+
+#: The module-level functions of a modeling file that its attention classes call.
+HELPERS = ("eager_attention_forward", "apply_rotary_pos_emb", "rotate_half", "repeat_kv")
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One copied class: ``transformers.models.<module>.<cls>``, a copy of ``of`` (same form)."""
+
+    module: str
+    cls: str
+    model_types: tuple[str, ...]
+    of: str
+    differs: tuple[str, ...] = ()
+    why: str = ""
+
+    @property
+    def qualified(self) -> str:
+        """The copy's qualified name (the registry's key)."""
+        return f"transformers.models.{self.module}.{self.cls}"
+
+    @property
+    def original(self) -> str:
+        """The original's qualified name."""
+        return f"transformers.models.{self.of}"
+
+
+def class_prefix(name: str) -> str:
+    """``BertSelfAttention`` -> ``Bert``, ``LlamaAttention`` -> ``Llama``: the model's prefix of a class name."""
+    for suffix in ("SelfAttention", "Attention"):
+        if name.endswith(suffix) and len(name) > len(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def _vit(module: str, cls: str, *types: str, **kw: Any) -> Copy:
+    return Copy(module, cls, types, "vit.modeling_vit.ViTAttention", **kw)
+
+
+def _bert(module: str, prefix: str, *types: str) -> list[Copy]:
+    """BertAttention and the BertSelfAttention inside it, both verbatim."""
+    return [Copy(module, f"{prefix}Attention", types, "bert.modeling_bert.BertAttention"),
+            Copy(module, f"{prefix}SelfAttention", types, "bert.modeling_bert.BertSelfAttention")]
+
+
+_LLAMA = "llama.modeling_llama.LlamaAttention"
+_CLIP = "clip.modeling_clip.CLIPAttention"
+_SIGLIP = "siglip.modeling_siglip.SiglipAttention"
+_DEEPSEEK_V3 = "deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention"
+#: The eager kernel of these modules runs its softmax in the input dtype, not float32 (ours
+#: runs in float32 at least): the same in float32, and more accurate in half precision.
+_SOFTMAX_DTYPE = {
+    "differs": ("eager_attention_forward: -    attn_weights = nn.functional.softmax(attn_weights, dim=-1, "
+                "dtype=torch.float32).to(query.dtype)",
+                "eager_attention_forward: +    attn_weights = nn.functional.softmax(attn_weights, dim=-1)"),
+    "why": "its eager_attention_forward runs softmax in the input dtype (ViT's in float32, as ours)"}
+
+COPIES: tuple[Copy, ...] = (
+    # ---- ViT's attention (q/k/v_proj + o_proj, bidirectional, no position encoding inside) ----
+    _vit("deit.modeling_deit", "DeiTAttention", "deit"),
+    _vit("vit_mae.modeling_vit_mae", "ViTMAEAttention", "vit_mae"),
+    _vit("vit_msn.modeling_vit_msn", "ViTMSNAttention", "vit_msn"),
+    _vit("ijepa.modeling_ijepa", "IJepaAttention", "ijepa"),
+    _vit("vivit.modeling_vivit", "VivitAttention", "vivit"),
+    _vit("pixio.modeling_pixio", "PixioAttention", "pixio"),
+    _vit("audio_spectrogram_transformer.modeling_audio_spectrogram_transformer", "ASTAttention",
+         "audio-spectrogram-transformer"),
+    _vit("dinov2.modeling_dinov2", "Dinov2Attention", "dinov2", **_SOFTMAX_DTYPE),
+    _vit("dinov2_with_registers.modeling_dinov2_with_registers", "Dinov2WithRegistersAttention",
+         "dinov2_with_registers", **_SOFTMAX_DTYPE),
+    # ---- BERT's (BertAttention = self-attention + BertSelfOutput) ----
+    *_bert("camembert.modeling_camembert", "Camembert", "camembert"),
+    *_bert("data2vec.modeling_data2vec_text", "Data2VecText", "data2vec-text"),
+    *_bert("ernie.modeling_ernie", "Ernie", "ernie"),
+    *_bert("roc_bert.modeling_roc_bert", "RoCBert", "roc_bert"),
+    *_bert("bert_generation.modeling_bert_generation", "BertGeneration", "bert-generation"),
+    # ---- CLIP's and SigLIP's (q/k/v_proj + out_proj) ----
+    Copy("metaclip_2.modeling_metaclip_2", "MetaClip2Attention", ("metaclip_2_text_model", "metaclip_2_vision_model"),
+         _CLIP),
+    Copy("clipseg.modeling_clipseg", "CLIPSegAttention", ("clipseg_text_model", "clipseg_vision_model"), _CLIP),
+    Copy("siglip2.modeling_siglip2", "Siglip2Attention", ("siglip2_text_model", "siglip2_vision_model"), _SIGLIP),
+    # ---- Llama's and its verified copies' ----
+    Copy("aria.modeling_aria", "AriaTextAttention", ("aria_text",), _LLAMA),
+    Copy("cosmos3_edge.modeling_cosmos3_edge", "Cosmos3EdgeTextAttention", ("cosmos3_edge_text",), _LLAMA),
+    Copy("granite_docling.modeling_granite_docling", "GraniteDoclingTextAttention", ("granite_docling_text",),
+         "granite.modeling_granite.GraniteAttention"),
+    Copy("apertus1p5.modeling_apertus1p5", "Apertus1p5TextAttention", ("apertus1p5_text",),
+         "apertus.modeling_apertus.ApertusAttention"),
+    # ---- others ----
+    Copy("decision_transformer.modeling_decision_transformer", "DecisionTransformerGPT2Attention",
+         ("decision_transformer",), "gpt2.modeling_gpt2.GPT2Attention"),
+    Copy("glm4_moe_lite.modeling_glm4_moe_lite", "Glm4MoeLiteAttention", ("glm4_moe_lite",), _DEEPSEEK_V3),
+    Copy("youtu.modeling_youtu", "YoutuAttention", ("youtu",), _DEEPSEEK_V3),
+)
+
+
+def derive(registry: Mapping[str, AttentionSpec]) -> dict[str, AttentionSpec]:
+    """Each copy's entry, keyed by its qualified name: its original's (from ``registry``) with the
+    copy's class, model types and part classes (``copy_of`` records the original's name).
+
+    Raises:
+        KeyError: a copy whose original is not in ``registry`` (a mistake in :data:`COPIES`).
+    """
+    out = {}
+    for copy in COPIES:
+        base = registry[copy.original]
+        old, new = class_prefix(base.name), class_prefix(copy.cls)
+
+        def rename(parts: Mapping[str, str], old: str = old, new: str = new) -> dict[str, str]:
+            return {path: cls.replace(old, new, 1) if cls.startswith(old) else cls for path, cls in parts.items()}
+
+        out[copy.qualified] = dataclasses.replace(
+            base, cls=copy.qualified, model_types=copy.model_types, parts=rename(base.parts),
+            alternatives=tuple(rename(group) for group in base.alternatives), copy_of=base.name)
+    return out
