@@ -135,8 +135,8 @@ def _words(tiles: torch.Tensor) -> torch.Tensor:
     """bool (..., w) as int32 (..., w / 4), 4 bools per word (a copy only where the view cannot be)."""
     try:
         return tiles.view(torch.int32)
-    except RuntimeError:  # rows not 4-byte aligned in memory (a ragged Sk, a transposed mask)
-        return tiles.contiguous().view(torch.int32)
+    except RuntimeError:  # rows not 4-byte aligned in memory (a ragged Sk, a transposed mask, an offset)
+        return tiles.clone(memory_format=torch.contiguous_format).view(torch.int32)
 
 
 def _any_all(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
