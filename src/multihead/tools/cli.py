@@ -166,6 +166,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"torch threads: {torch.get_num_threads()}", file=sys.stderr, flush=True)
     if args.hf_generate:
         return _bench_hf_generate(args)
+    if args.flex:
+        return _bench_flex(args)
     if not args.quick:  # a quiet moment: this machine's GEMM measured again and kept (gemm_choice)
         from ..backends.gemm import keep_gemm_measurement
 
@@ -194,6 +196,20 @@ def _bench_hf_generate(args: argparse.Namespace) -> int:
     path = out / "hf_generate.json"
     path.write_text(json.dumps(result, indent=2), encoding="utf-8")
     _emit(args, result, bench_hf.format_hf_generate(result) + f"\n\nwrote {path}")
+    return 0
+
+
+def _bench_flex(args: argparse.Namespace) -> int:
+    """``bench --flex``: mask_mods and score_mods against compiled FlexAttention and SDPA."""
+    from . import bench_flex
+
+    result = bench_flex.run_flex(quick=args.quick,
+                                 progress=lambda line: print(f"  running {line}", file=sys.stderr, flush=True))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "flex.json"
+    path.write_text(json.dumps(result, indent=2), encoding="utf-8")
+    _emit(args, result, bench_flex.format_flex(result) + f"\n\nwrote {path}")
     return 0
 
 
@@ -309,6 +325,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-generate", action="store_true",
                    help="instead of the suite: a transformers Llama's prefill and decoding step, unpatched vs "
                         "patched vs patched + mh.hf.KVCacheAdapter (minutes; --quick: seconds)")
+    p.add_argument("--flex", action="store_true",
+                   help="instead of the suite: mask_mods and score_mods (causal, window, documents, prefix-LM, "
+                        "sparse tiles, T5 bias, soft-capping) against compiled FlexAttention and SDPA, forward "
+                        "and forward + backward (minutes: FlexAttention compiles each case)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("heads", help="what each head does: metrics and labels, a page, a picture, importance")
