@@ -32,6 +32,10 @@ the contract with the native kernels::
 Tiles at the ragged edge (the last query or key block) are classified on their in-range
 part only. Building evaluates one block-row of queries at a time (memory
 O(Bm · Hm · bq · Sk)) and classifies it with tensor reductions, never a loop over tiles.
+A mask_mod that carries a :class:`multihead.masks.Structure` as its ``structure``
+attribute (the built-in causal and sliding-window ones, :mod:`multihead.mask_mods`) is
+classified from the structure's key spans instead (:meth:`BlockMask.from_structure`:
+O(nQ · nK) plus the partial tiles' bytes, no pair evaluated); the two agree (tested).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ._checks import _broadcastable, check_int, check_tensor
+from .masks import Structure
 
 __all__ = ["MaskMod", "BlockMask", "EMPTY", "FULL", "DEFAULT_BLOCK_SIZE", "mask_mod_indices",
            "evaluate_mask_mod", "create_block_mask"]
@@ -250,6 +255,9 @@ class BlockMask:
             block_size: bq = bk, or (bq, bk); bk a multiple of 32.
             device: where to evaluate it and keep the result (default the CPU).
 
+        A ``mask_mod`` with a :class:`~multihead.masks.Structure` as its ``structure``
+        attribute is classified by :meth:`from_structure` (the same tiles, without evaluating it).
+
         Raises:
             TypeError, ValueError: bad sizes, or a mask_mod that does not return a bool
                 tensor broadcastable to the block (:func:`evaluate_mask_mod`).
@@ -258,10 +266,51 @@ class BlockMask:
         b = 1 if B is None else check_int("B", B)
         h = 1 if H is None else check_int("H", H)
         sq, sk = check_int("Sq", Sq, minimum=0), check_int("Sk", Sk, minimum=0)
+        structure = getattr(mask_mod, "structure", None)
+        if isinstance(structure, Structure):
+            return cls.from_structure(structure, b, h, sq, sk, (bq, bk), device)
 
         def rows(r0: int, r1: int) -> torch.Tensor:
             return evaluate_mask_mod(mask_mod, b, h, sq, sk, rows=(r0, r1), device=device)
         return cls._classify(rows, (b, h, sq, sk), (bq, bk), device)
+
+    @classmethod
+    def from_structure(cls, structure: Structure, B: int | None, H: int | None, Sq: int, Sk: int,
+                       block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
+                       device: torch.device | str | None = None) -> BlockMask:
+        """Classify a causal / sliding-window :class:`~multihead.masks.Structure` (bottom-right
+        aligned) from its key spans: a tile is full when its last row's span starts at or before
+        the tile's first key and its first row's span ends at or after its last (spans only grow
+        with the position), empty when the hull of its rows' spans (:meth:`Structure.key_range`)
+        misses it; only partial tiles' bytes are computed (``Structure.allows``).
+
+        Args:
+            structure: the rule. B, H: as :meth:`from_mask_mod` (the mask depends on neither).
+            Sq, Sk: queries and keys. block_size: bq = bk, or (bq, bk). device: where to build it.
+        """
+        bq, bk = _block_size(block_size)
+        b = 1 if B is None else check_int("B", B)
+        h = 1 if H is None else check_int("H", H)
+        sq, sk = check_int("Sq", Sq, minimum=0), check_int("Sk", Sk, minimum=0)
+        n_q, n_k = -(-sq // bq), -(-sk // bk)
+        spans = []  # per block-row: the hull of its spans, its first row's end, its last row's start
+        for r0 in range(0, sq, bq):
+            p0, p1 = r0 + sk - sq, min(sq, r0 + bq) + sk - sq  # positions of rows r0 .. r1-1
+            lo, hi = structure.key_range(p0, p1, sk)
+            spans.append((lo, hi, structure.span(p0, sk)[1], structure.span(p1 - 1, sk)[0]))
+        lo_t, hi_t, first_hi, last_lo = torch.tensor(spans, dtype=torch.int64).reshape(n_q, 4).T[:, :, None]
+        k0 = torch.arange(n_k)[None, :] * bk  # (1, nK): each tile's keys [k0, k1)
+        k1 = torch.clamp(k0 + bk, max=sk)
+        anyv = (lo_t < hi_t) & (k0 < hi_t) & (lo_t < k1)  # (nQ, nK)
+        allv = (last_lo <= k0) & (first_hi >= k1)
+        partial_here = anyv & ~allv
+        order = torch.cumsum(partial_here.flatten(), 0).view_as(partial_here) - 1
+        tiles = torch.where(allv, FULL, torch.where(anyv, order, EMPTY)).to(torch.int32)[None, None]
+        qb, kb = partial_here.nonzero(as_tuple=True)  # (P,) each, row-major: the order of ``order``
+        rows = qb[:, None, None] * bq + torch.arange(bq)[None, :, None]  # (P, bq, 1)
+        cols = kb[:, None, None] * bk + torch.arange(bk)[None, None, :]  # (P, 1, bk)
+        allowed = structure.allows(rows + (sk - sq), cols) & (rows < sq) & (cols < sk)  # (P, bq, bk)
+        return cls(tiles.to(device), allowed.to(torch.uint8).to(device), (b, h, sq, sk), (bq, bk))
 
     @classmethod
     def from_dense(cls, mask: torch.Tensor, block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE) -> BlockMask:

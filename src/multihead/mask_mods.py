@@ -8,10 +8,14 @@ query's position on the key axis, **bottom-right aligned** as everywhere in mult
 (query row i at ``i + Sk - Sq``). FlexAttention's ``q_idx`` is the row index
 (top-left); the two agree when Sq == Sk. Causal and sliding-window masks are
 :class:`multihead.masks.Structure`'s rule (``Structure.allows`` on the positions), so
-they equal ``Structure.dense`` for every Sq, Sk.
+they equal ``Structure.dense`` for every Sq, Sk; they carry it as their ``structure``
+attribute, from which :meth:`multihead.BlockMask.from_mask_mod` classifies their tiles
+without evaluating every pair (:meth:`multihead.BlockMask.from_structure`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -19,26 +23,34 @@ from ._checks import check_int, check_tensor
 from .block_mask import MaskMod
 from .masks import Structure
 
-__all__ = ["causal_mask_mod", "sliding_window_mask_mod", "document_mask_mod", "prefix_lm_mask_mod",
+__all__ = ["StructureMaskMod", "causal_mask_mod", "sliding_window_mask_mod", "document_mask_mod", "prefix_lm_mask_mod",
            "and_masks", "or_masks"]
 
 _CAUSAL = Structure(causal=True)
 
 
-def causal_mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-    """Causal: key ``kv_idx`` visible from query position ``q_idx`` when ``kv_idx <= q_idx``
-    (``Structure(causal=True)``; bottom-right aligned, the decoding convention).
+@dataclass(frozen=True)
+class StructureMaskMod:
+    """A :class:`~multihead.masks.Structure` as a mask_mod: ``structure.allows(q_idx, kv_idx)``.
 
-    Args:
-        b, h: batch and head indices (unused). q_idx: query positions. kv_idx: key positions.
-
-    Returns:
-        bool, the broadcast of ``q_idx`` and ``kv_idx``.
+    Attributes:
+        structure: the rule (causal and/or a window), read by
+            :meth:`multihead.BlockMask.from_mask_mod` to classify tiles from its spans.
     """
-    return _CAUSAL.allows(q_idx, kv_idx)
+
+    structure: Structure
+
+    def __call__(self, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        """bool, the broadcast of ``q_idx`` (query positions) and ``kv_idx`` (b, h unused)."""
+        return self.structure.allows(q_idx, kv_idx)
 
 
-def sliding_window_mask_mod(window: int, *, causal: bool = True) -> MaskMod:
+#: Causal: key ``kv_idx`` visible from query position ``q_idx`` when ``kv_idx <= q_idx``
+#: (``Structure(causal=True)``; bottom-right aligned, the decoding convention).
+causal_mask_mod = StructureMaskMod(_CAUSAL)
+
+
+def sliding_window_mask_mod(window: int, *, causal: bool = True) -> StructureMaskMod:
     """A sliding window of ``window`` keys (``Structure(causal, window)``): with ``causal``
     (Mistral's convention) each query sees itself and the ``window - 1`` keys before it;
     without, keys closer than ``window`` positions on either side. Bottom-right aligned.
@@ -46,11 +58,7 @@ def sliding_window_mask_mod(window: int, *, causal: bool = True) -> MaskMod:
     Raises:
         TypeError, ValueError: ``window`` not an int >= 1.
     """
-    structure = Structure(causal=causal, window=check_int("window", window))
-
-    def sliding_window(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        return structure.allows(q_idx, kv_idx)
-    return sliding_window
+    return StructureMaskMod(Structure(causal=causal, window=check_int("window", window)))
 
 
 def document_mask_mod(document_ids: torch.Tensor) -> MaskMod:

@@ -116,6 +116,26 @@ def test_causal_and_window_mask_mods_are_structures_rule(sq: int, sk: int, windo
     assert torch.equal(block.dense()[0, 0], Structure(causal, window).dense(sq, sk))
 
 
+@PROFILE
+@given(st.integers(0, 90), st.integers(1, 130), st.sampled_from([None, 1, 2, 5, 40, 200]), st.booleans(),
+       st.sampled_from([1, 7, 16, 64]), st.sampled_from([32, 64]))
+def test_structure_mask_mods_are_classified_from_their_spans_as_by_evaluation(
+        sq: int, sk: int, window: int | None, causal: bool, bq: int, bk: int) -> None:
+    """The built-in causal / window mask_mods take from_structure (no pair evaluated): the same
+    tiles and bytes as evaluating them pair by pair (a plain function hides their structure)."""
+    if not causal and window is None:
+        causal = True
+    mod = causal_mask_mod if window is None else sliding_window_mask_mod(window, causal=causal)
+    fast = BlockMask.from_mask_mod(mod, 2, 3, sq, sk, (bq, bk))
+
+    def plain(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        return mod(b, h, q_idx, kv_idx)
+    slow = BlockMask.from_mask_mod(plain, 2, 3, sq, sk, (bq, bk))
+    assert torch.equal(fast.tiles, slow.tiles) and torch.equal(fast.partial, slow.partial)
+    assert fast.shape == slow.shape == (2, 3, sq, sk)
+    check_classification(fast, Structure(causal, window).dense(sq, sk)[None, None])
+
+
 def test_document_and_prefix_lm_mask_mods() -> None:
     ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [0, 1, 1, 1, 1, 1, 2, 2]])
     got = evaluate_mask_mod(document_mask_mod(ids), 2, 1, 8, 8)[:, 0]
@@ -276,6 +296,19 @@ def test_gradients_with_a_mask_mod_are_the_float64_references_and_zero_on_empty_
     for name, g, w in zip("qkv", got, want):
         torch.testing.assert_close(g.double(), w, atol=1e-4, rtol=0, msg=f"d{name}")
     assert got[0][0, 1, 3].abs().max() == 0 and got[0][1, :, 60:].abs().max() == 0  # dq of rows with no key
+
+
+@pytest.mark.parametrize("backend", able())
+def test_a_mask_mod_is_evaluated_at_cache_positions_when_decoding(backend: str) -> None:
+    """Sq new queries after Sk - Sq cached keys: q_idx is each query's cache position, so the
+    last rows of the full self-attention are what a decoding step with the same mask_mod gives."""
+    q, k, v = qkv(b=1, h=4, sq=50, sk=50)
+    ids = torch.tensor([0] * 20 + [1] * 30)
+    mod = and_masks(causal_mask_mod, document_mask_mod(ids))
+    with torch.no_grad():
+        full = mh.attention(q, k, v, mask_mod=mod, backend=backend)
+        step = mh.attention(q[:, :, -3:], k, v, mask_mod=mod, backend=backend)
+    torch.testing.assert_close(step, full[:, :, -3:], atol=1e-5, rtol=0)
 
 
 def test_a_backend_declaring_block_mask_receives_the_tiles_the_others_a_dense_mask(
