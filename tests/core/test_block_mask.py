@@ -332,6 +332,29 @@ def test_a_backend_declaring_block_mask_receives_the_tiles_the_others_a_dense_ma
     assert torch.equal(seen["dense"]["mask"], keys & block.dense())
 
 
+@pytest.mark.skipif(not mh.native.available(), reason="no C++ compiler: the native kernels are not built")
+@pytest.mark.parametrize("grad", [False, True])
+def test_auto_gives_a_native_path_the_tiles(monkeypatch: pytest.MonkeyPatch, grad: bool) -> None:
+    """A call large enough for a native rule: the kernel receives the block mask itself (not its
+    dense form), forward and with gradients, and the result is the float64 reference's."""
+    q, k, v = qkv(b=1, h=4, hkv=2, sq=1024, sk=1024, d=32)
+    block = BlockMask.from_mask_mod(and_masks(causal_mask_mod, sliding_window_mask_mod(200)), None, None, 1024, 1024)
+    received = []
+    real = mh.native.native_backend
+
+    def spy(*args, **kwargs):
+        received.append((kwargs["features"].block_mask, kwargs["mask"]))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(mh.native, "native_backend", spy)
+    leaves = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+    path = mh.backends.auto.auto_path(*leaves)
+    assert path.startswith("native"), path
+    out = mh.attention(*leaves, block_mask=block)
+    assert len(received) == 1 and received[0][0] is block and received[0][1] is None
+    want = mh.attention(q.double(), k.double(), v.double(), mask=block.dense(), backend="explicit")
+    torch.testing.assert_close(out.detach().double(), want, atol=2e-5, rtol=0)
+
+
 def test_a_block_mask_for_other_sizes_is_refused_naming_it() -> None:
     q, k, v = qkv()
     with pytest.raises(ValueError, match=r"block_mask must be built for \(B, H, Sq, Sk\) = \(2, 4, 70, 90\)"):

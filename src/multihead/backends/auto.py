@@ -207,9 +207,14 @@ class Rule:
 
 
 def _native(decode: bool | None) -> Runner:
+    """The native kernels (the FlashAttention loop, the decoding loop, or either: ``decode`` True,
+    False, None); a block mask goes to :func:`native.native_backend`, which gives the loop its tiles."""
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None, causal: bool,
             window: int | None, scale: float, return_lse: bool, features: Features, **_: object
             ) -> tuple[torch.Tensor, None, torch.Tensor | None]:
+        if features.block_mask is not None:
+            return native.native_backend(q, k, v, mask=mask, causal=causal, window=window, scale=scale, dropout_p=0.0,
+                                         return_weights=False, return_lse=return_lse, features=features)
         out, lse = native.run(q, k, v, scale=scale, causal=causal, window=window, mask=mask, decode=decode,
                               return_lse=return_lse, softcap=features.softcap, alibi_slopes=features.alibi_slopes,
                               sinks=features.sinks, cu_seqlens=features.cu_seqlens)
@@ -334,7 +339,7 @@ AUTO_RULES: tuple[Rule, ...] = (
          f"where a native loop would run without them (from {_widths(NATIVE_MIN_SCORES)} scores, "
          f"{_widths(NATIVE_MIN_DECODE_SCORES)} for few rows): the native FlashAttention loop applies them, packed "
          "sequences as structure (no scores across sequences); the decoding loop takes none of them",
-         _native_features_fit, _native(decode=False)),
+         _native_features_fit, _native(decode=False), block_mask=True),
     Rule("sdpa (additive bias)", "an additive bias (bias=...) without soft-capping or the log-sum-exp, and not "
          f"float32 gradients at head dim > {SDPA_GRAD_MAX_HEAD_DIM} (see 'explicit (gradients, accuracy)'): SDPA "
          "with the bias merged into its float mask (-inf where masked), exact and differentiable (no native loop "
@@ -355,7 +360,7 @@ AUTO_RULES: tuple[Rule, ...] = (
          "with AMX (SDPA's products run on it)",
          lambda c: (c.differentiable and c.dropout_p == 0 and c.q.device.type == "cpu" and not c.return_lse
                     and c.native_fits(NATIVE_MIN_GRAD_SCORES)
-                    and not _bf16_on_amx(c)), _native(decode=False)),
+                    and not _bf16_on_amx(c)), _native(decode=False), block_mask=True),
     Rule("explicit (gradients, accuracy)", f"float32 gradients on the CPU without dropout, head dim > "
          f"{SDPA_GRAD_MAX_HEAD_DIM}, at most 2^{EXPLICIT_GRAD_MAX_SCORES.bit_length() - 1} scores, not native: "
          "SDPA's dq there reached 3.2× the naive float32 error (flash-attention's criterion: 3×; its Δ = "
@@ -367,7 +372,7 @@ AUTO_RULES: tuple[Rule, ...] = (
          f"{_widths(NATIVE_MIN_GRAD_LSE_SCORES)} scores: the native kernel with its FlashAttention-2 backward (O(S) "
          "memory; 'explicit' would hold S×S)",
          lambda c: (c.differentiable and c.dropout_p == 0 and c.q.device.type == "cpu"
-                    and c.native_fits(NATIVE_MIN_GRAD_LSE_SCORES)), _native(decode=False)),
+                    and c.native_fits(NATIVE_MIN_GRAD_LSE_SCORES)), _native(decode=False), block_mask=True),
     Rule("explicit (gradients, lse)", "gradients or dropout and the log-sum-exp: 'explicit' is differentiable "
          "and returns it", lambda c: c.differentiable, _backend(explicit_attention)),
     Rule("native decode", f"few query rows per K/V head (Sq·G ≤ {DECODE_ROWS}), from "
@@ -383,7 +388,7 @@ AUTO_RULES: tuple[Rule, ...] = (
          f"2^{INTEL_AVX512_MIN_SCORES.bit_length() - 1} scores; bfloat16 on a CPU with AMX from "
          f"2^{AMX_MIN_SCORES.bit_length() - 1} scores where the loop runs on its tiles (native.amx()), never where "
          "it cannot (SDPA's products run on them)",
-         _native_prefill_fits, _native(decode=False)),
+         _native_prefill_fits, _native(decode=False), block_mask=True),
     Rule("blocked", f"float32, Sq and Sk ≥ {BLOCKED_MIN_SEQ}, D ≥ {BLOCKED_MIN_HEAD_DIM}, not native (no "
          "kernel, or below its threshold), not on an Intel CPU with AVX-512 unless the log-sum-exp is asked for "
          "(SDPA ahead): the torch-only blocked kernel", _blocked_fits, _torch_kernel(blocked_attention)),
