@@ -376,7 +376,9 @@ class BlockMask:
 
     def __and__(self, other: object) -> BlockMask:
         """The intersection with another BlockMask or a bool mask broadcastable to (B, H, Sq, Sk),
-        re-classified in this one's tiles (through the dense masks).
+        re-classified tile by tile in this one's tiles: an empty tile stays empty, a full one takes
+        the other's, only tiles partial on either side are and-ed byte by byte (a dense mask is
+        classified first, one pass over it; a BlockMask of other tiles through its dense form).
 
         Raises:
             TypeError: ``other`` is neither. ValueError: its Sq, Sk differ, or it does not broadcast.
@@ -385,15 +387,58 @@ class BlockMask:
             if other.shape[2:] != self.shape[2:]:
                 raise ValueError(f"other must have (Sq, Sk) = {self.shape[2:]} like this BlockMask, "
                                  f"got {other.shape[2:]}")
-            other_dense = other.dense()
+            blocks = other if other.block_size == self.block_size else BlockMask.from_dense(other.dense(),
+                                                                                            self.block_size)
         elif isinstance(other, torch.Tensor) and other.dtype == torch.bool:
-            other_dense = other
+            blocks = BlockMask.from_dense(self._broadcast(other), self.block_size)
         else:
             return NotImplemented
-        both = self.dense() & other_dense
-        if both.dim() != 4 or tuple(both.shape[2:]) != self.shape[2:]:
-            raise ValueError(f"other must broadcast to (B, H, Sq, Sk) = {self.shape}, got {tuple(other_dense.shape)}")
-        return BlockMask.from_dense(both, self.block_size)
+        for i, name in ((0, "B"), (1, "H")):
+            if 1 not in (self.shape[i], blocks.shape[i]) and self.shape[i] != blocks.shape[i]:
+                raise ValueError(f"other must have {name} = 1 or {self.shape[i]} like this BlockMask, "
+                                 f"got {blocks.shape[i]}")
+        return self._intersect(blocks)
+
+    def _broadcast(self, mask: torch.Tensor) -> torch.Tensor:
+        """A bool mask broadcastable to (B, H, Sq, Sk) (B, H may differ where this one has 1) as a
+        (B'|1, H'|1, Sq, Sk) view."""
+        _, _, sq, sk = self.shape
+        if mask.dim() > 4 or not _broadcastable(tuple(mask.shape[-2:]), (sq, sk)):
+            raise ValueError(f"other must broadcast to (B, H, Sq, Sk) = {self.shape}, got {tuple(mask.shape)}")
+        mask = mask[(None,) * (4 - mask.dim())]
+        return mask.expand(mask.shape[0], mask.shape[1], sq, sk)
+
+    def _in_range(self, qb: torch.Tensor, kb: torch.Tensor) -> torch.Tensor:
+        """uint8 (n, bq, bk): 1 on the pairs of tiles (qb, kb) (each (n,)) inside [0, Sq) x [0, Sk)."""
+        bq, bk = self.block_size
+        rows = qb[:, None, None] * bq + torch.arange(bq, device=qb.device)[None, :, None] < self.shape[2]
+        cols = kb[:, None, None] * bk + torch.arange(bk, device=kb.device)[None, None, :] < self.shape[3]
+        return (rows & cols).to(torch.uint8)  # (n, bq, bk)
+
+    def _tile_bytes(self, kinds: torch.Tensor, in_range: torch.Tensor) -> torch.Tensor:
+        """uint8 (n, bq, bk): the bytes of n non-empty tiles of classes ``kinds`` (n,)."""
+        pick = torch.where(kinds >= 0, kinds, 0).long()
+        found = self.partial[pick] if self.partial.shape[0] else torch.zeros_like(in_range)
+        return torch.where((kinds == FULL)[:, None, None], in_range, found)
+
+    def _intersect(self, other: BlockMask) -> BlockMask:
+        """This block mask and-ed with ``other`` of the same (Sq, Sk) and tile size."""
+        bm, hm = max(self.tiles.shape[0], other.tiles.shape[0]), max(self.tiles.shape[1], other.tiles.shape[1])
+        n_q, n_k = self.tiles.shape[2:]
+        mine, theirs = (t.tiles.expand(bm, hm, n_q, n_k) for t in (self, other))
+        empty = (mine == EMPTY) | (theirs == EMPTY)
+        full = (mine == FULL) & (theirs == FULL)
+        where = (~empty & ~full).nonzero(as_tuple=True)  # tiles partial on either side, row-major
+        in_range = self._in_range(where[2], where[3])  # (n, bq, bk)
+        both = self._tile_bytes(mine[where], in_range) & other._tile_bytes(theirs[where], in_range)
+        anyv = both.flatten(1).amax(1) > 0 if both.shape[0] else torch.zeros(0, dtype=torch.bool)
+        allv = (both == in_range).flatten(1).all(1)
+        keep = anyv & ~allv
+        rank = (torch.cumsum(keep, 0) - 1).to(torch.int32)
+        tiles = torch.where(full, FULL, EMPTY).to(torch.int32)  # (Bm, Hm, nQ, nK)
+        tiles[where] = torch.where(allv, FULL, torch.where(anyv, rank, EMPTY)).to(torch.int32)
+        shape = (max(self.shape[0], other.shape[0]), max(self.shape[1], other.shape[1]), self.shape[2], self.shape[3])
+        return BlockMask(tiles, both[keep].contiguous(), shape, self.block_size)
 
     __rand__ = __and__
 

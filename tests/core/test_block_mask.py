@@ -179,6 +179,22 @@ def test_intersection_with_a_block_mask_and_a_dense_mask() -> None:
         causal & BlockMask.from_mask_mod(causal_mask_mod, None, None, 70, 91, (16, 32))
 
 
+@PROFILE
+@given(dense_masks(), st.integers(0, 2**16), st.sampled_from(["block", "dense", "keys"]))
+def test_an_intersection_is_classified_as_the_and_of_the_dense_masks(
+        case: tuple[torch.Tensor, tuple[int, int]], seed: int, kind: str) -> None:
+    mask, size = case
+    b, h, sq, sk = mask.shape
+    gen = torch.Generator().manual_seed(seed)
+    shape = (1, 1, 1, sk) if kind == "keys" else (b, 1, sq, sk)
+    other = torch.rand(*shape, generator=gen) < 0.7
+    other[..., :, : sk // 2] = True  # full tiles on both sides, so each pairing occurs
+    block = BlockMask.from_dense(mask, size)
+    both = block & (BlockMask.from_dense(other.expand(b, 1, sq, sk), size) if kind == "block" else other)
+    check_classification(both, mask & other)
+    assert torch.equal(both.dense().expand(b, h, sq, sk), mask & other)
+
+
 def test_counts_sparsity_and_repr() -> None:
     block = BlockMask.from_mask_mod(causal_mask_mod, None, None, 512, 512)
     assert block.counts() == (6, 6, 4) and block.sparsity() == pytest.approx(6 / 16)
