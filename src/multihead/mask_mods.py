@@ -71,7 +71,8 @@ def document_mask_mod(document_ids: torch.Tensor) -> MaskMod:
             Sk positions; needs Sq <= Sk).
 
     Raises:
-        TypeError: not an integer tensor. ValueError: not 1-D or 2-D.
+        TypeError: not an integer tensor. ValueError: not 1-D or 2-D; when evaluated, a query
+            position below 0 (Sq > Sk), which would read ``document_ids`` from its end.
     """
     ids = check_tensor("document_ids", document_ids, ndim=(1, 2))
     if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
@@ -79,6 +80,9 @@ def document_mask_mod(document_ids: torch.Tensor) -> MaskMod:
     rows = ids[None] if ids.dim() == 1 else ids  # (B|1, Sk)
 
     def document(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        if q_idx.numel() and int(q_idx.min()) < 0:
+            raise ValueError(f"document_mask_mod needs query positions >= 0 (Sq <= Sk: query i sits at "
+                             f"i + Sk - Sq), got {int(q_idx.min())}")
         per_b = b if rows.shape[0] > 1 else torch.zeros_like(b)  # (B|1, 1, 1, 1)
         return rows[per_b, q_idx] == rows[per_b, kv_idx]
     return document

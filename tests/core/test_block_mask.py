@@ -140,6 +140,8 @@ def test_document_and_prefix_lm_mask_mods() -> None:
     ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [0, 1, 1, 1, 1, 1, 2, 2]])
     got = evaluate_mask_mod(document_mask_mod(ids), 2, 1, 8, 8)[:, 0]
     assert torch.equal(got, ids[:, :, None] == ids[:, None, :])
+    with pytest.raises(ValueError, match="document_mask_mod needs query positions >= 0 .* got -2"):
+        evaluate_mask_mod(document_mask_mod(ids), 2, 1, 10, 8)
     causal = Structure(causal=True).dense(6, 6)
     prefix = torch.zeros(6, 6, dtype=torch.bool)
     prefix[:, :3] = True
