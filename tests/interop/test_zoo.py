@@ -169,6 +169,25 @@ ZOO: dict[str, tuple[dict[str, Any], bool]] = {
     "cosmos3_edge_text": ({}, False),
     "granite_docling_text": ({"attention_multiplier": 0.3}, False),
     "apertus1p5_text": ({}, True),
+    # near copies (hf_copies.COPIES, the lines that differ named there)
+    "eurobert": ({}, False),  # Llama's, bidirectional
+    "vaultgemma": ({"head_dim": 16, "query_pre_attn_scalar": 12, "attn_logit_softcapping": 3.0,
+                    "layer_types": ["sliding_attention", "full_attention"]}, True),
+    "chinese_clip_vision_model": ({}, False), "git_vision_model": ({}, False),
+    "idefics3_vision": ({}, False), "smolvlm_vision": ({}, False),
+    "solar_open": ({"head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                    "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1}, True),
+    "helium": ({"head_dim": 16}, True),
+    "cwm": ({"head_dim": 16, "layer_types": ["full_attention", "sliding_attention"]}, True),
+    # hand-described near copies (hf_registry._COPIES): RoPE and windows by their own rules
+    "exaone4": ({"head_dim": 16, "layer_types": ["sliding_attention", "full_attention"]}, True),
+    "exaone_moe": ({"head_dim": 16, "layer_types": ["sliding_attention", "full_attention"], "num_experts": 4,
+                    "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_layer_types": ["dense", "sparse"],
+                    "first_k_dense_replace": 1}, True),
+    # layer 0 global but dense (force_rope: RoPE), layer 1 sliding, layer 2 global without RoPE
+    "cohere2_moe": ({"head_dim": 16, "num_hidden_layers": 3, "num_experts": 4,
+                     "layer_types": ["full_attention", "sliding_attention", "full_attention"],
+                     "mlp_layer_types": ["dense", "sparse", "sparse"]}, True),
     "decision_transformer": ({"state_dim": 5, "act_dim": 3, "max_ep_len": 16}, False),
     "glm4_moe_lite": ({**DEEPSEEK, "rope_interleave": True, "n_shared_experts": 1}, True),
     "youtu": ({**DEEPSEEK, "rope_interleave": True}, True),
@@ -178,12 +197,14 @@ ZOO: dict[str, tuple[dict[str, Any], bool]] = {
 SEQ2SEQ = {"bart", "mbart", "whisper", "pegasus", "marian", "plbart", "m2m_100", "blenderbot", "blenderbot-small",
            "nllb-moe", "speech_to_text"}
 VISION = {"vit", "clip_vision_model", "siglip_vision_model", "deit", "vit_mae", "vit_msn", "ijepa", "pixio", "dinov2",
-          "dinov2_with_registers", "metaclip_2_vision_model", "clipseg_vision_model"}
+          "dinov2_with_registers", "metaclip_2_vision_model", "clipseg_vision_model", "chinese_clip_vision_model",
+          "git_vision_model", "idefics3_vision", "smolvlm_vision"}
 TIME_SERIES = {"time_series_transformer", "informer"}
 #: Model types AutoModel does not map: built with their own class.
 OWN_CLASS = {"siglip_text_model": "SiglipTextModel", "metaclip_2_text_model": "MetaClip2TextModel",
              "metaclip_2_vision_model": "MetaClip2VisionModel", "clipseg_text_model": "CLIPSegTextModel",
-             "clipseg_vision_model": "CLIPSegVisionModel", "siglip2_text_model": "Siglip2TextModel"}
+             "clipseg_vision_model": "CLIPSegVisionModel", "siglip2_text_model": "Siglip2TextModel",
+             "git_vision_model": "GitVisionModel"}
 
 
 def build(model_type: str, config: Any, auto: Any, impl: str | None = None) -> nn.Module:
@@ -453,3 +474,23 @@ def test_zoo_refuses_phi_described_without_its_partial_rotary(monkeypatch: pytes
     _planted(monkeypatch, "transformers.models.phi.modeling_phi.PhiAttention", partial_rotary=False, check=None)
     with pytest.raises(ValueError, match="partial_rotary_factor=0.625 is not supported"):
         compare("phi")
+
+
+def test_zoo_catches_rope_planted_in_exaone4_global_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """EXAONE 4 described as rotating every layer (its global layer 1 has no RoPE): the comparison fails."""
+    _planted(monkeypatch, "transformers.models.exaone4.modeling_exaone4.Exaone4Attention", rope_on=None)
+    assert compare("exaone4").startswith("wrong")
+
+
+def test_zoo_catches_window_planted_in_exaone4_global_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """EXAONE 4 described with module.sliding_window in every layer (it is set in its global layer too,
+    but passed to the kernel only where is_sliding): the comparison fails."""
+    _planted(monkeypatch, "transformers.models.exaone4.modeling_exaone4.Exaone4Attention", window="module")
+    assert compare("exaone4").startswith("wrong")
+
+
+def test_zoo_catches_cohere2_rule_planted_in_cohere2_moe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cohere 2 MoE described by Cohere 2's RoPE rule (its dense global layer 0 rotates: force_rope)."""
+    _planted(monkeypatch, "transformers.models.cohere2_moe.modeling_cohere2_moe.Cohere2MoeAttention",
+             rope_on=hf_registry.REGISTRY["transformers.models.cohere2.modeling_cohere2.Cohere2Attention"].rope_on)
+    assert compare("cohere2_moe").startswith("wrong")

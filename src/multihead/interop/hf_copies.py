@@ -127,6 +127,94 @@ COPIES: tuple[Copy, ...] = (
          ("decision_transformer",), "gpt2.modeling_gpt2.GPT2Attention"),
     Copy("glm4_moe_lite.modeling_glm4_moe_lite", "Glm4MoeLiteAttention", ("glm4_moe_lite",), _DEEPSEEK_V3),
     Copy("youtu.modeling_youtu", "YoutuAttention", ("youtu",), _DEEPSEEK_V3),
+    # ---- near copies: the lines that differ set what the description reads from the module ----
+    Copy('eurobert.modeling_eurobert', 'EuroBertAttention', ('eurobert',), _LLAMA,
+         differs=(
+             'class: -        self.is_causal = True',
+             'class: +        self.is_causal = False',
+         ),
+         why='bidirectional: is_causal is read from the module'),
+    Copy('vaultgemma.modeling_vaultgemma', 'VaultGemmaAttention', ('vaultgemma',),
+         'gemma2.modeling_gemma2.Gemma2Attention',
+         differs=(
+             'class: -        self.is_causal = not getattr(config, "use_bidirectional_attention", False)',
+             'class: +        self.is_causal = True',
+         ),
+         why='always causal: is_causal is read from the module'),
+    Copy('chinese_clip.modeling_chinese_clip', 'ChineseCLIPVisionAttention', ('chinese_clip_vision_model',), _CLIP,
+         differs=(
+             'class: -    def __init__(self, config: CLIPVisionConfig | CLIPTextConfig):',
+             'class: +    def __init__(self, config: CLIPConfig | ChineseCLIPTextConfig):',
+             'eager_attention_forward: -    **kwargs: Unpack[TransformersKwargs],',
+             'eager_attention_forward: +    **kwargs,',
+             'eager_attention_forward: -    attn_weights = torch.matmul(query, key.transpose(-1, -2)) * scaling',
+             'eager_attention_forward: +    attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling',
+         ),
+         why="a type annotation; the eager kernel's key.transpose(2, 3) is transpose(-1, -2) on (B, H, S, D)"),
+    Copy('idefics3.modeling_idefics3', 'Idefics3VisionAttention', ('idefics3_vision',), _SIGLIP,
+         differs=(
+             'class: -        self.is_causal = False',
+             'class: +        self.is_causal = False',
+         ),
+         why='is_causal is set after the projections'),
+    Copy('smolvlm.modeling_smolvlm', 'SmolVLMVisionAttention', ('smolvlm_vision',), _SIGLIP,
+         differs=(
+             'class: -        self.is_causal = False',
+             'class: +        self.is_causal = False',
+         ),
+         why='is_causal is set after the projections'),
+    Copy('git.modeling_git', 'GitVisionAttention', ('git_vision_model',), _SIGLIP,
+         differs=(
+             'class: -        **kwargs,',
+             'class: +        **kwargs: Unpack[TransformersKwargs],',
+             'class: +            **kwargs,',
+         ),
+         why="the keywords reach HF's kernel (GitVisionEncoder passes none that it reads)"),
+    Copy('solar_open.modeling_solar_open', 'SolarOpenAttention', ('solar_open',), _LLAMA,
+         differs=(
+             'class: -        self.o_proj = nn.Linear(',
+             'class: -            config.num_attention_heads * self.head_dim, config.hidden_size, '
+             'bias=config.attention_bias',
+             'class: -        )',
+             'class: +        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, '
+             'config.hidden_size, bias=False)',
+         ),
+         why='o_proj without bias: read from the weights'),
+    Copy('helium.modeling_helium', 'HeliumAttention', ('helium',), 'glm.modeling_glm.GlmAttention',
+         differs=(
+             'class: -        self.scaling = self.head_dim**-0.5',
+             'class: +        self.scaling = 1 / math.sqrt(self.head_dim)',
+             'class: -        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, '
+             'config.hidden_size, bias=False)',
+             'class: +        self.o_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)',
+             'apply_rotary_pos_emb: -    rotary_dim = cos.shape[-1]',
+             'apply_rotary_pos_emb: -    q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]',
+             'apply_rotary_pos_emb: -    k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]',
+             'apply_rotary_pos_emb: -    q_embed = (q_rot * cos) + (rotate_half(q_rot) * sin)',
+             'apply_rotary_pos_emb: -    k_embed = (k_rot * cos) + (rotate_half(k_rot) * sin)',
+             'apply_rotary_pos_emb: -    q_embed = torch.cat([q_embed, q_pass], dim=-1)',
+             'apply_rotary_pos_emb: -    k_embed = torch.cat([k_embed, k_pass], dim=-1)',
+             'apply_rotary_pos_emb: +    q_embed = (q * cos) + (rotate_half(q) * sin)',
+             'apply_rotary_pos_emb: +    k_embed = (k * cos) + (rotate_half(k) * sin)',
+         ),
+         why="scaling is read from the module, o_proj's shape from the weights; its RoPE is GLM's with every dim "
+             "rotated (the partial_rotary_factor checked as GLM's)"),
+    Copy('cwm.modeling_cwm', 'CwmAttention', ('cwm',), 'qwen2.modeling_qwen2.Qwen2Attention',
+         differs=(
+             'class: -        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * '
+             'self.head_dim, bias=True)',
+             'class: -        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * '
+             'self.head_dim, bias=True)',
+             'class: -        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * '
+             'self.head_dim, bias=True)',
+             'class: +        self.q_proj = torch.nn.Linear(config.hidden_size, config.num_attention_heads * '
+             'self.head_dim, bias=False)',
+             'class: +        self.k_proj = torch.nn.Linear(config.hidden_size, config.num_key_value_heads * '
+             'self.head_dim, bias=False)',
+             'class: +        self.v_proj = torch.nn.Linear(config.hidden_size, config.num_key_value_heads * '
+             'self.head_dim, bias=False)',
+         ),
+         why='q/k/v_proj without bias: read from the weights'),
 )
 
 

@@ -50,7 +50,8 @@ is never imported here):
   ``layer_type_attr``: the module attribute naming its layer type (``"full_attention"`` /
   ``"sliding_attention"``), which picks its ``rope_parameters`` where the config nests them per
   layer type (OLMo 3: ``attention_type``).
-* ``window``: ``None`` (never a window), ``"module"`` (``module.sliding_window``, per layer)
+* ``window``: ``None`` (never a window), ``"module"`` (``module.sliding_window``, per layer),
+  ``"is_sliding"`` (``module.sliding_window`` where ``module.is_sliding``, none elsewhere: EXAONE 4)
   or ``"config"`` (``config.sliding_window``, what the class's forward passes to HF's kernel).
 * ``config_must``: config keys whose other values change the computation, with the value
   this description covers (e.g. OLMo's ``clip_qkv`` must be None). ``config_equal``: pairs
@@ -432,11 +433,29 @@ def _cohere2_rope(module: Any, config: Any) -> bool:
     return module.sliding_window is not None
 
 
+def _cohere2_moe_rope(module: Any, config: Any) -> bool:
+    """Cohere 2 MoE: Cohere 2's rule, or ``force_rope`` (a dense layer when
+    ``prefix_dense_sliding_window_pattern == 1``)."""
+    force = module.force_rope
+    if not isinstance(force, bool):
+        raise TypeError(f"Cohere2MoeAttention.force_rope must be true or false, got {type(force).__name__} {force!r}")
+    return module.sliding_window is not None or force
+
+
+def _exaone4_rope(module: Any, config: Any) -> bool:
+    """EXAONE 4: RoPE where ``sliding_window is None`` (no hybrid attention) or the layer is a
+    sliding one (``is_sliding``); its global layers of a hybrid model have none."""
+    sliding = module.is_sliding
+    if not isinstance(sliding, bool):
+        raise TypeError(f"{type(module).__name__}.is_sliding must be true or false, got {type(sliding).__name__} "
+                        f"{sliding!r}")
+    return module.sliding_window is None or sliding
+
+
 _WINDOWED = frozenset({"sliding_window"})
-#: Not here, refused by name: HunYuan dense (q/k RMSNorm after RoPE, ours is before); EXAONE 4
-#: (Qwen3's q/k norm, no RoPE in its global layers): its forward would be exact, but
-#: multihead.heads.capture records such a layer's q/k before the per-head norm on an uncached call
-#: (MultiHeadAttention.split reports Q_k/K_k before the norm and rotate reports nothing without RoPE).
+#: Not here, refused by name: HunYuan dense and NanoChat (q/k RMSNorm after RoPE, ours is before).
+_EXAONE4_ATTRS = frozenset({"hidden_size", "is_sliding", "num_attention_heads", "num_key_value_heads",
+                            "sliding_window", "sliding_window_pattern"})
 _COPIES = [
     # LlamaAttention line for line, the class prefix aside (their models differ outside attention)
     _q_proj("arcee", "ArceeAttention"),
@@ -496,6 +515,17 @@ _COPIES = [
     # CohereAttention without use_qk_norm; RoPE (interleaved) and window in the sliding layers only
     _q_proj("cohere2", "Cohere2Attention", rope="interleaved", window="module", extra_attrs=_WINDOWED,
             rope_on=_cohere2_rope),
+    # Cohere 2's, with RoPE also where force_rope (its dense prefix layers)
+    _q_proj("cohere2_moe", "Cohere2MoeAttention", rope="interleaved", window="module",
+            extra_attrs=_WINDOWED | {"force_rope"}, rope_on=_cohere2_moe_rope),
+    # EXAONE 4: Llama + Qwen3's per-head q/k RMSNorm before RoPE; module.sliding_window is
+    # config.sliding_window in every layer, passed to the kernel only where is_sliding; RoPE only
+    # where sliding_window is None or is_sliding (its hybrid models' global layers have none)
+    _q_proj("exaone4", "Exaone4Attention", norm="Exaone4RMSNorm", qk_norm="head", window="is_sliding",
+            extra_attrs=_EXAONE4_ATTRS, rope_on=_exaone4_rope),
+    # EXAONE 4's attention verbatim (its model's MoE aside)
+    _q_proj("exaone_moe", "ExaoneMoeAttention", norm="ExaoneMoeRMSNorm", qk_norm="head", window="is_sliding",
+            extra_attrs=_EXAONE4_ATTRS, rope_on=_exaone4_rope),
 ]
 
 #: The classes described here, keyed by their qualified names.
@@ -642,6 +672,7 @@ def markdown_table() -> str:
         rope = "ALiBi (standard slopes)" if spec.alibi else rope
         rope += ", partial" if spec.partial_rotary else ""
         window = {None: "none", "module": "per layer (`module.sliding_window`)",
+                  "is_sliding": "sliding layers (`module.is_sliding`)",
                   "config": "`config.sliding_window`"}[spec.window]
         rope += ", not in every layer" if spec.rope_on is not None else ""
         also = [f"QK-norm ({spec.qk_norm})"] if spec.qk_norm else []

@@ -285,6 +285,7 @@ def _q_proj_settings(module: Any, config: Any, state: dict[str, torch.Tensor],
     head_dim = int(module.head_dim)
     src = f"{spec.name} config"
     window = {None: None, "module": getattr(module, "sliding_window", None),
+              "is_sliding": module.sliding_window if getattr(module, "is_sliding", False) else None,
               "config": hf_config.module_window(config, src) if config is not None else None}[spec.window]
     settings: dict[str, Any] = {
         "causal": bool(module.is_causal), "scale": float(module.scaling),
