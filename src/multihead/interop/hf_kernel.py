@@ -60,6 +60,8 @@ HONOURED: dict[str, str] = {
     "softcap": "logit soft-capping, cap · tanh(s / cap) (Gemma 2)",
     "s_aux": "one sink logit per head, (H,) (gpt-oss)",
     "output_attentions": "the per-head weights (B, H, S, Sk) are returned",
+    "position_bias": "an additive bias (B|1, H, S, Sk) on the scaled logits (T5's relative position bias): "
+                     "the core's bias=",
     "cu_seq_lens_q": "packed sequences of one row: attention stays inside each (the core's cu_seqlens)",
     "cu_seq_lens_k": "the keys' bounds of packed sequences: must equal cu_seq_lens_q",
 }
@@ -84,7 +86,6 @@ CARRIES_NOTHING: dict[str, str] = {
 }
 #: Keyword arguments with a meaning the kernel does not compute: refused unless None.
 REFUSED_WHEN_SET: dict[str, str] = {
-    "position_bias": "an additive attention bias (T5 style)",
     "head_mask": "a per-head scaling of the attention probabilities",
 }
 _KNOWN = frozenset(HONOURED) | frozenset(CARRIES_NOTHING) | frozenset(REFUSED_WHEN_SET)
@@ -233,14 +234,14 @@ def attention_forward(
         **kwargs: :data:`HONOURED`: ``is_causal`` (else ``module.is_causal``), ``sliding_window``,
             ``output_attentions`` (then weights are returned), ``softcap`` (Gemma 2/3),
             ``s_aux`` (gpt-oss's sinks, (H,)), ``cu_seq_lens_q``/``_k`` (packed sequences, B = 1);
-            :data:`CARRIES_NOTHING`, ignored; :data:`REFUSED_WHEN_SET` (``position_bias``) unless None.
+            :data:`CARRIES_NOTHING`, ignored; :data:`REFUSED_WHEN_SET` (``head_mask``) unless None.
 
     Returns:
         (attn_output (B, S, H, D), weights (B, H, S, Sk) or None), as HF expects.
 
     Raises:
-        ValueError: a model transformers does not let run SDPA (:func:`refusal`), a position
-            bias, packed sequences the core cannot take, or an additive mask with real bias values.
+        ValueError: a model transformers does not let run SDPA (:func:`refusal`), or packed
+            sequences the core cannot take.
         TypeError: a keyword argument outside :data:`HONOURED`, :data:`CARRIES_NOTHING` and
             :data:`REFUSED_WHEN_SET`.
     """
@@ -249,7 +250,7 @@ def attention_forward(
         raise ValueError(why)
     check_keywords(module, kwargs)
     sq, sk = query.shape[2], key.shape[2]
-    mask = bool_mask(attention_mask, sk)
+    mask, bias = _mask_and_bias(attention_mask, kwargs.get("position_bias"), sk)
     is_causal = kwargs.get("is_causal")
     is_causal = getattr(module, "is_causal", False) if is_causal is None else is_causal
     # HF drops its mask only when causality alone describes it; one query (decoding) sees all keys.
@@ -258,11 +259,29 @@ def attention_forward(
     _, n = written_keys(None, sq, sk, causal)
     key, value = key[:, :, :n], value[:, :, :n]
     want_weights = bool(kwargs.get("output_attentions", False))
+    bias = None if bias is None else bias[..., :n]
     result = attention(query, key, value, causal=causal, mask=mask, window=window, scale=scaling,
                        dropout_p=dropout, return_weights=want_weights, softcap=kwargs.get("softcap"),
-                       sinks=kwargs.get("s_aux"), cu_seqlens=_packed(query, key, kwargs))
+                       sinks=kwargs.get("s_aux"), cu_seqlens=_packed(query, key, kwargs), bias=bias)
     out, weights = result if isinstance(result, tuple) else (result, None)  # (B, H, S, D); a tuple iff want_weights
     return out.transpose(1, 2).contiguous(), weights  # (B, S, H, D)
+
+
+def _mask_and_bias(attention_mask: torch.Tensor | None, position_bias: torch.Tensor | None,
+                   sk: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """HF's mask and T5's position bias as the core's ``mask`` (bool) and ``bias`` (float).
+
+    A bool mask, or an additive one holding only 0 and the dtype's minimum, is a mask; an additive
+    one with real values (a bias folded into the mask) is added as it is, as eager attention adds it.
+    """
+    try:
+        mask = bool_mask(attention_mask, sk)
+    except ValueError:
+        if attention_mask is None or attention_mask.dim() != 4:
+            raise
+        real = attention_mask[..., :sk]  # (B|1, 1|H, S, Sk) additive, with real values
+        return None, real if position_bias is None else position_bias[..., :sk] + real
+    return mask, None if position_bias is None else position_bias[..., :sk]
 
 
 def _packed(query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor | None:
