@@ -188,6 +188,16 @@ ZOO: dict[str, tuple[dict[str, Any], bool]] = {
     "cohere2_moe": ({"head_dim": 16, "num_hidden_layers": 3, "num_experts": 4,
                      "layer_types": ["full_attention", "sliding_attention", "full_attention"],
                      "mlp_layer_types": ["dense", "sparse", "sparse"]}, True),
+    # speech encoders with Wav2Vec2's attention: 1600 samples -> 4 frames (the conv stack), padded
+    **{t: ({"conv_dim": [32] * 7, "num_conv_pos_embeddings": 16, "num_conv_pos_embedding_groups": 4,
+            "feat_extract_norm": "layer", "do_stable_layer_norm": True}, False)
+       for t in ("wav2vec2", "hubert", "unispeech", "unispeech-sat", "data2vec-audio")},
+    "sew": ({"conv_dim": [32] * 13, "num_conv_pos_embeddings": 16, "num_conv_pos_embedding_groups": 4,
+             "squeeze_factor": 1}, False),
+    "patchtst": ({"d_model": 64, "num_attention_heads": 4, "context_length": 32, "patch_length": 8, "patch_stride": 8,
+                  "num_input_channels": 2}, False),
+    "audioflamingo3_encoder": ({"num_mel_bins": 8, "max_source_positions": 16, "d_model": 64, "encoder_layers": 2,
+                                "encoder_attention_heads": 4, "encoder_ffn_dim": 128}, False),
     "decision_transformer": ({"state_dim": 5, "act_dim": 3, "max_ep_len": 16}, False),
     "glm4_moe_lite": ({**DEEPSEEK, "rope_interleave": True, "n_shared_experts": 1}, True),
     "youtu": ({**DEEPSEEK, "rope_interleave": True}, True),
@@ -200,6 +210,8 @@ VISION = {"vit", "clip_vision_model", "siglip_vision_model", "deit", "vit_mae", 
           "dinov2_with_registers", "metaclip_2_vision_model", "clipseg_vision_model", "chinese_clip_vision_model",
           "git_vision_model", "idefics3_vision", "smolvlm_vision"}
 TIME_SERIES = {"time_series_transformer", "informer"}
+#: Speech encoders on raw samples: every frame compared (a padded frame still attends to real ones).
+AUDIO = {"wav2vec2", "hubert", "sew", "unispeech", "unispeech-sat", "data2vec-audio"}
 #: Model types AutoModel does not map: built with their own class.
 OWN_CLASS = {"siglip_text_model": "SiglipTextModel", "metaclip_2_text_model": "MetaClip2TextModel",
              "metaclip_2_vision_model": "MetaClip2VisionModel", "clipseg_text_model": "CLIPSegTextModel",
@@ -257,6 +269,12 @@ def _inputs(model_type: str, side: str = "right") -> dict[str, torch.Tensor]:
                 "spatial_shapes": torch.tensor([[4, 4], [4, 4]])}
     if model_type == "vivit":  # (B, frames, C, H, W): 2 tubelets of 4 patches
         return {"pixel_values": torch.randn(B, 4, 3, 32, 32, generator=g)}
+    if model_type in AUDIO:  # raw samples, the second row's last (right) or first (left) quarter padding
+        return {"input_values": torch.randn(B, 1600, generator=g), "attention_mask": _padding_mask(1600, side, 400)}
+    if model_type == "patchtst":  # (B, context, channels): 4 patches a channel, no padding
+        return {"past_values": torch.randn(B, 32, 2, generator=g)}
+    if model_type == "audioflamingo3_encoder":  # log-mel features (B, num_mel_bins, 2 · max_source_positions), padded
+        return {"input_features": torch.randn(B, 8, 32, generator=g), "input_features_mask": _padding_mask(32, side, 8)}
     if model_type == "decision_transformer":  # trajectories of S steps; the model interleaves 3 tokens a step
         return {"states": torch.randn(B, S, 5, generator=g), "actions": torch.randn(B, S, 3, generator=g),
                 "rewards": torch.randn(B, S, 1, generator=g), "returns_to_go": torch.randn(B, S, 1, generator=g),
@@ -304,7 +322,8 @@ def _outs(model: nn.Module, inputs: dict[str, torch.Tensor]) -> list[tuple[torch
     for name in ("logits", "last_hidden_state", "pooler_output"):
         if getattr(out, name, None) is not None:
             want = out[name]
-            real = inputs["attention_mask"].bool() if want.dim() == 3 and "attention_mask" in inputs else ...
+            real = (inputs["attention_mask"].bool() if want.dim() == 3 and "attention_mask" in inputs
+                    and "input_values" not in inputs else ...)
             if "returns_to_go" in inputs:  # DecisionTransformer: (return, state, action) tokens per step
                 real = inputs["attention_mask"].bool().repeat_interleave(3, dim=1)
             return [(want, real)]

@@ -83,6 +83,7 @@ _LLAMA = "llama.modeling_llama.LlamaAttention"
 _CLIP = "clip.modeling_clip.CLIPAttention"
 _SIGLIP = "siglip.modeling_siglip.SiglipAttention"
 _DEEPSEEK_V3 = "deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention"
+_WAV2VEC2 = "wav2vec2.modeling_wav2vec2.Wav2Vec2Attention"
 #: The eager kernel of these modules runs its softmax in the input dtype, not float32 (ours
 #: runs in float32 at least): the same in float32, and more accurate in half precision.
 _SOFTMAX_DTYPE = {
@@ -122,6 +123,16 @@ COPIES: tuple[Copy, ...] = (
          "granite.modeling_granite.GraniteAttention"),
     Copy("apertus1p5.modeling_apertus1p5", "Apertus1p5TextAttention", ("apertus1p5_text",),
          "apertus.modeling_apertus.ApertusAttention"),
+    # ---- Wav2Vec2's (BART's without a cache) in the speech encoders and PatchTST ----
+    *(Copy(f"{module}.modeling_{module}", f"{prefix}Attention", (model_type,), _WAV2VEC2)
+      for module, prefix, model_type in (("hubert", "Hubert", "hubert"), ("sew", "SEW", "sew"),
+                                         ("unispeech", "UniSpeech", "unispeech"),
+                                         ("unispeech_sat", "UniSpeechSat", "unispeech-sat"),
+                                         ("patchtst", "PatchTST", "patchtst"))),
+    Copy("data2vec.modeling_data2vec_audio", "Data2VecAudioAttention", ("data2vec-audio",), _WAV2VEC2),
+    # ---- Whisper's in Audio Flamingo 3's encoder ----
+    Copy("audioflamingo3.modeling_audioflamingo3", "AudioFlamingo3Attention", ("audioflamingo3_encoder",),
+         "whisper.modeling_whisper.WhisperAttention"),
     # ---- others ----
     Copy("decision_transformer.modeling_decision_transformer", "DecisionTransformerGPT2Attention",
          ("decision_transformer",), "gpt2.modeling_gpt2.GPT2Attention"),

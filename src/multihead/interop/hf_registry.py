@@ -339,6 +339,11 @@ _OUT_PROJ_FAMILIES = [
     # transformers 5.24; their models differ outside attention only (positions, embeddings, norms).
     *(_out_proj(module, f"{prefix}Attention", (model_type,), "bart", _SEQ2SEQ_ATTRS, cross_attention=True)
       for module, prefix, model_type in _BART_COPIES),
+    # Wav2Vec2: BART's computation without a cache (no layer_idx; never given one: its encoder
+    # layers call it with hidden_states and attention_mask only) and with output_attentions passed
+    # on to the kernel, which ignores it (as Speech2Text's)
+    _out_proj("wav2vec2", "Wav2Vec2Attention", ("wav2vec2",), "bart", _SEQ2SEQ_ATTRS - {"layer_idx"},
+              cross_attention=True),
     AttentionSpec("transformers.models.distilbert.modeling_distilbert.DistilBertSelfAttention", ("distilbert",),
                   "distilbert", "clip",
                   {"q_lin": "Linear", "k_lin": "Linear", "v_lin": "Linear", "out_lin": "Linear", "dropout": "Dropout"},
