@@ -64,7 +64,7 @@ KEY_BLOCK_MULTIPLE = 32
 
 
 def mask_mod_indices(batch: int, heads: int, sq: int, sk: int, *, rows: tuple[int, int] | None = None,
-                     device: torch.device | str | None = None
+                     cols: tuple[int, int] | None = None, device: torch.device | str | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The broadcast int64 index tensors a mask_mod or score_mod is evaluated on.
 
@@ -73,50 +73,59 @@ def mask_mod_indices(batch: int, heads: int, sq: int, sk: int, *, rows: tuple[in
         sq, sk: Sq queries and Sk keys: ``q_idx`` holds the query positions
             ``i + sk - sq`` (bottom-right alignment, see the module).
         rows: only query rows ``[r0, r1)``; default all.
+        cols: only keys ``[c0, c1)``; default all.
         device: where to build them.
 
     Returns:
-        ``b (B, 1, 1, 1)``, ``h (1, H, 1, 1)``, ``q_idx (1, 1, R, 1)``, ``kv_idx (1, 1, 1, Sk)``
-        with R = r1 - r0.
+        ``b (B, 1, 1, 1)``, ``h (1, H, 1, 1)``, ``q_idx (1, 1, R, 1)``, ``kv_idx (1, 1, 1, C)``
+        with R = r1 - r0, C = c1 - c0.
     """
     r0, r1 = (0, sq) if rows is None else rows
+    c0, c1 = (0, sk) if cols is None else cols
     b = torch.arange(batch, device=device).view(batch, 1, 1, 1)
     h = torch.arange(heads, device=device).view(1, heads, 1, 1)
     q_idx = (torch.arange(r0, r1, device=device) + (sk - sq)).view(1, 1, r1 - r0, 1)
-    kv_idx = torch.arange(sk, device=device).view(1, 1, 1, sk)
+    kv_idx = torch.arange(c0, c1, device=device).view(1, 1, 1, c1 - c0)
     return b, h, q_idx, kv_idx
 
 
 def evaluate_mask_mod(mask_mod: MaskMod, batch: int, heads: int, sq: int, sk: int, *,
-                      rows: tuple[int, int] | None = None,
+                      rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None,
                       device: torch.device | str | None = None) -> torch.Tensor:
-    """``mask_mod`` on the index tensors of :func:`mask_mod_indices`, checked.
+    """``mask_mod`` on the index tensors of :func:`mask_mod_indices` (all its arguments), checked.
 
     Returns:
-        bool (Bm, Hm, R, Sk), possibly an expanded view: Bm = 1 where the result does not
+        bool (Bm, Hm, R, C), possibly an expanded view: Bm = 1 where the result does not
         depend on ``b`` (else B), Hm likewise for ``h``.
 
     Raises:
         TypeError: ``mask_mod`` is not callable or returns something else than a bool tensor.
-        ValueError: its result does not broadcast to (B, H, R, Sk).
+        ValueError: its result does not broadcast to (B, H, R, C).
     """
     if not callable(mask_mod):
         raise TypeError(f"mask_mod must be a callable (b, h, q_idx, kv_idx) -> bool tensor, "
                         f"got {type(mask_mod).__name__}")
-    b, h, q_idx, kv_idx = mask_mod_indices(batch, heads, sq, sk, rows=rows, device=device)
-    n = q_idx.shape[2]
+    b, h, q_idx, kv_idx = mask_mod_indices(batch, heads, sq, sk, rows=rows, cols=cols, device=device)
+    n, c = q_idx.shape[2], kv_idx.shape[3]
     result = mask_mod(b, h, q_idx, kv_idx)
     if not isinstance(result, torch.Tensor) or result.dtype != torch.bool:
         got = f"dtype {result.dtype}" if isinstance(result, torch.Tensor) else type(result).__name__
         raise TypeError(f"mask_mod must return a bool tensor (True = may attend), got {got}")
-    target = (batch, heads, n, sk)
+    target = (batch, heads, n, c)
     if result.dim() > 4 or not _broadcastable(tuple(result.shape), target):
         raise ValueError(f"mask_mod must return a bool tensor broadcastable to (B, H, Sq, Sk) = {target} "
                          f"on the broadcast index tensors, got shape {tuple(result.shape)}")
     result = result[(None,) * (4 - result.dim())]  # (Bm|1, Hm|1, R|1, Sk|1)
     bm = batch if result.shape[0] == batch else 1
     hm = heads if result.shape[1] == heads else 1
-    return result.expand(bm, hm, n, sk)
+    return result.expand(bm, hm, n, c)
+
+
+def _within(mask_mod: object) -> Structure | None:
+    """The :class:`~multihead.masks.Structure` ``mask_mod`` declares it never allows more than (its
+    ``within`` attribute, e.g. :func:`multihead.mask_mods.and_masks`'), unless trivial; else None."""
+    bound = getattr(mask_mod, "within", None)
+    return bound if isinstance(bound, Structure) and not bound.trivial else None
 
 
 def _block_size(block_size: object) -> tuple[int, int]:
@@ -256,7 +265,10 @@ class BlockMask:
             device: where to evaluate it and keep the result (default the CPU).
 
         A ``mask_mod`` with a :class:`~multihead.masks.Structure` as its ``structure``
-        attribute is classified by :meth:`from_structure` (the same tiles, without evaluating it).
+        attribute is classified by :meth:`from_structure` (the same tiles, without evaluating it);
+        one with a Structure as its ``within`` attribute (allowing no pair it forbids: an
+        :func:`~multihead.mask_mods.and_masks` with a causal or window part) is evaluated only on
+        the key blocks the structure reaches in each block-row, the others empty.
 
         Raises:
             TypeError, ValueError: bad sizes, or a mask_mod that does not return a bool
@@ -270,8 +282,16 @@ class BlockMask:
         if isinstance(structure, Structure):
             return cls.from_structure(structure, b, h, sq, sk, (bq, bk), device)
 
-        def rows(r0: int, r1: int) -> torch.Tensor:
-            return evaluate_mask_mod(mask_mod, b, h, sq, sk, rows=(r0, r1), device=device)
+        within = _within(mask_mod)
+
+        def rows(r0: int, r1: int) -> tuple[torch.Tensor | None, int]:
+            c0, c1 = 0, sk
+            if within is not None:  # the key blocks the structure reaches from these rows
+                lo, hi = within.key_range(r0 + sk - sq, r1 + sk - sq, sk)
+                if hi <= lo:
+                    return None, 0
+                c0, c1 = lo // bk * bk, min(sk, -(-hi // bk) * bk)
+            return evaluate_mask_mod(mask_mod, b, h, sq, sk, rows=(r0, r1), cols=(c0, c1), device=device), c0 // bk
         return cls._classify(rows, (b, h, sq, sk), (bq, bk), device)
 
     @classmethod
@@ -328,21 +348,30 @@ class BlockMask:
             raise TypeError(f"mask must be a bool tensor (True = may attend), got dtype {mask.dtype}")
         size = _block_size(block_size)
         b, h, sq, sk = mask.shape
-        return cls._classify(lambda r0, r1: mask[:, :, r0:r1], (b, h, sq, sk), size, mask.device)
+        return cls._classify(lambda r0, r1: (mask[:, :, r0:r1], 0), (b, h, sq, sk), size, mask.device)
 
     @classmethod
-    def _classify(cls, rows: Callable[[int, int], torch.Tensor], shape: tuple[int, int, int, int],
-                  block_size: tuple[int, int], device: torch.device | str | None) -> BlockMask:
-        """The block mask of the rows ``rows(r0, r1)`` gives (bool (Bm, Hm, r1 - r0, Sk)), per block-row."""
+    def _classify(cls, rows: Callable[[int, int], tuple[torch.Tensor | None, int]],
+                  shape: tuple[int, int, int, int], block_size: tuple[int, int],
+                  device: torch.device | str | None) -> BlockMask:
+        """The block mask of what ``rows(r0, r1)`` gives per block-row: (bool (Bm, Hm, r1 - r0, C),
+        the key block it starts at), the keys outside it empty; or (None, 0): every tile empty."""
         bq, bk = block_size
         _, _, sq, sk = shape
+        n_k = -(-sk // bk)
         tiles, partial, count = [], [], 0
         for r0 in range(0, sq, bq):
-            row_tiles, masks = _classify_rows(rows(r0, min(sq, r0 + bq)), bq, bk, count)
+            block, first = rows(r0, min(sq, r0 + bq))
+            if block is None:
+                row_tiles = torch.full((1, 1, n_k), EMPTY, dtype=torch.int32, device=device)
+                masks = torch.empty(0, bq, bk, dtype=torch.uint8, device=device)
+            else:
+                reached, masks = _classify_rows(block, bq, bk, count)  # (Bm, Hm, n): key blocks first..
+                row_tiles = torch.full((*reached.shape[:2], n_k), EMPTY, dtype=torch.int32, device=device)
+                row_tiles[..., first:first + reached.shape[2]] = reached
             tiles.append(row_tiles)
             partial.append(masks)
             count += masks.shape[0]
-        n_k = -(-sk // bk)
         if not tiles:  # no queries
             tiles_t = torch.empty(1, 1, 0, n_k, dtype=torch.int32, device=device)
             partial_t = torch.empty(0, bq, bk, dtype=torch.uint8, device=device)

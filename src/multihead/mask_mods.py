@@ -23,8 +23,8 @@ from ._checks import check_int, check_tensor
 from .block_mask import MaskMod
 from .masks import Structure
 
-__all__ = ["StructureMaskMod", "causal_mask_mod", "sliding_window_mask_mod", "document_mask_mod", "prefix_lm_mask_mod",
-           "and_masks", "or_masks"]
+__all__ = ["StructureMaskMod", "AndMasks", "causal_mask_mod", "sliding_window_mask_mod", "document_mask_mod",
+           "prefix_lm_mask_mod", "and_masks", "or_masks"]
 
 _CAUSAL = Structure(causal=True)
 
@@ -121,20 +121,51 @@ def _check_mods(name: str, mods: tuple[MaskMod, ...]) -> None:
             raise TypeError(f"{name}'s mask_mod {i} must be callable, got {type(mod).__name__}")
 
 
-def and_masks(*mask_mods: MaskMod) -> MaskMod:
+@dataclass(frozen=True)
+class AndMasks:
+    """The intersection of ``mask_mods``, as a mask_mod (:func:`and_masks`).
+
+    Attributes:
+        mask_mods: the parts.
+        within: the intersection of the parts' structures (causal and/or windows), which it never
+            exceeds: :meth:`multihead.BlockMask.from_mask_mod` evaluates it only on the key blocks
+            that structure reaches; None without such a part.
+    """
+
+    mask_mods: tuple[MaskMod, ...]
+    within: Structure | None
+
+    def __call__(self, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        """bool: every part allows the pair (the broadcast of the parts' results)."""
+        result = self.mask_mods[0](b, h, q_idx, kv_idx)
+        for mod in self.mask_mods[1:]:
+            result = result & mod(b, h, q_idx, kv_idx)
+        return result
+
+
+def _structures(mod: object) -> list[Structure]:
+    """The structures ``mod`` is (``structure``) or lies within (``within``)."""
+    found = [getattr(mod, name, None) for name in ("structure", "within")]
+    return [s for s in found if isinstance(s, Structure)]
+
+
+def and_masks(*mask_mods: MaskMod) -> StructureMaskMod | AndMasks:
     """The mask_mod allowing a pair where every one of ``mask_mods`` does (intersection).
+
+    Causal and window parts intersect as one :class:`~multihead.masks.Structure` (causal if any
+    is, the narrowest window): parts that are all structures give that structure's mask_mod
+    (:class:`StructureMaskMod`), others an :class:`AndMasks` within it.
 
     Raises:
         ValueError: no mask_mod. TypeError: one is not callable.
     """
     _check_mods("and_masks", mask_mods)
-
-    def both(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        result = mask_mods[0](b, h, q_idx, kv_idx)
-        for mod in mask_mods[1:]:
-            result = result & mod(b, h, q_idx, kv_idx)
-        return result
-    return both
+    parts = [s for mod in mask_mods for s in _structures(mod)]
+    windows = [s.window for s in parts if s.window is not None]
+    within = Structure(any(s.causal for s in parts), min(windows) if windows else None) if parts else None
+    if within is not None and all(isinstance(mod, StructureMaskMod) for mod in mask_mods):
+        return StructureMaskMod(within)
+    return AndMasks(tuple(mask_mods), within)
 
 
 def or_masks(*mask_mods: MaskMod) -> MaskMod:

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 import multihead as mh
 from multihead.backends import registry
 from multihead.block_mask import EMPTY, FULL, BlockMask, create_block_mask, evaluate_mask_mod
-from multihead.mask_mods import (and_masks, causal_mask_mod, document_mask_mod, or_masks, prefix_lm_mask_mod,
-                                 sliding_window_mask_mod)
+from multihead.mask_mods import (StructureMaskMod, and_masks, causal_mask_mod, document_mask_mod, or_masks,
+                                 prefix_lm_mask_mod, sliding_window_mask_mod)
 from multihead.masks import Structure
 
 PROFILE = settings(max_examples=60, deadline=None, derandomize=True,
@@ -134,6 +134,40 @@ def test_structure_mask_mods_are_classified_from_their_spans_as_by_evaluation(
     assert torch.equal(fast.tiles, slow.tiles) and torch.equal(fast.partial, slow.partial)
     assert fast.shape == slow.shape == (2, 3, sq, sk)
     check_classification(fast, Structure(causal, window).dense(sq, sk)[None, None])
+
+
+@PROFILE
+@given(dense_masks(), st.sampled_from([None, 1, 9, 40]), st.booleans())
+def test_a_mask_mod_within_a_structure_is_evaluated_only_where_it_reaches_with_the_same_tiles(
+        case: tuple[torch.Tensor, tuple[int, int]], window: int | None, causal: bool) -> None:
+    """and_masks(structure, table): the key blocks outside the structure's reach are not evaluated
+    (a spy sees only keys it reaches), and the tiles are the evaluated dense mask's."""
+    table, size = case
+    b, h, sq, sk = table.shape
+    if not causal and window is None:
+        causal = True
+    seen = []
+
+    def lookup(bi: torch.Tensor, hi: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        seen.append((int(q_idx.min()), int(q_idx.max()), int(kv_idx.min()), int(kv_idx.max())))
+        return table[bi, hi, q_idx - (sk - sq), kv_idx]
+    structure = Structure(causal, window)
+    mod = and_masks(StructureMaskMod(structure), lookup)
+    assert mod.within == structure
+    dense = evaluate_mask_mod(mod, b, h, sq, sk)  # every pair, for the oracle
+    seen.clear()
+    block = BlockMask.from_mask_mod(mod, b, h, sq, sk, size)
+    check_classification(block, dense.expand(b, h, sq, sk))
+    bk = size[1]
+    for q_lo, q_hi, k_lo, k_hi in seen:  # each block-row evaluated on the key blocks its rows reach
+        lo, hi = structure.key_range(q_lo, q_hi + 1, sk)
+        assert k_lo == lo // bk * bk and k_hi == min(sk, -(-hi // bk) * bk) - 1
+
+
+def test_and_masks_of_structures_is_their_structure() -> None:
+    both = and_masks(causal_mask_mod, sliding_window_mask_mod(7, causal=False), sliding_window_mask_mod(5))
+    assert isinstance(both, StructureMaskMod) and both.structure == Structure(causal=True, window=5)
+    assert torch.equal(evaluate_mask_mod(both, 1, 1, 20, 30)[0, 0], Structure(True, 5).dense(20, 30))
 
 
 def test_document_and_prefix_lm_mask_mods() -> None:
