@@ -24,7 +24,8 @@ from typing import Any, Literal, NamedTuple, overload
 import torch
 
 from ._checks import check_finite as _check_finite
-from ._checks import check_bool_mask, check_float, check_float_tensor, check_int, check_like, check_tensor
+from ._checks import (_broadcastable, check_bool_mask, check_float, check_float_tensor, check_int, check_like,
+                      check_tensor)
 
 from ._call_checks import ATTENTION_HABITS, refuse_unexpected
 from ._memo import remember
@@ -382,7 +383,7 @@ def _check_bias(bias: object, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor 
                         "a bool mask goes in mask=")
     b, h, sq, _ = q.shape
     target = (b, h, sq, k.shape[2])
-    if t.dim() > 4 or any(got not in (1, want) for got, want in zip(reversed(t.shape), reversed(target))):
+    if t.dim() > 4 or not _broadcastable(tuple(t.shape), target):
         raise ValueError(f"bias must be broadcastable to [B, H, Sq, Sk] = {list(target)}, got shape {list(t.shape)}")
     if t.device != q.device:
         raise ValueError(f"bias must be on device {q.device} like q, got {t.device}")
