@@ -132,3 +132,10 @@ def test_a_copy_is_refused_where_its_original_is() -> None:
     module = model.get_submodule("layers.0.attention")
     module.add_module("gate", nn.Linear(4, 4))
     assert "gate (Linear)" in str(hf_registry.why_not(module))
+
+
+def test_glm4_moe_qk_norm_is_refused_naming_it() -> None:
+    """GLM-4 MoE's optional per-head q/k RMSNorm (use_qk_norm) is not described."""
+    with pytest.raises(ValueError, match="q_norm"):
+        mh.hf.patch(_meta_model("glm4_moe", head_dim=16, use_qk_norm=True, n_routed_experts=4, num_experts_per_tok=2,
+                                n_group=1, topk_group=1))

@@ -198,6 +198,15 @@ ZOO: dict[str, tuple[dict[str, Any], bool]] = {
                   "num_input_channels": 2}, False),
     "audioflamingo3_encoder": ({"num_mel_bins": 8, "max_source_positions": 16, "d_model": 64, "encoder_layers": 2,
                                 "encoder_attention_heads": 4, "encoder_ffn_dim": 128}, False),
+    "omniasr_audio": ({"conv_dim": [32] * 7, "num_conv_pos_embeddings": 16, "num_conv_pos_embedding_groups": 4},
+                      False),
+    "tipsv2_vision_model": ({}, False), "granite_docling_vision": ({}, False),
+    "glm4_moe": ({"head_dim": 16, "partial_rotary_factor": 0.625, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}, True),
+    "sarvam_moe": ({"head_dim": 16, "partial_rotary_factor": 0.625, "use_qk_norm": False, "num_experts": 4,
+                    "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1,
+                    "topk_group": 1}, True),
+    "sarvam_mla": ({**DEEPSEEK, "rope_interleave": True}, True),
     "decision_transformer": ({"state_dim": 5, "act_dim": 3, "max_ep_len": 16}, False),
     "glm4_moe_lite": ({**DEEPSEEK, "rope_interleave": True, "n_shared_experts": 1}, True),
     "youtu": ({**DEEPSEEK, "rope_interleave": True}, True),
@@ -208,12 +217,14 @@ SEQ2SEQ = {"bart", "mbart", "whisper", "pegasus", "marian", "plbart", "m2m_100",
            "nllb-moe", "speech_to_text"}
 VISION = {"vit", "clip_vision_model", "siglip_vision_model", "deit", "vit_mae", "vit_msn", "ijepa", "pixio", "dinov2",
           "dinov2_with_registers", "metaclip_2_vision_model", "clipseg_vision_model", "chinese_clip_vision_model",
-          "git_vision_model", "idefics3_vision", "smolvlm_vision"}
+          "git_vision_model", "idefics3_vision", "smolvlm_vision", "tipsv2_vision_model",
+          "granite_docling_vision"}
 TIME_SERIES = {"time_series_transformer", "informer"}
 #: Speech encoders on raw samples: every frame compared (a padded frame still attends to real ones).
 AUDIO = {"wav2vec2", "hubert", "sew", "unispeech", "unispeech-sat", "data2vec-audio"}
 #: Model types AutoModel does not map: built with their own class.
-OWN_CLASS = {"siglip_text_model": "SiglipTextModel", "metaclip_2_text_model": "MetaClip2TextModel",
+OWN_CLASS = {"siglip_text_model": "SiglipTextModel", "omniasr_audio": "OmniASRAudioModel",
+             "metaclip_2_text_model": "MetaClip2TextModel",
              "metaclip_2_vision_model": "MetaClip2VisionModel", "clipseg_text_model": "CLIPSegTextModel",
              "clipseg_vision_model": "CLIPSegVisionModel", "siglip2_text_model": "Siglip2TextModel",
              "git_vision_model": "GitVisionModel"}
@@ -271,6 +282,9 @@ def _inputs(model_type: str, side: str = "right") -> dict[str, torch.Tensor]:
         return {"pixel_values": torch.randn(B, 4, 3, 32, 32, generator=g)}
     if model_type in AUDIO:  # raw samples, the second row's last (right) or first (left) quarter padding
         return {"input_values": torch.randn(B, 1600, generator=g), "attention_mask": _padding_mask(1600, side, 400)}
+    if model_type == "omniasr_audio":  # raw samples (B, 1, T) and their padding mask (True: a real sample)
+        return {"input_values": torch.randn(B, 1, 1600, generator=g),
+                "padding_mask": _padding_mask(1600, side, 400).bool()}
     if model_type == "patchtst":  # (B, context, channels): 4 patches a channel, no padding
         return {"past_values": torch.randn(B, 32, 2, generator=g)}
     if model_type == "audioflamingo3_encoder":  # log-mel features (B, num_mel_bins, 2 · max_source_positions), padded
@@ -513,3 +527,9 @@ def test_zoo_catches_cohere2_rule_planted_in_cohere2_moe(monkeypatch: pytest.Mon
     _planted(monkeypatch, "transformers.models.cohere2_moe.modeling_cohere2_moe.Cohere2MoeAttention",
              rope_on=hf_registry.REGISTRY["transformers.models.cohere2.modeling_cohere2.Cohere2Attention"].rope_on)
     assert compare("cohere2_moe").startswith("wrong")
+
+
+def test_zoo_catches_interleaved_pairs_planted_in_glm4_moe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GLM-4 MoE described with GLM's interleaved pairs (it rotates its partial dims rotate-half)."""
+    _planted(monkeypatch, "transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeAttention", rope="interleaved")
+    assert compare("glm4_moe").startswith("wrong")

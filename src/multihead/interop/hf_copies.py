@@ -49,6 +49,8 @@ class Copy:
     of: str
     differs: tuple[str, ...] = ()
     why: str = ""
+    #: plain attributes the copy sets besides its original's (each explained in ``why``)
+    attrs: frozenset[str] = frozenset()
 
     @property
     def qualified(self) -> str:
@@ -105,6 +107,7 @@ COPIES: tuple[Copy, ...] = (
     _vit("dinov2.modeling_dinov2", "Dinov2Attention", "dinov2", **_SOFTMAX_DTYPE),
     _vit("dinov2_with_registers.modeling_dinov2_with_registers", "Dinov2WithRegistersAttention",
          "dinov2_with_registers", **_SOFTMAX_DTYPE),
+    _vit("tipsv2.modeling_tipsv2", "Tipsv2VisionAttention", "tipsv2_vision_model", **_SOFTMAX_DTYPE),
     # ---- BERT's (BertAttention = self-attention + BertSelfOutput) ----
     *_bert("camembert.modeling_camembert", "Camembert", "camembert"),
     *_bert("data2vec.modeling_data2vec_text", "Data2VecText", "data2vec-text"),
@@ -130,6 +133,7 @@ COPIES: tuple[Copy, ...] = (
                                          ("unispeech_sat", "UniSpeechSat", "unispeech-sat"),
                                          ("patchtst", "PatchTST", "patchtst"))),
     Copy("data2vec.modeling_data2vec_audio", "Data2VecAudioAttention", ("data2vec-audio",), _WAV2VEC2),
+    Copy("omniasr.modeling_omniasr", "OmniASRAttention", ("omniasr_audio",), _WAV2VEC2),
     # ---- Whisper's in Audio Flamingo 3's encoder ----
     Copy("audioflamingo3.modeling_audioflamingo3", "AudioFlamingo3Attention", ("audioflamingo3_encoder",),
          "whisper.modeling_whisper.WhisperAttention"),
@@ -181,6 +185,22 @@ COPIES: tuple[Copy, ...] = (
              'class: +            **kwargs,',
          ),
          why="the keywords reach HF's kernel (GitVisionEncoder passes none that it reads)"),
+    Copy("granite_docling.modeling_granite_docling", "GraniteDoclingVisionAttention", ("granite_docling_vision",),
+         _SIGLIP, attrs=frozenset({"num_key_value_groups"}),
+         differs=(
+             "class: -        self.is_causal = False",
+             "class: +        self.is_causal = False",
+             "class: +        self.num_key_value_groups = 1",
+             "eager_attention_forward: -    **kwargs,",
+             "eager_attention_forward: +    **kwargs: Unpack[TransformersKwargs],",
+             "eager_attention_forward: -    attn_weights = torch.matmul(query, key.transpose(-1, -2)) * scaling",
+             "eager_attention_forward: +    key_states = repeat_kv(key, module.num_key_value_groups)",
+             "eager_attention_forward: +    value_states = repeat_kv(value, module.num_key_value_groups)",
+             "eager_attention_forward: +    attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling",
+             "eager_attention_forward: -    attn_output = torch.matmul(attn_weights, value)",
+             "eager_attention_forward: +    attn_output = torch.matmul(attn_weights, value_states)",
+         ),
+         why="num_key_value_groups = 1: the eager kernel's repeat_kv by 1 returns K/V as they are"),
     Copy('solar_open.modeling_solar_open', 'SolarOpenAttention', ('solar_open',), _LLAMA,
          differs=(
              'class: -        self.o_proj = nn.Linear(',
@@ -244,7 +264,8 @@ def derive(registry: Mapping[str, AttentionSpec]) -> dict[str, AttentionSpec]:
         def rename(parts: Mapping[str, str], old: str = old, new: str = new) -> dict[str, str]:
             return {path: cls.replace(old, new, 1) if cls.startswith(old) else cls for path, cls in parts.items()}
 
+        attrs = {path: allowed | copy.attrs if path == "" else allowed for path, allowed in base.attrs.items()}
         out[copy.qualified] = dataclasses.replace(
-            base, cls=copy.qualified, model_types=copy.model_types, parts=rename(base.parts),
+            base, cls=copy.qualified, model_types=copy.model_types, parts=rename(base.parts), attrs=attrs,
             alternatives=tuple(rename(group) for group in base.alternatives), copy_of=base.name)
     return out

@@ -352,5 +352,5 @@ SPECIAL: Mapping[str, Callable[[Mapping[str, Any], str], AttentionConfig]] = {
     "openelm": _openelm, "swin": _swin, "deepseek_v3": _deepseek,
     "deepseek_v2": _deepseek,  # V3's keys and computation, RoPE always interleaved (tests/interop/test_deepseek.py)
     # DeepseekV3Attention's copies (hf_copies.COPIES), with V3's config keys
-    "glm4_moe_lite": _deepseek, "youtu": _deepseek,
+    "glm4_moe_lite": _deepseek, "youtu": _deepseek, "sarvam_mla": _deepseek,
 }

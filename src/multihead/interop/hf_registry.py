@@ -387,18 +387,19 @@ _DEEPSEEK_ATTRS = frozenset({"attention_dropout", "config", "hidden_size", "is_c
                              "q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj"})
 
 
-def _deepseek(version: int, rope: str) -> AttentionSpec:
+def _deepseek(version: int, rope: str, also: tuple[str, ...] = ()) -> AttentionSpec:
     v = f"DeepseekV{version}"
     return AttentionSpec(
         f"transformers.models.deepseek_v{version}.modeling_deepseek_v{version}.{v}Attention",
-        (f"deepseek_v{version}",), "latent", "latent",
+        (f"deepseek_v{version}", *also), "latent", "latent",
         {"kv_a_proj_with_mqa": "Linear", "kv_a_layernorm": f"{v}RMSNorm", "kv_b_proj": "Linear", "o_proj": "Linear"},
         {"": _DEEPSEEK_ATTRS, "kv_a_layernorm": _DEEPSEEK_NORM_ATTRS, "q_a_layernorm": _DEEPSEEK_NORM_ATTRS},
         rope=rope, alternatives=tuple({k: c.format(v=v) for k, c in alt.items()} for alt in _DEEPSEEK_Q),
         config_equal=(("num_key_value_heads", "num_attention_heads"),))
 
 
-_DEEPSEEK = [_deepseek(2, "interleaved"), _deepseek(3, "rope_interleave")]
+# SarvamMLA's model holds DeepseekV3Attention itself, with a config of V3's keys (its own type)
+_DEEPSEEK = [_deepseek(2, "interleaved"), _deepseek(3, "rope_interleave", also=("sarvam_mla",))]
 # ---- end DeepSeek ------------------------------------------------------------------------
 
 
@@ -523,6 +524,11 @@ _COPIES = [
     # Cohere 2's, with RoPE also where force_rope (its dense prefix layers)
     _q_proj("cohere2_moe", "Cohere2MoeAttention", rope="interleaved", window="module",
             extra_attrs=_WINDOWED | {"force_rope"}, rope_on=_cohere2_moe_rope),
+    # GLM-4 MoE: Llama's with GLM's partial rotary in rotate-half pairs (the first
+    # int(D · partial_rotary_factor) dims, as Phi); its optional per-head q/k RMSNorm (use_qk_norm)
+    # not described: refused. SarvamMoE's model holds this class with its own config type.
+    _q_proj("glm4_moe", "Glm4MoeAttention", also=("sarvam_moe",), partial_rotary=True, check=_check_partial_rotary,
+            extra_attrs=frozenset({"rope_parameters", "use_qk_norm"}), config_must={"use_qk_norm": False}),
     # EXAONE 4: Llama + Qwen3's per-head q/k RMSNorm before RoPE; module.sliding_window is
     # config.sliding_window in every layer, passed to the kernel only where is_sliding; RoPE only
     # where sliding_window is None or is_sliding (its hybrid models' global layers have none)
