@@ -35,6 +35,7 @@ from .block_mask import DEFAULT_BLOCK_SIZE, BlockMask, MaskMod
 from .logits import NO_FEATURES, Features
 from .masks import check_cu_seqlens
 from .score_mods import ScoreMod
+from .score_mods import lower as lower_score_mod
 
 __all__ = ["attention", "DEFAULT_BACKEND", "default_backend"]
 
@@ -182,6 +183,7 @@ def attention(
         features = _validate_features(q, k, softcap, alibi_slopes, sinks, return_lse)._replace(
             cu_seqlens=_check_segments(cu_seqlens, q, k), bias=_check_bias(bias, q, k),
             score_mod=_check_score_mod(score_mod), block_mask=_block_mask_for(mask_mod, block_mask, q, k))
+        features = lower_score_mod(features, q.shape[2], k.shape[2], q.shape[1])  # building blocks: features
         fn = resolve_backend(name, q, k, v, dropout_p=dropout_p, return_weights=return_weights,
                              return_lse=return_lse, features=features)
         spec = get_spec(name)

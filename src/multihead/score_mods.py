@@ -35,11 +35,12 @@ import torch
 
 from ._checks import check_float, check_int, check_tensor
 from .block_mask import mask_mod_indices
+from .logits import Features
 from .logits import soft_cap as _cap
 
 __all__ = ["ScoreMod", "Buckets", "RelativeBias", "T5Buckets", "Alibi", "SoftCap", "HeadScale", "Clamp", "Compose",
            "relative_bias", "t5_buckets", "alibi", "soft_cap", "head_scale", "tanh", "clamp", "compose",
-           "apply_score_mod"]
+           "apply_score_mod", "lower"]
 
 #: ``score_mod(score, b, h, q_idx, kv_idx) -> score`` (FlexAttention's signature).
 ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -290,3 +291,57 @@ def apply_score_mod(score_mod: ScoreMod, scores: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"score_mod must return scores broadcastable to (B, H, Sq, Sk) = {tuple(scores.shape)}, "
                          f"got shape {tuple(result.shape)}")
     return result.to(scores.dtype).expand(scores.shape)
+
+
+# The stages of multihead.logits' order a building block can be lowered to: the feature it becomes.
+_SOFTCAP, _ALIBI, _BIAS = 0, 1, 2
+
+
+def lower(features: Features, sq: int, sk: int, heads: int) -> Features:
+    """``features`` with its ``score_mod`` turned into the logit features that compute it exactly,
+    where it is made only of building blocks in :mod:`multihead.logits`' order (soft-capping,
+    then ALiBi, then relative bias) and none of them would run before a feature the call already
+    sets: :class:`SoftCap` becomes ``softcap``, :class:`Alibi` ``alibi_slopes`` and
+    :class:`RelativeBias` an additive ``bias`` (1, H, Sq, Sk) gathered from its table (its
+    gradient reaches the table), so that the fast paths run it ("native" takes the first two,
+    "sdpa" a bias). Anything else is returned as given (``"explicit"`` runs the score_mod).
+    """
+    mod = features.score_mod
+    if mod is None:
+        return features
+    parts = mod.mods if isinstance(mod, Compose) else (mod,)
+    stage = max([s for s, on in ((_SOFTCAP, features.softcap is not None), (_ALIBI, features.alibi_slopes is not None),
+                                 (_BIAS, features.bias is not None)) if on], default=-1)
+    lowered: dict[str, object] = {"score_mod": None}
+    for part in parts:
+        kind = _stage(part, heads)
+        if kind is None or kind < stage or (kind == stage and kind != _BIAS):
+            return features  # not a building block, or out of the order the features apply in
+        stage = kind
+        if isinstance(part, SoftCap):
+            lowered["softcap"] = part.cap
+        elif isinstance(part, Alibi):
+            lowered["alibi_slopes"] = part.slopes
+        else:
+            assert isinstance(part, RelativeBias)  # _stage accepts these three
+            bias = _relative(part, sq, sk)  # (1, H, Sq, Sk)
+            prior = lowered.get("bias", features.bias)
+            lowered["bias"] = bias if prior is None else prior + bias  # type: ignore[operator]
+    return features._replace(**lowered)  # type: ignore[arg-type]
+
+
+def _stage(part: object, heads: int) -> int | None:
+    if isinstance(part, SoftCap):
+        return _SOFTCAP
+    if isinstance(part, Alibi) and part.slopes.shape == (heads,):
+        return _ALIBI
+    if isinstance(part, RelativeBias) and part.table.dim() == 2 and part.table.shape[0] == heads:
+        return _BIAS
+    return None
+
+
+def _relative(part: RelativeBias, sq: int, sk: int) -> torch.Tensor:
+    """(1, H, Sq, Sk): ``table[h, buckets(q_idx, kv_idx)]`` at the call's positions (bottom-right)."""
+    q_idx = torch.arange(sk - sq, sk, device=part.table.device)[:, None]  # (Sq, 1)
+    kv_idx = torch.arange(sk, device=part.table.device)[None, :]  # (1, Sk)
+    return part.table[:, part.buckets(q_idx, kv_idx)][None]  # (1, H, Sq, Sk)

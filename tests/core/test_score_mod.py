@@ -11,6 +11,8 @@ gradients (error against float64 at most 3x that of the naive float32 computatio
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -257,3 +259,40 @@ def test_bad_biases_and_score_mods_are_refused_naming_the_argument() -> None:
         sm.compose()
     with pytest.raises(ValueError, match=r"hi must be in \[1.0, inf\], got 0.0"):
         sm.clamp(1.0, 0.0)
+
+
+
+def _written_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: sm.ScoreMod) -> torch.Tensor:
+    """float64 softmax(score_mod(q·kᵀ/√D))·v with the score_mod called on broadcast indices."""
+    qd, kd, vd = (t.double() for t in (q, k, v))
+    s = qd @ kd.transpose(-1, -2) / math.sqrt(q.shape[-1])  # (B, H, Sq, Sk)
+    sq, sk = q.shape[2], k.shape[2]
+    idx_q = torch.arange(sk - sq, sk)[None, None, :, None]
+    idx_k = torch.arange(sk)[None, None, None, :]
+    s = mod(s, torch.zeros(1, 1, 1, 1, dtype=torch.long), torch.arange(q.shape[1])[None, :, None, None], idx_q, idx_k)
+    return torch.softmax(s, -1) @ vd
+
+
+def test_building_blocks_are_lowered_to_the_features_the_fast_paths_run() -> None:
+    """soft_cap and alibi run as the native loop's features, relative_bias as an additive bias on SDPA
+    (its gradient reaching the table); out of the features' order, a composition stays a score_mod
+    on "explicit"; every one equals the score_mod written out in float64."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 300, 32, generator=g) for _ in range(3))
+    table = torch.randn(4, 16, generator=g)
+    rel = sm.relative_bias(table, sm.t5_buckets(16, 64, bidirectional=True))
+    cases = [(sm.soft_cap(20.0), "native (features)"), (sm.alibi(mh.logits.alibi_slopes(4)), "native (features)"),
+             (rel, "sdpa (additive bias)"), (sm.compose(sm.soft_cap(20.0), rel), "explicit (additive bias)"),
+             (sm.compose(rel, sm.soft_cap(20.0)), "explicit (score_mod)")]
+    for mod, path in cases:
+        if path.startswith("native") and not mh.native.available():
+            continue
+        assert auto.auto_path(q, k, v, score_mod=mod) == path, mod
+        with torch.no_grad():
+            got = mh.attention(q, k, v, score_mod=mod)
+        assert (got.double() - _written_out(q, k, v, mod)).abs().max() < 1e-5, mod
+    leaf, table64 = table.clone().requires_grad_(), table.double().requires_grad_()
+    mh.attention(q, k, v, score_mod=sm.relative_bias(leaf, rel.buckets)).square().sum().backward()
+    _written_out(q, k, v, sm.relative_bias(table64, rel.buckets)).square().sum().backward()
+    assert leaf.grad is not None and table64.grad is not None
+    torch.testing.assert_close(leaf.grad.double(), table64.grad, rtol=1e-4, atol=1e-5)

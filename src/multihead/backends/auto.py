@@ -31,6 +31,7 @@ from .blocked import blocked_attention, decode_attention
 from .eager import explicit_attention
 from .._memo import remember
 from ..block_mask import BlockMask
+from ..score_mods import lower as lower_score_mod
 from ..logits import NO_FEATURES, Features
 from ..masks import segment_mask
 from .registry import Backend, needs_grad, register_backend
@@ -425,7 +426,8 @@ def auto_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: f
             block_mask: as given to :func:`multihead.attention` (a block mask or mask_mod does not
             change the path: a path that does not take it as tiles gets it as a dense mask).
     """
-    features = Features(softcap, alibi_slopes, sinks, cu_seqlens, block_mask, bias, score_mod)
+    features = lower_score_mod(Features(softcap, alibi_slopes, sinks, cu_seqlens, block_mask, bias, score_mod),
+                               q.shape[2], k.shape[2], q.shape[1])  # as multihead.attention lowers it
     return _rule(_call(q, k, v, dropout_p, return_weights, return_lse, features)).path
 
 
