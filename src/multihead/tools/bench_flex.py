@@ -234,8 +234,13 @@ def run_flex(*, quick: bool = False, heads: int = 8, head_dim: int = 64, reps: i
         out.append({"case": case.name, "seq": case.seq, **facts,
                     "impls": {name: {"max_error": errors.get(name), "forward": forward.get(name),
                                      "train": train.get(name)} for name in fns}})
-    return {"heads": heads, "head_dim": head_dim, "threads": torch.get_num_threads(), "cases": out,
-            "flex_backward": flex_backward or "runs"}
+    from .machine import machine_info
+
+    machine = machine_info()
+    features = ", ".join(machine["vector_features"])
+    cpu = f"{machine['cpu']} ({features}), {machine['cores']} cores, torch {machine['torch']}"
+    return {"cpu": cpu, "machine": machine, "heads": heads, "head_dim": head_dim, "threads": torch.get_num_threads(),
+            "cases": out, "flex_backward": flex_backward or "runs"}
 
 
 def _ms(stats: dict[str, Any] | None) -> str:
