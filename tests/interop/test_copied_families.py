@@ -63,9 +63,9 @@ def test_near_copies_not_described_are_refused_by_name(model_type: str, cls: str
         mh.hf.patch(_meta_model(model_type, head_dim=16))
 
 
-@pytest.mark.parametrize("model_type", ["phi", "stablelm"])
+@pytest.mark.parametrize("model_type", ["phi", "stablelm", "persimmon"])
 def test_qk_layernorm_is_refused_naming_it(model_type: str) -> None:
-    """Phi's and StableLM's optional per-head LayerNorm on q and k is not described."""
+    """Phi's, StableLM's and Persimmon's optional per-head LayerNorm on q and k is not described."""
     with pytest.raises(ValueError, match="q_layernorm"):  # its submodules, named
         mh.hf.patch(_meta_model(model_type, qk_layernorm=True))
 

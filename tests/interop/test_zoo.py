@@ -207,6 +207,8 @@ ZOO: dict[str, tuple[dict[str, Any], bool]] = {
                     "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1,
                     "topk_group": 1}, True),
     "sarvam_mla": ({**DEEPSEEK, "rope_interleave": True}, True),
+    "persimmon": ({"rope_parameters": {"rope_type": "default", "rope_theta": 25000.0, "partial_rotary_factor": 0.625},
+                   "qk_layernorm": False}, True),  # D = 16: 10 dims rotate
     "decision_transformer": ({"state_dim": 5, "act_dim": 3, "max_ep_len": 16}, False),
     "glm4_moe_lite": ({**DEEPSEEK, "rope_interleave": True, "n_shared_experts": 1}, True),
     "youtu": ({**DEEPSEEK, "rope_interleave": True}, True),
@@ -533,3 +535,14 @@ def test_zoo_catches_interleaved_pairs_planted_in_glm4_moe(monkeypatch: pytest.M
     """GLM-4 MoE described with GLM's interleaved pairs (it rotates its partial dims rotate-half)."""
     _planted(monkeypatch, "transformers.models.glm4_moe.modeling_glm4_moe.Glm4MoeAttention", rope="interleaved")
     assert compare("glm4_moe").startswith("wrong")
+
+
+def test_zoo_catches_a_wrong_rotary_width_planted_in_persimmon(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Persimmon described as rotating all of D (it rotates 10 of 16 dims): refused, never ignored;
+    and with GLM's interleaved pairs on its partial dims: the comparison fails."""
+    key = "transformers.models.persimmon.modeling_persimmon.PersimmonAttention"
+    _planted(monkeypatch, key, partial_rotary=False, check=None)
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.625 is not supported"):
+        compare("persimmon")
+    _planted(monkeypatch, key, partial_rotary=True, rope="interleaved")
+    assert compare("persimmon").startswith("wrong")

@@ -194,8 +194,8 @@ def _check_gpt_neox(module: Any, config: Any) -> None:
 def qkv_groups(module: Any) -> tuple[int, int, int]:
     """(G, g, D): ``module.query_key_value``'s rows are G groups of [q_1 .. q_g | k | v], D rows a head.
 
-    As each class's forward splits them: GPT-NeoX (``view(..., H, 3·D)``, chunk) and BLOOM
-    (``view(..., H, 3, D)``) are (H, 1, D); Falcon is (Hkv, H / Hkv, D) with
+    As each class's forward splits them: GPT-NeoX (``view(..., H, 3·D)``, chunk), BLOOM and
+    Persimmon (``view(..., H, 3, D)``) are (H, 1, D); Falcon is (Hkv, H / Hkv, D) with
     ``new_decoder_architecture``, (1, H, D) with ``multi_query`` (one K/V head), (H, 1, D)
     otherwise. Query head ``i·g + r`` reads K/V head ``i``: our GQA grouping.
 
@@ -211,7 +211,7 @@ def qkv_groups(module: Any) -> tuple[int, int, int]:
     elif name == "GPTNeoXAttention":
         heads, head_dim = module.config.num_attention_heads, module.head_size
         groups, per = heads, 1
-    else:  # BloomAttention
+    else:  # BloomAttention, PersimmonAttention (view(..., H, 3, D))
         heads, head_dim = module.num_heads, module.head_dim
         groups, per = heads, 1
     rows = module.query_key_value.weight.shape[0]
@@ -508,6 +508,16 @@ _COPIES = [
                   {"q_proj": "Linear", "k_proj": "Linear", "v_proj": "Linear", "dense": "Linear"},
                   {"": _LLAMA_ATTRS | {"qk_layernorm", "rotary_ndims"}}, rope="half", partial_rotary=True,
                   config_must={"qk_layernorm": False}, check=_check_partial_rotary),
+    # Persimmon (and Fuyu's language model): BLOOM's fused layout with q/k/v and dense biases,
+    # rotate-half RoPE on the first rotary_ndims dims (Phi's partial rotary), causal; its optional
+    # per-head nn.LayerNorm on q and k (qk_layernorm) not described: refused
+    AttentionSpec("transformers.models.persimmon.modeling_persimmon.PersimmonAttention", ("persimmon",),
+                  "qkv-grouped", "llama",
+                  {"query_key_value": "Linear", "dense": "Linear", "attention_dropout": "Dropout"},
+                  {"": frozenset({"config", "head_dim", "hidden_size", "is_causal", "layer_idx", "num_heads",
+                                  "qk_layernorm", "rotary_ndims", "scaling"})},
+                  rope="half", partial_rotary=True, config_must={"qk_layernorm": False},
+                  check=_check_partial_rotary),
     # StableLM: Phi's rotation with q/k/v bias from use_qkv_bias and o_proj without; its optional
     # per-head LayerNorm (qk_layernorm, StableLmLayerNormPerHead) not described: refused
     _q_proj("stablelm", "StableLmAttention", partial_rotary=True, config_must={"qk_layernorm": False},

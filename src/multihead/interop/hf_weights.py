@@ -342,15 +342,17 @@ def _qkv_grouped_settings(module: Any, config: Any, state: dict[str, torch.Tenso
     elif spec.name == "FalconAttention":
         settings = {"causal": bool(module.is_causal), "scale": float(module.inv_norm_factor), "dropout": 0.0,
                     "rope": _fused_rope(config, spec, head_dim)}
-    else:  # GPTNeoXAttention
+    else:  # GPTNeoXAttention (a float), PersimmonAttention (an nn.Dropout)
+        dropout = module.attention_dropout
+        dropout = dropout.p if isinstance(dropout, nn.Dropout) else dropout
         settings = {"causal": bool(module.is_causal), "scale": float(module.scaling),
-                    "dropout": float(module.attention_dropout or 0.0), "rope": _fused_rope(config, spec, head_dim)}
+                    "dropout": float(dropout or 0.0), "rope": _fused_rope(config, spec, head_dim)}
     return settings, {"head_dim": head_dim}
 
 
 def _fused_rope(config: Any, spec: hf_registry.AttentionSpec, head_dim: int) -> RoPE:
     base, scaling, factor = hf_config.module_rope(config, None, f"{spec.name} config", partial=spec.partial_rotary)
-    return RoPE.from_facts(head_dim, base, rotary_dim=int(head_dim * factor),
+    return RoPE.from_facts(head_dim, base, interleaved=spec.rope == "interleaved", rotary_dim=int(head_dim * factor),
                            max_positions=hf_config.module_max_positions(config), scaling=scaling)
 
 
