@@ -126,8 +126,11 @@ def refuse_positional(x: object, context: object, extra: tuple[object, ...]) -> 
 
 def validate_call(layer: Layer, x: torch.Tensor, context: torch.Tensor | None, mask: torch.Tensor | None,
                   key_mask: torch.Tensor | None, positions: torch.Tensor | None, cache: KVCache | None, *,
-                  packed: bool = False, check_finite: bool = False) -> Inputs:
-    """Every check of a call, once, before any work (``check_finite`` first)."""
+                  packed: bool = False, check_finite: bool = False, programmable: tuple[str, ...] = ()) -> Inputs:
+    """Every check of a call, once, before any work (``check_finite`` first). ``programmable``: the
+    names of the programmable keywords given (``mask_mod``...): with a cache they need its keys in
+    position order (:func:`_check_positional_cache`); the core attention step checks their values
+    against the call's (Sq, Sk), inside the cache's staged write (undone if it raises)."""
     if check_finite:
         for name, t in (("x", x), ("context", context)):
             if isinstance(t, torch.Tensor):
@@ -136,6 +139,8 @@ def validate_call(layer: Layer, x: torch.Tensor, context: torch.Tensor | None, m
         raise ValueError("packed=True needs positions (restarting where each sequence begins) and no "
                          "context or cache")
     real = _check_cache(layer, x, context, mask, key_mask, cache) if cache is not None else None
+    if cache is not None and programmable:
+        _check_positional_cache(cache, real, x.shape[1], programmable[0])
     # packed without a rope: the positions only mark where each sequence begins (checked below)
     at = positions if layer.rope is not None or not packed else None
     attn_mask = _check_inputs(layer, x, context, mask, None if cache is not None else key_mask, at)
@@ -188,6 +193,26 @@ def _check_cache(
     cache.check_append(b, layer.num_kv_heads, layer.head_dim, x.dtype, x.device, s)
     cache.claim(layer)  # another layer's cache is refused
     return real
+
+
+def _check_positional_cache(cache: KVCache, real: list[int] | None, s: int, name: str) -> None:
+    """The cached keys are the positions 0 .. Sk-1 of every row, so that ``name`` (a mask_mod,
+    block_mask, bias or score_mod, indexed by ``q_idx = i + Sk - S`` and ``kv_idx``, bottom-right
+    aligned) sees each query's and key's cache position: every row of the same length, no padding,
+    and a ring that has not wrapped (its slots would not be positions)."""
+    lengths = cache.host_lengths()
+    if real is not None:
+        why = f"key_mask padding (real tokens per row {real})"
+    elif len(set(lengths)) > 1:
+        why = f"rows of different lengths {lengths}"
+    elif cache.ring and lengths[0] + s > cache.capacity:
+        why = (f"a ring cache that wraps ({lengths[0]} held + {s} new > capacity {cache.capacity}): its slots are "
+               "not positions")
+    else:
+        return
+    raise ValueError(f"{name} with a cache needs the cached keys at positions 0 .. Sk-1 of every row (q_idx and "
+                     f"kv_idx are cache positions), got {why}; run the call without a cache, or use "
+                     "new_cache(..., ring=False) and rows of one length")
 
 
 def _check_inputs(

@@ -27,7 +27,7 @@ from .backends import native
 from .cache import KVCache
 from .rope import RoPE
 
-__all__ = ["why_not_fused", "fused_for", "fused_step", "repeat_step", "FusedStep", "FUSED_CONDITIONS"]
+__all__ = ["why_not_fused", "fused_for", "fused_step", "repeat_step", "FusedStep", "FUSED_CONDITIONS", "PROGRAMMABLE"]
 
 
 class Layer(Protocol):
@@ -131,6 +131,10 @@ Step = Callable[[torch.Tensor], torch.Tensor]
 
 Check = Callable[["Layer", torch.Tensor, KVCache, dict], bool]
 
+#: The layer's programmable-attention keywords (:meth:`multihead.MultiHeadAttention.forward`): the
+#: fused step runs none of them, so a call with any is routed to the composed steps.
+PROGRAMMABLE: tuple[str, ...] = ("mask_mod", "block_mask", "bias", "score_mod")
+
 #: (reason it does not apply, test that must hold), in the order they are asked.
 FUSED_CONDITIONS: tuple[tuple[str, Check], ...] = (
     ("not one new token per row", lambda layer, x, c, kw: x.dim() == 3 and x.shape[1] == 1),
@@ -139,6 +143,8 @@ FUSED_CONDITIONS: tuple[tuple[str, Check], ...] = (
     ("positions given", lambda layer, x, c, kw: kw.get("positions") is None),
     ("context given (cross-attention)", lambda layer, x, c, kw: kw.get("context") is None),
     ("weights asked for", lambda layer, x, c, kw: not kw.get("return_weights", False)),
+    ("a mask_mod, block_mask, bias or score_mod given (the core attention step takes them)",
+     lambda layer, x, c, kw: all(kw.get(name) is None for name in PROGRAMMABLE)),
     ("the layer is watched (multihead.trace or multihead.heads.capture)", lambda layer, x, c, kw: layer.watch is None),
     ("the layer has a sliding window", lambda layer, x, c, kw: layer.window is None),
     ("the layer has QK-norm, soft-capping, ALiBi or sinks",
@@ -171,7 +177,7 @@ def why_not_fused(layer: Layer, x: torch.Tensor, cache: KVCache, **call: object)
         layer: the :class:`~multihead.MultiHeadAttention`.
         x: (B, S, E) the call's input; cache: its :class:`~multihead.KVCache`.
         **call: the call's other arguments (``key_mask``, ``positions``, ``context``,
-            ``return_weights``, ``observe``), as given to the layer.
+            ``return_weights``, ``observe``, the :data:`PROGRAMMABLE` ones), as given to the layer.
 
     The call is assumed valid (the layer validates it first). Asking may build the
     native kernel (first time only).

@@ -35,13 +35,15 @@ from ._checks import check_float, check_int, check_tensor
 from .config import AttentionConfig, check_overrides
 from .backends import get_backend, resolve_backend
 from .backends.registry import Backend, get_spec, place_segments
+from .block_mask import BlockMask, MaskMod
 from .cache import KVCache
 from .decode import plain_linear as _plain
-from .functional import default_backend
+from .functional import attention, default_backend
 from .logits import Features, alibi_slopes
 from .masks import Structure
 from .qk_norm import QK_NORMS, RMSNorm
 from .rope import RoPE
+from .score_mods import ScoreMod
 
 __all__ = ["MultiHeadAttention", "split_heads", "merge_heads", "Watch"]
 
@@ -331,6 +333,10 @@ class MultiHeadAttention(nn.Module):
         return_weights: bool = False,
         check_finite: bool = False,
         packed: bool = False,
+        mask_mod: MaskMod | None = None,
+        block_mask: BlockMask | None = None,
+        bias: torch.Tensor | None = None,
+        score_mod: ScoreMod | None = None,
         **unexpected: Any,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend from ``x`` to itself (or to ``context``), optionally through a KV cache.
@@ -360,6 +366,16 @@ class MultiHeadAttention(nn.Module):
                 them only for the sequences' bounds); not with a cache or context.
                 A backend taking packed sequences as structure (``"native"``, ``"auto"`` on
                 its native paths; forward) gets their bounds and no S×S mask is built.
+            mask_mod, block_mask, bias, score_mod: programmable attention, as
+                :func:`multihead.attention` takes them (FlexAttention's ``mask_mod(b, h, q_idx,
+                kv_idx)`` and ``score_mod(score, b, h, q_idx, kv_idx)``, a :class:`~multihead.BlockMask`
+                for (B|1, H|1, S, Sk), a float ``bias`` broadcastable to (B, H, S, Sk), differentiable),
+                and-ed with / added after the layer's own mask, causal/window rule and logit features.
+                Sk is the call's key count: S, the context's length, or with a cache its length
+                after this call's write; ``q_idx = i + Sk - S`` (bottom-right) is then the query's
+                cache position, so decoding evaluates the rows of the full pass. With a cache they
+                need every row at one length, no padding and a linear (or unwrapped ring) cache; they
+                never take the fused decoding step (:data:`multihead.decode.PROGRAMMABLE`).
             *extra, **unexpected: refused (``TypeError``), torch's habits named with their
                 equivalents: ``layer(query, key, value)``, ``attn_mask=``, ``key_padding_mask=``
                 (True = ignore there, ``key_mask`` is True = real token), ``need_weights=``, ``is_causal=``.
@@ -372,7 +388,9 @@ class MultiHeadAttention(nn.Module):
             TypeError: wrong dtype (must match the weights), non-bool masks, a third positional
                 argument or a keyword the layer does not take.
             ValueError: wrong rank/width/device, bad mask shapes, causal or RoPE with
-                ``context`` (cross-attention is neither causal nor rotary).
+                ``context`` (cross-attention is neither causal nor rotary); a ``block_mask`` or
+                ``bias`` not of the call's (S, Sk), or one of the programmable keywords with a cache
+                whose keys are not positions 0 .. Sk-1 (named; the cache is left as it was).
         """
         if extra or unexpected:  # torch's habits; a right call pays two truth tests
             raise (refuse_positional(x, context, extra) if extra
@@ -382,16 +400,19 @@ class MultiHeadAttention(nn.Module):
             x = check_tensor("x", x, ndim=3).transpose(0, 1).contiguous()
             if context is not None:
                 context = check_tensor("context", context, ndim=3).transpose(0, 1).contiguous()
+        programmable: dict[str, Any] = {name: value for name, value in (
+            ("mask_mod", mask_mod), ("block_mask", block_mask), ("bias", bias), ("score_mod", score_mod))
+            if value is not None}  # forwarded to the attend step (the fused step takes none)
         plain = not (context is not None or mask is not None or key_mask is not None or positions is not None
-                     or return_weights or check_finite or packed)
+                     or return_weights or check_finite or packed or programmable)
         if cache is not None and plain and (y := decode.repeat_step(self, x, cache)) is not None:
             # the fused step whose checks, asked at the last step, still hold
             return y.transpose(0, 1) if seq_first else y
         call = self.check(x, context, mask=mask, key_mask=key_mask, positions=positions, cache=cache,
-                          packed=packed, check_finite=check_finite)
+                          packed=packed, check_finite=check_finite, programmable=tuple(programmable))
         if cache is not None and not isinstance(step := decode.fused_for(
                 self, x, cache, key_mask=key_mask, positions=positions, context=context,
-                return_weights=return_weights), str):
+                return_weights=return_weights, **programmable), str):
             y = step(x)  # the whole cached call in one native call
             return y.transpose(0, 1) if seq_first else y
         q, k, v = self.split(*self.project(x, context))  # (B, H, S, D), (B, Hkv, Sk, D) ×2
@@ -400,12 +421,12 @@ class MultiHeadAttention(nn.Module):
         fn = self.resolve(q, k, v, return_weights=return_weights)  # refused before anything is written
         if cache is None:
             heads, weights = self.attend(q, k, v, mask=call.mask, return_weights=return_weights,
-                                         cu_seqlens=call.cu_seqlens, backend=fn)  # (B, H, S, D)
+                                         cu_seqlens=call.cu_seqlens, backend=fn, **programmable)  # (B, H, S, D)
             y = self.output(heads)
         else:
             with cache.staged(k, v, call.real, structure=self.structure) as held:  # committed if all succeeds
                 heads, weights = self.attend(q, held.keys, held.values, mask=held.mask, structure=held.structure,
-                                             return_weights=return_weights, cached=True, backend=fn)
+                                             return_weights=return_weights, cached=True, backend=fn, **programmable)
                 y = self.output(heads)
         if seq_first:
             y = y.transpose(0, 1)  # (B, S, E) -> (S, B, E)
@@ -416,8 +437,12 @@ class MultiHeadAttention(nn.Module):
 
     def check(self, x: torch.Tensor, context: torch.Tensor | None = None, *, mask: torch.Tensor | None = None,
               key_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-              cache: KVCache | None = None, packed: bool = False, check_finite: bool = False) -> Inputs:
+              cache: KVCache | None = None, packed: bool = False, check_finite: bool = False,
+              programmable: tuple[str, ...] = ()) -> Inputs:
         """Every check of a :meth:`forward` call, once, before any work (arguments as there).
+
+        ``programmable``: the names of the programmable keywords given (``"mask_mod"``...), whose
+        values :meth:`attend` hands to the core that checks them.
 
         Returns:
             the validated :class:`~multihead._call_checks.Inputs` the steps take: the combined
@@ -428,7 +453,7 @@ class MultiHeadAttention(nn.Module):
             TypeError, ValueError: as :meth:`forward`; nothing has been computed or written.
         """
         return _call_checks.validate_call(self, x, context, mask, key_mask, positions, cache, packed=packed,
-                                          check_finite=check_finite)
+                                          check_finite=check_finite, programmable=programmable)
 
     @property
     def structure(self) -> Structure:
@@ -501,6 +526,8 @@ class MultiHeadAttention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None = None,
                structure: Structure | None = None, return_weights: bool = False, cached: bool = False,
                cu_seqlens: torch.Tensor | None = None, backend: Backend | None = None,
+               mask_mod: MaskMod | None = None, block_mask: BlockMask | None = None,
+               bias: torch.Tensor | None = None, score_mod: ScoreMod | None = None,
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Step 4, scaled dot-product attention per head (scale ``self.scale``, 1/√D by default),
         with the layer's logit features (soft-capping, ALiBi, sinks) and dropout in training.
@@ -514,23 +541,40 @@ class MultiHeadAttention(nn.Module):
             cu_seqlens: (B|1, N+1) packed sequences' bounds: structure to a backend that
                 takes them, else and-ed into ``mask``.
             backend: the function :meth:`resolve` returned for this call (default: resolved here).
+            mask_mod, block_mask, bias, score_mod: programmable attention (:meth:`forward`): given
+                any, the call runs through :func:`multihead.attention` with the layer's backend name,
+                which checks them against (S, Sk), lowers the score_mod's building blocks, places the
+                block mask and packed sequences and resolves the backend with all of them (``backend``
+                is then not called: it was resolved without them).
 
         Returns:
             heads (B, H, S, D) and the weights (B, H, S, Sk), or None when not asked for.
+
+        Raises:
+            ValueError, TypeError: as :func:`multihead.attention` for the programmable keywords.
         """
-        fn = self.resolve(q, k, v, return_weights=return_weights) if backend is None else backend
         structure = self.structure if structure is None else structure
         weights_wanted = return_weights or self._wants_weights()
-        features = self.features
-        if cu_seqlens is not None:  # as structure to a backend that takes them, else as a mask
-            spec = get_spec(default_backend(self.backend, weights_wanted))
-            features, mask = place_segments(spec, q, k, v, features._replace(cu_seqlens=cu_seqlens), mask)
         if cached:
             self._see("K_cache", k)
             self._see("V_cache", v)
-        heads, weights, _ = fn(q, k, v, mask=mask, causal=structure.causal, window=structure.window,
-                               scale=self.scale, dropout_p=self.dropout if self.training else 0.0,
-                               return_weights=weights_wanted, return_lse=False, features=features)
+        if not (mask_mod is None and block_mask is None and bias is None and score_mod is None):
+            # the core's one path for them: checks, lowering, placement, the backend
+            out = attention(q, k, v, mask=mask, causal=structure.causal, window=structure.window, scale=self.scale,
+                            dropout_p=self.dropout if self.training else 0.0, return_weights=weights_wanted,
+                            backend=default_backend(self.backend, weights_wanted), cu_seqlens=cu_seqlens,
+                            softcap=self.softcap, alibi_slopes=self.alibi_slopes, sinks=self.sinks,
+                            mask_mod=mask_mod, block_mask=block_mask, bias=bias, score_mod=score_mod)
+            heads, weights = out if isinstance(out, tuple) else (out, None)  # (heads, weights) when asked for
+        else:
+            fn = self.resolve(q, k, v, return_weights=return_weights) if backend is None else backend
+            features = self.features
+            if cu_seqlens is not None:  # as structure to a backend that takes them, else as a mask
+                spec = get_spec(default_backend(self.backend, weights_wanted))
+                features, mask = place_segments(spec, q, k, v, features._replace(cu_seqlens=cu_seqlens), mask)
+            heads, weights, _ = fn(q, k, v, mask=mask, causal=structure.causal, window=structure.window,
+                                   scale=self.scale, dropout_p=self.dropout if self.training else 0.0,
+                                   return_weights=weights_wanted, return_lse=False, features=features)
         self._see("head_k", heads)
         if weights is not None:
             self._see("weights", weights)

@@ -55,6 +55,8 @@ BREAKS: dict[str, Callable[[], tuple]] = {
                                            {"context": torch.randn(2, 3, 64)}))(_layer()),
     "weights asked for": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay)[0],
                                                {"return_weights": True}))(_layer()),
+    "a mask_mod, block_mask, bias or score_mod given": lambda: (lambda lay: (
+        lay, torch.randn(2, 1, 64), _prefilled(lay)[0], {"mask_mod": lambda b, h, q, kv: kv >= 0}))(_layer()),
     "the layer is watched": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay)[0], {}))(
         _watched(_layer())),
     "sliding window": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay, ring=False)[0], {}))(
