@@ -30,7 +30,7 @@ def layer_of(*, causal: bool = True, rope: bool = True, dtype: torch.dtype = tor
              backend: str | None = None, kdim: int | None = None, seed: int = 0) -> mh.MultiHeadAttention:
     torch.manual_seed(seed)
     return mh.MultiHeadAttention(E, H, num_kv_heads=HKV, causal=causal, kdim=kdim, backend=backend, dtype=dtype,
-                                 rope=mh.RoPE(E // H, max_positions=64) if rope else None).eval()
+                                 rope=mh.RoPE(E // H, max_positions=128) if rope else None).eval()
 
 
 def inputs(s: int = S, *, b: int = B, width: int = E, dtype: torch.dtype = torch.float64, seed: int = 1
@@ -46,12 +46,13 @@ def indices(b: int, h: int, sq: int, sk: int) -> tuple[torch.Tensor, ...]:
 
 def written_out(layer: mh.MultiHeadAttention, x: torch.Tensor, context: torch.Tensor | None = None, *,
                 allowed: Allowed | None = None, bias: torch.Tensor | None = None,
-                score_fn: ScoreFn | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                score_fn: ScoreFn | None = None, positions: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y (B, S, E), weights (B, H, S, Sk)) with attention written out in float64: the layer's
     steps around softmax(scale · q kᵀ + bias, then score_fn) over the pairs ``allowed`` and the
-    layer's causal rule allows (a row with none: zeros)."""
+    layer's causal rule allows (a row with none: zeros); RoPE at ``positions`` (default 0 .. S-1)."""
     q, k, v = layer.split(*layer.project(x, context))
-    q, k = layer.rotate(q, k)
+    q, k = layer.rotate(q, k, positions)
     q, k, v = q.double(), k.double(), v.double()
     g = H // HKV
     k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # (B, H, Sk, D)
@@ -129,6 +130,21 @@ def test_block_mask_is_its_dense_form(backend: str | None) -> None:
     close(layer(x, block_mask=block), layer_of(causal=False, backend="explicit")(x, mask=block.dense()))
 
 
+@pytest.mark.parametrize("backend", ["native", None])
+def test_a_float32_layer_on_the_native_tiles_equals_the_float64_reference(backend: str | None) -> None:
+    """The native kernel takes the block mask as tiles (empty ones skipped): the same rows as float64."""
+    layer, x = layer_of(backend=backend, dtype=torch.float32), inputs(70, dtype=torch.float32)
+    mod = table_mask_mod(random_table(B, 70, 70, empty_row=9))
+    block = mh.BlockMask.from_mask_mod(sliding(20), 1, 1, 70, 70, block_size=(16, 32))
+    with torch.no_grad():
+        got = layer(x, mask_mod=mod, block_mask=block)
+    reference = layer_of(dtype=torch.float64)
+    reference.load_state_dict(layer.state_dict())
+    both = lambda b, h, q, kv: mod(b, h, q, kv) & sliding(20)(b, h, q, kv)  # noqa: E731
+    want, _ = written_out(reference, x.double(), allowed=both)
+    close(got, want, atol=1e-5)
+
+
 def test_block_mask_and_mask_mod_and_mask_combine_by_and() -> None:
     layer, x = layer_of(causal=False), inputs()
     window = lambda b, h, q, kv: (q - kv).abs() < 4  # noqa: E731
@@ -194,6 +210,38 @@ def test_cross_attention_takes_each_keyword_at_bottom_right_positions() -> None:
     close(layer(x, context, mask_mod=mod, bias=bias), want)
     block = mh.BlockMask.from_mask_mod(mod, B, 1, 5, 7, block_size=(16, 32))
     close(layer(x, context, block_mask=block, bias=bias), want)
+
+
+def test_packed_sequences_and_a_mask_mod_combine_by_and() -> None:
+    """packed=True (two sequences per row, positions restarting) with a mask_mod over the row's tokens."""
+    layer, x = layer_of(), inputs()
+    positions = torch.cat((torch.arange(5), torch.arange(S - 5)))  # (S,): sequences [0, 5) and [5, S)
+    segment = (torch.arange(S) >= 5).long()
+    mod = lambda b, h, q, kv: (q - kv) % 2 == 0  # noqa: E731
+    want, _ = written_out(layer, x, positions=positions,
+                          allowed=lambda b, h, q, kv: mod(b, h, q, kv) & (segment[q] == segment[kv]))
+    close(layer(x, positions=positions, packed=True, mask_mod=mod), want)
+
+
+def test_a_seq_first_layer_takes_batch_first_bias_and_masks() -> None:
+    """batch_first=False changes x and y only: bias and block masks stay (B, H, S, Sk), as mask= does."""
+    layer, x = layer_of(), inputs()
+    seq_first = mh.MultiHeadAttention(E, H, num_kv_heads=HKV, causal=True, rope=mh.RoPE(E // H, max_positions=128),
+                                      batch_first=False, dtype=torch.float64).eval()
+    seq_first.load_state_dict(layer.state_dict())
+    bias = torch.randn(B, 1, S, S, generator=torch.Generator().manual_seed(13), dtype=torch.float64)
+    want, _ = written_out(layer, x, bias=bias, allowed=sliding(5))
+    close(seq_first(x.transpose(0, 1), bias=bias, mask_mod=sliding(5)).transpose(0, 1), want)
+
+
+def test_trace_passes_the_keywords_to_the_layer() -> None:
+    layer, x = layer_of(), inputs()
+    bias = torch.randn(1, H, S, S, generator=torch.Generator().manual_seed(14), dtype=torch.float64)
+    traced = mh.trace(layer, x, bias=bias, score_mod=sm.tanh, mask_mod=sliding(4),
+                      block_mask=mh.BlockMask.from_mask_mod(prefix_lm_mask_mod(3), 1, 1, S, S))
+    want, _ = written_out(layer, x, bias=bias, score_fn=lambda s, b, h, q, kv: torch.tanh(s),
+                          allowed=lambda b, h, q, kv: sliding(4)(b, h, q, kv) & prefix_lm_mask_mod(3)(b, h, q, kv))
+    close(traced.output, want)
 
 
 # -- decoding through the cache equals the full pass ----------------------------------------------------------

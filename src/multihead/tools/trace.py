@@ -11,7 +11,9 @@ from typing import Any
 
 import torch
 
+from ..block_mask import BlockMask, MaskMod
 from ..module import MultiHeadAttention
+from ..score_mods import ScoreMod
 
 __all__ = ["trace", "Trace", "TraceRow"]
 
@@ -82,13 +84,18 @@ def trace(
     mask: torch.Tensor | None = None,
     key_mask: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
+    mask_mod: MaskMod | None = None,
+    block_mask: BlockMask | None = None,
+    bias: torch.Tensor | None = None,
+    score_mod: ScoreMod | None = None,
 ) -> Trace:
     """Run ``layer(x, context, ...)`` without gradients and record the seed's table.
 
     Args:
         layer: a :class:`MultiHeadAttention`.
         x: (B, S, E).
-        context, mask, key_mask, positions: as in :meth:`MultiHeadAttention.forward`.
+        context, mask, key_mask, positions, mask_mod, block_mask, bias, score_mod: as in
+            :meth:`MultiHeadAttention.forward` (the attend step applies them; the table's rows are the same).
 
     Returns:
         a :class:`Trace`; ``trace.output`` is ``layer(x)`` (B, S, E), without residual.
@@ -103,7 +110,8 @@ def trace(
                          "MultiHeadAttention(..., batch_first=True) with the same weights on x.transpose(0, 1)")
     seen: list[tuple[str, torch.Tensor]] = []
     with torch.no_grad(), layer.watched(lambda n, t: seen.append((n, t))):
-        y = layer(x, context, mask=mask, key_mask=key_mask, positions=positions)
+        y = layer(x, context, mask=mask, key_mask=key_mask, positions=positions, mask_mod=mask_mod,
+                  block_mask=block_mask, bias=bias, score_mod=score_mod)
         assert isinstance(y, torch.Tensor)  # no weights asked for
         if context is None and y.shape == x.shape:
             seen.append(("residual", x + y))
