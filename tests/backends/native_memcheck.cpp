@@ -17,7 +17,7 @@
 extern "C" {
 int mh_attention_f32(const float*, const float*, const float*, float*, float*, const uint8_t*, const int64_t*,
                      const int64_t*, float, int, int64_t, float, const float*, const float*, const int64_t*, int64_t,
-                     int64_t*, const int32_t*, const int64_t*, const uint8_t*, int64_t, int);
+                     int64_t*, const int32_t*, const int64_t*, const uint8_t*, const float*, const int64_t*, int64_t, int);
 int mh_decode_f32(const float*, const float*, const float*, float*, float*, const uint8_t*, const int64_t*,
                   const int64_t*, float, int, int64_t, int);
 int mh_linear_few_rows_f32(const float*, int64_t, int64_t, int64_t, const float* const*, const int64_t*,
@@ -29,7 +29,7 @@ int mh_decode_step_f32(const float*, int64_t, int64_t, const float* const*, cons
     int mh_attention_##suffix(const void*, const void*, const void*, void*, float*, const uint8_t*,              \
                               const int64_t*, const int64_t*, float, int, int64_t, float, const float*,          \
                               const float*, const int64_t*, int64_t, int64_t*, const int32_t*, const int64_t*,   \
-                              const uint8_t*, int64_t, int);                                                     \
+                              const uint8_t*, const float*, const int64_t*, int64_t, int);                       \
     int mh_decode_##suffix(const void*, const void*, const void*, void*, float*, const uint8_t*, const int64_t*, \
                            const int64_t*, float, int, int64_t, int);                                            \
     int mh_decode_step_##suffix(const void*, int64_t, int64_t, const void* const*, const void* const*, int64_t,  \
@@ -133,11 +133,11 @@ static int attention_case(bool decode, int kind) {
                                : mh_decode_f16(qp, kp, vp, op, lp, mp, dims, strides, scale, causal, window, 2));
     else
         code = (kind == F32 ? mh_attention_f32(q.data(), k.data(), v.data(), out.data(), lp, mp, dims, strides, scale,
-                                               causal, window, softcap, al, sk, sg, sbs, &panels, nullptr, nullptr, nullptr, tile, 2)
+                                               causal, window, softcap, al, sk, sg, sbs, &panels, nullptr, nullptr, nullptr, nullptr, nullptr, tile, 2)
                 : kind == BF16 ? mh_attention_bf16(qp, kp, vp, op, lp, mp, dims, strides, scale, causal, window,
-                                                   softcap, al, sk, sg, sbs, &panels, nullptr, nullptr, nullptr, tile, 2)
+                                                   softcap, al, sk, sg, sbs, &panels, nullptr, nullptr, nullptr, nullptr, nullptr, tile, 2)
                                : mh_attention_f16(qp, kp, vp, op, lp, mp, dims, strides, scale, causal, window,
-                                                  softcap, al, sk, sg, sbs, &panels, nullptr, nullptr, nullptr, tile, 2));
+                                                  softcap, al, sk, sg, sbs, &panels, nullptr, nullptr, nullptr, nullptr, nullptr, tile, 2));
     if (code != 0) return fail("return code", code, 0);
     from_kind(kind, oh, out);
     // |out| <= 1: float32 within 1e-4; half precision adds one rounding of out (2^-9, 2^-12).

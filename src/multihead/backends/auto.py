@@ -218,7 +218,7 @@ def _native(decode: bool | None) -> Runner:
                                          return_weights=False, return_lse=return_lse, features=features)
         out, lse = native.run(q, k, v, scale=scale, causal=causal, window=window, mask=mask, decode=decode,
                               return_lse=return_lse, softcap=features.softcap, alibi_slopes=features.alibi_slopes,
-                              sinks=features.sinks, cu_seqlens=features.cu_seqlens)
+                              sinks=features.sinks, cu_seqlens=features.cu_seqlens, bias=features.bias)
         return out, None, lse
     return run
 
@@ -318,10 +318,10 @@ def _explicit_grad_fits(c: Call) -> bool:
 
 
 def _native_features_fit(c: Call) -> bool:
-    """Logit features or packed sequences, forward only, where a native loop would run without
+    """Logit features, an additive bias or packed sequences, forward only, where a native loop would run without
     them: the decoding threshold for few rows, the FlashAttention one otherwise."""
     least = NATIVE_MIN_DECODE_SCORES if c.few_rows else NATIVE_MIN_SCORES
-    return ((c.logits or c.varlen) and not (c.bias or c.score_mod) and not c.differentiable
+    return ((c.logits or c.varlen or c.bias) and not c.score_mod and not c.differentiable
             and c.native_fits(least))
 
 
@@ -336,15 +336,17 @@ AUTO_RULES: tuple[Rule, ...] = (
          "the whole range, chosen without comparing a size (which would become a guard): the native operator, "
          "which picks its loop inside from the real sizes; SDPA where the kernel does not take the call, "
          "'explicit' for soft-capping or the log-sum-exp there", lambda c: c.symbolic, _any_size),
-    Rule("native (features)", f"soft-capping, ALiBi, sinks or packed sequences (cu_seqlens) without gradients, "
+    Rule("native (features)", f"soft-capping, ALiBi, sinks, an additive bias or packed sequences (cu_seqlens) "
+         "without gradients, "
          f"where a native loop would run without them (from {_widths(NATIVE_MIN_SCORES)} scores, "
          f"{_widths(NATIVE_MIN_DECODE_SCORES)} for few rows): the native FlashAttention loop applies them, packed "
          "sequences as structure (no scores across sequences); the decoding loop takes none of them",
          _native_features_fit, _native(decode=False), block_mask=True),
     Rule("sdpa (additive bias)", "an additive bias (bias=...) without soft-capping or the log-sum-exp, and not "
          f"float32 gradients at head dim > {SDPA_GRAD_MAX_HEAD_DIM} (see 'explicit (gradients, accuracy)'): SDPA "
-         "with the bias merged into its float mask (-inf where masked), exact and differentiable (no native loop "
-         "adds a bias)", lambda c: (c.bias and not c.softcap and not c.return_lse and not _explicit_grad_fits(c)),
+         "with the bias merged into its float mask (-inf where masked), exact and differentiable (with gradients or "
+         "below the native thresholds: the native loop adds a bias in its forward only)",
+         lambda c: (c.bias and not c.softcap and not c.return_lse and not _explicit_grad_fits(c)),
          _backend(sdpa_attention)),
     Rule("explicit (additive bias)", "an additive bias with soft-capping (SDPA cannot cap), the log-sum-exp "
          f"(SDPA returns none), or float32 gradients at head dim > {SDPA_GRAD_MAX_HEAD_DIM} (SDPA's dq fails "

@@ -72,7 +72,8 @@ def _not_ready() -> str | None:
 
 
 @register_backend("native", lse=True, grad=True, dtypes=DTYPES, devices=frozenset({"cpu"}), ready=_not_ready,
-                  softcap=True, alibi=True, sinks=True, varlen=True, grad_features=frozenset(), block_mask=True)
+                  softcap=True, alibi=True, sinks=True, varlen=True, grad_features=frozenset(), block_mask=True,
+                  bias=True)
 def native_backend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     mask: torch.Tensor | None, causal: bool, window: int | None, scale: float,
@@ -95,7 +96,7 @@ def native_backend(
     mask, tiles = _block_mask(q, k, mask, features)
     out, lse = run(q, k, v, scale=scale, causal=causal, window=window, mask=mask, return_lse=return_lse,
                    softcap=features.softcap, alibi_slopes=features.alibi_slopes, sinks=features.sinks,
-                   cu_seqlens=features.cu_seqlens, tiles=tiles)
+                   cu_seqlens=features.cu_seqlens, tiles=tiles, bias=features.bias)
     return out, None, lse
 
 

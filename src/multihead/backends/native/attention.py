@@ -60,6 +60,7 @@ def attention_f32(
     sinks: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     tiles: Tiles | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention with the native kernel, forward only (no autograd).
 
@@ -81,6 +82,8 @@ def attention_f32(
             sequences are never computed.
         tiles: a block mask (:class:`Tiles`; not with ``mask``): its empty tiles are never
             computed, its full ones read no mask.
+        bias: an additive float bias broadcastable to (B, H, Sq, Sk) on the scaled logits, after
+            soft-capping and ALiBi (read in float32).
 
     Returns:
         (B, H, Sq, Dv) in q's dtype, a view of a (B, Sq, H, Dv) buffer; zeros for rows
@@ -92,7 +95,7 @@ def attention_f32(
     """
     _check_logits(q, k, softcap, alibi_slopes, sinks, cu_seqlens)
     return run_kernel("mh_attention_f32", q, k, v, scale, causal, window, mask, return_lse, query_tile(),
-                      logits=Logits(softcap, alibi_slopes, sinks, cu_seqlens, tiles=tiles))
+                      logits=Logits(softcap, alibi_slopes, sinks, cu_seqlens, tiles=tiles, bias=bias))
 
 
 def key_panels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool = False,
@@ -185,6 +188,7 @@ class Logits(NamedTuple):
     cu_seqlens: torch.Tensor | None = None  # (N+1,) or (B, N+1)
     panels: torch.Tensor | None = None  # (1,) int64 counter of the key panels computed (tests)
     tiles: Tiles | None = None  # a block mask's tile classes and bytes
+    bias: torch.Tensor | None = None  # an additive bias broadcastable to (B, H, Sq, Sk)
 
     def any(self) -> bool:
         return any(value is not None for value in self)
@@ -199,8 +203,11 @@ class Logits(NamedTuple):
         seg_bs = 0 if seg is None or seg.shape[0] == 1 else seg.stride(0)
         tiles = self.tiles
         tile_args: tuple[object, ...] = (None, (), None) if tiles is None else tiles.arguments()
+        bias = self.bias  # float32 (B, H, Sq, Sk), checked and expanded by run_kernel
+        bias_args = (None, ()) if bias is None else (bias.data_ptr(), tuple(bias.stride()))
         return (float(self.softcap or 0.0), ptr(slopes), ptr(sinks), ptr(seg), seg_bs, ptr(self.panels),
-                *tile_args, slopes, sinks, seg, tiles)
+                *tile_args, *bias_args, slopes, sinks, seg, tiles, bias)
+
 
 
 #: The largest key block the FlashAttention loop takes a block mask in.
@@ -289,7 +296,7 @@ def _check_logits(q: object, k: object, softcap: object, alibi_slopes: object, s
 
 #: The FlashAttention loop's features when none is given: softcap, slopes, sinks, segments, their
 #: batch stride, panel counter.
-_NO_LOGITS = (0.0, None, None, None, 0, None, None, (), None)
+_NO_LOGITS = (0.0, None, None, None, 0, None, None, (), None, None, ())
 _NO_MASK_STRIDES = (0, 0, 0, 0)
 _NO_LSE_STRIDES = (0, 0, 0)
 
@@ -334,6 +341,8 @@ def run_kernel(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
                *(_NO_LSE_STRIDES if lse is None else (h * sq, sq, 1)))
     features: tuple[object, ...] = ()
     keep: tuple[object, ...] = ()  # the tensors behind the features' pointers, alive through the call
+    if logits is not None and logits.bias is not None:
+        logits = logits._replace(bias=_checked_bias(logits.bias, b, h, sq, sk))
     if logits is not None and logits.tiles is not None:
         if mask is not None:
             raise ValueError("a block mask (tiles) and a dense mask cannot be given together: fold the mask "
@@ -344,7 +353,7 @@ def run_kernel(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
             features = _NO_LOGITS
         else:
             arguments = logits.arguments(sq)
-            features, keep = arguments[:9], arguments[9:]
+            features, keep = arguments[:11], arguments[11:]
     elif logits is not None and logits.any():
         raise ValueError(f"{name} takes no logit features or packed sequences (the FlashAttention loop does)")
     code = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), None if lse is None else lse.data_ptr(),
@@ -356,6 +365,22 @@ def run_kernel(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     if lse is not None:
         return out, lse
     return out
+
+
+def _checked_bias(bias: object, b: int, h: int, sq: int, sk: int) -> torch.Tensor:
+    """The bias, checked (a floating CPU tensor broadcastable to (B, H, Sq, Sk)) before the kernel
+    reads it, expanded to (B, H, Sq, Sk) (strides 0 where broadcast).
+
+    Raises:
+        TypeError, ValueError: naming ``bias``, expected against got.
+    """
+    t = check_tensor("bias", bias, ndim=(0, 1, 2, 3, 4))
+    if not t.dtype.is_floating_point or t.device.type != "cpu":
+        raise TypeError(f"bias must be a floating CPU tensor, got {t.dtype} on {t.device}")
+    try:
+        return t.detach().float()[(None,) * (4 - t.dim())].expand(b, h, sq, sk)
+    except RuntimeError:
+        raise ValueError(f"bias must broadcast to [B, H, Sq, Sk] = {[b, h, sq, sk]}, got {list(t.shape)}") from None
 
 
 def _refused(code: int) -> None:

@@ -127,7 +127,8 @@ def attention_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scal
               window: Optional[int], decode: Optional[bool], softcap: Optional[float] = None,
               alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
               cu_seqlens: Optional[Tensor] = None, tiles: Optional[Tensor] = None,
-              partial: Optional[Tensor] = None, bq: int = 0, bk: int = 0) -> tuple[Tensor, Tensor]:
+              partial: Optional[Tensor] = None, bq: int = 0, bk: int = 0,
+              bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Attention with the native kernels: ``(out (B, H, Sq, Dv), lse (B, H, Sq))``, the body of
     the operator ``multihead::attention`` (:data:`attention`): :func:`forward` with the lse.
 
@@ -145,6 +146,8 @@ def attention_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scal
         tiles, partial, bq, bk: a block mask (:class:`.attention.Tiles`: int32 classes
             (B|1, H|1, ⌈Sq/bq⌉, ⌈Sk/bk⌉), uint8 partial tiles (P, bq, bk)), not with ``mask``;
             the FlashAttention loop skips its empty tiles (float64: applied as its dense mask).
+        bias: an additive float bias broadcastable to (B, H, Sq, Sk) (the FlashAttention loop,
+            forward only: the backward refuses it, as it refuses the logit features).
 
     Returns:
         out in q's dtype (a view of a (B, Sq, H, Dv) buffer; contiguous for float64),
@@ -157,7 +160,7 @@ def attention_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scal
     loops.check_operator_inputs(q, k, v, mask, window, softcap, alibi_slopes, sinks, cu_seqlens)
     blocks = _tiles(q, k, mask, tiles, partial, bq, bk)
     out, lse = forward(q, k, v, mask, scale, causal, window, decode, softcap, alibi_slopes, sinks, cu_seqlens,
-                       return_lse=True, tiles=blocks)
+                       return_lse=True, tiles=blocks, bias=bias)
     assert lse is not None  # asked for
     return out, lse
 
@@ -166,19 +169,20 @@ def forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: floa
             window: Optional[int], decode: Optional[bool], softcap: Optional[float] = None,
             alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
             cu_seqlens: Optional[Tensor] = None, *, return_lse: bool,
-            tiles: loops.Tiles | None = None) -> tuple[Tensor, Tensor | None]:
+            tiles: loops.Tiles | None = None, bias: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """:func:`attention_impl`, with the lse only when ``return_lse`` (float32 and half precision:
     the kernel then writes none); what eager calls run directly when :func:`direct`. ``tiles``:
     a block mask, checked (:meth:`.attention.Tiles.check`) before the kernel reads it."""
     if tiles is not None and q.dtype == torch.float64:  # the plain float64 loop: as a dense mask
         tiles.check(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         mask, tiles = tiles.dense(q.shape[2], k.shape[2]), None
-    plain = softcap is None and alibi_slopes is None and sinks is None and cu_seqlens is None and tiles is None
+    plain = (softcap is None and alibi_slopes is None and sinks is None and cu_seqlens is None and tiles is None
+             and bias is None)
     if decode is None:  # the loop for these sizes, chosen where no tracer sees the sizes
         decode = plain and loops.rows_per_kv_head(q, k) <= loops.DECODE_ROWS
-    logits = None if plain else loops.Logits(softcap, alibi_slopes, sinks, cu_seqlens, tiles=tiles)
+    logits = None if plain else loops.Logits(softcap, alibi_slopes, sinks, cu_seqlens, tiles=tiles, bias=bias)
     if logits is not None and (decode or q.dtype == torch.float64):
-        raise ValueError("softcap, alibi_slopes, sinks, cu_seqlens and block masks run in the float32 "
+        raise ValueError("softcap, alibi_slopes, sinks, cu_seqlens, bias and block masks run in the float32 "
                          f"FlashAttention loop only (got decode={decode}, dtype {q.dtype})")
     if q.dtype == torch.float64:
         return _forward_f64(loader.require(), q, k, v, mask, scale, causal, window)
@@ -215,7 +219,8 @@ def _attention_fake(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], sca
                     window: Optional[int], decode: Optional[bool], softcap: Optional[float] = None,
                     alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
                     cu_seqlens: Optional[Tensor] = None, tiles: Optional[Tensor] = None,
-                    partial: Optional[Tensor] = None, bq: int = 0, bk: int = 0) -> tuple[Tensor, Tensor]:
+                    partial: Optional[Tensor] = None, bq: int = 0, bk: int = 0,
+                    bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     b, h, sq, _ = q.shape
     dv = v.shape[-1]
     if q.dtype == torch.float64:
@@ -310,8 +315,8 @@ def _attention_backward_fake(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse:
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
     q, k, v, mask, scale, causal, window, _, *rest = inputs
     logits, blocks = rest[:4], (rest + [None, None, 0, 0])[4:8]  # the features; the block mask (tiles, partial, bq, bk)
-    named = [name for name, value in zip(("softcap", "alibi_slopes", "sinks", "cu_seqlens"), logits)
-             if value is not None]
+    named = [name for name, value in zip(("softcap", "alibi_slopes", "sinks", "cu_seqlens", "bias"),
+                                         [*logits, (rest + [None] * 9)[8]]) if value is not None]
     if named:  # the backward would compute another function's gradients: refused (the registry refuses first)
         raise ValueError(f"the native backward does not apply {', '.join(named)}: compute gradients with "
                          "backend='explicit' or 'sdpa' (or 'auto', which routes there)")
@@ -332,7 +337,7 @@ def _backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tenso
         delta = delta - dlse.to(wide)  # lse's own gradient: ds += p · dlse
     dq, dk, dv = torch.ops.multihead.attention_backward(dout, q, k, v, lse, delta, mask, *ctx.structure, tiles,
                                                         partial, *ctx.block_size)
-    return dq, dk, dv, *(None,) * 13
+    return dq, dk, dv, *(None,) * 14
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)
@@ -364,7 +369,7 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, caus
         mask: torch.Tensor | None, return_lse: bool = False, decode: bool | None = None,
         softcap: float | None = None, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None, tiles: loops.Tiles | None = None,
-        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The native loop for these tensors (decoding loop for few rows per K/V head, else
     the FlashAttention loop), half precision read and written as such and computed in
     float32: ``(out, lse or None)``.
@@ -375,20 +380,21 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, caus
     (:data:`attention`): differentiable (the native backward) without them, traceable by
     ``torch.compile`` and ``torch.export``; in eager calls without gradients its body
     directly (:func:`direct`)."""
-    plain = softcap is None and alibi_slopes is None and sinks is None and cu_seqlens is None and tiles is None
+    plain = (softcap is None and alibi_slopes is None and sinks is None and cu_seqlens is None and tiles is None
+             and bias is None)
     if not plain:
-        decode = False  # the decoding loop takes none of them (nor a block mask)
+        decode = False  # the decoding loop takes none of them (nor a block mask, nor a bias)
     elif decode is None and not symbolic(q, k):
         decode = q.shape[2] * (q.shape[1] // k.shape[1]) <= loops.DECODE_ROWS  # rows per K/V head
     # symbolic sizes (torch.export with a Dim, torch.compile(dynamic=True)): None, the operator chooses
-    if not direct(q, k, v, mask, alibi_slopes, sinks, cu_seqlens):
+    if not direct(q, k, v, mask, alibi_slopes, sinks, cu_seqlens, bias):
         blocks = (None, None, 0, 0) if tiles is None else tiles
         out, lse = torch.ops.multihead.attention(q, k, v, mask, float(scale), bool(causal), window, decode,
                                                  None if softcap is None else float(softcap), alibi_slopes, sinks,
-                                                 cu_seqlens, *blocks)
+                                                 cu_seqlens, *blocks, bias)
         return out, (lse if return_lse else None)
     # the operator's body, without its dispatch
     if tiles is not None:
         tiles.check(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     return forward(q, k, v, mask, float(scale), bool(causal), window, decode, softcap, alibi_slopes, sinks, cu_seqlens,
-                   return_lse=return_lse, tiles=tiles)
+                   return_lse=return_lse, tiles=tiles, bias=bias)

@@ -239,14 +239,19 @@ template <class T>
 int attention(const void* q, const void* k, const void* v, void* out, float* lse, const uint8_t* mask,
               const int64_t* dims, const int64_t* strides, float scale, int causal, int64_t window, float softcap,
               const float* alibi, const float* sinks, const int64_t* seg, int64_t seg_bs, int64_t* panels,
-              const int32_t* tile_class, const int64_t* tile_info, const uint8_t* partial, int64_t query_tile,
-              int threads) {
+              const int32_t* tile_class, const int64_t* tile_info, const uint8_t* partial, const float* bias,
+              const int64_t* bias_strides, int64_t query_tile, int threads) {
     Problem P = make_problem(static_cast<const float*>(q), static_cast<const float*>(k),
                              static_cast<const float*>(v), static_cast<float*>(out), lse, mask, dims, strides,
                              scale, causal, window);
     P.softcap = softcap > 0.f ? softcap * 1.4426950408889634f : 0.f;
     P.alibi = alibi; P.sinks = sinks; P.seg = seg; P.seg_bs = seg_bs; P.panels = panels;
     if (seg && P.Sq != P.Sk) return -2;
+    if (bias) {  // an additive bias: its strides (b, h, i, j)
+        if (!bias_strides) return -2;
+        P.bias = bias;
+        for (int i = 0; i < 4; ++i) P.bs[i] = bias_strides[i];
+    }
     if (tile_class) {  // a block mask: its strides, block sizes, and its tiles' bytes (see Problem)
         if (mask || !tile_info) return -2;  // partial: null when no tile is partial
         for (int i = 0; i < 4; ++i) P.ts[i] = tile_info[i];
@@ -259,7 +264,7 @@ int attention(const void* q, const void* k, const void* v, void* out, float* lse
     }
     if (!valid(P) || query_tile <= 0) return -2;
     if constexpr (std::is_same_v<T, bf16>)
-        if (!P.tiles && amx_takes(P)) return attention_amx(P, query_tile, threads);
+        if (!P.tiles && !P.bias && amx_takes(P)) return attention_amx(P, query_tile, threads);
     const int64_t G = P.H / P.Hkv;
     const int64_t qt = std::min(query_tile, std::max<int64_t>(P.Sq, 1));
     const int64_t tiles = (P.Sq + qt - 1) / qt;
@@ -324,10 +329,11 @@ extern "C" int mh_attention_f32(const float* q, const float* k, const float* v, 
                                 const uint8_t* mask, const int64_t* dims, const int64_t* strides, float scale,
                                 int causal, int64_t window, float softcap, const float* alibi, const float* sinks,
                                 const int64_t* seg, int64_t seg_bs, int64_t* panels, const int32_t* tiles,
-                                const int64_t* tile_info, const uint8_t* partial, int64_t query_tile,
+                                const int64_t* tile_info, const uint8_t* partial,
+                                const float* bias, const int64_t* bias_strides, int64_t query_tile,
                                 int threads) {
     return attention<float>(q, k, v, out, lse, mask, dims, strides, scale, causal, window, softcap, alibi, sinks,
-                            seg, seg_bs, panels, tiles, tile_info, partial, query_tile, threads);
+                            seg, seg_bs, panels, tiles, tile_info, partial, bias, bias_strides, query_tile, threads);
 }
 
 // As mh_attention_f32 with q, k, v and out bfloat16 (uint16 bits); lse, alibi, sinks float32.
@@ -335,10 +341,11 @@ extern "C" int mh_attention_bf16(const void* q, const void* k, const void* v, vo
                                  const uint8_t* mask, const int64_t* dims, const int64_t* strides, float scale,
                                  int causal, int64_t window, float softcap, const float* alibi, const float* sinks,
                                  const int64_t* seg, int64_t seg_bs, int64_t* panels, const int32_t* tiles,
-                                const int64_t* tile_info, const uint8_t* partial, int64_t query_tile,
+                                const int64_t* tile_info, const uint8_t* partial,
+                                const float* bias, const int64_t* bias_strides, int64_t query_tile,
                                  int threads) {
     return attention<bf16>(q, k, v, out, lse, mask, dims, strides, scale, causal, window, softcap, alibi, sinks,
-                           seg, seg_bs, panels, tiles, tile_info, partial, query_tile, threads);
+                           seg, seg_bs, panels, tiles, tile_info, partial, bias, bias_strides, query_tile, threads);
 }
 
 // As mh_attention_f32 with q, k, v and out float16 (uint16 bits); lse, alibi, sinks float32.
@@ -346,10 +353,11 @@ extern "C" int mh_attention_f16(const void* q, const void* k, const void* v, voi
                                 const uint8_t* mask, const int64_t* dims, const int64_t* strides, float scale,
                                 int causal, int64_t window, float softcap, const float* alibi, const float* sinks,
                                 const int64_t* seg, int64_t seg_bs, int64_t* panels, const int32_t* tiles,
-                                const int64_t* tile_info, const uint8_t* partial, int64_t query_tile,
+                                const int64_t* tile_info, const uint8_t* partial,
+                                const float* bias, const int64_t* bias_strides, int64_t query_tile,
                                 int threads) {
     return attention<f16>(q, k, v, out, lse, mask, dims, strides, scale, causal, window, softcap, alibi, sinks,
-                          seg, seg_bs, panels, tiles, tile_info, partial, query_tile, threads);
+                          seg, seg_bs, panels, tiles, tile_info, partial, bias, bias_strides, query_tile, threads);
 }
 
 // The scalar conversions of common.h (the whole conversion where a build has no AVX2 or

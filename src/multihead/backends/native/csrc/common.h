@@ -512,6 +512,10 @@ struct Problem {
     int64_t ts[4];
     int64_t bq, bk;
     const uint8_t* partial;
+    // An additive bias on the scaled logits (natural units), after soft-capping and ALiBi, set by
+    // the FlashAttention loop only: nullptr, or float32 (B, H, Sq, Sk) at strides bs (b, h, i, j).
+    const float* bias;
+    int64_t bs[4];
 };
 
 constexpr int32_t TILE_EMPTY = -1, TILE_FULL = -2;
@@ -607,6 +611,19 @@ inline void apply_logits(const Problem& P, float* __restrict si, int64_t a, int6
         }
     }
 }
+// The additive bias (P.bias) on the scores si[a, e) of the query at key position pos (keys j0 + j).
+inline void add_bias(const Problem& P, float* __restrict si, int64_t a, int64_t e, int64_t j0, int64_t pos,
+                     int64_t b, int64_t h) {
+    const float* row = P.bias + b * P.bs[0] + h * P.bs[1] + (pos - (P.Sk - P.Sq)) * P.bs[2];
+    constexpr float LOG2E_F = 1.4426950408889634f;  // scores are in base 2
+    if (P.bs[3] == 1) {
+        const float* r = row + j0;
+        for (int64_t j = a; j < e; ++j) si[j] += r[j] * LOG2E_F;
+    } else {
+        for (int64_t j = a; j < e; ++j) si[j] += row[(j0 + j) * P.bs[3]] * LOG2E_F;
+    }
+}
+
 // The logit features, then -inf where a query row may not look: its scores si[0, width) (keys
 // j0 + j; width a multiple of W; columns from `valid` on are not keys), at key position pos of
 // batch row b, head h, mask row mrow (or null).
@@ -619,6 +636,7 @@ inline void mask_row(const Problem& P, float* __restrict si, int64_t width, int6
     a = std::clamp<int64_t>(a - j0, 0, width);
     e = std::clamp<int64_t>(std::min(e - j0, valid), a, width);
     if (P.softcap > 0.f || P.alibi) apply_logits(P, si, a, e, j0, pos, h);  // before masking
+    if (P.bias) add_bias(P, si, a, e, j0, pos, b, h);
     for (int64_t j = 0; j < a; ++j) si[j] = NEG_INF;
     for (int64_t j = e; j < width; ++j) si[j] = NEG_INF;
     if (mrow)

@@ -19,17 +19,20 @@ int mh_attention_f32(const float* q, const float* k, const float* v, float* out,
                      const int64_t* dims, const int64_t* strides, float scale, int causal, int64_t window,
                      float softcap, const float* alibi, const float* sinks, const int64_t* seg, int64_t seg_bs,
                      int64_t* panels, const int32_t* tiles,
-                                const int64_t* tile_info, const uint8_t* partial, int64_t query_tile, int threads);
+                                const int64_t* tile_info, const uint8_t* partial, const float* bias,
+                                const int64_t* bias_strides, int64_t query_tile, int threads);
 int mh_attention_bf16(const void* q, const void* k, const void* v, void* out, float* lse, const uint8_t* mask,
                       const int64_t* dims, const int64_t* strides, float scale, int causal, int64_t window,
                       float softcap, const float* alibi, const float* sinks, const int64_t* seg, int64_t seg_bs,
                       int64_t* panels, const int32_t* tiles,
-                                const int64_t* tile_info, const uint8_t* partial, int64_t query_tile, int threads);
+                                const int64_t* tile_info, const uint8_t* partial, const float* bias,
+                                const int64_t* bias_strides, int64_t query_tile, int threads);
 int mh_attention_f16(const void* q, const void* k, const void* v, void* out, float* lse, const uint8_t* mask,
                      const int64_t* dims, const int64_t* strides, float scale, int causal, int64_t window,
                      float softcap, const float* alibi, const float* sinks, const int64_t* seg, int64_t seg_bs,
                      int64_t* panels, const int32_t* tiles,
-                                const int64_t* tile_info, const uint8_t* partial, int64_t query_tile, int threads);
+                                const int64_t* tile_info, const uint8_t* partial, const float* bias,
+                                const int64_t* bias_strides, int64_t query_tile, int threads);
 
 // The decoding loop (few query rows per K/V head): the FlashAttention loop's first 11 arguments.
 int mh_decode_f32(const float* q, const float* k, const float* v, float* out, float* lse, const uint8_t* mask,
