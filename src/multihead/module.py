@@ -400,9 +400,11 @@ class MultiHeadAttention(nn.Module):
             x = check_tensor("x", x, ndim=3).transpose(0, 1).contiguous()
             if context is not None:
                 context = check_tensor("context", context, ndim=3).transpose(0, 1).contiguous()
-        programmable: dict[str, Any] = {name: value for name, value in (
-            ("mask_mod", mask_mod), ("block_mask", block_mask), ("bias", bias), ("score_mod", score_mod))
-            if value is not None}  # forwarded to the attend step (the fused step takes none)
+        programmable: dict[str, Any] = {}  # forwarded to the attend step (the fused step takes none)
+        if not (mask_mod is None and block_mask is None and bias is None and score_mod is None):
+            programmable = {name: value for name, value in (("mask_mod", mask_mod), ("block_mask", block_mask),
+                                                            ("bias", bias), ("score_mod", score_mod))
+                            if value is not None}
         plain = not (context is not None or mask is not None or key_mask is not None or positions is not None
                      or return_weights or check_finite or packed or programmable)
         if cache is not None and plain and (y := decode.repeat_step(self, x, cache)) is not None:
