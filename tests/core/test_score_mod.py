@@ -220,7 +220,8 @@ def test_a_bias_with_a_mask_mod_equals_the_float64_reference() -> None:
 def test_a_backend_without_bias_or_score_mod_refuses_them_by_name(backend: str) -> None:
     q, k, v = qkv(dtype=torch.float32)
     if backend == "blocked":  # the native loop adds a bias in its forward (tests/backends/test_native_bias.py)
-        refusal = r"backend 'blocked' cannot do an additive bias \(bias=...\); backends that can: \[.*'explicit', 'sdpa'"
+        refusal = (r"backend 'blocked' cannot do an additive bias \(bias=...\); "
+                   r"backends that can: \[.*'explicit', 'sdpa'")
         with torch.no_grad(), pytest.raises(ValueError, match=refusal):
             mh.attention(q, k, v, bias=torch.zeros(24, 40), backend=backend)
     with torch.no_grad(), pytest.raises(ValueError, match=rf"backend '{backend}' cannot do a score_mod"):
