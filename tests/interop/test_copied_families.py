@@ -139,3 +139,12 @@ def test_glm4_moe_qk_norm_is_refused_naming_it() -> None:
     with pytest.raises(ValueError, match="q_norm"):
         mh.hf.patch(_meta_model("glm4_moe", head_dim=16, use_qk_norm=True, n_routed_experts=4, num_experts_per_tok=2,
                                 n_group=1, topk_group=1))
+
+
+def test_modernbert_out_drop_is_dropout_or_identity_and_nothing_else() -> None:
+    """ModernBERT's dropout after Wo is nn.Dropout(attention_dropout), or nn.Identity at 0: both
+    described; any other module there is refused by name."""
+    module = _meta_model("modernbert", attention_dropout=0.1).get_submodule("layers.0.attn")
+    assert type(module.out_drop).__name__ == "Dropout" and hf_registry.why_not(module) is None
+    module.out_drop = nn.Linear(4, 4)
+    assert "out_drop (Linear)" in str(hf_registry.why_not(module))

@@ -51,23 +51,30 @@ import multihead as mh
 from multihead.interop import hf_registry
 
 pytest.importorskip("transformers")
-from test_zoo import SEQ2SEQ, TIME_SERIES, ZOO, _build, _inputs  # noqa: E402 - same folder (pytest puts it on sys.path)
+from test_zoo import (DECODER_STATES, SEQ2SEQ, TIME_SERIES, ZOO, _build,  # noqa: E402 - same folder (on sys.path)
+                      _inputs)
 
 RTOL = 1e-5
 #: Model types built for generation (decoder-only and encoder-decoder).
 GENERATORS = [t for t, (_, generator) in ZOO.items() if generator]
 #: Model types whose forward takes ``use_cache`` and then fills a cache: run both ways.
-CACHED = set(GENERATORS) | TIME_SERIES
+CACHED = set(GENERATORS) | TIME_SERIES | DECODER_STATES
 #: Model types with DeepSeek's latent attention: correct, or refused by name.
 LATENT = {t for spec in hf_registry.REGISTRY.values() if spec.layout == "latent" for t in spec.model_types}
 #: Per layout, the attention module's output projection (its output: the attention's, before any residual).
 OUTPUT_PROJ = {"q_proj": "o_proj", "phi3": "o_proj", "latent": "o_proj", "bert": "output.dense", "gpt2": "c_proj",
-               "qkv-grouped": "dense", "out_proj": "out_proj", "distilbert": "out_lin", "dense": "dense"}
+               "qkv-grouped": "dense", "out_proj": "out_proj", "distilbert": "out_lin", "dense": "dense",
+               "wqkv": "Wo"}
 #: Registered classes the matrix does not patch alone, and why: converted by ``from_hf`` but never
 #: patched alone (``spec.call is None``), they are covered as the ``.self`` of their parent class.
 COVERED_BY_PARENT = {
-    f"transformers.models.{m}.modeling_{m}.{p}SelfAttention": f"the .self of {p}Attention (patched with it)"
-    for m, p in (("bert", "Bert"), ("roberta", "Roberta"), ("xlm_roberta", "XLMRoberta"), ("electra", "Electra"))}
+    f"transformers.models.{m}.{p}SelfAttention": f"the .self of {p}Attention (patched with it)"
+    for m, p in (("bert.modeling_bert", "Bert"), ("roberta.modeling_roberta", "Roberta"),
+                 ("xlm_roberta.modeling_xlm_roberta", "XLMRoberta"), ("electra.modeling_electra", "Electra"),
+                 # BERT's copies (hf_copies.COPIES)
+                 ("camembert.modeling_camembert", "Camembert"), ("data2vec.modeling_data2vec_text", "Data2VecText"),
+                 ("ernie.modeling_ernie", "Ernie"), ("roc_bert.modeling_roc_bert", "RoCBert"),
+                 ("bert_generation.modeling_bert_generation", "BertGeneration"))}
 #: The model outputs' attention fields, in this order.
 FIELDS = ("attentions", "encoder_attentions", "decoder_attentions", "cross_attentions")
 #: Generation: prompt tokens (decoder tokens for encoder-decoders), new tokens.
@@ -169,7 +176,11 @@ def _query_rows(model_type: str, batch: dict[str, torch.Tensor], decoder: bool) 
             return batch["decoder_attention_mask"].bool()
         # speech encoders: frames subsampled (Speech2Text) or unpadded (Whisper); bidirectional, no row fully masked
         return batch["attention_mask"].bool() if "input_ids" in batch else None
+    if "input_values" in batch:  # speech encoders: frames subsampled from samples; bidirectional
+        return None
     mask = batch.get("attention_mask")
+    if "returns_to_go" in batch:  # DecisionTransformer: (return, state, action) tokens per step
+        return batch["attention_mask"].bool().repeat_interleave(3, dim=1)
     return None if mask is None else mask.bool()
 
 

@@ -52,8 +52,10 @@ def test_vit_is_converted_without_rope_and_exact() -> None:
     assert compare("vit") == "exact"
 
 
-@pytest.mark.parametrize("model_type, cls", [("deit", "DeiTAttention"), ("dinov2", "Dinov2Attention"),
-                                             ("ijepa", "IJepaAttention"), ("nemotron_h", "NemotronHAttention")])
+# DeiT's, DINOv2's and I-JEPA's attention were refused here until registered as ViT's copies
+# (multihead.interop.hf_copies): their sources are compared in test_copied_families.py, their
+# models numerically in test_zoo.py.
+@pytest.mark.parametrize("model_type, cls", [("nemotron_h", "NemotronHAttention")])
 def test_vit_like_classes_not_described_are_refused_by_name(model_type: str, cls: str) -> None:
     assert f"{cls} is not a supported attention class" in _refused(model_type)
 
@@ -148,11 +150,22 @@ def test_multi_axis_rope_is_refused_by_name(model_type: str) -> None:
 # ---- the crashes of the old converter ------------------------------------------------------------------
 @pytest.mark.parametrize("model_type", [
     "megatron-bert", "roberta-prelayernorm", "xlm-roberta-xl", "clap", "esm", "gpt_bigcode", "big_bird",
-    "longformer", "align", "altclip", "bros", "git", "layoutlm", "splinter", "canine", "mra", "yoso",
+    "longformer", "align", "altclip", "bros", "layoutlm", "splinter", "canine", "mra", "yoso",
     "markuplm", "luke",
 ])
 def test_families_that_crashed_are_refused_with_a_value_error(model_type: str) -> None:
     assert "is not a supported attention class" in _refused(model_type)
+
+
+def test_git_is_refused_naming_its_text_attention_and_lenient_patches_its_vision_tower() -> None:
+    """GIT's vision tower is SigLIP's attention (a registered copy); its text attention is not described."""
+    model = _meta_model("git")
+    with pytest.raises(ValueError, match="GitAttention is not a supported attention class"):
+        mh.hf.patch(model)
+    with pytest.warns(UserWarning, match="GitAttention"):
+        mh.hf.patch(model, strict=False)
+    patched = {type(m.original).__name__ for m in model.modules() if isinstance(m, mh.hf.PatchedAttention)}
+    assert patched == {"GitVisionAttention"}
 
 
 def test_a_subclass_of_a_registered_class_is_not_accepted() -> None:

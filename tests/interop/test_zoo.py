@@ -209,7 +209,12 @@ ZOO: dict[str, tuple[dict[str, Any], bool]] = {
     "sarvam_mla": ({**DEEPSEEK, "rope_interleave": True}, True),
     "persimmon": ({"rope_parameters": {"rope_type": "default", "rope_theta": 25000.0, "partial_rotary_factor": 0.625},
                    "qk_layernorm": False}, True),  # D = 16: 10 dims rotate
-    "decision_transformer": ({"state_dim": 5, "act_dim": 3, "max_ep_len": 16}, False),
+    # its forward takes no use_cache: its GPT-2 would cache by the config's
+    # local layer 0 (a window of |i - j| <= 2, its own RoPE base), global layer 1
+    "modernbert": ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 2,
+                    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                        "full_attention": {"rope_type": "default", "rope_theta": 160000.0}}}, False),
+    "decision_transformer": ({"state_dim": 5, "act_dim": 3, "max_ep_len": 16, "use_cache": False}, False),
     "glm4_moe_lite": ({**DEEPSEEK, "rope_interleave": True, "n_shared_experts": 1}, True),
     "youtu": ({**DEEPSEEK, "rope_interleave": True}, True),
 }
@@ -222,6 +227,8 @@ VISION = {"vit", "clip_vision_model", "siglip_vision_model", "deit", "vit_mae", 
           "git_vision_model", "idefics3_vision", "smolvlm_vision", "tipsv2_vision_model",
           "granite_docling_vision"}
 TIME_SERIES = {"time_series_transformer", "informer"}
+#: Decoders compared by their hidden states (no causal-LM class): their forward caches by default.
+DECODER_STATES = {"cosmos3_edge_text", "granite_docling_text"}
 #: Speech encoders on raw samples: every frame compared (a padded frame still attends to real ones).
 AUDIO = {"wav2vec2", "hubert", "sew", "unispeech", "unispeech-sat", "data2vec-audio"}
 #: Model types AutoModel does not map: built with their own class.
@@ -546,3 +553,20 @@ def test_zoo_catches_a_wrong_rotary_width_planted_in_persimmon(monkeypatch: pyte
         compare("persimmon")
     _planted(monkeypatch, key, partial_rotary=True, rope="interleaved")
     assert compare("persimmon").startswith("wrong")
+
+
+def test_zoo_catches_config_window_planted_in_modernbert(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ModernBERT described with config.sliding_window as its window: one key short on each side
+    (the module's is config.sliding_window + 1, HF's mask |i - j| <= config.sliding_window)."""
+    _planted(monkeypatch, "transformers.models.modernbert.modeling_modernbert.ModernBertAttention", window="config")
+    assert compare("modernbert").startswith("wrong")
+
+
+def test_zoo_catches_one_rope_base_planted_in_modernbert(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ModernBERT described as reading the global layers' RoPE in every layer (its local layer 0 has base
+    10000, its global layer 1 160000): the comparison fails."""
+    from multihead.interop import hf_config
+
+    real = hf_config.module_rope
+    monkeypatch.setattr(hf_config, "module_rope", lambda cfg, kind, src, **kw: real(cfg, "full_attention", src, **kw))
+    assert compare("modernbert").startswith("wrong")

@@ -20,7 +20,7 @@ is never imported here):
   grouping in :func:`qkv_groups`; ``"out_proj"``: q/k/v_proj +
   ``out_proj`` nn.Linear, CLIP, SigLIP, OPT, BART (and its copies), mBART, Whisper, where a projection may lack its
   bias, Whisper's k_proj; ``"distilbert"``: ``q_lin/k_lin/v_lin/out_lin``; ``"dense"``: q/k/v_proj + ``dense``
-  nn.Linear (Phi); ``"latent"``:
+  nn.Linear (Phi); ``"wqkv"``: fused ``Wqkv`` rows [q | k | v] + ``Wo`` (ModernBERT); ``"latent"``:
   DeepSeek's multi-head latent attention, converted to
   :class:`~multihead.MultiHeadLatentAttention`, its own names). ``partial_rotary``:
   the class rotates the first ``int(D · partial_rotary_factor)`` dims (Phi-3, GPT-NeoX, Phi,
@@ -49,7 +49,8 @@ is never imported here):
   holds and none otherwise (no-RoPE layers: SmolLM3's ``use_rope``, Cohere 2's global layers).
   ``layer_type_attr``: the module attribute naming its layer type (``"full_attention"`` /
   ``"sliding_attention"``), which picks its ``rope_parameters`` where the config nests them per
-  layer type (OLMo 3: ``attention_type``).
+  layer type (OLMo 3: ``attention_type``); :data:`CONFIG_LAYER_TYPE`: the class has none, its
+  model picks them by ``config.layer_types[module.layer_idx]`` (ModernBERT).
 * ``window``: ``None`` (never a window), ``"module"`` (``module.sliding_window``, per layer),
   ``"is_sliding"`` (``module.sliding_window`` where ``module.is_sliding``, none elsewhere: EXAONE 4)
   or ``"config"`` (``config.sliding_window``, what the class's forward passes to HF's kernel).
@@ -93,7 +94,11 @@ from torch import nn
 from . import hf_config  # the one reader of config facts
 from . import hf_copies
 
-__all__ = ["AttentionSpec", "REGISTRY", "spec_of", "require_spec", "why_not", "qualified_name", "markdown_table"]
+__all__ = ["AttentionSpec", "REGISTRY", "spec_of", "require_spec", "why_not", "qualified_name", "markdown_table",
+           "CONFIG_LAYER_TYPE"]
+
+#: ``layer_type_attr`` of a class whose layer type is ``config.layer_types[module.layer_idx]``.
+CONFIG_LAYER_TYPE = "config.layer_types[layer_idx]"
 
 
 @dataclass(frozen=True)
@@ -534,6 +539,18 @@ _COPIES = [
     # Cohere 2's, with RoPE also where force_rope (its dense prefix layers)
     _q_proj("cohere2_moe", "Cohere2MoeAttention", rope="interleaved", window="module",
             extra_attrs=_WINDOWED | {"force_rope"}, rope_on=_cohere2_moe_rope),
+    # ModernBERT: bidirectional; fused Wqkv rows [q | k | v] (view(..., 3, H, D)) + Wo, then out_drop
+    # (nn.Dropout(attention_dropout), or nn.Identity at 0); rotate-half RoPE with each layer type's
+    # rope_parameters (config.layer_types[layer_idx]); scale D^-0.5 (no scaling attribute); local
+    # layers: module.sliding_window = config.sliding_window + 1, which HF's bidirectional mask
+    # holds as |i - j| <= config.sliding_window, our window's |i - j| < window
+    AttentionSpec("transformers.models.modernbert.modeling_modernbert.ModernBertAttention", ("modernbert",), "wqkv",
+                  "llama", {"Wqkv": "Linear", "Wo": "Linear"},
+                  {"": frozenset({"attention_dropout", "config", "deterministic_flash_attn", "head_dim", "is_causal",
+                                  "layer_idx", "sliding_window"})},
+                  rope="half", window="module", resid_dropout="attention_dropout",
+                  alternatives=({"out_drop": "Identity"}, {"out_drop": "Dropout"}),
+                  layer_type_attr=CONFIG_LAYER_TYPE),
     # GLM-4 MoE: Llama's with GLM's partial rotary in rotate-half pairs (the first
     # int(D · partial_rotary_factor) dims, as Phi); its optional per-head q/k RMSNorm (use_qk_norm)
     # not described: refused. SarvamMoE's model holds this class with its own config type.
@@ -667,7 +684,11 @@ def why_not(module: nn.Module, config: Any | None = None) -> str | None:
 
 
 def _described_parts(spec: AttentionSpec, parts: Mapping[str, str]) -> Mapping[str, str]:
-    """``spec.parts`` plus the alternative group the module holds (the first whose first part it has)."""
+    """``spec.parts`` plus the alternative group the module holds (the first it holds exactly, else
+    the first whose first part it has)."""
+    for group in spec.alternatives:
+        if all(parts.get(name) == cls for name, cls in group.items()):
+            return {**spec.parts, **group}
     for group in spec.alternatives:
         if next(iter(group)) in parts:
             return {**spec.parts, **group}

@@ -98,6 +98,12 @@ def _links(module: nn.Module, family: str) -> list[_Link]:
         links = [_Link(f"{o}.{p}", f"qkv_proj.{p}", rows) for o, rows in zip(("q_proj", "k_proj", "v_proj"), cuts)
                  for p in ("weight", "bias")]
         links += [_Link(f"o_proj.{p}", f"o_proj.{p}") for p in ("weight", "bias")]
+    elif family == "wqkv":  # fused Wqkv: rows [q | k | v], H·D each (ModernBERT); W_o named Wo
+        modern: Any = module  # transformers' module: its attributes are not typed here
+        rows = int(modern.config.num_attention_heads) * int(modern.head_dim)
+        links = [_Link(f"{o}.{p}", f"Wqkv.{p}", slice(i * rows, (i + 1) * rows))
+                 for i, o in enumerate(("q_proj", "k_proj", "v_proj")) for p in ("weight", "bias")]
+        links += [_Link(f"o_proj.{p}", f"Wo.{p}") for p in ("weight", "bias")]
     elif family in _RENAMED:
         links = _renamed_links(family)
     elif family == "dense":  # q/k/v_proj, W_o named dense (Phi)
@@ -241,7 +247,8 @@ def from_hf(module: nn.Module, config: Any | None = None, **overrides: Any) -> M
     state = state_from_hf(module)  # our names and layout
     w = state["q_proj.weight"]  # (H·D, E)
     read = {"bert": _bert_settings, "bert-self": _bert_settings, "gpt2": _gpt2_settings, "q_proj": _q_proj_settings,
-            "phi3": _q_proj_settings, "dense": _q_proj_settings, "qkv-grouped": _qkv_grouped_settings,
+            "phi3": _q_proj_settings, "dense": _q_proj_settings, "wqkv": _q_proj_settings,
+            "qkv-grouped": _qkv_grouped_settings,
             **{family: _renamed_settings for family in _RENAMED}}
     settings, sizes = read[family](module, config, state, spec)
     head_dim = sizes.pop("head_dim")
@@ -287,8 +294,10 @@ def _q_proj_settings(module: Any, config: Any, state: dict[str, torch.Tensor],
     window = {None: None, "module": getattr(module, "sliding_window", None),
               "is_sliding": module.sliding_window if getattr(module, "is_sliding", False) else None,
               "config": hf_config.module_window(config, src) if config is not None else None}[spec.window]
+    # ModernBERT has no scaling attribute: its forward passes head_dim ** -0.5
+    scale = module.scaling if spec.layout != "wqkv" else head_dim ** -0.5
     settings: dict[str, Any] = {
-        "causal": bool(module.is_causal), "scale": float(module.scaling),
+        "causal": bool(module.is_causal), "scale": float(scale),
         "dropout": float(module.attention_dropout or 0.0), "window": window, "rope": _rope(module, config, spec),
     }
     if spec.qk_norm is not None:
@@ -308,11 +317,23 @@ def _rope(module: Any, config: Any, spec: hf_registry.AttentionSpec) -> RoPE | N
     if spec.rope is None or (spec.rope_on is not None and not spec.rope_on(module, config)):
         return None  # no position encoding in this class, or in this layer (SmolLM3's no-RoPE layers)
     src = f"{spec.name} config"
-    base, scaling, factor = hf_config.module_rope(config, getattr(module, spec.layer_type_attr, None), src,
+    base, scaling, factor = hf_config.module_rope(config, _layer_type(module, config, spec), src,
                                                   partial=spec.partial_rotary)
     head_dim = int(module.head_dim)
     return RoPE.from_facts(head_dim, base, interleaved=spec.rope == "interleaved", rotary_dim=int(head_dim * factor),
                            max_positions=hf_config.module_max_positions(config), scaling=scaling)
+
+
+def _layer_type(module: Any, config: Any, spec: hf_registry.AttentionSpec) -> str | None:
+    """The layer type that picks the module's ``rope_parameters``: its attribute, or (ModernBERT)
+    ``config.layer_types[module.layer_idx]``, as its model picks them."""
+    if spec.layer_type_attr != hf_registry.CONFIG_LAYER_TYPE:
+        return getattr(module, spec.layer_type_attr, None)
+    kinds, idx = getattr(config, "layer_types", None), module.layer_idx
+    if not isinstance(kinds, (list, tuple)) or not isinstance(idx, int) or not 0 <= idx < len(kinds):
+        raise ValueError(f"{spec.name}: its layer type is config.layer_types[layer_idx]; got layer_types="
+                         f"{kinds!r:.80} and layer_idx={idx!r}")
+    return str(kinds[idx])
 
 
 # ---- fused query_key_value: GPT-NeoX (Pythia), Falcon, BLOOM -----------------------------------------
