@@ -16,7 +16,10 @@ Two passes, because patching decides by class (``hf_registry.REGISTRY``):
   logits, cross-attention included, on padded encoder and decoder batches.
 
 ``test_zoo_catches_rope_planted_in_vit`` plants the mistake this file exists to catch
-(RoPE added to ViT) and requires the comparison to report it.
+(RoPE added to ViT) and requires the comparison to report it; the other ``test_zoo_catches_*``
+plant each family's own rule wrong (a RoPE pairing, a no-RoPE layer, a window, a rotary width).
+``test_patched_model_fills_hf_cache_as_hf_does``: for every decoder, the prompt's keys and values
+the patched model writes into HF's cache equal those HF writes.
 
 Runtime: about 4 minutes on 2 shared cores (85 s of it building every model type on meta).
 """
@@ -570,3 +573,29 @@ def test_zoo_catches_one_rope_base_planted_in_modernbert(monkeypatch: pytest.Mon
     real = hf_config.module_rope
     monkeypatch.setattr(hf_config, "module_rope", lambda cfg, kind, src, **kw: real(cfg, "full_attention", src, **kw))
     assert compare("modernbert").startswith("wrong")
+
+
+#: Decoders whose HF cache the patched model fills (latent attention caches in its own pairing:
+#: tests/interop/test_deepseek.py compares its bytes).
+CACHE_FILLERS = [t for t, (_, generator) in ZOO.items() if generator and t not in SEQ2SEQ
+                 and all(spec.layout != "latent" for spec in hf_registry.REGISTRY.values() if t in spec.model_types)]
+
+
+@pytest.mark.parametrize("model_type", CACHE_FILLERS)
+def test_patched_model_fills_hf_cache_as_hf_does(model_type: str) -> None:
+    """The prompt's keys and values the patched model writes into HF's cache equal HF's own (left-padded batch,
+    real tokens; a sliding layer's cache holds the last keys only)."""
+    model, _ = _build(model_type)
+    inputs = _inputs(model_type, "left")
+    with torch.no_grad():
+        want = model(**inputs, use_cache=True).past_key_values
+        got = mh.hf.patch(model)(**inputs, use_cache=True).past_key_values
+    assert len(got.layers) == len(want.layers) > 0
+    for i, (g, w) in enumerate(zip(got.layers, want.layers)):
+        for kind in ("keys", "values"):
+            a, b = getattr(g, kind), getattr(w, kind)  # (B, Hkv, Sk, D)
+            assert a.shape == b.shape, f"layer {i} {kind}: {tuple(a.shape)} != {tuple(b.shape)}"
+            real = inputs["attention_mask"][:, -a.shape[2]:].bool()  # (B, Sk)
+            a, b = a.transpose(1, 2)[real], b.transpose(1, 2)[real]
+            rel = ((a - b).abs().max() / b.abs().max()).item()
+            assert rel <= RTOL, f"layer {i} {kind}: relative difference {rel:.2e}"
