@@ -74,7 +74,11 @@ COVERED_BY_PARENT = {
                  # BERT's copies (hf_copies.COPIES)
                  ("camembert.modeling_camembert", "Camembert"), ("data2vec.modeling_data2vec_text", "Data2VecText"),
                  ("ernie.modeling_ernie", "Ernie"), ("roc_bert.modeling_roc_bert", "RoCBert"),
-                 ("bert_generation.modeling_bert_generation", "BertGeneration"))}
+                 ("bert_generation.modeling_bert_generation", "BertGeneration"),
+                 # LayoutLM's encoder-only form and its copies
+                 ("layoutlm.modeling_layoutlm", "LayoutLM"), ("splinter.modeling_splinter", "Splinter"),
+                 ("align.modeling_align", "AlignText"), ("chinese_clip.modeling_chinese_clip", "ChineseCLIPText"),
+                 ("altclip.modeling_altclip", "AltRoberta"))}
 #: The model outputs' attention fields, in this order.
 FIELDS = ("attentions", "encoder_attentions", "decoder_attentions", "cross_attentions")
 #: Generation: prompt tokens (decoder tokens for encoder-decoders), new tokens.
@@ -125,7 +129,9 @@ def eager(model_type: str, use_cache: bool | None) -> Oracle:
         module = c.model.get_submodule(name)
         spec = hf_registry.require_spec(module)
         proj = module.get_submodule(OUTPUT_PROJ[spec.layout])
-        hooks.append(module.register_forward_hook(lambda m, a, out, n=name: weights.__setitem__(n, out[1])))
+        # BERT's encoder-only form (LayoutLM's) returns its output alone: its .self returns the weights
+        source = module.get_submodule("self") if spec.call == "bert-encoder" else module
+        hooks.append(source.register_forward_hook(lambda m, a, out, n=name: weights.__setitem__(n, out[1])))
         hooks.append(proj.register_forward_hook(lambda m, a, out, n=name: outputs.__setitem__(n, out)))
     try:
         with torch.no_grad():

@@ -217,6 +217,9 @@ ZOO: dict[str, tuple[dict[str, Any], bool]] = {
     "modernbert": ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 2,
                     "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                         "full_attention": {"rope_type": "default", "rope_theta": 160000.0}}}, False),
+    # LayoutLM's encoder-only BERT attention and its copies
+    "layoutlm": ({}, False), "splinter": ({}, False), "align_text_model": ({}, False),
+    "chinese_clip_text_model": ({}, False), "altclip_text_model": ({}, False), "altclip_vision_model": ({}, False),
     "decision_transformer": ({"state_dim": 5, "act_dim": 3, "max_ep_len": 16, "use_cache": False}, False),
     "glm4_moe_lite": ({**DEEPSEEK, "rope_interleave": True, "n_shared_experts": 1}, True),
     "youtu": ({**DEEPSEEK, "rope_interleave": True}, True),
@@ -228,7 +231,7 @@ SEQ2SEQ = {"bart", "mbart", "whisper", "pegasus", "marian", "plbart", "m2m_100",
 VISION = {"vit", "clip_vision_model", "siglip_vision_model", "deit", "vit_mae", "vit_msn", "ijepa", "pixio", "dinov2",
           "dinov2_with_registers", "metaclip_2_vision_model", "clipseg_vision_model", "chinese_clip_vision_model",
           "git_vision_model", "idefics3_vision", "smolvlm_vision", "tipsv2_vision_model",
-          "granite_docling_vision"}
+          "granite_docling_vision", "altclip_vision_model"}
 TIME_SERIES = {"time_series_transformer", "informer"}
 #: Decoders compared by their hidden states (no causal-LM class): their forward caches by default.
 DECODER_STATES = {"cosmos3_edge_text", "granite_docling_text"}
@@ -239,7 +242,9 @@ OWN_CLASS = {"siglip_text_model": "SiglipTextModel", "omniasr_audio": "OmniASRAu
              "metaclip_2_text_model": "MetaClip2TextModel",
              "metaclip_2_vision_model": "MetaClip2VisionModel", "clipseg_text_model": "CLIPSegTextModel",
              "clipseg_vision_model": "CLIPSegVisionModel", "siglip2_text_model": "Siglip2TextModel",
-             "git_vision_model": "GitVisionModel"}
+             "git_vision_model": "GitVisionModel", "align_text_model": "AlignTextModel",
+             "chinese_clip_text_model": "ChineseCLIPTextModel", "altclip_text_model": "AltCLIPTextModel",
+             "altclip_vision_model": "AltCLIPVisionModel"}
 
 
 def build(model_type: str, config: Any, auto: Any, impl: str | None = None) -> nn.Module:

@@ -81,6 +81,15 @@ def _bert(module: str, prefix: str, *types: str) -> list[Copy]:
             Copy(module, f"{prefix}SelfAttention", types, "bert.modeling_bert.BertSelfAttention")]
 
 
+_LAYOUTLM = "layoutlm.modeling_layoutlm.LayoutLM"
+
+
+def _layoutlm(module: str, prefix: str, *types: str) -> list[Copy]:
+    """LayoutLMAttention and the LayoutLMSelfAttention inside it, both verbatim."""
+    return [Copy(module, f"{prefix}Attention", types, f"{_LAYOUTLM}Attention"),
+            Copy(module, f"{prefix}SelfAttention", types, f"{_LAYOUTLM}SelfAttention")]
+
+
 _LLAMA = "llama.modeling_llama.LlamaAttention"
 _CLIP = "clip.modeling_clip.CLIPAttention"
 _SIGLIP = "siglip.modeling_siglip.SiglipAttention"
@@ -114,10 +123,27 @@ COPIES: tuple[Copy, ...] = (
     *_bert("ernie.modeling_ernie", "Ernie", "ernie"),
     *_bert("roc_bert.modeling_roc_bert", "RoCBert", "roc_bert"),
     *_bert("bert_generation.modeling_bert_generation", "BertGeneration", "bert-generation"),
+    # ---- LayoutLM's (BERT's encoder-only form) ----
+    # (not MarkupLM's: its model hands attention a -10000 additive mask, refused by the mask converter)
+    *(copy for module, prefix, model_type in (("splinter", "Splinter", "splinter"),
+                                              ("align", "AlignText", "align_text_model"))
+      for copy in _layoutlm(f"{module}.modeling_{module}", prefix, model_type)),
+    *(copy for module, prefix, model_type in (("chinese_clip", "ChineseCLIPText", "chinese_clip_text_model"),
+                                              ("altclip", "AltRoberta", "altclip_text_model"))
+      for copy in (Copy(f"{module}.modeling_{module}", f"{prefix}Attention", (model_type,), f"{_LAYOUTLM}Attention"),
+                   Copy(f"{module}.modeling_{module}", f"{prefix}SelfAttention", (model_type,),
+                        f"{_LAYOUTLM}SelfAttention", differs=("class: +        self.is_causal = False",),
+                        why="is_causal False: what LayoutLM's is read as, without the attribute"))),
     # ---- CLIP's and SigLIP's (q/k/v_proj + out_proj) ----
     Copy("metaclip_2.modeling_metaclip_2", "MetaClip2Attention", ("metaclip_2_text_model", "metaclip_2_vision_model"),
          _CLIP),
     Copy("clipseg.modeling_clipseg", "CLIPSegAttention", ("clipseg_text_model", "clipseg_vision_model"), _CLIP),
+    Copy("altclip.modeling_altclip", "AltCLIPAttention", ("altclip_vision_model",), _CLIP,
+         differs=("eager_attention_forward: -    **kwargs: Unpack[TransformersKwargs],",
+                  "eager_attention_forward: +    **kwargs,",
+                  "eager_attention_forward: -    attn_weights = torch.matmul(query, key.transpose(-1, -2)) * scaling",
+                  "eager_attention_forward: +    attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling"),
+         why="the eager kernel's key.transpose(2, 3) is transpose(-1, -2) on (B, H, S, D)"),
     Copy("siglip2.modeling_siglip2", "Siglip2Attention", ("siglip2_text_model", "siglip2_vision_model"), _SIGLIP),
     # ---- Llama's and its verified copies' ----
     Copy("aria.modeling_aria", "AriaTextAttention", ("aria_text",), _LLAMA),

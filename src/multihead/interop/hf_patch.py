@@ -280,6 +280,27 @@ class _BertWrapper(PatchedAttention):
         return self.LayerNorm(y + hidden_states), weights
 
 
+class _Recorder(nn.Module):
+    """``(y, weights) -> (y, weights)``: where transformers' recording hooks read a wrapper's weights
+    when the wrapper itself returns the output alone (their hooks take a non-tuple output whole)."""
+
+    def forward(self, y: torch.Tensor, weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return y, weights
+
+
+class _BertEncoderWrapper(_BertWrapper):
+    """BERT's attention in its encoder-only form (LayoutLM and its copies):
+    ``forward(hidden_states, attention_mask=None, **kwargs) -> LayerNorm(y + x)`` (B, S, E) alone."""
+
+    def __init__(self, original: nn.Module, mh: MultiHeadAttention) -> None:
+        super().__init__(original, mh)
+        self.recorder = _Recorder()
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,  # type: ignore[override]
+                **kwargs: Any) -> torch.Tensor:
+        return self.recorder(*super().forward(hidden_states, attention_mask, **kwargs))[0]
+
+
 # ---- fused query_key_value families: GPT-NeoX (Pythia), Falcon, BLOOM ----------------------------------
 class _GPTNeoXWrapper(PatchedAttention):
     """``forward(hidden_states, attention_mask, layer_past=None, position_embeddings=None, **kwargs)``;
@@ -533,7 +554,8 @@ class _LatentWrapper(PatchedAttention):
 # ---- end DeepSeek ------------------------------------------------------------------------------
 
 
-_WRAPPERS = {"bert": _BertWrapper, "gpt2": _GPT2Wrapper, "llama": _LlamaWrapper, "vit": _ViTWrapper,
+_WRAPPERS = {"bert": _BertWrapper, "bert-encoder": _BertEncoderWrapper,
+             "gpt2": _GPT2Wrapper, "llama": _LlamaWrapper, "vit": _ViTWrapper,
              "gpt_neox": _GPTNeoXWrapper, "falcon": _FalconWrapper, "bloom": _BloomWrapper,
              "clip": _ClipWrapper, "opt": _OptWrapper, "bart": _Seq2SeqWrapper}
 
@@ -693,8 +715,9 @@ def _record_like_the_original(model: nn.Module, name: str, wrapper: PatchedAtten
     # A rule matching by module name (Informer's "self_attn") matches the wrapper at that name too:
     # transformers hooks it itself when it installs its hooks, later; only a rule by class is ours.
     keys = {key for key, _, _, by_name in found if installed or not by_name}
+    target = getattr(wrapper, "recorder", wrapper)  # the module that returns (y, weights)
     for key in sorted(keys):
-        install_output_capuring_hook(wrapper, key, 1)  # our wrapper returns (y, weights)
+        install_output_capuring_hook(target, key, 1)
 
 
 def _restore_recording(model: nn.Module, name: str, wrapper: PatchedAttention) -> None:

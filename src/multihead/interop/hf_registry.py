@@ -26,7 +26,8 @@ is never imported here):
   the class rotates the first ``int(D · partial_rotary_factor)`` dims (Phi-3, GPT-NeoX, Phi,
   StableLM; GLM in interleaved pairs).
 * ``call``: the forward signature the patch wrapper imitates (``"llama"``, ``"vit"``,
-  ``"bert"``, ``"gpt2"``, ``"gpt_neox"``, ``"falcon"``, ``"bloom"``, ``"clip"`` (ViT's, with
+  ``"bert"``, ``"bert-encoder"`` (BERT's without a cache, returning the output alone: LayoutLM), ``"gpt2"``,
+  ``"gpt_neox"``, ``"falcon"``, ``"bloom"``, ``"clip"`` (ViT's, with
   the ``is_causal`` keyword HF's kernels obey), ``"opt"``, ``"bart"`` (``hidden_states,
   key_value_states, cache, attention_mask``, filling HF's ``EncoderDecoderCache`` as the class
   does), ``"latent"``; ``None``: converted by ``from_hf`` but never patched alone).
@@ -153,18 +154,23 @@ def _q_proj(model_type: str, cls: str, *, also: tuple[str, ...] = (), rope: str 
 _LAYER_TYPED = frozenset({"layer_type", "sliding_window"})
 
 
-def _bert(model_type: str, prefix: str, also: tuple[str, ...] = ()) -> list[AttentionSpec]:
+def _bert(model_type: str, prefix: str, also: tuple[str, ...] = (), *, encoder: bool = False) -> list[AttentionSpec]:
+    """BertAttention (``self`` + ``output``) and its BertSelfAttention. ``encoder``: the encoder-only
+    form (LayoutLM's): no cache, no ``is_decoder``/``layer_idx``, the attention's output returned alone."""
     module = model_type.replace("-", "_")
     path = f"transformers.models.{module}.modeling_{module}."
     self_parts = {"query": "Linear", "key": "Linear", "value": "Linear", "dropout": "Dropout"}
     self_attrs = frozenset({"all_head_size", "attention_head_size", "config", "is_causal", "is_decoder",
                             "layer_idx", "num_attention_heads", "scaling"})
+    if encoder:
+        self_attrs = self_attrs - {"is_decoder", "layer_idx"} | {"attention_dropout"}
     parts = {"self": f"{prefix}SelfAttention", **{f"self.{k}": v for k, v in self_parts.items()},
              "output": f"{prefix}SelfOutput", "output.dense": "Linear", "output.LayerNorm": "LayerNorm",
              "output.dropout": "Dropout"}
+    own = frozenset() if encoder else frozenset({"is_cross_attention"})
     return [
-        AttentionSpec(path + f"{prefix}Attention", (model_type, *also), "bert", "bert", parts,
-                      {"": frozenset({"is_cross_attention"}), "self": self_attrs, "output": frozenset()}),
+        AttentionSpec(path + f"{prefix}Attention", (model_type, *also), "bert", "bert-encoder" if encoder else "bert",
+                      parts, {"": own, "self": self_attrs, "output": frozenset()}),
         AttentionSpec(path + f"{prefix}SelfAttention", (model_type, *also), "bert-self", None, self_parts,
                       {"": self_attrs}),
     ]
@@ -597,6 +603,9 @@ _DESCRIBED: Mapping[str, AttentionSpec] = {s.cls: s for s in [
     _GPT2,
     *_bert("bert", "Bert", also=("dpr",)), *_bert("roberta", "Roberta"), *_bert("xlm-roberta", "XLMRoberta"),
     *_bert("electra", "Electra"),
+    # LayoutLM: BERT's attention in its encoder-only form (no cache: an encoder); the 2-D position
+    # embeddings are outside attention
+    *_bert("layoutlm", "LayoutLM", encoder=True),
     *_FUSED_QKV,
     *_OUT_PROJ_FAMILIES,
     *_DEEPSEEK,
