@@ -4,7 +4,8 @@ Notation: E embed_dim, H query heads, Hkv key/value heads, D head_dim.
 
 transformers copies attention classes between model packages ("Copied from", modular files):
 DeiT's attention is ViT's, Camembert's is BERT's, Aria's text attention is Llama's. A copy's
-registry entry (:class:`~multihead.interop.hf_registry.AttentionSpec`) is its original's with
+registry entry (:class:`~multihead.interop.hf_registry.AttentionSpec`, derived there from this
+table) is its original's with
 the copy's class, its config model types, and its part classes renamed (the original's class
 prefix replaced by the copy's: ``BertSelfOutput`` -> ``CamembertSelfOutput``). So a copy is
 converted and patched exactly as its original, and refused where its original is (the same
@@ -25,15 +26,10 @@ This module imports nothing from transformers.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .hf_registry import AttentionSpec
-
-__all__ = ["Copy", "COPIES", "HELPERS", "derive", "class_prefix"]
+__all__ = ["Copy", "COPIES", "HELPERS", "class_prefix"]
 
 #: The module-level functions of a modeling file that its attention classes call.
 HELPERS = ("eager_attention_forward", "apply_rotary_pos_emb", "rotate_half", "repeat_kv")
@@ -274,24 +270,3 @@ COPIES: tuple[Copy, ...] = (
          why='q/k/v_proj without bias: read from the weights'),
 )
 
-
-def derive(registry: Mapping[str, AttentionSpec]) -> dict[str, AttentionSpec]:
-    """Each copy's entry, keyed by its qualified name: its original's (from ``registry``) with the
-    copy's class, model types and part classes (``copy_of`` records the original's name).
-
-    Raises:
-        KeyError: a copy whose original is not in ``registry`` (a mistake in :data:`COPIES`).
-    """
-    out = {}
-    for copy in COPIES:
-        base = registry[copy.original]
-        old, new = class_prefix(base.name), class_prefix(copy.cls)
-
-        def rename(parts: Mapping[str, str], old: str = old, new: str = new) -> dict[str, str]:
-            return {path: cls.replace(old, new, 1) if cls.startswith(old) else cls for path, cls in parts.items()}
-
-        attrs = {path: allowed | copy.attrs if path == "" else allowed for path, allowed in base.attrs.items()}
-        out[copy.qualified] = dataclasses.replace(
-            base, cls=copy.qualified, model_types=copy.model_types, parts=rename(base.parts), attrs=attrs,
-            alternatives=tuple(rename(group) for group in base.alternatives), copy_of=base.name)
-    return out

@@ -79,13 +79,15 @@ Causality comes from the module's ``is_causal``, the scale from its ``scaling``,
 and head counts from the weights, for every entry.
 
 Adding a family: check the class's ``__init__`` and ``forward`` line by line, add one
-entry below (or to ``_Q_PROJ`` / ``_BERT``), add its model type to the zoo test's tiny
+entry below (or to ``_Q_PROJ`` / ``_BERT``; a copy of a described class: one line in
+:data:`multihead.interop.hf_copies.COPIES`, with the lines that differ), add its model type to the zoo test's tiny
 configs (``tests/interop/test_zoo.py``) and regenerate the docs' table (docs/guides/huggingface.md) with
 ``python -m multihead.interop.hf_registry``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -613,7 +615,30 @@ _DESCRIBED: Mapping[str, AttentionSpec] = {s.cls: s for s in [
 ]}
 #: Every supported class, keyed by its qualified name: those described here and their copies
 #: (:mod:`multihead.interop.hf_copies`, each described by its original's entry).
-REGISTRY: Mapping[str, AttentionSpec] = {**_DESCRIBED, **hf_copies.derive(_DESCRIBED)}
+def _copies(described: Mapping[str, AttentionSpec]) -> dict[str, AttentionSpec]:
+    """Each copy's entry (:data:`hf_copies.COPIES`), keyed by its qualified name: its original's with
+    the copy's class, model types, part classes (the original's class prefix replaced by the
+    copy's) and extra attributes; ``copy_of`` records the original's name.
+
+    Raises:
+        KeyError: a copy whose original is not described here (a mistake in the table).
+    """
+    out = {}
+    for copy in hf_copies.COPIES:
+        base = described[copy.original]
+        old, new = hf_copies.class_prefix(base.name), hf_copies.class_prefix(copy.cls)
+
+        def rename(parts: Mapping[str, str], old: str = old, new: str = new) -> dict[str, str]:
+            return {path: cls.replace(old, new, 1) if cls.startswith(old) else cls for path, cls in parts.items()}
+
+        attrs = {path: allowed | copy.attrs if path == "" else allowed for path, allowed in base.attrs.items()}
+        out[copy.qualified] = dataclasses.replace(
+            base, cls=copy.qualified, model_types=copy.model_types, parts=rename(base.parts), attrs=attrs,
+            alternatives=tuple(rename(group) for group in base.alternatives), copy_of=base.name)
+    return out
+
+
+REGISTRY: Mapping[str, AttentionSpec] = {**_DESCRIBED, **_copies(_DESCRIBED)}
 
 
 def qualified_name(module: nn.Module) -> str:
