@@ -176,6 +176,11 @@ ZOO: dict[str, tuple[dict[str, Any], bool]] = {
     "eurobert": ({}, False),  # Llama's, bidirectional
     "vaultgemma": ({"head_dim": 16, "query_pre_attn_scalar": 12, "attn_logit_softcapping": 3.0,
                     "layer_types": ["sliding_attention", "full_attention"]}, True),
+    # sliding layer 0 (its own RoPE base), full layer 1
+    "mellum": ({"head_dim": 16, "layer_types": ["sliding_attention", "full_attention"], "num_local_experts": 4,
+                "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_layer_types": ["sparse", "sparse"],
+                "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 500000.0},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}, True),
     "chinese_clip_vision_model": ({}, False), "git_vision_model": ({}, False),
     "idefics3_vision": ({}, False), "smolvlm_vision": ({}, False),
     "solar_open": ({"head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
@@ -570,14 +575,16 @@ def test_zoo_catches_config_window_planted_in_modernbert(monkeypatch: pytest.Mon
     assert compare("modernbert").startswith("wrong")
 
 
-def test_zoo_catches_one_rope_base_planted_in_modernbert(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ModernBERT described as reading the global layers' RoPE in every layer (its local layer 0 has base
-    10000, its global layer 1 160000): the comparison fails."""
+@pytest.mark.parametrize("model_type", ["modernbert", "mellum"])
+def test_zoo_catches_one_rope_base_planted_in_a_config_layer_typed_family(model_type: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """ModernBERT, Mellum described as reading the full layers' RoPE in every layer (their layer 0 has
+    base 10000, layer 1 160000 / 500000; each picked by config.layer_types[layer_idx]): the comparison fails."""
     from multihead.interop import hf_config
 
     real = hf_config.module_rope
     monkeypatch.setattr(hf_config, "module_rope", lambda cfg, kind, src, **kw: real(cfg, "full_attention", src, **kw))
-    assert compare("modernbert").startswith("wrong")
+    assert compare(model_type).startswith("wrong")
 
 
 #: Decoders whose HF cache the patched model fills (latent attention caches in its own pairing:

@@ -559,6 +559,10 @@ _COPIES = [
                   rope="half", window="module", resid_dropout="attention_dropout",
                   alternatives=({"out_drop": "Identity"}, {"out_drop": "Dropout"}),
                   layer_type_attr=CONFIG_LAYER_TYPE),
+    # Mellum: Qwen3-MoE's attention with module.sliding_window set in its sliding layers only; its
+    # model picks each layer's RoPE by config.layer_types[layer_idx] (rope_parameters per layer type)
+    _q_proj("mellum", "MellumAttention", window="module", extra_attrs=_WINDOWED, norm="MellumRMSNorm",
+            qk_norm="head", layer_type_attr=CONFIG_LAYER_TYPE),
     # GLM-4 MoE: Llama's with GLM's partial rotary in rotate-half pairs (the first
     # int(D · partial_rotary_factor) dims, as Phi); its optional per-head q/k RMSNorm (use_qk_norm)
     # not described: refused. SarvamMoE's model holds this class with its own config type.
