@@ -181,14 +181,17 @@ def test_registered_kernel_returns_per_head_weights_when_asked() -> None:
     assert float(weights[1, :, :, S - 4:].abs().max()) == 0.0  # padding keys get no weight
 
 
-def test_kernel_applies_softcap_and_refuses_bias_masks() -> None:
+def test_kernel_applies_softcap_and_adds_bias_masks() -> None:
+    """Soft-capping is the core's; an additive mask holding real values is added as a bias, as eager
+    attention adds it (it was refused before the core took ``bias=``)."""
     q = torch.randn(1, H, 3, 16)
     module = nn.Module()
-    out, _ = mh.hf.attention_forward(module, q, q, q, None, softcap=0.5)  # issue #15: soft-capping is in the core
+    out, _ = mh.hf.attention_forward(module, q, q, q, None, softcap=0.5)
     torch.testing.assert_close(out.transpose(1, 2), mh.attention(q, q, q, softcap=0.5), rtol=0, atol=0)
-    alibi = torch.full((1, 1, 3, 3), -0.5)
-    with pytest.raises(ValueError, match="bias"):
-        mh.hf.attention_forward(module, q, q, q, alibi)
+    alibi = torch.tensor([[0.0, -0.5, -1.0], [-0.5, 0.0, -0.5], [-1.0, -0.5, 0.0]]).expand(1, 1, 3, 3)
+    out, _ = mh.hf.attention_forward(module, q, q, q, alibi)
+    eager = torch.softmax(q @ q.transpose(-1, -2) / 4 + alibi, -1) @ q  # D = 16: scale 1/4
+    torch.testing.assert_close(out.transpose(1, 2), eager, rtol=1e-5, atol=1e-6)
 
 
 def test_register_refuses_hf_names() -> None:
