@@ -70,12 +70,16 @@ def _t5(heads: int, seq: int) -> tuple[ScoreFn, dict[str, Any]]:
 
 def cases(quick: bool = False, heads: int = 8) -> list[FlexCase]:
     """The suite's patterns: causal, sliding window 256, four documents, prefix-LM, a random
-    pattern with 90% of its 128 × 128 tiles empty, T5's bias, soft-capping 30 (quick: S = 256)."""
+    pattern with 90% of its 128 × 128 tiles empty (the diagonal and random others), the same with
+    every tile full (what the sparse one is to cost a tenth of), T5's bias, soft-capping 30
+    (quick: S = 256)."""
     s = 256 if quick else 2048
     docs = torch.arange(s) * 4 // s  # (S,) four documents of S/4 tokens
-    gen = torch.Generator().manual_seed(0)
-    live = torch.rand(-(-s // 128), -(-s // 128), generator=gen) < 0.1  # (nQ, nK) 10% of the tiles
-    live.fill_diagonal_(True)  # every query sees a key
+    n = -(-s // 128)
+    live = torch.eye(n, dtype=torch.bool)  # (nQ, nK): every query sees a key, then random tiles up to 10%
+    off = (~live).flatten().nonzero().flatten()
+    extra = max(0, round(0.1 * n * n) - n)
+    live.view(-1)[off[torch.randperm(len(off), generator=torch.Generator().manual_seed(0))[:extra]]] = True
     prefix = s // 4
 
     def causal(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -93,6 +97,9 @@ def cases(quick: bool = False, heads: int = 8) -> list[FlexCase]:
     def sparse(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         return live[q // 128, k // 128]
 
+    def every(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return q >= 0
+
     def cap(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         return 30.0 * torch.tanh(score / 30.0)
 
@@ -100,6 +107,7 @@ def cases(quick: bool = False, heads: int = 8) -> list[FlexCase]:
     out = [FlexCase("causal", s // 2, causal), FlexCase("causal", s, causal),
            FlexCase("sliding window 256", s, window), FlexCase("4 documents", s, document),
            FlexCase("prefix-LM", s, prefix_lm), FlexCase("90% empty tiles", s, sparse),
+           FlexCase("every tile full", s, every),
            FlexCase("T5 bias", s, None, t5_fn, t5_ours), FlexCase("soft-capping 30", s, causal, cap, {"softcap": 30.0})]
     return out
 
