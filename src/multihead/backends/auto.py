@@ -424,9 +424,11 @@ def auto_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: f
     Args:
         q: (B, H, Sq, D); k: (B, Hkv, Sk, D); v: (B, Hkv, Sk, Dv); as given to
             :func:`multihead.attention` (whose checks this does not repeat).
-        dropout_p, return_weights, return_lse, softcap, alibi_slopes, sinks, cu_seqlens, bias, score_mod,
-            block_mask: as given to :func:`multihead.attention` (a block mask or mask_mod does not
-            change the path: a path that does not take it as tiles gets it as a dense mask).
+        dropout_p, return_weights, return_lse, softcap, alibi_slopes, sinks, cu_seqlens: as given to
+            :func:`multihead.attention`.
+        bias, score_mod, block_mask: as given to :func:`multihead.attention` (a score_mod is lowered
+            as it lowers it; a block mask or mask_mod does not change the path: a path that does
+            not take it as tiles gets it as a dense mask).
     """
     features = lower_score_mod(Features(softcap, alibi_slopes, sinks, cu_seqlens, block_mask, bias, score_mod),
                                q.shape[2], k.shape[2], q.shape[1])  # as multihead.attention lowers it
