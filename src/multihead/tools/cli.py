@@ -189,13 +189,21 @@ def _bench_hf_generate(args: argparse.Namespace) -> int:
 
     from . import bench_hf
 
-    result = bench_hf.run_hf_generate(quick=args.quick,
-                                      progress=lambda line: print(f"  running {line}", file=sys.stderr, flush=True))
+    result = bench_hf.run_hf_generate(quick=args.quick, progress=_say)
+    return _write_result(args, result, "hf_generate.json", bench_hf.format_hf_generate(result))
+
+
+def _say(line: str) -> None:
+    print(f"  running {line}", file=sys.stderr, flush=True)
+
+
+def _write_result(args: argparse.Namespace, result: dict[str, Any], name: str, table: str) -> int:
+    """Write ``result`` as ``args.out``/``name`` (JSON) and show ``table`` (or the JSON)."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "hf_generate.json"
+    path = out / name
     path.write_text(json.dumps(result, indent=2), encoding="utf-8")
-    _emit(args, result, bench_hf.format_hf_generate(result) + f"\n\nwrote {path}")
+    _emit(args, result, table + f"\n\nwrote {path}")
     return 0
 
 
@@ -203,14 +211,8 @@ def _bench_flex(args: argparse.Namespace) -> int:
     """``bench --flex``: mask_mods and score_mods against compiled FlexAttention and SDPA."""
     from . import bench_flex
 
-    result = bench_flex.run_flex(quick=args.quick,
-                                 progress=lambda line: print(f"  running {line}", file=sys.stderr, flush=True))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "flex.json"
-    path.write_text(json.dumps(result, indent=2), encoding="utf-8")
-    _emit(args, result, bench_flex.format_flex(result) + f"\n\nwrote {path}")
-    return 0
+    result = bench_flex.run_flex(quick=args.quick, progress=_say)
+    return _write_result(args, result, "flex.json", bench_flex.format_flex(result))
 
 
 def cmd_heads(args: argparse.Namespace) -> int:

@@ -253,13 +253,7 @@ int attention(const void* q, const void* k, const void* v, void* out, float* lse
         for (int i = 0; i < 4; ++i) P.bs[i] = bias_strides[i];
     }
     if (tile_class) {  // a block mask: its strides, block sizes, and its tiles' bytes (see Problem)
-        if (mask || !tile_info) return -2;  // partial: null when no tile is partial
-        for (int i = 0; i < 4; ++i) P.ts[i] = tile_info[i];
-        P.bq = tile_info[4];
-        P.bk = tile_info[5];
-        if (P.bq <= 0 || P.bk <= 0 || P.bk % NR || P.bk > MAX_BLOCK_KEYS) return -2;
-        P.tiles = tile_class;
-        P.partial = partial;
+        if (!set_block_mask(P, tile_class, tile_info, partial, mask)) return -2;
         P.ms[3] = 1;  // a tile's row of bytes is contiguous
     }
     if (!valid(P) || query_tile <= 0) return -2;

@@ -803,15 +803,7 @@ extern "C" int mh_attention_backward_f32(const float* q, const float* k, const f
                                          double scale, int causal, int64_t window, const int32_t* tiles,
                                          const int64_t* tile_info, const uint8_t* partial, int threads) {
     Problem blocks{};
-    if (tiles) {
-        if (mask || !tile_info) return -2;  // partial: null when no tile is partial
-        for (int i = 0; i < 4; ++i) blocks.ts[i] = tile_info[i];
-        blocks.bq = tile_info[4];
-        blocks.bk = tile_info[5];
-        if (blocks.bq <= 0 || blocks.bk <= 0 || blocks.bk % NR || blocks.bk > MAX_BLOCK_KEYS) return -2;
-        blocks.tiles = tiles;
-        blocks.partial = partial;
-    }
+    if (tiles && !set_block_mask(blocks, tiles, tile_info, partial, mask)) return -2;
     return run_backward(q, k, v, dout, lse, delta, mask, dq, dk, dv, dims, strides, scale, causal, window, threads,
                         &blocks);
 }

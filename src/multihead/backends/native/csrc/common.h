@@ -520,6 +520,20 @@ struct Problem {
 
 constexpr int32_t TILE_EMPTY = -1, TILE_FULL = -2;
 constexpr int64_t MAX_BLOCK_KEYS = 1024;  // bk at most (a row of zeros this long stands for an empty tile)
+// A block mask's arguments into P (the FlashAttention loop's and the backward's entries): false
+// when they do not describe one (a dense mask too, no strides, block sizes the loops cannot take).
+// partial may be null when no tile is partial.
+inline bool set_block_mask(Problem& P, const int32_t* tiles, const int64_t* tile_info, const uint8_t* partial,
+                           const uint8_t* mask) {
+    if (mask || !tile_info) return false;
+    for (int i = 0; i < 4; ++i) P.ts[i] = tile_info[i];
+    P.bq = tile_info[4];
+    P.bk = tile_info[5];
+    if (P.bq <= 0 || P.bk <= 0 || P.bk % NR || P.bk > MAX_BLOCK_KEYS) return false;
+    P.tiles = tiles;
+    P.partial = partial;
+    return true;
+}
 inline int32_t tile_at(const Problem& P, int64_t b, int64_t h, int64_t qb, int64_t kb) {
     return P.tiles[b * P.ts[0] + h * P.ts[1] + qb * P.ts[2] + kb * P.ts[3]];
 }
