@@ -28,6 +28,9 @@ import torch  # noqa: E402
 
 import multihead as mh  # noqa: E402
 
+#: The machine build and its stand-in compiler, shared by the native build tests (one real compile).
+pytest_plugins = ["native_builds"]
+
 #: float64 paths agree with the float64 reference to this (absolute) tolerance.
 ATOL64 = 1e-10
 

@@ -15,6 +15,7 @@ float32 error is at most 2× that of the naive ``"explicit"`` backend in float32
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -257,16 +258,19 @@ except ValueError as err:
     assert list(tmp_path.iterdir()) == []  # nothing half-written left behind
 
 
-def test_the_machines_build_is_compiled_once_into_the_cache_dir_and_reused(tmp_path) -> None:
+def test_the_machines_build_is_compiled_once_into_the_cache_dir_and_reused(tmp_path, stand_in_cxx) -> None:
     code = "from multihead import native; assert native.build(), native.status(); print(native.status())"
-    first = _python(code, MULTIHEAD_CACHE_DIR=str(tmp_path), MULTIHEAD_NATIVE_ISA="machine")
+    first = _python(code, MULTIHEAD_CACHE_DIR=str(tmp_path / "cache"), MULTIHEAD_NATIVE_ISA="machine",
+                    CXX=stand_in_cxx.cxx)
     assert first.returncode == 0, first.stderr
-    built = sorted(tmp_path.iterdir())  # the kernel and its build record (size, SHA-256)
+    built = sorted((tmp_path / "cache").iterdir())  # the kernel and its build record (size, SHA-256)
     assert [p.suffix for p in built] == [".json", ".so"] and str(built[1]) in first.stdout
     mtime = built[1].stat().st_mtime_ns
-    assert "compiled in" in first.stderr  # announced
-    again = _python(code, MULTIHEAD_CACHE_DIR=str(tmp_path), MULTIHEAD_NATIVE_ISA="machine")
-    assert again.returncode == 0 and sorted(tmp_path.iterdir()) == built and built[1].stat().st_mtime_ns == mtime
+    assert "compiled in" in first.stderr and stand_in_cxx.builds() == 1  # announced
+    again = _python(code, MULTIHEAD_CACHE_DIR=str(tmp_path / "cache"), MULTIHEAD_NATIVE_ISA="machine",
+                    CXX=stand_in_cxx.cxx)
+    assert again.returncode == 0 and sorted((tmp_path / "cache").iterdir()) == built
+    assert built[1].stat().st_mtime_ns == mtime and stand_in_cxx.builds() == 1
     assert "compiling" not in again.stderr  # found, verified, loaded: nothing to announce
 
 
@@ -409,7 +413,7 @@ def test_the_public_kernel_functions_check_what_they_are_given(call, error, matc
 
 
 @pytest.mark.parametrize("problem", ["others may write", "cannot be created"])
-def test_builds_only_into_a_private_folder(tmp_path, problem: str) -> None:
+def test_builds_only_into_a_private_folder(tmp_path, stand_in_cxx, problem: str) -> None:
     """A shared library is loaded from the build folder: one that others may write to
     (or that cannot be made) is passed over for a private one in the temporary folder."""
     if problem == "others may write":
@@ -422,8 +426,9 @@ def test_builds_only_into_a_private_folder(tmp_path, problem: str) -> None:
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     code = "from multihead import native; assert native.build(), native.status(); print(native.status())"
-    done = _python(code, MULTIHEAD_CACHE_DIR=str(cache), TMPDIR=str(tmpdir), MULTIHEAD_NATIVE_ISA="machine")
-    assert done.returncode == 0, done.stderr
+    done = _python(code, MULTIHEAD_CACHE_DIR=str(cache), TMPDIR=str(tmpdir), MULTIHEAD_NATIVE_ISA="machine",
+                   CXX=stand_in_cxx.cxx)
+    assert done.returncode == 0 and stand_in_cxx.builds() == 1, done.stderr
     private = tmpdir / f"multihead-{os.getuid()}"
     assert str(private) in done.stdout and (private.stat().st_mode & 0o777) == 0o700
     assert not cache.exists() or list(cache.iterdir()) == []
@@ -438,14 +443,23 @@ def test_kernels_stay_inside_their_tensors_under_address_sanitizer(tmp_path, arc
     off-by-one in the decoding loop's key count is caught: checked by hand.) On an AVX-512
     machine the AVX2 kernels (-march=haswell) are checked too: a machine otherwise only runs
     its own width's code."""
-    compiler = os.environ.get("CXX") or "g++"
+    compiler = shlex.split(os.environ.get("CXX") or "g++")
     csrc = Path(native.__file__).parent / "csrc"
     exe = tmp_path / "memcheck"
-    build = subprocess.run([compiler, "-std=c++17", "-O1", "-g", f"-march={arch}", "-fopenmp",
-                            "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", f"-I{csrc}",
-                            str(Path(__file__).parent / "native_memcheck.cpp"), str(csrc / "attention.cpp"),
-                            str(csrc / "attention_amx.cpp"), str(csrc / "decode.cpp"), "-o", str(exe)],
-                           capture_output=True, text=True, timeout=300)
+    flags = ["-std=c++17", "-O1", "-g", f"-march={arch}", "-fopenmp", "-fsanitize=address,undefined",
+             "-fno-sanitize-recover=undefined"]
+    units = [Path(__file__).parent / "native_memcheck.cpp", csrc / "attention.cpp", csrc / "attention_amx.cpp",
+             csrc / "decode.cpp"]
+    objects = [tmp_path / f"{unit.stem}.o" for unit in units]
+    # one compiler per unit, all at once (decode.cpp alone takes most of the time), then the link
+    jobs = [subprocess.Popen([*compiler, *flags, f"-I{csrc}", "-c", str(unit), "-o", str(obj)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for unit, obj in zip(units, objects)]
+    for job in jobs:
+        log, _ = job.communicate(timeout=300)
+        assert job.returncode == 0, log[-3000:]
+    build = subprocess.run([*compiler, *flags, *map(str, objects), "-o", str(exe)], capture_output=True, text=True,
+                           timeout=300)
     assert build.returncode == 0, build.stderr[-3000:]
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     done = subprocess.run([str(exe), str(int(150 * SCALE))], capture_output=True, text=True, timeout=600,

@@ -3,10 +3,9 @@ verified before it is loaded: a damaged or unsafe cached kernel is rebuilt (the 
 ``status()``), never loaded, and never kills the process.
 
 Loading a truncated shared library raises SIGBUS in the loader, so every scenario runs
-in one subprocess (``SCRIPT``) that reports what it saw; the test then checks it. Only
-the first build runs the real compiler; the others use a stand-in "compiler" (this
-Python running ``FAKE_CXX``, a command with arguments, as ``CXX="ccache g++"`` is) that
-copies that first build, so rebuilding costs nothing.
+in one subprocess (``SCRIPT``) that reports what it saw; the test then checks it. The
+"compiler" is the stand-in of ``tests/backends/conftest.py`` (a command with arguments, as
+``CXX="ccache g++"`` is), which copies the session's one real build, so building costs nothing.
 """
 
 from __future__ import annotations
@@ -21,20 +20,7 @@ import pytest
 
 from multihead.backends.native import _build, files
 
-FAKE_CXX = r"""
-import os, shutil, sys
-args = sys.argv[1:]
-if "--version" in args:
-    print("stand-in compiler 1.0")
-    sys.exit(0)
-source, log = args[:2]
-if os.environ.get("STAND_IN_FAILS"):
-    sys.exit("stand-in compiler: refusing to compile")
-shutil.copyfile(source, args[args.index("-o") + 1])
-if "-shared" in args:  # the link (the units are compiled first, one call each): one build
-    with open(log, "a") as f:
-        f.write("built\n")
-"""
+from native_builds import stand_in
 
 SCRIPT = r"""
 import json, os, shlex, shutil, stat, sys
@@ -43,9 +29,7 @@ os.umask(0)  # the worst umask: every file and folder must still be private
 from multihead.backends import native
 from multihead.backends.native import _build
 
-base, fake = Path(sys.argv[1]), sys.argv[2]
-log = base / "builds.log"
-log.touch()
+base, stand_in, log = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
 report = {}
 
 def load(name, cxx=None):
@@ -64,8 +48,7 @@ def load(name, cxx=None):
                     "parent_mode": stat.S_IMODE((base / name).parent.stat().st_mode)}
     return kernel
 
-real = load("nested/real")  # the real compiler, into folders that do not exist yet
-stand_in = shlex.join([sys.executable, fake, str(real), str(log)])
+load("nested/real", stand_in)  # into folders that do not exist yet
 good = load("good", stand_in)
 load("good", stand_in)  # a verified cached build is reused, not rebuilt
 report["reused"] = report["good"]
@@ -89,13 +72,12 @@ print(json.dumps(report))
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory) -> dict:
+def report(tmp_path_factory, machine_build) -> dict:
     base = tmp_path_factory.mktemp("builds")
-    fake = base / "fake_cxx.py"
-    fake.write_text(FAKE_CXX)
+    compiler = stand_in(machine_build, base)
     env = {**os.environ, "MULTIHEAD_NATIVE": "1", "MULTIHEAD_NATIVE_ISA": "machine", "TMPDIR": str(base)}
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(base), str(fake)], capture_output=True, text=True,
-                          timeout=600, env=env)
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(base), compiler.cxx, str(compiler.log)],
+                          capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, f"the process died (code {done.returncode}): {done.stderr[-3000:]}"
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -108,11 +90,11 @@ def test_a_fresh_build_is_private_whatever_the_umask(report) -> None:
 
 def test_a_compiler_command_with_arguments_is_split_like_a_shell(report) -> None:
     good = report["good"]
-    assert good["available"] and good["builds"] == 1 and good["mode"] == 0o700, good
+    assert good["available"] and good["builds"] == 2 and good["mode"] == 0o700, good  # nested/real's, its own
 
 
 def test_a_verified_cached_build_is_reused(report) -> None:
-    assert report["reused"]["available"] and report["reused"]["builds"] == 1
+    assert report["reused"]["available"] and report["reused"]["builds"] == 2  # none more
 
 
 @pytest.mark.parametrize("case, reason", [
@@ -134,8 +116,8 @@ def test_a_damaged_or_unsafe_cached_kernel_is_rebuilt_with_the_reason(report, ca
 
 
 def test_rebuilds_are_counted(report) -> None:
-    """good (1) + truncated, empty, altered, group_writable, symlink, no_record (6)."""
-    assert report["no_record"]["builds"] == 7
+    """nested/real and good (2) + truncated, empty, altered, group_writable, symlink, no_record (6)."""
+    assert report["no_record"]["builds"] == 8
 
 
 def test_a_failed_rebuild_leaves_the_kernel_off_with_both_reasons(report) -> None:
