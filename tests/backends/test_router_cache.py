@@ -321,16 +321,20 @@ def test_the_rules_read_of_a_call_only_what_its_signature_holds(monkeypatch: pyt
     """Every rule's test run on calls whose tensors record what is read of them: only their
     shape, dtype, device and requires_grad, which auto.signature holds (with every flag)."""
     seen: set[str] = set()
+    calls = []  # the watched calls, made once: each machine below runs every rule on each
+    for shape, dtype, grad in itertools.product(SHAPES, DTYPES, [False, True]):
+        q, k, v = _qkv(*shape, dtype=dtype)
+        if grad:
+            q = q.requires_grad_()
+        watched = [_Watched(t, seen) for t in (q, k, v)]
+        for flags, kind in itertools.product(
+                [(0.0, False, False), (0.1, False, True), (0.0, True, False), (0.0, False, True)],
+                ["none", "softcap", "alibi", "all"]):
+            calls.append((watched, flags, _features(kind, q.shape[1], q.shape[2])))
     for machine in MACHINES:
         _machine(monkeypatch, *machine)
-        for shape, dtype, flags, kind, grad in itertools.product(
-                SHAPES, DTYPES, [(0.0, False, False), (0.1, False, True), (0.0, True, False), (0.0, False, True)],
-                ["none", "softcap", "alibi", "all"], [False, True]):
-            q, k, v = _qkv(*shape, dtype=dtype)
-            if grad:
-                q = q.requires_grad_()
-            features = _features(kind, q.shape[1], q.shape[2])
-            call = auto._call(*(_Watched(t, seen) for t in (q, k, v)), *flags, features)  # type: ignore[arg-type]
+        for watched, flags, features in calls:
+            call = auto._call(*watched, *flags, features)  # type: ignore[arg-type]
             for rule in auto.AUTO_RULES:  # every rule's test, not only up to the first that applies
                 rule.applies(call)
     assert seen <= {"shape", "dtype", "device", "requires_grad"}, seen

@@ -1,17 +1,13 @@
-"""The ``multihead run``, ``explain CONFIG`` and ``cost`` commands, end to end.
-
-The bundled-model run goes through a real subprocess (``python -m multihead``); the
-others call ``main(argv)`` in-process where a subprocess would only add start-up time.
+"""The ``multihead run``, ``explain CONFIG`` and ``cost`` commands, end to end, through
+the command's entry ``main(argv)`` in this process (a subprocess would only add start-up time;
+``python -m multihead`` itself is run by the start-up and install tests).
 ``--json`` output is parsed and its values checked.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,12 +17,6 @@ from safetensors.torch import save_file
 from multihead import cli, models
 
 CONFIGS = Path(__file__).parents[1] / "data" / "configs"
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "multihead", *args], capture_output=True, text=True,
-                          env=ENV, timeout=300)
 
 
 def _main_json(capsys, *args: str) -> dict:
@@ -35,10 +25,10 @@ def _main_json(capsys, *args: str) -> dict:
 
 
 # ---- run --------------------------------------------------------------------------------------
-def test_run_json_on_the_bundled_minilm() -> None:
-    done = _cli("run", "--json")
-    assert done.returncode == 0, done.stderr
-    info = json.loads(done.stdout)
+def test_run_json_on_the_bundled_minilm(capsys) -> None:
+    assert cli.main(["run", "--json"]) == 0
+    done = capsys.readouterr()
+    info = json.loads(done.out)
     assert (info["embed_dim"], info["num_heads"], info["head_dim"]) == (384, 12, 32)
     assert info["batch"] == len(models.DEFAULT_TEXTS) and len(set(info["tokens"])) > 1
     assert info["min_cosine"] >= 0.99999
@@ -47,7 +37,7 @@ def test_run_json_on_the_bundled_minilm() -> None:
     s = info["seq_len"]
     shapes = {r["tensor"]: r["shape"] for r in info["table"]}
     assert shapes["Q"] == f"[384, {s}]" and shapes["head_k"] == f"12 × [32, {s}]"
-    assert "multihead run" in done.stderr  # the progress bar, on stderr only
+    assert "multihead run" in done.err  # the progress bar, on stderr only
 
 
 def _tiny_llama_dir(tmp_path: Path) -> Path:
@@ -204,10 +194,8 @@ def test_torch_threads_is_checked_and_restored() -> None:
 
 
 # ---- explain CONFIG -----------------------------------------------------------------------------
-def test_explain_llama3_config_shows_gqa_shapes() -> None:
-    done = _cli("explain", str(CONFIGS / "meta-llama-3-8b.json"), "--seq", "256", "--json")
-    assert done.returncode == 0, done.stderr
-    info = json.loads(done.stdout)
+def test_explain_llama3_config_shows_gqa_shapes(capsys) -> None:
+    info = _main_json(capsys, "explain", str(CONFIGS / "meta-llama-3-8b.json"), "--seq", "256")
     assert (info["embed_dim"], info["num_heads"], info["num_kv_heads"], info["head_dim"]) == (4096, 32, 8, 128)
     assert info["kind"] == "GQA" and info["seq_len"] == 256
     shapes = {r["tensor"]: r["shape"] for r in info["table"]}
@@ -248,11 +236,9 @@ def test_explain_rejects_a_malformed_config(tmp_path: Path, capsys) -> None:
 
 
 # ---- cost ---------------------------------------------------------------------------------------
-def test_cost_json_matches_the_published_llama2_cache_size() -> None:
-    done = _cli("cost", str(CONFIGS / "llama-2-7b.json"), "--seq", "4096", "--batch", "2", "--dtype", "float16",
-                "--json")
-    assert done.returncode == 0, done.stderr
-    info = json.loads(done.stdout)
+def test_cost_json_matches_the_published_llama2_cache_size(capsys) -> None:
+    info = _main_json(capsys, "cost", str(CONFIGS / "llama-2-7b.json"), "--seq", "4096", "--batch", "2",
+                      "--dtype", "float16")
     assert info["kv_cache_bytes_per_token"] == 32 * 2 * 4096 * 2 == 512 * 1024
     assert info["kv_cache_bytes"] == 512 * 1024 * 4096 * 2
     assert info["gqa_saving"] == 1.0 and info["seq_len"] == 4096 and info["batch"] == 2

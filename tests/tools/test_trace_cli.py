@@ -6,9 +6,6 @@ The seed's example: d=768, h=12, d_head=64, S=1024.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -87,12 +84,9 @@ def test_trace_format_is_a_table_with_one_line_per_row() -> None:
 # -- the CLI ----------------------------------------------------------------------------
 
 
-def _explain_json(*args: str) -> dict:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-m", "multihead", "explain", "--json", *args],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
+def _explain_json(capsys: pytest.CaptureFixture, *args: str) -> dict:
+    assert cli.main(["explain", "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out)
 
 
 def _check_explain(info: dict, seq: int) -> None:
@@ -102,13 +96,13 @@ def _check_explain(info: dict, seq: int) -> None:
     assert info["max_abs_error_vs_float64_reference"] < 1e-4
 
 
-def test_explain_json_short_sequence() -> None:
-    _check_explain(_explain_json("--seq", "128"), 128)
+def test_explain_json_short_sequence(capsys) -> None:
+    _check_explain(_explain_json(capsys, "--seq", "128"), 128)
 
 
 @pytest.mark.slow
-def test_explain_json_default_is_the_seed_example() -> None:
-    _check_explain(_explain_json(), SEQ)
+def test_explain_json_default_is_the_seed_example(capsys) -> None:
+    _check_explain(_explain_json(capsys), SEQ)
 
 
 def test_explain_text_prints_the_table_parameters_and_error(capsys: pytest.CaptureFixture[str]) -> None:
