@@ -20,7 +20,7 @@ SIZES = (2, 3, 31, 33, 64, 129, 700, 1024)
 
 
 def _layer(**kw: object) -> mh.MultiHeadAttention:
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     return mh.MultiHeadAttention(64, 4, **kw).eval()
 
 

@@ -10,7 +10,7 @@ import multihead as mh
 
 
 def layer_and_input(**kw) -> tuple[mh.MultiHeadAttention, torch.Tensor]:
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     return mh.MultiHeadAttention(64, 8, num_kv_heads=2, **kw).eval(), torch.randn(2, 40, 64)
 
 

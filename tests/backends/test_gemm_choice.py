@@ -160,7 +160,7 @@ def test_the_layer_on_torch_matmul_trains_against_the_float64_reference(monkeypa
     """With torch.matmul chosen the projections are F.linear's, forward and backward (no oneDNN
     call), and the layer's output and every parameter's gradient meet the accuracy criterion."""
     setenv(monkeypatch, "torch")
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     layer = mh.MultiHeadAttention(64, 4, num_kv_heads=2, causal=True, rope=mh.RoPE(16, 10000.0))
     x = torch.randn(2, 300, 64)
     grad = torch.randn(2, 300, 64)

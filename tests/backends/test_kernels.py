@@ -264,7 +264,7 @@ def test_linears_of_one_input_match_f_linear_and_transpose_it_once() -> None:
 @pytest.mark.parametrize("causal", [False, True])
 def test_blocked_at_real_block_sizes_meets_the_accuracy_criterion(sq: int, sk: int, causal: bool) -> None:
     """Default block sizes, key padding to 128 and chunk merges at realistic lengths."""
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     q, k, v = torch.randn(1, 4, sq, 64), torch.randn(1, 2, sk, 64), torch.randn(1, 2, sk, 64)
     truth = mh.attention(q.double(), k.double(), v.double(), causal=causal, backend="explicit")
     got = mh.attention(q, k, v, causal=causal, backend="blocked")
@@ -285,7 +285,7 @@ def test_small_gemms_without_autograd_run_on_f_linear(rows: int, width: int) -> 
     """Without autograd a GEMM of at most SMALL_GEMM multiply-adds (2^24: 113 rows at 384 wide) takes
     F.linear (oneDNN's op costs a fixed ~25 µs a call more); larger ones oneDNN's, when it is there;
     the values are F.linear's."""
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     x, w, b = torch.randn(rows, width), torch.randn(width, width), torch.randn(width)
     small = rows * width * width <= mh.linear.SMALL_GEMM
     with torch.no_grad():

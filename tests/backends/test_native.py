@@ -311,7 +311,7 @@ def test_fused_step_equals_the_float64_reference_with_rows_of_different_lengths(
     output row equals the float64 reference layer run on the row's real tokens."""
 
     steps = _spy_steps(monkeypatch)
-    torch.manual_seed(heads * 10 + kv_heads)
+    torch.random.default_generator.manual_seed(heads * 10 + kv_heads)
     layer = mh.MultiHeadAttention(32 * heads, heads, num_kv_heads=kv_heads, causal=True, bias=bias,
                                   rope=ROPES[rope]() if ROPES[rope] else None).eval()
     e, lengths, new = layer.embed_dim, [600, 37, 1], 4
@@ -340,7 +340,7 @@ def test_fused_step_is_skipped_where_it_does_not_apply_and_results_agree(case: s
     """Each condition outside the fused step takes the step-by-step path, which gives
     the same result as the fused one on the nearest call it does take."""
     steps = _spy_steps(monkeypatch)
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     b = 5 if case == "rows" else 2
     dtype = torch.float64 if case == "float64" else torch.float32
     layer = mh.MultiHeadAttention(64, 4, num_kv_heads=2, causal=True, window=8 if case in ("ring", "window") else None,

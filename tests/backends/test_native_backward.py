@@ -253,7 +253,7 @@ def test_gradcheck_of_the_log_sum_exp_output() -> None:
 
 def test_every_layer_parameter_gradient_matches_the_float64_reference() -> None:
     """Through the module (projections, GQA, RoPE, causal) with backend="native"."""
-    torch.manual_seed(3)
+    torch.random.default_generator.manual_seed(3)
     layer = mh.MultiHeadAttention(96, 6, num_kv_heads=2, causal=True, rope=mh.RoPE(16, 10000.0), backend="native")
     wide = mh.MultiHeadAttention(96, 6, num_kv_heads=2, causal=True, rope=mh.RoPE(16, 10000.0),
                                  backend="explicit").double()

@@ -184,7 +184,7 @@ def test_opcheck_attention_half(dtype: torch.dtype, masked: bool, causal: bool, 
 
 def _layers(dtype: torch.dtype) -> tuple[mh.MultiHeadAttention, mh.MultiHeadAttention]:
     """A GQA layer with RoPE in ``dtype`` and its float64 twin with the same (rounded) weights."""
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     layer = mh.MultiHeadAttention(128, 8, num_kv_heads=2, causal=True, rope=mh.RoPE(16)).eval().to(dtype)
     twin = mh.MultiHeadAttention(128, 8, num_kv_heads=2, causal=True, rope=mh.RoPE(16)).eval().double()
     twin.load_state_dict({name: t.double() for name, t in layer.state_dict().items()})
@@ -320,7 +320,7 @@ def test_half_fused_step_projections_at_every_tail(shape: str) -> None:
     de-interleaved x where E allows, plainly elsewhere) at row tails and 1–4 rows: within the
     criterion of the float64 layer (the naive error: the unfused bf16 step's)."""
     e, h, hkv, b = GEMV_SHAPES[shape]
-    torch.manual_seed(e + b)
+    torch.random.default_generator.manual_seed(e + b)
     layer = mh.MultiHeadAttention(e, h, num_kv_heads=hkv, causal=True).eval().to(torch.bfloat16)
     twin = mh.MultiHeadAttention(e, h, num_kv_heads=hkv, causal=True).eval().double()
     twin.load_state_dict({name: t.double() for name, t in layer.state_dict().items()})

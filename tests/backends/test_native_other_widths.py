@@ -32,7 +32,7 @@ from multihead.backends.native import isa
 assert native.available(), native.status()
 bits = native.vector_bits()
 assert bits == int(sys.argv[1]), (bits, sys.argv[1])
-torch.manual_seed(0)
+torch.random.default_generator.manual_seed(0)
 D64 = torch.float64
 
 

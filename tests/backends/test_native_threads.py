@@ -42,7 +42,7 @@ def assert_bitwise_equal(outs: list[torch.Tensor]) -> None:
 @pytest.mark.parametrize("b, h, hkv, sq, sk", [(1, 8, 1, 1, 5000), (2, 4, 2, 1, 3000), (1, 4, 1, 3, 1700),
                                                (3, 8, 8, 1, 1300)])
 def test_the_decoding_kernel_gives_the_same_bits_for_any_thread_count(b, h, hkv, sq, sk) -> None:
-    torch.manual_seed(sk)
+    torch.random.default_generator.manual_seed(sk)
     q, k, v = torch.randn(b, h, sq, 64), torch.randn(b, hkv, sk, 64), torch.randn(b, hkv, sk, 64)
     assert_bitwise_equal(with_threads(lambda: native.decode_f32(q, k, v, scale=0.125, causal=True)))
     # auto's decoding path (few query rows per K/V head), through the public function
@@ -53,7 +53,7 @@ def test_the_decoding_kernel_gives_the_same_bits_for_any_thread_count(b, h, hkv,
 @pytest.mark.parametrize("kv_heads", [1, 2])
 def test_a_decoding_step_gives_the_same_bits_for_any_thread_count(kv_heads: int) -> None:
     """The fused native step where it applies (AVX-512 or AVX2), else the layer's unfused path."""
-    torch.manual_seed(kv_heads)
+    torch.random.default_generator.manual_seed(kv_heads)
     layer = mh.MultiHeadAttention(256, 8, num_kv_heads=kv_heads, causal=True, bias=False,
                                   rope=mh.RoPE(32, max_positions=4096)).eval()
     prompt, token = torch.randn(1, 2500, 256), torch.randn(1, 1, 256)
@@ -77,7 +77,7 @@ def test_the_flash_loop_gives_the_same_bits_for_any_thread_count(dtype: torch.dt
     """The FlashAttention loops share work two ways: each thread packing and running whole (b, K/V
     head) pairs (3 pairs with 1 or 3 threads, 6 with any), or all threads packing first and then
     taking query tiles one at a time (3 pairs over 2 threads): the same bits every way."""
-    torch.manual_seed(hkv)
+    torch.random.default_generator.manual_seed(hkv)
     q, k, v = (torch.randn(1, 6, 300, 64).to(dtype), torch.randn(1, hkv, 300, 64).to(dtype),
                torch.randn(1, hkv, 300, 64).to(dtype))
     for causal in (False, True):

@@ -19,7 +19,7 @@ SCRIPT = r"""
 import json, sys, torch
 import multihead  # noqa: F401
 from multihead.backends import native  # registers torch.ops.multihead.*
-torch.manual_seed(0)
+torch.random.default_generator.manual_seed(0)
 A, B, D = torch.ops.multihead.attention, torch.ops.multihead.attention_backward, torch.ops.multihead.decode_step
 r = torch.randn
 

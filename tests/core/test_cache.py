@@ -16,7 +16,7 @@ E, H = 32, 4
 
 def make_layer(num_kv_heads: int = H, *, rope: bool = True, window: int | None = None,
                causal: bool = True, dtype: torch.dtype = torch.float32, seed: int = 0) -> mh.MultiHeadAttention:
-    torch.manual_seed(seed)
+    torch.random.default_generator.manual_seed(seed)
     layer = mh.MultiHeadAttention(E, H, num_kv_heads=num_kv_heads, causal=causal, window=window,
                                   rope=mh.RoPE(E // H) if rope else None, dtype=dtype)
     return layer.eval()
@@ -270,7 +270,7 @@ def test_matches_hf_llama_attention_with_dynamic_cache(attn_implementation: str)
     config = LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, rope_theta=10000.0,
                          max_position_embeddings=64, num_hidden_layers=1, attention_bias=False)
     config._attn_implementation = attn_implementation
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     hf = LlamaAttention(config, layer_idx=0).eval()
     rotary = LlamaRotaryEmbedding(config)
     ours = mh.MultiHeadAttention(64, 8, num_kv_heads=2, bias=False, causal=True, rope=mh.RoPE(8, 10000.0)).eval()
@@ -308,7 +308,7 @@ def test_decoding_example_runs_and_matches_the_full_forward() -> None:
 @pytest.mark.parametrize("backend", ["sdpa", "explicit"])
 @pytest.mark.parametrize("sq, sk", [(9, 9), (3, 11), (1, 7)])
 def test_window_in_the_functional_core_equals_an_explicit_banded_mask(backend: str, sq: int, sk: int) -> None:
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     q, k, v = torch.randn(2, 4, sq, 8), torch.randn(2, 2, sk, 8), torch.randn(2, 2, sk, 8)
     banded = torch.zeros(sq, sk, dtype=torch.bool)
     for i in range(sq):

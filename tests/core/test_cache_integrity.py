@@ -59,7 +59,7 @@ def failing(request, monkeypatch) -> str:
 
 
 def layer(**kw) -> mh.MultiHeadAttention:
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     return mh.MultiHeadAttention(E, H, num_kv_heads=2, causal=True, **kw).eval()
 
 
@@ -163,7 +163,7 @@ def test_a_failing_output_projection_leaves_the_cache_unchanged(ring: bool) -> N
 def test_weights_the_allocator_cannot_hold_leave_the_cache_unchanged() -> None:
     """A real allocation failure: weights of (1, 1, 2²³, 2²³) float32 take 256 TiB, more than
     any address space; the cache of 2²³ slots of head_dim 1 takes 64 MiB."""
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     lay = mh.MultiHeadAttention(1, 1, head_dim=1, causal=True, bias=False).eval()
     s = 1 << 23
     cache = lay.new_cache(1, s)
@@ -212,7 +212,7 @@ def test_a_named_native_backend_that_is_off_leaves_the_cache_unchanged() -> None
 
     script = """
 import torch, multihead as mh
-torch.manual_seed(0)
+torch.random.default_generator.manual_seed(0)
 for window in (None, 4):
     lay = mh.MultiHeadAttention(16, 4, causal=True, window=window, backend="native").eval()
     cache = lay.new_cache(2, 16, ring=window is not None)

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(native.vector_bits() < 256,
 
 
 def _layer(**kw) -> mh.MultiHeadAttention:
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     return mh.MultiHeadAttention(64, 4, num_kv_heads=2, causal=True, rope=mh.RoPE(16), **kw).eval()
 
 

@@ -108,7 +108,7 @@ def test_corrupted_config_files_are_read_or_refused(position: int, byte: int, cu
 
 
 def _valid_weights() -> bytes:
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model.safetensors"
         save_file(mh.MultiHeadAttention(8, 2).state_dict(), str(path))

@@ -36,7 +36,7 @@ def nan_at(shape: tuple[int, ...], index: tuple[int, ...], value: float = float(
 
 
 def layer(**kw) -> mh.MultiHeadAttention:
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     return mh.MultiHeadAttention(16, 4, **kw)
 
 

@@ -31,7 +31,7 @@ def ranks(full: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def problem(b: int, h: int, hkv: int, sq: int, sk: int, d: int) -> tuple[torch.Tensor, ...]:
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     return torch.randn(b, h, sq, d), torch.randn(b, hkv, sk, d), torch.randn(b, hkv, sk, d)
 
 
@@ -76,7 +76,7 @@ def test_a_bad_mask_is_refused_the_same_way_by_every_backend(b, h, hkv, sq, sk, 
 @torch.no_grad()
 @pytest.mark.parametrize("backend", [None, *BACKENDS])
 def test_the_module_takes_every_mask_rank(backend) -> None:
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     lay = mh.MultiHeadAttention(16, 4, num_kv_heads=2, backend=backend).eval()
     x = torch.randn(2, 6, 16)
     full = torch.rand(2, 4, 6, 6) > 0.3

@@ -28,7 +28,7 @@ ScoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torc
 
 def layer_of(*, causal: bool = True, rope: bool = True, dtype: torch.dtype = torch.float64,
              backend: str | None = None, kdim: int | None = None, seed: int = 0) -> mh.MultiHeadAttention:
-    torch.manual_seed(seed)
+    torch.random.default_generator.manual_seed(seed)
     return mh.MultiHeadAttention(E, H, num_kv_heads=HKV, causal=causal, kdim=kdim, backend=backend, dtype=dtype,
                                  rope=mh.RoPE(E // H, max_positions=128) if rope else None).eval()
 
@@ -191,7 +191,7 @@ def test_relative_bias_building_block_is_the_gathered_table() -> None:
 
 def test_layer_features_apply_before_the_bias_and_the_score_mod() -> None:
     """Soft-capping (a layer feature) applies to the scores first, then the bias, then the score_mod."""
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     layer = mh.MultiHeadAttention(E, H, num_kv_heads=HKV, causal=True, softcap=2.0, dtype=torch.float64).eval()
     x = inputs()
     bias = torch.randn(1, H, S, S, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
@@ -394,7 +394,7 @@ def test_a_cache_whose_keys_are_not_positions_is_refused_by_name(keyword: str) -
 
 
 def test_a_wrapping_ring_cache_is_refused_by_name() -> None:
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     layer = mh.MultiHeadAttention(E, H, causal=True, window=4, dtype=torch.float64).eval()
     x = inputs()
     cache = layer.new_cache(B, S, ring=True)

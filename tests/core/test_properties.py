@@ -63,7 +63,7 @@ class Case:
     seed: int
 
     def build(self) -> mh.MultiHeadAttention:
-        torch.manual_seed(self.seed)
+        torch.random.default_generator.manual_seed(self.seed)
         rope = None if self.rope is None else mh.RoPE(self.head_dim, 10000.0, interleaved=self.rope == "interleaved")
         layer = mh.MultiHeadAttention(self.embed_dim, self.num_heads, num_kv_heads=self.num_kv_heads,
                                       head_dim=self.head_dim, bias=self.bias, causal=self.causal,
@@ -351,7 +351,7 @@ def test_float32_gradients_agree_with_float64_gradients(case: Case) -> None:
 @pytest.mark.parametrize("backend", ["explicit", "sdpa"])
 @pytest.mark.parametrize("causal, window, hkv", [(False, None, 2), (True, None, 1), (True, 2, 2)])
 def test_gradcheck_float64(backend: str, causal: bool, window: int | None, hkv: int) -> None:
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     q = torch.randn(1, 2, 4, 3, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, hkv, 5, 3, dtype=torch.float64, requires_grad=True)
     v = torch.randn(1, hkv, 5, 3, dtype=torch.float64, requires_grad=True)
@@ -361,7 +361,7 @@ def test_gradcheck_float64(backend: str, causal: bool, window: int | None, hkv: 
 
 
 def test_gradcheck_module_parameters_float64() -> None:
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     layer = mh.MultiHeadAttention(6, 2, num_kv_heads=1, causal=True, rope=mh.RoPE(4), head_dim=4,
                                   dtype=torch.float64)
     x = torch.randn(1, 4, 6, dtype=torch.float64, requires_grad=True)

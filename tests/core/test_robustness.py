@@ -75,7 +75,7 @@ def test_layer_and_cache_outputs_are_bitwise_identical_across_processes() -> Non
     """Two fresh interpreters compute the same bytes (CPU kernels are deterministic)."""
     script = (
         "import hashlib, torch, multihead as mh\n"
-        "torch.manual_seed(0)\n"
+        "torch.random.default_generator.manual_seed(0)\n"
         "layer = mh.MultiHeadAttention(64, 8, num_kv_heads=2, causal=True, rope=mh.RoPE(8)).eval()\n"
         "x = torch.randn(2, 33, 64)\n"
         "h = hashlib.sha256()\n"

@@ -64,7 +64,7 @@ def _capture(model: nn.Module, run: Callable[[], object], what: tuple[str, ...],
 
 @pytest.mark.parametrize("case", ["two towers", "cross-attention"])
 def test_a_layer_whose_own_shapes_pass_the_limit_is_refused_by_name(case: str) -> None:
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     if case == "two towers":
         model: nn.Module = TwoTowers()
         a, b = torch.randn(1, 8, E), torch.randn(1, 256, E)
@@ -89,7 +89,7 @@ def test_a_layer_whose_own_shapes_pass_the_limit_is_refused_by_name(case: str) -
 
 
 def test_a_capture_within_the_limit_takes_no_more_memory_than_the_limit() -> None:
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     model = TwoTowers()
     a, b = torch.randn(1, 8, E), torch.randn(1, 256, E)
     what = ("weights", "heads")
@@ -104,7 +104,7 @@ def test_a_capture_within_the_limit_takes_no_more_memory_than_the_limit() -> Non
 def test_a_one_head_capture_states_its_bound_and_stays_under_it() -> None:
     """The backend computes every head's weights; the capture keeps one head's, counts them all,
     and the memory measured during the call is within that bound (and not far under it)."""
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     layer = mh.MultiHeadAttention(E, H)
     b, s = 1, 384
     x = torch.randn(b, s, E)

@@ -22,7 +22,7 @@ B, P, N, E, H = 2, 6, 4, 64, 4
 
 
 def _layer() -> mh.MultiHeadAttention:
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     return mh.MultiHeadAttention(E, H, num_kv_heads=2, causal=True, bias=False, rope=mh.RoPE(E // H)).eval()
 
 
@@ -92,7 +92,7 @@ def test_a_second_call_without_a_cache_is_refused_and_a_cached_one_appends() -> 
 
 # ---- a Hugging Face model, patched ---------------------------------------------------------------
 def _llama(impl: str = "sdpa") -> Any:
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     cfg = LlamaConfig(hidden_size=E, num_attention_heads=H, num_key_value_heads=2, num_hidden_layers=2,
                       intermediate_size=128, vocab_size=100, max_position_embeddings=64)
     model = LlamaForCausalLM(cfg).eval()
@@ -191,7 +191,7 @@ def test_a_ring_cache_that_dropped_keys_refuses_to_append_rows_it_cannot_align()
     """A sliding-window layer decoding through a ring cache holds only the last keys: once a
     call's keys no longer cover every earlier token, its row cannot be placed by key position,
     so the capture refuses it by name (never a misaligned matrix)."""
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     layer = mh.MultiHeadAttention(E, H, causal=True, window=3, rope=mh.RoPE(E // H)).eval()
     cache = layer.new_cache(1, 16, ring=True)
     x = torch.randn(1, 8, E)
@@ -208,7 +208,7 @@ def test_capture_records_the_normed_keys_of_a_layer_without_rope() -> None:
     norm, the same with and without a cache (they were the keys before the norm without one)."""
     import multihead as mh
 
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     layer = mh.MultiHeadAttention(32, 4, qk_norm="head", causal=True).eval()
     with torch.no_grad():
         layer.k_norm.weight.mul_(3.0)  # a norm that changes the keys visibly

@@ -149,7 +149,7 @@ def _tiny_llama() -> nn.Module:
     config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                                       num_hidden_layers=2, intermediate_size=128, vocab_size=100,
                                       max_position_embeddings=64)
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 

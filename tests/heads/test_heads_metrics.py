@@ -83,7 +83,7 @@ def test_transformerlens_head_detector_scores_are_m_over_n_times_ours() -> None:
                                                 get_induction_head_detection_pattern,
                                                 get_previous_token_head_detection_pattern)
 
-    torch.manual_seed(1)
+    torch.random.default_generator.manual_seed(1)
     t = 6
     ids = torch.cat([torch.tensor([0]), torch.randperm(50)[:t] + 10, torch.zeros(0, dtype=torch.long)])
     ids = torch.cat([ids, ids[1:]])  # [BOS] r r

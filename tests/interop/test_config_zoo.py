@@ -34,7 +34,7 @@ S = 4  # fewer tokens than the zoo's windows (6): a sliding cache holds them all
 def _build(config: Any, device: str) -> nn.Module:
     with warnings.catch_warnings(), torch.device(device):
         warnings.simplefilter("ignore")
-        torch.manual_seed(0)
+        torch.random.default_generator.manual_seed(0)
         # eager experts: the grouped-GEMM path wants bfloat16 on CPU and meta
         return AutoModel.from_config(config, attn_implementation="eager", experts_implementation="eager").eval()
 

@@ -46,7 +46,7 @@ def _config(model_type: str, *, q_lora_rank: int | None = 24, yarn: bool = True,
 
 
 def _model(config: Any, impl: str = "eager") -> nn.Module:
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_config(config, attn_implementation=impl).eval()

@@ -62,7 +62,7 @@ VARIANTS: dict[str, tuple[Any, Any, str]] = {
 
 def _model(name: str) -> nn.Module:
     cls, make_config, impl = VARIANTS[name]
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = cls._from_config(make_config(), attn_implementation=impl).eval()
@@ -114,7 +114,7 @@ def test_patched_model_equals_unpatched_on_padded_batches_and_greedy_tokens(name
 
 # ---- from_hf of one attention module equals the HF module ----------------------------------------
 def _randomised(module: nn.Module) -> nn.Module:
-    torch.manual_seed(3)
+    torch.random.default_generator.manual_seed(3)
     with torch.no_grad():
         for p in module.parameters():
             p.normal_(0, 0.3)

@@ -31,7 +31,7 @@ NOT_FUSED_REASONS = {reason for reason, _ in decode.FUSED_CONDITIONS}
 
 
 def _model(model_type: str = "llama", impl: str = "sdpa", **extra: Any) -> nn.Module:
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_config(CONFIG_MAPPING[model_type](**{**TINY, **extra}),

@@ -12,7 +12,7 @@ import multihead as mh
 
 
 def _model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     config = LlamaConfig(hidden_size=128, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=2,
                          vocab_size=100, intermediate_size=256)
     return LlamaForCausalLM._from_config(config, attn_implementation="sdpa").eval()

@@ -37,7 +37,7 @@ MODELS = {
 
 def _model(name: str, impl: str = "sdpa") -> nn.Module:
     cls, make_config = MODELS[name]
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     return cls._from_config(make_config(), attn_implementation=impl).eval()
 
 
@@ -114,7 +114,7 @@ def test_patched_model_gives_the_same_input_gradients() -> None:
     (GPT2LMHeadModel, MODELS["gpt2"][1], "dynamic"),
 ], ids=["llama-dynamic", "llama-static", "gpt2-dynamic"])
 def test_patched_model_generates_the_same_tokens_with_hf_cache(cls, make_config, cache: str) -> None:
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     model = cls._from_config(make_config(), attn_implementation="sdpa").eval()
     prompt = torch.randint(1, 100, (2, 5))
     mask = torch.ones(2, 5, dtype=torch.long)
@@ -164,7 +164,7 @@ def test_registered_kernel_generates_like_sdpa() -> None:
     prompt = torch.randint(1, 100, (1, 5))
     out = {}
     for impl in ("sdpa", "multihead"):
-        torch.manual_seed(0)
+        torch.random.default_generator.manual_seed(0)
         model = LlamaForCausalLM._from_config(MODELS["llama"][1](), attn_implementation=impl).eval()
         out[impl] = model.generate(prompt, max_new_tokens=6, do_sample=False).tolist()
     assert out["multihead"] == out["sdpa"]

@@ -101,7 +101,7 @@ def _tiny(model_type: str, **extra: Any) -> tuple[nn.Module, bool]:
     auto = (AutoModelForSeq2SeqLM if model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
             else AutoModelForCausalLM if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else AutoModel)
     config = tiny_config(model_type, **extra)
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if model_type in OWN_CLASS:  # a tower AutoModel does not map

@@ -44,7 +44,7 @@ def _model(rope: dict) -> torch.nn.Module:
     cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
                       intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=8,
                       rope_parameters={**rope, "rope_theta": 10000.0}, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = LlamaForCausalLM(cfg).eval()
@@ -116,7 +116,7 @@ def test_the_attention_interface_kernel_applies_softcap_and_sinks(model_type: st
     cfg = AutoConfig.for_model(model_type, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                                head_dim=16, num_hidden_layers=2, intermediate_size=128, vocab_size=VOCAB,
                                max_position_embeddings=64, pad_token_id=0, **extra)
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
@@ -181,7 +181,7 @@ def _phi3_model() -> torch.nn.Module:
                        intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=32 * PHI3_ORIG,
                        original_max_position_embeddings=PHI3_ORIG, pad_token_id=0, bos_token_id=1,
                        eos_token_id=2)
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = Phi3ForCausalLM(cfg).eval()

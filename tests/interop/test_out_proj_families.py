@@ -40,7 +40,7 @@ def _model(model_type: str, impl: str = "sdpa") -> nn.Module:
     auto = {"opt": AutoModelForCausalLM, "biogpt": AutoModelForCausalLM, "whisper": AutoModelForSpeechSeq2Seq,
             "speech_to_text": AutoModelForSpeechSeq2Seq}.get(
         model_type, AutoModelForSeq2SeqLM if model_type in SEQ2SEQ + BART_COPIES else AutoModel)
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         impl = "eager" if model_type in EAGER_ONLY else impl
@@ -231,7 +231,7 @@ def _siglip(impl: str) -> nn.Module:
     from transformers import SiglipConfig, SiglipModel
 
     text, vision = (tiny_config(t).to_dict() for t in ("siglip_text_model", "siglip_vision_model"))
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = SiglipModel(SiglipConfig(text_config=text, vision_config=vision)).eval()

@@ -30,13 +30,13 @@ MASKS = {
 
 
 def _model(family: str) -> torch.nn.Module:
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     config_cls, model_cls = FAMILIES[family]
     return model_cls(config_cls(**TINY)).eval()
 
 
 def _batch(mask: list[list[int]]) -> dict[str, torch.Tensor]:
-    torch.manual_seed(1)
+    torch.random.default_generator.manual_seed(1)
     attention = torch.tensor(mask)
     return {"input_ids": torch.randint(5, 120, attention.shape), "attention_mask": attention}
 

@@ -19,12 +19,12 @@ SMALL = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "i
 
 
 def _llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(num_key_value_heads=2, **SMALL)).eval()
 
 
 def _bert() -> BertModel:
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     return BertModel(BertConfig(**SMALL)).eval()
 
 

@@ -36,7 +36,7 @@ def _model(model_type: str) -> torch.nn.Module:
     default = cls()
     config = cls(**{k: v for k, v in TINY.items() if hasattr(default, k)})
     config._attn_implementation = "eager"
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = AutoModelForSeq2SeqLM.from_config(config)

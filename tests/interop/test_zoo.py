@@ -280,7 +280,7 @@ def tiny_config(model_type: str, **extra: Any) -> Any:
 
 def _build(model_type: str, spec_override: Any = None) -> tuple[nn.Module, bool]:
     extra, generator = ZOO[model_type]
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     auto = _seq2seq_auto(model_type) if model_type in SEQ2SEQ else AutoModelForCausalLM if generator else AutoModel
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -32,7 +32,7 @@ F64 = torch.float64
 def make_layer(h: int, hkv: int, *, causal: bool, rope: bool = True, seed: int = 0,
                dtype: torch.dtype = F64, window: int | None = None, qk_norm: str | None = None,
                rope_scaling: mh.RopeScaling | None = None) -> mh.MultiHeadAttention:
-    torch.manual_seed(seed)
+    torch.random.default_generator.manual_seed(seed)
     layer = mh.MultiHeadAttention(E, h, num_kv_heads=hkv, head_dim=D, causal=causal, window=window,
                                   rope=mh.RoPE(D, scaling=rope_scaling) if rope else None, qk_norm=qk_norm,
                                   dtype=dtype)

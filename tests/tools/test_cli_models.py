@@ -46,7 +46,7 @@ def _tiny_llama_dir(tmp_path: Path) -> Path:
 
     config = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
                          intermediate_size=64, vocab_size=30522, max_position_embeddings=128)
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)
     state = {f"model.{k}": v.contiguous() for k, v in LlamaModel(config).state_dict().items()}
     save_file(state, str(tmp_path / "model.safetensors"))  # keys as a LlamaForCausalLM checkpoint has them
     config.save_pretrained(str(tmp_path))
