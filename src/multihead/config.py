@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ._checks import MAX_DIM, check_int
+from .qk_norm import QK_NORMS
 from .rope_scaling import RopeScaling
 
 __all__ = ["AttentionConfig", "LayerAttention", "OVERRIDABLE", "check_overrides", "check_positive_float"]
@@ -122,7 +123,8 @@ class AttentionConfig:
             heads, head_dim, window or RoPE; None = every layer as the top-level fields
             (and ``layer_num_heads``) say. :meth:`layer` gives any layer either way.
         rope_scaling: RoPE scaling of the typical layer (:class:`~multihead.RopeScaling`).
-        qk_norm: ``"head"`` or ``"proj"`` QK-norm (Qwen3/Gemma 3, OLMo 2), or None.
+        qk_norm: ``"head"`` or ``"proj"`` QK-norm (Qwen3/Gemma 3, OLMo 2), ``"head_after_rope"``
+            (HunYuan dense: over D, after RoPE), or None.
         softcap: logit soft-capping (Gemma 2), or None.
         alibi: ALiBi position biases (BLOOM, MPT).
         sinks: learned attention sinks (gpt-oss).
@@ -219,8 +221,8 @@ class AttentionConfig:
             object.__setattr__(self, "rope_scaling", _scaling_from_dict(self.rope_scaling))
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise TypeError(f"rope_scaling must be a RopeScaling or None, got {type(self.rope_scaling).__name__}")
-        if self.qk_norm not in (None, "head", "proj"):
-            raise ValueError(f"qk_norm must be 'head', 'proj' or None, got {self.qk_norm!r}")
+        if self.qk_norm is not None and self.qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm must be one of {list(QK_NORMS)} or None, got {self.qk_norm!r}")
         if self.softcap is not None:
             check_positive_float("softcap", self.softcap)
         for name in ("alibi", "sinks"):

@@ -9,6 +9,7 @@ Hkv key/value heads, D head_dim.
       -> split_heads                     a view          (B, H, S, D), (B, Hkv, Sk, D) ×2
       -> QK-norm ("head": Qwen3, Gemma 3) over D (optional)
       -> RoPE on q and k                 per head
+      -> QK-norm ("head_after_rope": HunYuan) over D, after RoPE (optional)
       -> attention                       per head        (B, H, S, D)
       -> merge_heads                     concat          (B, S, H·D)
       -> o_proj                          mix the heads   (B, S, E)
@@ -83,7 +84,8 @@ class MultiHeadAttention(nn.Module):
             context feeds both k_proj and v_proj, so vdim must equal kdim.
         backend: attention backend name; None = the functional default.
         qk_norm: RMSNorm on q and k before RoPE: ``"head"`` (over D, Qwen3/Gemma 3) or
-            ``"proj"`` (over H·D and Hkv·D, OLMo 2); modules ``q_norm``, ``k_norm``.
+            ``"proj"`` (over H·D and Hkv·D, OLMo 2); or after RoPE, ``"head_after_rope"``
+            (over D, HunYuan dense); modules ``q_norm``, ``k_norm``.
         norm_eps: the QK-norm's epsilon.
         norm_offset: the QK-norm weight is stored as ``w - 1`` (Gemma).
         softcap: logit soft-capping ``cap · tanh(s / cap)`` (Gemma 2), or None.
@@ -187,7 +189,7 @@ class MultiHeadAttention(nn.Module):
         self.rope = rope
         self.qk_norm: str | None = qk_norm
         if qk_norm is not None:
-            q_width, k_width = (head_dim, head_dim) if qk_norm == "head" else (num_heads * head_dim,
+            q_width, k_width = (head_dim, head_dim) if qk_norm != "proj" else (num_heads * head_dim,
                                                                               num_kv_heads * head_dim)
             self.q_norm = RMSNorm(q_width, eps=norm_eps, offset=norm_offset, device=device, dtype=dtype)
             self.k_norm = RMSNorm(k_width, eps=norm_eps, offset=norm_offset, device=device, dtype=dtype)
@@ -504,12 +506,16 @@ class MultiHeadAttention(nn.Module):
                bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Step 3, RoPE per head: q (B, H, S, D) and k (B, Hkv, S, D) rotated at ``positions``
         ((S,) or (B, S); default 0 .. S-1); as given without a RoPE. ``bound``: a known
-        exclusive upper bound of the positions (no device read)."""
-        if self.rope is None:
-            return q, k
-        q, k = self.rope.rotate((q, k), positions, bound=bound)
-        self._see("Q_rot", q)
-        self._see("K_rot", k)
+        exclusive upper bound of the positions (no device read). Then QK-norm over D when
+        ``qk_norm="head_after_rope"`` (HunYuan dense), with or without a RoPE."""
+        if self.rope is not None:
+            q, k = self.rope.rotate((q, k), positions, bound=bound)
+            self._see("Q_rot", q)
+            self._see("K_rot", k)
+        if self.qk_norm == "head_after_rope":
+            q, k = self.q_norm(q), self.k_norm(k)  # over D, per head, of the rotated q and k (HunYuan dense)
+            self._see("Q_rot_norm", q)
+            self._see("K_rot_norm", k)
         return q, k
 
     def resolve(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_weights: bool = False

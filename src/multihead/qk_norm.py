@@ -1,13 +1,15 @@
-"""QK-norm: RMSNorm on the queries and keys before RoPE.
+"""QK-norm: RMSNorm on the queries and keys, before RoPE (or after it).
 
 Notation: B batch, S tokens, H query heads, Hkv key/value heads, D head_dim.
 
-Checkpoints place it in one of two shapes:
+Checkpoints place it in one of three ways:
 
 * ``"head"`` — per head, over D, one weight of D shared by the heads (Qwen3, Gemma 3):
   applied to q (B, H, S, D) and k (B, Hkv, S, D) after the split;
 * ``"proj"`` — over the whole projection, one weight of H·D for q and Hkv·D for k
-  (OLMo 2): applied to q (B, S, H·D) and k (B, S, Hkv·D) before the split.
+  (OLMo 2): applied to q (B, S, H·D) and k (B, S, Hkv·D) before the split;
+* ``"head_after_rope"`` — as ``"head"``, but to the rotated q and k (HunYuan dense): RMSNorm
+  with a weight does not commute with the rotation, so the order is the checkpoint's.
 
 Gemma stores the weight as an offset from one (``x · (1 + w)``); ``offset=True`` reads it so.
 """
@@ -21,8 +23,8 @@ from ._checks import check_float, check_int
 
 __all__ = ["RMSNorm", "QK_NORMS"]
 
-#: Where the norm applies: per head over D, or over the whole projection.
-QK_NORMS = ("head", "proj")
+#: Where the norm applies: per head over D (before or after RoPE), or over the whole projection.
+QK_NORMS = ("head", "proj", "head_after_rope")
 
 
 class RMSNorm(nn.Module):

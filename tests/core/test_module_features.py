@@ -53,7 +53,9 @@ def _compare(hf_out: torch.Tensor, ours: torch.Tensor, atol: float) -> None:
 
 
 def _load(ours: mh.MultiHeadAttention, hf: torch.nn.Module) -> None:
-    missing, unexpected = ours.load_state_dict(hf.state_dict(), strict=False)
+    state = {k.replace("query_layernorm", "q_norm").replace("key_layernorm", "k_norm"): v  # HunYuan's names
+             for k, v in hf.state_dict().items()}
+    missing, unexpected = ours.load_state_dict(state, strict=False)
     assert not unexpected and not [m for m in missing if "rope" not in m], (missing, unexpected)
 
 
@@ -69,6 +71,11 @@ def _family(name: str, dtype: torch.dtype):
         from transformers import Olmo2Config
         from transformers.models.olmo2.modeling_olmo2 import Olmo2Attention as A, Olmo2RotaryEmbedding as R
         cfg, kw = Olmo2Config(**common), dict(qk_norm="proj")
+    elif name == "hunyuan_v1_dense":  # its q/k RMSNorm after RoPE
+        from transformers import HunYuanDenseV1Config
+        from transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense import (
+            HunYuanDenseV1Attention as A, HunYuanDenseV1RotaryEmbedding as R)
+        cfg, kw = HunYuanDenseV1Config(**common), dict(qk_norm="head_after_rope")
     elif name == "gemma2":
         from transformers import Gemma2Config
         from transformers.models.gemma2.modeling_gemma2 import Gemma2Attention as A, Gemma2RotaryEmbedding as R
@@ -101,7 +108,7 @@ def _family(name: str, dtype: torch.dtype):
     return hf, rotary, ours, cfg
 
 
-@pytest.mark.parametrize("name", ["qwen3", "olmo2", "gemma2", "gemma3", "gpt_oss"])
+@pytest.mark.parametrize("name", ["qwen3", "olmo2", "hunyuan_v1_dense", "gemma2", "gemma3", "gpt_oss"])
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 def test_layer_equals_hf_attention_on_a_padded_batch(name: str, dtype: torch.dtype) -> None:
     hf, rotary, ours, cfg = _family(name, dtype)

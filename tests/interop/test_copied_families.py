@@ -55,8 +55,7 @@ def test_olmo3_reads_each_layers_rope_by_its_attention_type() -> None:
 
 
 @pytest.mark.parametrize("model_type, cls", [
-    ("hunyuan_v1_dense", "HunYuanDenseV1Attention"),  # q/k RMSNorm after RoPE, not before
-    ("nanochat", "NanoChatAttention"),  # the same (RoPE -> norm)
+    ("nanochat", "NanoChatAttention"),  # RoPE -> weightless norm, each pair turned by -θ
 ])
 def test_near_copies_not_described_are_refused_by_name(model_type: str, cls: str) -> None:
     with pytest.raises(ValueError, match=f"{cls} is not a supported attention class"):

@@ -118,12 +118,16 @@ def test_llama_ignores_a_sliding_window_its_class_never_uses() -> None:
 
 # ---- 5. q/k normalisation under any name -----------------------------------------------------------
 @pytest.mark.parametrize("model_type, cls", [
-    ("hunyuan_v1_dense", "HunYuanDenseV1Attention"),  # query_layernorm / key_layernorm
     ("llama4_text", "Llama4TextAttention"),  # qk_norm, NoPE layers, chunked attention
-])  # (Qwen3 and OLMo 2's q_norm / k_norm are described in the registry since issue #15: see the zoo)
+])  # (Qwen3's, OLMo 2's and HunYuan dense's q/k norms are described in the registry: see the zoo)
 def test_qk_norm_families_are_refused_by_name(model_type: str, cls: str) -> None:
-    extra = {"head_dim": 16} if "hunyuan" in model_type else {}
-    assert cls in _refused(model_type, **extra)
+    assert cls in _refused(model_type)
+
+
+def test_hunyuan_ntk_alpha_rope_is_refused_naming_it() -> None:
+    """HunYuan dense's own 'dynamic' RoPE with an alpha (θ · alpha^(D/(D-2))) is not transformers' dynamic NTK."""
+    params = {"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0, "factor": 1.0}
+    assert "alpha=1000.0" in _refused("hunyuan_v1_dense", head_dim=16, rope_parameters=params)
 
 
 # ---- 6-8. extra computation, relative positions, not plain softmax attention -------------------------

@@ -227,6 +227,8 @@ ZOO: dict[str, tuple[dict[str, Any], bool]] = {
     "chinese_clip_text_model": ({}, False), "altclip_text_model": ({}, False), "altclip_vision_model": ({}, False),
     "decision_transformer": ({"state_dim": 5, "act_dim": 3, "max_ep_len": 16, "use_cache": False}, False),
     "glm4_moe_lite": ({**DEEPSEEK, "rope_interleave": True, "n_shared_experts": 1}, True),
+    # q/k RMSNorm over D after RoPE (qk_norm="head_after_rope"), biases on all four projections
+    "hunyuan_v1_dense": ({"head_dim": 16, "attention_bias": True}, True),
     "youtu": ({**DEEPSEEK, "rope_interleave": True}, True),
 }
 #: Encoder-decoders: built for generation (``AutoModelForSeq2SeqLM``, Whisper's speech class),
@@ -270,6 +272,20 @@ def sharpen(model: nn.Module) -> nn.Module:
     return model
 
 
+#: Types whose attention's q/k norm weights are spread away from ones: a norm whose weight is all
+#: ones commutes with RoPE, so its place (before or after the rotation) would not show.
+NORMS_SPREAD = {"hunyuan_v1_dense"}
+
+
+def spread_attention_norms(model: nn.Module) -> None:
+    """Set every 1-D parameter inside an attention (``self_attn``) to values in [0.5, 1.5), seeded."""
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".self_attn." in name and p.dim() == 1 and "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+
+
 def tiny_config(model_type: str, **extra: Any) -> Any:
     """The model type's config class at tiny sizes (only fields the class has)."""
     cls = CONFIG_MAPPING[model_type]
@@ -286,6 +302,8 @@ def _build(model_type: str, spec_override: Any = None) -> tuple[nn.Module, bool]
         warnings.simplefilter("ignore")
         model = build(model_type, tiny_config(model_type, **extra), auto, "eager").eval()
     sharpen(model)
+    if model_type in NORMS_SPREAD:
+        spread_attention_norms(model)
     return model, generator
 
 
@@ -611,3 +629,10 @@ def test_patched_model_fills_hf_cache_as_hf_does(model_type: str) -> None:
             a, b = a.transpose(1, 2)[real], b.transpose(1, 2)[real]
             rel = ((a - b).abs().max() / b.abs().max()).item()
             assert rel <= RTOL, f"layer {i} {kind}: relative difference {rel:.2e}"
+
+
+def test_zoo_catches_qk_norm_before_rope_planted_in_hunyuan_v1_dense(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HunYuan dense described with its q/k RMSNorm before RoPE (it normalises the rotated q and k)."""
+    _planted(monkeypatch, "transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense.HunYuanDenseV1Attention",
+             qk_norm="head")
+    assert compare("hunyuan_v1_dense").startswith("wrong")

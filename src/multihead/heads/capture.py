@@ -287,8 +287,9 @@ class _Recorder:
         if "head_k" not in seen or ("weights" in cap.what and "weights" not in seen):
             raise ValueError(f"layer {name!r} ran without its attend step reporting (heads and weights) on this "
                              "path: nothing to capture")
-        q = seen.get("Q_rot", seen.get("Q_norm", seen["Q_k"]))  # what attention read: after QK-norm and RoPE
-        k = seen.get("K_cache", seen.get("K_rot", seen.get("K_norm", seen["K_k"])))
+        # what attention read: after QK-norm and RoPE, in the layer's order
+        q = seen.get("Q_rot_norm", seen.get("Q_rot", seen.get("Q_norm", seen["Q_k"])))
+        k = seen.get("K_cache", seen.get("K_rot_norm", seen.get("K_rot", seen.get("K_norm", seen["K_k"]))))
         v = seen.get("V_cache", seen["V_k"])
         sel = None if len(info.heads) == info.num_heads else torch.tensor(info.heads, device=q.device)
         for what, t, per_query in (("weights", seen.get("weights"), True), ("heads", seen["head_k"], True),

@@ -60,8 +60,10 @@ is never imported here):
   of config keys that must hold equal values (DeepSeek: ``num_key_value_heads`` and
   ``num_attention_heads``).
 * ``resid_dropout``: a config key of a dropout the module applies after o_proj (Starcoder2).
-* ``qk_norm``: ``"head"`` (RMSNorm ``q_norm``/``k_norm`` over D, Qwen3, Gemma 3) or
-  ``"proj"`` (over the whole projection, OLMo 2); ``norm_offset``: the weight is stored as
+* ``qk_norm``: ``"head"`` (RMSNorm ``q_norm``/``k_norm`` over D, Qwen3, Gemma 3),
+  ``"proj"`` (over the whole projection, OLMo 2) or ``"head_after_rope"`` (over D, of the rotated
+  q and k: HunYuan dense); ``norm_names``: the two norms' submodule names (HunYuan's
+  ``query_layernorm``/``key_layernorm``); ``norm_offset``: the weight is stored as
   ``w - 1`` (Gemma). ``softcap``: the module's ``attn_logit_softcapping`` is applied
   (Gemma 2/3). ``params``: the module's own parameters besides its submodules' (gpt-oss's
   ``sinks``); any other is refused. RoPE scaling (``rope_type`` linear, dynamic, llama3,
@@ -132,6 +134,7 @@ class AttentionSpec:
     rope_on: Callable[[Any, Any], bool] | None = None
     layer_type_attr: str = "layer_type"
     copy_of: str | None = None
+    norm_names: tuple[str, str] = ("q_norm", "k_norm")
 
     @property
     def name(self) -> str:
@@ -146,11 +149,13 @@ _LLAMA_ATTRS = frozenset({"attention_dropout", "config", "head_dim", "is_causal"
 
 def _q_proj(model_type: str, cls: str, *, also: tuple[str, ...] = (), rope: str | None = "half",
             window: str | None = None, extra_attrs: frozenset[str] = frozenset(), call: str = "llama",
-            norm: str | None = None, module: str | None = None, **kw: Any) -> AttentionSpec:
+            norm: str | None = None, module: str | None = None, norm_names: tuple[str, str] = ("q_norm", "k_norm"),
+            **kw: Any) -> AttentionSpec:
     module = module or model_type.replace("-", "_")
-    parts = _LINEARS if norm is None else {**_LINEARS, "q_norm": norm, "k_norm": norm}
+    parts = _LINEARS if norm is None else {**_LINEARS, **dict.fromkeys(norm_names, norm)}
     return AttentionSpec(f"transformers.models.{module}.modeling_{module}.{cls}", (model_type, *also), "q_proj", call,
-                         parts, {"": _LLAMA_ATTRS | extra_attrs}, rope=rope, window=window, **kw)
+                         parts, {"": _LLAMA_ATTRS | extra_attrs}, rope=rope, window=window, norm_names=norm_names,
+                         **kw)
 
 
 _LAYER_TYPED = frozenset({"layer_type", "sliding_window"})
@@ -471,8 +476,21 @@ def _exaone4_rope(module: Any, config: Any) -> bool:
     return module.sliding_window is None or sliding
 
 
+def _check_hunyuan_rope(module: Any, config: Any) -> None:
+    """HunYuan dense: ``rope_type="dynamic"`` with an ``alpha`` is its own NTK-alpha RoPE (θ stretched to
+    ``θ · alpha^(D / (D - 2))``, fixed), not transformers' dynamic NTK scaling that the reader would read."""
+    params = hf_config.rope_parameters(config.to_dict() if hasattr(config, "to_dict") else config, None,
+                                       f"{type(module).__name__} config")
+    if params.get("rope_type", params.get("type")) == "dynamic" and params.get("alpha"):
+        raise ValueError(f"rope_parameters rope_type='dynamic' with alpha={params['alpha']!r} is not supported "
+                         "(HunYuanDenseV1RotaryEmbedding's NTK-alpha RoPE: rope_theta · alpha^(D / (D - 2)), not "
+                         "dynamic NTK scaling)")
+
+
 _WINDOWED = frozenset({"sliding_window"})
-#: Not here, refused by name: HunYuan dense and NanoChat (q/k RMSNorm after RoPE, ours is before).
+#: Not here, refused by name: NanoChat. Its q/k RMSNorm after RoPE has no weight (it commutes with
+#: the rotation), but its rotate_half is cat(x2, -x1), not cat(-x2, x1): each pair turns by -θ,
+#: which no multihead RoPE does (the cache would hold other keys than HF's).
 _EXAONE4_ATTRS = frozenset({"hidden_size", "is_sliding", "num_attention_heads", "num_key_value_heads",
                             "sliding_window", "sliding_window_pattern"})
 _COPIES = [
@@ -573,6 +591,10 @@ _COPIES = [
     # where sliding_window is None or is_sliding (its hybrid models' global layers have none)
     _q_proj("exaone4", "Exaone4Attention", norm="Exaone4RMSNorm", qk_norm="head", window="is_sliding",
             extra_attrs=_EXAONE4_ATTRS, rope_on=_exaone4_rope),
+    # HunYuan dense: Llama's (bias on all four from attention_bias) with per-head RMSNorm over D of
+    # q and k AFTER RoPE (query_layernorm, key_layernorm: Llama's RMSNorm, weight of D)
+    _q_proj("hunyuan_v1_dense", "HunYuanDenseV1Attention", norm="HunYuanDenseV1RMSNorm", qk_norm="head_after_rope",
+            norm_names=("query_layernorm", "key_layernorm"), check=_check_hunyuan_rope),
     # EXAONE 4's attention verbatim (its model's MoE aside)
     _q_proj("exaone_moe", "ExaoneMoeAttention", norm="ExaoneMoeRMSNorm", qk_norm="head", window="is_sliding",
             extra_attrs=_EXAONE4_ATTRS, rope_on=_exaone4_rope),

@@ -112,7 +112,10 @@ def _links(module: nn.Module, family: str) -> list[_Link]:
     else:
         links = [_Link(f"{n}.{p}", f"{n}.{p}") for n in ("q_proj", "k_proj", "v_proj", "o_proj")
                  for p in ("weight", "bias")]
-        links += [_Link(n, n) for n in ("q_norm.weight", "k_norm.weight", "sinks")]  # where the class has them
+        spec = hf_registry.spec_of(module)
+        q_norm, k_norm = spec.norm_names if spec is not None else ("q_norm", "k_norm")
+        links += [_Link("q_norm.weight", f"{q_norm}.weight"), _Link("k_norm.weight", f"{k_norm}.weight"),
+                  _Link("sinks", "sinks")]  # where the class has them
     params = dict(module.named_parameters())
     return [link for link in links if params.get(link.theirs) is not None]
 
@@ -301,10 +304,11 @@ def _q_proj_settings(module: Any, config: Any, state: dict[str, torch.Tensor],
         "dropout": float(module.attention_dropout or 0.0), "window": window, "rope": _rope(module, config, spec),
     }
     if spec.qk_norm is not None:
-        norm = module.q_norm
+        norm = getattr(module, spec.norm_names[0])
         eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
         if eps is None:
-            raise TypeError(f"{spec.name}: q_norm must have variance_epsilon or eps, got {type(norm).__name__}")
+            raise TypeError(f"{spec.name}: {spec.norm_names[0]} must have variance_epsilon or eps, got "
+                            f"{type(norm).__name__}")
         settings.update(qk_norm=spec.qk_norm, norm_offset=spec.norm_offset, norm_eps=float(eps))
     if spec.softcap and module.attn_logit_softcapping is not None:
         settings["softcap"] = float(module.attn_logit_softcapping)

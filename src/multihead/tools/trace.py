@@ -30,6 +30,8 @@ _STEPS: dict[str, tuple[str, str]] = {
     "K_norm": ("QK-norm (per head)", "norm(K_k)"),
     "Q_rot": ("RoPE", "RoPE(Q_k)"),
     "K_rot": ("RoPE", "RoPE(K_k)"),
+    "Q_rot_norm": ("QK-norm after RoPE (per head)", "norm(RoPE(Q_k))"),
+    "K_rot_norm": ("QK-norm after RoPE (per head)", "norm(RoPE(K_k))"),
     "K_cache": ("KV cache", "K (cached)"),
     "V_cache": ("KV cache", "V (cached)"),
     "head_k": ("single-head attention", "head_k"),
