@@ -1,7 +1,8 @@
 """The Python cost of one ``mh.attention`` call at small shapes: ``python benchmarks/call_overhead.py``.
 
-Time per call (1 thread, no grad, warmed up) of torch's ``F.scaled_dot_product_attention`` and
-of ``mh.attention`` with ``backend`` "auto" (the default), "sdpa" and "explicit", at
+Time per call (1 thread unless ``--threads``, no grad, warmed up) of torch's
+``F.scaled_dot_product_attention`` and of ``mh.attention`` with ``backend`` "auto" (the default),
+"sdpa", "native" and "explicit", at
 (B, H, Sq, D) = (1, 12, 16, 32) with 16 keys (a short prefill) and (1, 32, 1, 128) with 512
 keys (a decoding step; 32 K/V heads as in the benchmark suite's call case, and 8: GQA).
 
@@ -48,27 +49,31 @@ def per_call(fn: Callable[[], object], calls: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-#: ``--sweep``: small shapes (q's, k's; causal or not) where "auto" is timed against ``backend="sdpa"``.
-SWEEP = [((1, 12, s, 64), (1, 12, s, 64), causal) for s in (16, 32, 64, 128, 256) for causal in (False, True)] + [
+#: ``--sweep``: small shapes (q's, k's; causal or not) where "auto" and ``backend="native"`` are timed
+#: against ``backend="sdpa"``.
+SWEEP = [((1, 12, s, 32), (1, 12, s, 32), False) for s in (4, 8, 16, 32)] + [
+    ((1, 4, s, 64), (1, 4, s, 64), False) for s in (16, 32, 64)] + [
+    ((1, 12, s, 64), (1, 12, s, 64), causal) for s in (16, 32, 64, 128, 256) for causal in (False, True)] + [
     ((1, 32, 1, 128), (1, hkv, sk, 128), False) for hkv in (32, 8) for sk in (64, 128, 256, 512, 1024)]
 
 
 def sweep(calls: int, repeats: int, rounds: int) -> None:
-    """``mh.attention`` with "auto" against ``backend="sdpa"`` over :data:`SWEEP` (no grad)."""
-    print("auto against backend='sdpa' (median of the rounds' ratios):")
+    """``mh.attention`` with "auto" and "native" against ``backend="sdpa"`` over :data:`SWEEP` (no grad)."""
+    print("auto and native against backend='sdpa' (median of the rounds' ratios):")
     for qs, ks, causal in SWEEP:
         q, k, v = torch.randn(qs), torch.randn(ks), torch.randn(ks)
-        fns = {"auto": functools.partial(mh.attention, q, k, v, causal=causal),
-               "sdpa": functools.partial(mh.attention, q, k, v, causal=causal, backend="sdpa")}
+        fns = {name: functools.partial(mh.attention, q, k, v, causal=causal, backend=name)
+               for name in ("auto", "sdpa", "native")}
         with torch.no_grad():
             found: dict[str, list[float]] = {name: [] for name in fns}
             for _ in range(rounds):
                 for name, fn in fns.items():
                     found[name].append(per_call(fn, calls, repeats))
-        ratio = statistics.median(a / s for a, s in zip(found["auto"], found["sdpa"]))
-        print(f"  q {qs} k {ks} causal={causal!s:5}: {auto.auto_path(q, k, v)!r:16} "
-              f"{statistics.median(found['auto']) * 1e6:9.1f} µs vs {statistics.median(found['sdpa']) * 1e6:9.1f} µs"
-              f"  {ratio:5.2f}×")
+        ratios = {name: statistics.median(a / s for a, s in zip(found[name], found["sdpa"]))
+                  for name in ("auto", "native")}
+        print(f"  q {qs} k {ks} causal={causal!s:5}: auto {auto.auto_path(q, k, v)!r:16} "
+              f"sdpa {statistics.median(found['sdpa']) * 1e6:8.1f} µs; auto {ratios['auto']:5.2f}×, "
+              f"native {ratios['native']:5.2f}×")
 
 
 def main() -> None:
@@ -77,8 +82,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--sweep", action="store_true", help="also time auto against backend='sdpa' on SWEEP")
+    parser.add_argument("--threads", type=int, default=1, help="torch's threads (default 1: the call's own cost)")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     if args.sweep:
         sweep(max(args.calls // 10, 20), args.repeats, args.rounds)
     for label, (qs, ks) in SHAPES.items():
@@ -88,6 +94,7 @@ def main() -> None:
             "F.sdpa": sdpa if qs[1] == ks[1] else functools.partial(sdpa, enable_gqa=True),
             "mh auto": functools.partial(mh.attention, q, k, v),
             "mh sdpa": functools.partial(mh.attention, q, k, v, backend="sdpa"),
+            "mh native": functools.partial(mh.attention, q, k, v, backend="native"),
             "mh explicit": functools.partial(mh.attention, q, k, v, backend="explicit"),
         }
         with torch.no_grad():

@@ -30,7 +30,7 @@ from ._checks import (_broadcastable, check_bool_mask, check_float, check_float_
 from ._call_checks import ATTENTION_HABITS, refuse_unexpected
 from ._memo import remember
 from .backends import auto, resolve_backend
-from .backends.registry import Backend, BackendSpec, get_spec, place_block_mask, place_segments
+from .backends.registry import Backend, BackendSpec, Prepared, get_spec, place_block_mask, place_segments
 from .block_mask import DEFAULT_BLOCK_SIZE, BlockMask, MaskMod
 from .logits import NO_FEATURES, Features
 from .masks import check_cu_seqlens
@@ -178,7 +178,12 @@ def attention(
     if (softcap is None and alibi_slopes is None and sinks is None and cu_seqlens is None and mask_mod is None
             and block_mask is None and bias is None and score_mod is None):
         features = NO_FEATURES  # the common call: nothing to check, its backend remembered
-        fn = _backend_for(name, tensors, q, k, v, dropout_p, return_weights, return_lse)
+        plan = _plan_for(name, tensors, q, k, v, dropout_p, return_weights, return_lse)
+        if plan.fast is not None and mask is None and not check_finite and type(q) is _Tensor:
+            out = plan.fast(q, k, v, scale, bool(causal), window)  # what plan.run would run, made once
+            if out is not None:
+                return out
+        fn = plan.run
     else:
         features = _validate_features(q, k, softcap, alibi_slopes, sinks, return_lse)._replace(
             cu_seqlens=_check_segments(cu_seqlens, q, k), bias=_check_bias(bias, q, k),
@@ -205,55 +210,65 @@ def attention(
 
 class _Plan(NamedTuple):
     """What :func:`attention` runs for a call without logit features or packing, remembered per
-    signature (:func:`_backend_for`): the backend's spec, the function to call, and for
-    ``"auto"`` the rules' decision, whose path is called directly."""
+    signature (:func:`_plan_for`): the backend's spec, the function to call, for ``"auto"`` the
+    rules' decision, whose path is called directly, and where the backend (or auto's path)
+    prepares one (:attr:`~multihead.backends.registry.BackendSpec.prepare`) and the signature asks
+    for no weights, lse, gradient or dropout, the function it made for a call without a mask
+    (``fast``: ``(q, k, v, scale, causal, window) -> out``, or None from it where it does not take
+    the call)."""
 
     spec: BackendSpec
     run: Backend
     decision: auto.Decision | None
+    fast: Prepared | None = None
 
 
-#: At most this many plans are remembered (:func:`_backend_for`); the oldest goes first.
+#: At most this many plans are remembered (:func:`_plan_for`); the oldest goes first.
 PLAN_CACHE_SIZE = 1024
 _plans: dict[tuple[object, ...], _Plan] = {}
 
 
-def _backend_for(name: str, tensors: tuple[object, ...], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 dropout_p: float, return_weights: bool, return_lse: bool) -> Backend:
-    """The backend :func:`multihead.backends.resolve_backend` gives this call (no features),
-    and for ``"auto"`` the path :func:`multihead.backends.auto.decision` picks, remembered per
-    signature: ``name``, ``tensors`` (the shapes, q's dtype and device: :func:`_validate`),
+def _plan_for(name: str, tensors: tuple[object, ...], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              dropout_p: float, return_weights: bool, return_lse: bool) -> _Plan:
+    """The plan for this call (no features): the backend :func:`multihead.backends.resolve_backend`
+    gives it, and for ``"auto"`` the path :func:`multihead.backends.auto.decision` picks, remembered
+    per signature: ``name``, ``tensors`` (the shapes, q's dtype and device: :func:`_validate`),
     whether autograd records on q, k or v, ``dropout_p`` and the two flags; everything the
     capability check and the rules read of the call (:func:`multihead.backends.auto.signature`).
     Reused while the same spec is registered under ``name``, it is ready
     (:attr:`BackendSpec.ready`) and auto's decision :meth:`~multihead.backends.auto.Decision.holds`;
-    otherwise, or while a compiler traces, resolved again (raising as resolve_backend does)."""
+    otherwise, or while a compiler traces, resolved again (raising as resolve_backend does; a plan
+    made while tracing prepares nothing)."""
     if torch.compiler.is_compiling():
-        return _resolve(name, q, k, v, dropout_p, return_weights, return_lse).run
-    key = (name, tensors, torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
-           dropout_p, return_weights, return_lse)
+        return _resolve(name, q, k, v, dropout_p, return_weights, return_lse, prepare=False)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    key = (name, tensors, grad, dropout_p, return_weights, return_lse)
     try:
         plan = _plans.get(key)
     except TypeError:  # an unhashable shape (symbolic sizes outside a compiler)
-        return _resolve(name, q, k, v, dropout_p, return_weights, return_lse).run
+        return _resolve(name, q, k, v, dropout_p, return_weights, return_lse, prepare=False)
     if (plan is not None and get_spec(name) is plan.spec and plan.spec.ready() is None
             and (plan.decision is None or plan.decision.holds())):
-        return plan.run
-    plan = _resolve(name, q, k, v, dropout_p, return_weights, return_lse)
+        return plan
+    plan = _resolve(name, q, k, v, dropout_p, return_weights, return_lse,
+                    prepare=not (grad or dropout_p or return_weights or return_lse))
     remember(_plans, key, plan, PLAN_CACHE_SIZE)
-    return plan.run
+    return plan
 
 
 def _resolve(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
-             return_weights: bool, return_lse: bool) -> _Plan:
-    """:func:`_backend_for`'s plan, made now: the capability check (raising for a missing one)
+             return_weights: bool, return_lse: bool, *, prepare: bool) -> _Plan:
+    """:func:`_plan_for`'s plan, made now: the capability check (raising for a missing one)
     and, for ``"auto"``, its decision; the path it picks is what ``auto_backend`` would run
-    (without packed sequences it only adds the decision)."""
+    (without packed sequences it only adds the decision). ``prepare``: also make the backend's
+    (or the path's) prepared call where it has one (the call asks for nothing it would skip)."""
     fn = resolve_backend(name, q, k, v, dropout_p=dropout_p, return_weights=return_weights, return_lse=return_lse)
+    spec = get_spec(name)
     if fn is not auto.auto_backend:
-        return _Plan(get_spec(name), fn, None)
+        return _Plan(spec, fn, None, spec.prepare(q, k, v) if prepare and spec.prepare is not None else None)
     picked = auto.decision(q, k, v, dropout_p, return_weights, return_lse)
-    return _Plan(get_spec(name), picked.rule.run, picked)
+    rule = picked.rule
+    return _Plan(spec, rule.run, picked, rule.prepare(q, k, v) if prepare and rule.prepare is not None else None)
 
 
 #: The floating dtypes (``dtype.is_floating_point``), for the common call's one look-up.
@@ -266,7 +281,7 @@ def _validate(q: object, k: object, v: object, mask: object, window: object, sca
               dropout_p: object) -> tuple[torch.Tensor | None, float, float, tuple[object, ...]]:
     """Every check of :func:`attention`, once, in order (q, k and v, then mask, window, scale,
     dropout_p): returns the mask as a 4-D view, scale, dropout_p, and (q, k and v's shapes, q's
-    dtype and device) for :func:`_backend_for`.
+    dtype and device) for :func:`_plan_for`.
 
     The common call's tensors (plain CPU tensors of rank 4 and one floating dtype, with sizes
     that agree) pass :func:`_check_tensors` in one expression, which implies all its checks; any

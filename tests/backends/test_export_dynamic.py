@@ -51,8 +51,8 @@ def test_export_with_dynamic_batch_and_padding() -> None:
 
 
 def test_eager_decisions_are_unchanged() -> None:
-    q = torch.randn(1, 12, 16, 32)
-    assert mh.backends.auto.auto_path(q, q, q) == "sdpa"  # sizes are ints: the measured rules decide
+    q = torch.randn(1, 1, 8, 32)
+    assert mh.backends.auto.auto_path(q, q, q) == "sdpa"  # sizes are ints: the measured rules decide (64 scores)
     assert not ops.symbolic(q)
 
 

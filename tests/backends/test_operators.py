@@ -12,6 +12,7 @@ criterion; ``torch.export`` captures prefill with a dynamic sequence length.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -251,20 +252,27 @@ def test_export_with_a_dynamic_sequence_length_runs_at_two_lengths(amd_cpu, padd
 
 
 def _count(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Count the kernel calls (``native.attention.run_kernel``) by path: the operator's body always
-    asks the kernel for the log-sum-exp (the operator returns it), the direct call only when its
-    caller does (these tests' calls never do)."""
+    """Count the kernel calls (``native.attention.run_kernel``, and the prepared plain call
+    ``PlainCall`` where it runs the kernel) by path: the operator's body always asks the kernel for
+    the log-sum-exp (the operator returns it), the direct call only when its caller does (these
+    tests' calls never do)."""
     from multihead.backends.native import attention as loops
 
     calls = {"direct": 0, "operator": 0}
-    real = loops.run_kernel
+    real, real_plain = loops.run_kernel, loops.PlainCall.__call__
 
     def counted(*args: object, **kwargs: object) -> object:
         # run_kernel(name, q, k, v, scale, causal, window, mask, lse, ...)
         calls["operator" if args[8] else "direct"] += 1
         return real(*args, **kwargs)
 
+    def counted_plain(self: loops.PlainCall, *args: Any, **kwargs: Any) -> torch.Tensor | None:
+        out = real_plain(self, *args, **kwargs)
+        calls["direct"] += out is not None
+        return out
+
     monkeypatch.setattr(loops, "run_kernel", counted)
+    monkeypatch.setattr(loops.PlainCall, "__call__", counted_plain)
     return calls
 
 

@@ -50,11 +50,14 @@ def test_native_rules_per_vector_width(monkeypatch, amd_cpu, bits: int) -> None:
     rules read the build's width and the CPU's vendor only, so both are checked on any machine."""
     monkeypatch.setattr(native, "vector_bits", lambda: bits)
     least, decode_least = auto.NATIVE_MIN_SCORES[bits], auto.NATIVE_MIN_DECODE_SCORES[bits]
-    assert (least, decode_least) == {512: (1 << 14, 1 << 11), 256: (1 << 14, 1 << 12)}[bits]
-    s = int(least ** 0.5) // 2  # (1, 4, 4, s, s): exactly `least` scores
+    assert (least, decode_least) == {512: (1 << 8, 1 << 8), 256: (1 << 8, 1 << 8)}[bits]
+    rows = auto.DECODE_ROWS + 1  # (1, 1, 1, rows, keys): more rows than decoding, exactly `least` scores
+    keys = -(-least // rows)
+    assert auto.auto_path(*_qkv(1, 1, 1, rows, keys)) == "native"
+    assert rows * (keys - 1) < least and auto.auto_path(*_qkv(1, 1, 1, rows, keys - 1)) == "sdpa"
+    assert auto.auto_path(*_qkv(1, 1, 1, 8, 8)) == "sdpa"  # 64 scores: below both widths' thresholds
+    s = 64  # (1, 4, 4, 64, 64): 2^14 scores
     assert auto.auto_path(*_qkv(1, 4, 4, s, s)) == "native"
-    assert auto.auto_path(*_qkv(1, 4, 4, s - 1, s)) == ("blocked" if _blocked_fits(s - 1, s) else "sdpa")
-    assert auto.auto_path(*_qkv(1, 4, 4, 8, 8)) == "sdpa"  # 256 scores: below both thresholds
     assert auto.auto_path(*_qkv(1, 4, 4, s, s, d=40)) != "native"  # Dv not a multiple of 16
     assert auto.auto_path(*_qkv(1, 4, 4, s, s, dtype=torch.bfloat16)) == "native"
     assert auto.auto_path(*_qkv(1, 4, 4, s, s, dtype=torch.float64)) == "sdpa"
@@ -113,8 +116,8 @@ def test_native_gradients_per_vector_width(monkeypatch, bits: int) -> None:
 @pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD", ""])
 @pytest.mark.parametrize("bits", [512, 256], ids=["AVX-512", "AVX2"])
 def test_intel_avx512_and_amx_rules(monkeypatch, bits: int, vendor: str, amx: bool, tiles: bool) -> None:
-    """On an Intel CPU with AVX-512 (MKL's own AVX-512 code: measured) a forward takes the native
-    loop from 2^20 scores only, never "blocked"; bfloat16 on a CPU with AMX takes the native loop
+    """On an Intel CPU with AVX-512 (MKL's own AVX-512 code: measured) a forward never takes
+    "blocked" (without the log-sum-exp); bfloat16 on a CPU with AMX takes the native loop
     from 2^21 scores where it runs on the tiles (native.amx()), SDPA below and where it cannot.
     Decoding, logit features and the log-sum-exp keep their native paths. Elsewhere, as before."""
     monkeypatch.setattr(native, "vector_bits", lambda: bits)
@@ -123,23 +126,28 @@ def test_intel_avx512_and_amx_rules(monkeypatch, bits: int, vendor: str, amx: bo
     monkeypatch.setattr(native, "amx", lambda: amx and tiles)
     intel = bits == 512 and vendor == "GenuineIntel"
     assert auto.intel_avx512() is intel
-    least = 1 << 20 if intel else auto.NATIVE_MIN_SCORES[bits]
-    s = int(least ** 0.5) // 2  # (1, 4, 4, s, s): exactly `least` scores
+    s = 64  # (1, 4, 4, s, s): 2^14 scores, above the width's threshold
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         path = auto.auto_path(*_qkv(1, 4, 4, s, s, dtype=dtype))
-        bf16_amx = dtype == torch.bfloat16 and amx and least < auto.AMX_MIN_SCORES
-        assert path == ("sdpa" if bf16_amx else "native"), (dtype, path)
+        assert path == ("sdpa" if dtype == torch.bfloat16 and amx else "native"), (dtype, path)
     half = _qkv(1, 8, 8, 512, 512, dtype=torch.bfloat16)  # 2^21 scores
     assert auto.auto_path(*half) == ("sdpa" if amx and not tiles else "native")
     assert auto.auto_path(*_qkv(1, 8, 8, 511, 512, dtype=torch.bfloat16)) == (
         "sdpa" if amx else "native")
     assert auto.auto_path(half[0].clone().requires_grad_(), *half[1:]) == (
         "sdpa (gradients)" if amx else "native (gradients)")
-    below = auto.auto_path(*_qkv(1, 4, 4, s - 1, s))
-    assert below == ("blocked" if _blocked_fits(s - 1, s) and not intel else "sdpa"), below
+    wide = _qkv(1, 4, 4, 1023, 1024)  # wide enough for "blocked": never on an Intel CPU with AVX-512
+    assert auto.auto_path(*wide) == "native"
+    monkeypatch.setitem(auto.NATIVE_MIN_SCORES, bits, 1 << 22)  # the native loop ruled out by size
+    assert auto.auto_path(*wide) == ("blocked" if _blocked_fits(1023, 1024) and not intel else "sdpa")
+    assert auto.auto_path(*wide, return_lse=True) == ("blocked" if _blocked_fits(1023, 1024) else "explicit (lse)")
+    monkeypatch.undo()
+    monkeypatch.setattr(native, "vector_bits", lambda: bits)
+    monkeypatch.setattr(native, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(native, "amx_bf16", lambda: amx)
+    monkeypatch.setattr(native, "amx", lambda: amx and tiles)
     assert auto.auto_path(*_qkv(1, 4, 4, 512, 512)) == "native"  # 2^20 scores: every threshold
-    assert auto.auto_path(*_qkv(1, 2, 2, 256, 512)) == (  # 2^18 scores
-        "sdpa" if intel else "native")
+    assert auto.auto_path(*_qkv(1, 2, 2, 256, 512)) == "native"  # 2^18 scores
     for dtype in (torch.float32, torch.bfloat16):
         assert auto.auto_path(*_qkv(1, 32, 8, 1, 4096, dtype=dtype)) == "native decode"
     assert auto.auto_path(*_qkv(1, 12, 12, 1024, 1024), softcap=30.0) == "native (features)"
@@ -148,7 +156,7 @@ def test_intel_avx512_and_amx_rules(monkeypatch, bits: int, vendor: str, amx: bo
         == "native (gradients, lse)"
     small = _qkv(1, 4, 4, 64, 64, dtype=torch.bfloat16)  # 2^14 scores: native with the lse, on any vendor
     assert auto.auto_path(*small, return_lse=True) == "native"
-    smaller = _qkv(1, 4, 4, 48, 48, dtype=torch.bfloat16)  # 48 rows per K/V head, 9216 scores: below both widths
+    smaller = _qkv(1, 1, 1, 33, 7, dtype=torch.bfloat16)  # 33 rows per K/V head, 231 scores: below both widths
     assert auto.auto_path(*smaller, return_lse=True) == "explicit (lse)"
 
 
@@ -284,16 +292,18 @@ def test_auto_takes_native_for_features_where_native_runs_without_them(monkeypat
     applies none)."""
     monkeypatch.setattr(native, "vector_bits", lambda: bits)
     least, decode_least = auto.NATIVE_MIN_SCORES[bits], auto.NATIVE_MIN_DECODE_SCORES[bits]
-    s = int(least ** 0.5) // 2  # (1, 4, 4, s, s): exactly `least` scores
-    q = torch.randn(1, 4, s, 16)
-    if "cu_seqlens" in kw:
-        kw = dict(cu_seqlens=torch.tensor([0, 3, s - 5, s]))
-    assert auto.auto_path(q, q, q) == "native"
-    assert auto.auto_path(q, q, q, **kw) == "native (features)"
-    small = q[:, :, : s - 1]
-    assert auto.auto_path(small, small, small) != "native"
-    assert auto.auto_path(small, small, small, **(kw if "cu_seqlens" not in kw else {})) != "native (features)"
-    assert auto.auto_path(q.clone().requires_grad_(), q, q, **kw) != "native (features)"  # the backward can't
+    rows = auto.DECODE_ROWS + 1  # (1, 4, rows, keys): more query rows than the decoding loop takes
+    keys = -(-least // (4 * rows))  # at least `least` scores; one key fewer is below
+    q, kv = torch.randn(1, 4, rows, 16), torch.randn(1, 4, keys, 16)
+    if "cu_seqlens" in kw:  # packed: as many keys as queries
+        kw, kv = dict(cu_seqlens=torch.tensor([0, 3, rows - 5, rows])), q
+    assert auto.auto_path(q, kv, kv) == "native"
+    assert auto.auto_path(q, kv, kv, **kw) == "native (features)"
+    small = kv[:, :, : keys - 1]
+    assert 4 * rows * (keys - 1) < least and auto.auto_path(q, small, small) != "native"
+    if "cu_seqlens" not in kw:
+        assert auto.auto_path(q, small, small, **kw) != "native (features)"
+    assert auto.auto_path(q.clone().requires_grad_(), kv, kv, **kw) != "native (features)"  # the backward can't
     if "cu_seqlens" not in kw:  # few rows: at the decoding loop's threshold, the FlashAttention loop
         rows = torch.randn(1, 4, 1, 16)
         keys = torch.randn(1, 4, decode_least // 4, 16)

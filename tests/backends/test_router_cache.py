@@ -120,15 +120,15 @@ def test_mh_attention_runs_the_backend_the_rules_and_registry_name(monkeypatch: 
                                                 return_lse=lse)
             except ValueError as refused:
                 with pytest.raises(ValueError, match=re.escape(str(refused))):
-                    functional._backend_for(name, (qq.shape, k.shape, v.shape, qq.dtype, qq.device), qq, k, v,
-                                            dropout_p, weights, lse)
+                    functional._plan_for(name, (qq.shape, k.shape, v.shape, qq.dtype, qq.device), qq, k, v,
+                                         dropout_p, weights, lse)
                 continue
             if want is auto.auto_backend:
                 want = next(r.run for r in auto.AUTO_RULES
                             if r.path == _path(qq, k, v, dropout_p, weights, lse))
             for _ in range(2):
-                got = functional._backend_for(name, (qq.shape, k.shape, v.shape, qq.dtype, qq.device), qq, k, v,
-                                              dropout_p, weights, lse)
+                got = functional._plan_for(name, (qq.shape, k.shape, v.shape, qq.dtype, qq.device), qq, k, v,
+                                           dropout_p, weights, lse).run
                 assert got is want, (shape, dtype, name, grad, dropout_p, weights, lse)
 
 
@@ -157,7 +157,7 @@ def test_the_fast_call_gives_the_numbers_of_the_path_it_names(shape, kw) -> None
 def test_each_input_of_the_signature_changes_the_decision_where_the_rules_say(monkeypatch) -> None:
     """The same tensors, one input changed at a time, after the first decision is remembered."""
     _machine(monkeypatch, 256, "AuthenticAMD", False, False)
-    q, k, v = _qkv(1, 12, 12, 16, 16, 32)
+    q, k, v = _qkv(1, 2, 2, 8, 8, 32)  # 128 scores: below the native thresholds
     assert mh.attention(q, k, v) is not None and auto.decision(q, k, v).rule.path == "sdpa"
     leaf = q.clone().requires_grad_()
     assert auto.decision(leaf, k, v).rule.path == "sdpa (gradients)"
@@ -167,7 +167,7 @@ def test_each_input_of_the_signature_changes_the_decision_where_the_rules_say(mo
     assert auto.decision(q, k, v, return_lse=True).rule.path == "explicit (lse)"
     assert auto.decision(q, k, v, return_weights=True).rule.path == "explicit"
     assert auto.decision(q, k, v, features=Features(softcap=5.0)).rule.path == "explicit (softcap)"
-    sinks = torch.zeros(12)
+    sinks = torch.zeros(2)
     assert auto.decision(q, k, v, features=Features(sinks=sinks)).rule.path == "sdpa (bias)"
     with torch.no_grad():
         out = mh.attention(q, k, v, sinks=sinks.requires_grad_())
@@ -218,15 +218,15 @@ def test_the_thread_count_is_not_read_by_the_rules() -> None:
 def test_a_machine_fact_that_changes_is_asked_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """The build's width, the vendor, AMX and this machine's GEMM are asked again (or their
     functions' identity checked) before a remembered decision is reused."""
-    _machine(monkeypatch, 256, "AuthenticAMD", False, False)
-    step = _qkv(1, 8, 8, 1, 256)  # one query row per head, 2^11 scores: the decoding loop at AVX-512 only
-    q, k, v = _qkv(1, 4, 4, 64, 64)  # 2^14 scores: native on AMD, SDPA on an Intel CPU with AVX-512
+    _machine(monkeypatch, 0, "AuthenticAMD", False, False)  # no kernel
+    step = _qkv(1, 8, 8, 1, 256)  # one query row per head, 2^11 scores: the decoding loop where it is built
     assert auto.decision(*step).rule.path == "sdpa"
     monkeypatch.setattr(native, "vector_bits", lambda: 512)
     assert auto.decision(*step).rule.path == "native decode" == auto.auto_path(*step)
-    assert auto.decision(q, k, v).rule.path == "native" == auto.auto_path(q, k, v)
-    monkeypatch.setattr(native, "cpu_vendor", lambda: "GenuineIntel")  # Intel with AVX-512: from 2^20
-    assert auto.decision(q, k, v).rule.path == "sdpa" == auto.auto_path(q, k, v)
+    wide = _qkv(1, 2, 2, 512, 512, 72)  # D = 72: no native loop (not a multiple of 16); "blocked" on AMD
+    assert auto.decision(*wide).rule.path == ("blocked" if gemm.onednn_available() else "sdpa")
+    monkeypatch.setattr(native, "cpu_vendor", lambda: "GenuineIntel")  # Intel with AVX-512: never "blocked"
+    assert auto.decision(*wide).rule.path == "sdpa" == auto.auto_path(*wide)
     half = _qkv(1, 8, 8, 512, 512, dtype=torch.bfloat16)  # 2^21 scores
     assert auto.decision(*half).rule.path == "native"
     monkeypatch.setattr(native, "amx_bf16", lambda: True)
@@ -241,8 +241,8 @@ def test_a_machine_fact_that_changes_is_asked_again(monkeypatch: pytest.MonkeyPa
     with torch.backends.mkldnn.flags(enabled=False):  # this machine's GEMM: torch.matmul now
         assert auto.decision(*long).rule.path == "sdpa" == auto.auto_path(*long)
         with torch.no_grad():
-            assert functional._backend_for("auto", (long[0].shape, long[1].shape, long[2].shape, torch.float32,
-                                                    long[0].device), *long, 0.0, False, False) \
+            assert functional._plan_for("auto", (long[0].shape, long[1].shape, long[2].shape, torch.float32,
+                                                 long[0].device), *long, 0.0, False, False).run \
                 is next(r.run for r in auto.AUTO_RULES if r.path == "sdpa")
     assert auto.decision(*long).rule.path == want
 
@@ -252,7 +252,7 @@ def test_a_small_call_asks_the_machine_nothing_it_need_not(monkeypatch: pytest.M
     kernel), so its remembered decision is reused after checking at most the build's width."""
     asked = []
     monkeypatch.setattr(gemm, "onednn_available", lambda: asked.append("gemm") or True)
-    q, k, v = _qkv(1, 12, 12, 16, 16, 32)
+    q, k, v = _qkv(1, 2, 2, 8, 8, 32)  # 128 scores
     picked = auto.decision(q, k, v)
     assert picked.rule.path == "sdpa" and asked == []
     assert [name for _, name, *_ in picked.asked] in ([], ["vector_bits"])
@@ -260,15 +260,15 @@ def test_a_small_call_asks_the_machine_nothing_it_need_not(monkeypatch: pytest.M
 
 def test_a_changed_table_needs_clear_decisions_and_then_follows(monkeypatch: pytest.MonkeyPatch) -> None:
     _machine(monkeypatch, 256, "AuthenticAMD", False, False)
-    q, k, v = _qkv(1, 4, 4, 48, 48)  # 48 rows per K/V head, 9216 scores: below AVX2's 2^14
+    q, k, v = _qkv(1, 1, 1, 33, 7)  # 33 rows per K/V head, 231 scores: below AVX2's 2^8
     assert mh.attention(q, k, v) is not None and auto.decision(q, k, v).rule.path == "sdpa"
-    monkeypatch.setitem(auto.NATIVE_MIN_SCORES, 256, 1 << 13)
+    monkeypatch.setitem(auto.NATIVE_MIN_SCORES, 256, 1 << 7)
     auto.clear_decisions()
     assert auto.decision(q, k, v).rule.path == "native" == auto.auto_path(q, k, v)
     with torch.no_grad():
-        assert functional._backend_for("auto", (q.shape, k.shape, v.shape, q.dtype, q.device), q, k, v,
-                                       0.0, False, False) is next(r.run for r in auto.AUTO_RULES
-                                                                  if r.path == "native")
+        assert functional._plan_for("auto", (q.shape, k.shape, v.shape, q.dtype, q.device), q, k, v,
+                                    0.0, False, False).run is next(r.run for r in auto.AUTO_RULES
+                                                                   if r.path == "native")
 
 
 def test_a_backend_registered_again_or_no_longer_ready_is_seen(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,7 +18,7 @@ import torch
 
 import multihead as mh
 from multihead import score_mods as sm
-from multihead.backends import auto, registry
+from multihead.backends import auto, native, registry
 from multihead.mask_mods import causal_mask_mod
 
 
@@ -234,7 +234,10 @@ def test_a_backend_without_bias_or_score_mod_refuses_them_by_name(backend: str) 
 def test_auto_routes_a_bias_to_sdpa_or_explicit_and_a_score_mod_to_explicit() -> None:
     q, k, v = qkv(dtype=torch.float32)
     bias = torch.zeros(24, 40)
-    assert auto.auto_path(q, k, v, bias=bias) == "sdpa (additive bias)"
+    native_runs = native.available() and native.vector_bits() in auto.NATIVE_MIN_SCORES
+    assert auto.auto_path(q, k, v, bias=bias) == ("native (features)" if native_runs else "sdpa (additive bias)")
+    tiny = qkv(dtype=torch.float32, sq=4, sk=4)  # 128 scores: below the native loop's threshold
+    assert auto.auto_path(*tiny, bias=torch.zeros(4, 4)) == "sdpa (additive bias)"
     assert auto.auto_path(q.requires_grad_(), k, v, bias=bias) == "sdpa (additive bias)"
     assert auto.auto_path(q, k, v, bias=bias, softcap=5.0) == "explicit (additive bias)"
     assert auto.auto_path(q, k, v, bias=bias, return_lse=True) == "explicit (additive bias)"

@@ -34,7 +34,7 @@ from ..block_mask import BlockMask
 from ..score_mods import lower as lower_score_mod
 from ..logits import NO_FEATURES, Features
 from ..masks import segment_mask
-from .registry import Backend, needs_grad, register_backend
+from .registry import Backend, Prepared, needs_grad, register_backend
 from .sdpa import sdpa_attention
 
 __all__ = ["Call", "Rule", "AUTO_RULES", "AUTO_PATHS", "FACTS", "Decision", "auto_path", "decision", "fresh_decision",
@@ -52,30 +52,29 @@ BLOCKED_MIN_HEAD_DIM = 64
 #: The native loops from this many scores (B·H·Sq·Sk), per vector width of their build
 #: (:func:`native.vector_bits`; a width not listed never takes them: its tiles are not
 #: measured). Below, their fixed cost (the call, an OpenMP region, buffers) exceeds SDPA's.
-#: AVX-512 (2-core AMD EPYC): from 2^14 scores, and 2^11 for decoding (measured when the
-#: kernels were called through ctypes, which cost more per call than the extension module now).
-#: AVX2 (2-core AMD EPYC, Zen 3; ``mh.attention(backend="native")`` against ``backend="sdpa"``,
-#: the best of 5 rounds, 1 and 2 threads, the kernels called through their extension module):
-#: the FlashAttention loop from 2^14 scores (H=12, D=64: S=64 0.89×/0.69× SDPA's time, S=128
-#: 0.86×/0.74×, S=256 0.90×/0.84×; S=32, 2^13: 1.08×/0.77×); at larger S it is ahead with a
-#: causal mask (S=512 1.5×/1.05× the speed, S=1024 1.2×/1.1×) and near parity without one (S=1024
-#: 0.87×/0.9×, S=2048..4096 0.9-1.1×), ahead of "blocked" everywhere (1.2-1.5× at 1 thread); the
-#: rules see shapes, not the mask. Few rows per K/V head (the decoding loop) from 2^12 scores
-#: (32 heads, D=128, 1 query: 128 keys 0.65×/0.63×, 256 keys 0.67×/0.61×; 12 heads, 512 keys
-#: 0.70×/0.82×); below, at (1, 12, 16, 32) with 16 keys (3072 scores), 1.16× at 1 thread.
-NATIVE_MIN_SCORES: dict[int, int] = {512: 1 << 14, 256: 1 << 14}
-NATIVE_MIN_DECODE_SCORES: dict[int, int] = {512: 1 << 11, 256: 1 << 12}
-#: Intel CPUs with AVX-512 (:func:`intel_avx512`): there MKL runs its own AVX-512 code (on AMD
-#: CPUs it runs AVX2 code, against which the AVX-512 threshold above was measured), so a forward
-#: without the log-sum-exp takes the native loop from INTEL_AVX512_MIN_SCORES only, and never
-#: "blocked". Measured (Intel Xeon with AVX-512, AVX512-BF16 and AMX, 2 cores, H=12, D=64,
-#: paired medians of 9, SDPA's time / the native loop's): float32 without a mask 0.81× at S=128,
-#: 0.89× at 256, 0.95-1.00× at 512..4096; causal 1.06× at 128, 1.15× at 256, 1.14-1.63× at
-#: 512..4096; float16 1.03-1.06× without a mask, 1.21-1.66× causal (S=512, 2048); "blocked"
-#: 1.1-1.8× SDPA's time. Decoding stays native (SDPA 1.2-2.8× its time, 128..8192 keys), and so
-#: do logit features (S=256..2048, float32: ALiBi and sinks 1.4-5.2× faster than SDPA with the
-#: float bias, soft-capping 3.8-18× faster than "explicit").
-INTEL_AVX512_MIN_SCORES = 1 << 20
+#: With the plain call prepared once per signature (:func:`multihead.backends.native.ops.prepare`),
+#: ``mh.attention(backend="native")`` against ``backend="sdpa"``, each the whole call, no mask:
+#: AVX2 (2-core AMD EPYC, Zen 3; 1 and 2 threads, best of 21 rounds): less time than SDPA's route
+#: from 2^8 scores on, prefill and decoding alike, at 1 thread 0.61-0.99× (H=12, D=32, S=4..32:
+#: 0.61×, 0.67×, 0.76×, 0.91×, 0.97×; D=64, S=8..32: 0.68×, 0.85×, 0.79×; H=4, D=64, S=16 and 32:
+#: 0.79×, 0.92×; one query, 64 keys: 0.71×) and at 2 threads 0.35-0.63×; at larger S ahead with a
+#: causal mask (S=512 1.5×/1.05× the speed, S=1024 1.2×/1.1×), near parity without one (S=1024
+#: 0.87×/0.9×, S=2048..4096 0.9-1.1×), ahead of "blocked" everywhere.
+#: AVX-512 (2-core Intel Xeon with AVX512-BF16 and AMX; wall-clock medians of 5 paired rounds,
+#: SDPA's time / the native loop's, 1 / 2 threads): float32, H=12, D=64, S=32 0.97×/1.06×
+#: (1.01×/1.10× causal), S=64 1.18×/1.17× (1.33×/1.34×), S=128 1.21×/1.42× (1.50×/1.91×), S=256
+#: 1.18×/1.23× (1.66×/1.85×), S=512 1.17×/1.27× (1.91×/2.27×), S=1024 1.16×/1.19× (1.49×/1.54×);
+#: GQA 32/8, D=128, S=128 1.11×/1.41× (1.48×/1.90×), S=512 1.11×/1.15× (1.90×/1.91×); float16,
+#: S=8..256, 2 threads: 1.22-2.18×; the smallest calls (thread CPU time, 1 thread): H=12, D=32,
+#: S=4, 8, 16: 0.60×, 0.55×, 0.84× SDPA's time; H=4, D=64, S=16: 0.83×; one query, 64 keys, 32
+#: heads: 0.84×, GQA 32/8: 0.45×. (AMD's AVX-512, Zen 4, not measured: taken alike.)
+#: Below 2^8 scores (one head of 8 × 8) SDPA's route stays: the kernel is never loaded for such
+#: a problem.
+NATIVE_MIN_SCORES: dict[int, int] = {512: 1 << 8, 256: 1 << 8}
+NATIVE_MIN_DECODE_SCORES: dict[int, int] = {512: 1 << 8, 256: 1 << 8}
+#: Intel CPUs with AVX-512 (:func:`intel_avx512`): there MKL runs its own AVX-512 code, and
+#: "blocked" takes 1.1-1.8× SDPA's time (H=12, D=64, S=512..4096), so a forward without the
+#: log-sum-exp never takes "blocked" there.
 TORCH_PREFILL_VENDORS = ("GenuineIntel",)
 #: bfloat16 on a CPU with AMX (native.amx_bf16), a forward: the native loop runs on the tiles too
 #: (native.amx(): csrc/attention_amx.cpp) and takes it from AMX_MIN_SCORES; below, and where the
@@ -205,6 +204,9 @@ class Rule:
     applies: Callable[[Call], bool]
     run: Runner
     block_mask: bool = False
+    #: What ``run`` runs for a call signature without mask, feature, lse or gradient, made once
+    #: (:attr:`multihead.backends.registry.BackendSpec.prepare`); None = no such function.
+    prepare: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Prepared] | None = None
 
 
 def _native(decode: bool | None) -> Runner:
@@ -221,6 +223,13 @@ def _native(decode: bool | None) -> Runner:
                               sinks=features.sinks, cu_seqlens=features.cu_seqlens, bias=features.bias)
         return out, None, lse
     return run
+
+
+def _prepared(decode: bool) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Prepared]:
+    """:func:`_native`'s plain call for one signature, made once (:func:`native.ops.prepare`)."""
+    def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
+        return native.ops.prepare(q, k, v, decode)
+    return prepare
 
 
 def _torch_kernel(fn: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]) -> Runner:
@@ -271,7 +280,7 @@ def _widths(least: dict[int, int]) -> str:
 
 def intel_avx512() -> bool:
     """Whether the native kernels are built for AVX-512 on a CPU of :data:`TORCH_PREFILL_VENDORS`
-    (MKL's own AVX-512 code there: see :data:`INTEL_AVX512_MIN_SCORES`)."""
+    (MKL's own AVX-512 code there, where "blocked" loses: the comment above it)."""
     return native.vector_bits() == 512 and native.cpu_vendor() in TORCH_PREFILL_VENDORS
 
 
@@ -287,17 +296,14 @@ def _bf16_on_amx(c: Call) -> bool:
 
 
 def _native_prefill_fits(c: Call) -> bool:
-    """The native FlashAttention loop for a forward: at the width's threshold; on an Intel CPU
-    with AVX-512 from INTEL_AVX512_MIN_SCORES; bfloat16 on a CPU with AMX from AMX_MIN_SCORES
-    where the loop runs on the tiles, never where it cannot; with the log-sum-exp (SDPA returns
-    none) at the width's threshold everywhere."""
+    """The native FlashAttention loop for a forward: at the width's threshold; bfloat16 on a CPU
+    with AMX from AMX_MIN_SCORES where the loop runs on the tiles, never where it cannot; with the
+    log-sum-exp (SDPA returns none) at the width's threshold everywhere."""
     if not c.native_fits(NATIVE_MIN_SCORES):  # first: a small problem never builds the kernel
         return False
-    if c.return_lse:
+    if c.return_lse or not _bf16_on_amx(c):
         return True
-    if _bf16_on_amx(c):
-        return c.scores >= AMX_MIN_SCORES and bool(c.ask("amx"))
-    return not _intel_avx512(c) or c.scores >= INTEL_AVX512_MIN_SCORES
+    return c.scores >= AMX_MIN_SCORES and bool(c.ask("amx"))
 
 
 def _blocked_fits(c: Call) -> bool:
@@ -380,18 +386,18 @@ AUTO_RULES: tuple[Rule, ...] = (
          "and returns it", lambda c: c.differentiable, _backend(explicit_attention)),
     Rule("native decode", f"few query rows per K/V head (Sq·G ≤ {DECODE_ROWS}), from "
          f"{_widths(NATIVE_MIN_DECODE_SCORES)} scores: the native loop that streams K and V once",
-         lambda c: c.few_rows and not c.varlen and c.native_fits(NATIVE_MIN_DECODE_SCORES), _native(decode=True)),
+         lambda c: c.few_rows and not c.varlen and c.native_fits(NATIVE_MIN_DECODE_SCORES), _native(decode=True),
+         prepare=_prepared(decode=True)),
     Rule("decode", f"few query rows per K/V head, GQA, ≥ {DECODE_MIN_KEYS} keys, below the native "
          "decoding threshold (or no native kernel): batched matmuls per K/V head",
          lambda c: c.few_rows and c.q.shape[1] > c.k.shape[1] and c.k.shape[2] >= DECODE_MIN_KEYS,
          _torch_kernel(decode_attention)),
     Rule("native", f"from {_widths(NATIVE_MIN_SCORES)} scores: the native FlashAttention loop (compiled here "
          "for AVX-512 or AVX2; float32, and bfloat16/float16 read as such and computed in float32); without the "
-         f"log-sum-exp, on an Intel CPU with AVX-512 (MKL's own AVX-512 code) from "
-         f"2^{INTEL_AVX512_MIN_SCORES.bit_length() - 1} scores; bfloat16 on a CPU with AMX from "
+         f"log-sum-exp, bfloat16 on a CPU with AMX from "
          f"2^{AMX_MIN_SCORES.bit_length() - 1} scores where the loop runs on its tiles (native.amx()), never where "
          "it cannot (SDPA's products run on them)",
-         _native_prefill_fits, _native(decode=False), block_mask=True),
+         _native_prefill_fits, _native(decode=False), block_mask=True, prepare=_prepared(decode=False)),
     Rule("blocked", f"float32, Sq and Sk ≥ {BLOCKED_MIN_SEQ}, D ≥ {BLOCKED_MIN_HEAD_DIM}, not native (no "
          "kernel, or below its threshold), not on an Intel CPU with AVX-512 unless the log-sum-exp is asked for "
          "(SDPA ahead): the torch-only blocked kernel", _blocked_fits, _torch_kernel(blocked_attention)),

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar, overload
+from typing import Optional, Protocol, TypeVar, overload
 
 import torch
 
@@ -35,8 +35,13 @@ from ..logits import NO_FEATURES, Features
 from ..masks import segment_mask
 
 __all__ = ["Backend", "BackendSpec", "register_backend", "get_backend", "get_spec", "resolve_backend",
-           "available_backends", "missing_capability", "takes_segments", "place_segments", "place_block_mask",
-           "FEATURES"]
+           "available_backends", "missing_capability", "Prepared", "takes_segments", "place_segments",
+           "place_block_mask", "FEATURES"]
+
+
+#: A backend's prepared plain call (:attr:`BackendSpec.prepare`): ``(q, k, v, scale, causal, window)``
+#: -> out, or None where it does not take the call.
+Prepared = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, bool, Optional[int]], Optional[torch.Tensor]]
 
 
 class Backend(Protocol):
@@ -88,6 +93,10 @@ class BackendSpec:
             (``features.block_mask``); others get it as a dense mask (:func:`place_block_mask`).
         bias: adds an additive float bias to the logits (keyword ``bias``).
         score_mod: applies a Python score_mod (keyword ``score_mod``).
+        prepare: for a call signature without mask, logit feature, packing, weights, lse, gradient or
+            dropout, ``prepare(q, k, v)`` makes once what the backend runs for it: a function
+            ``(q, k, v, scale, causal, window) -> out (B, H, Sq, Dv)``, or None from it where it does
+            not take a call (the backend then runs as usual); None = no such function.
     """
 
     name: str
@@ -107,6 +116,8 @@ class BackendSpec:
     block_mask: bool = False
     bias: bool = False
     score_mod: bool = False
+    prepare: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Prepared] | None = field(default=None,
+                                                                                             compare=False)
 
 
 #: The logit features a call may ask for: keyword -> (BackendSpec field, in words).
@@ -131,6 +142,7 @@ def register_backend(name: str, fn: None = None, *, weights: bool = False, lse: 
                      softcap: bool = False, alibi: bool = False, sinks: bool = False,
                      varlen: bool = False, grad_features: frozenset[str] | None = None,
                      block_mask: bool = False, bias: bool = False, score_mod: bool = False,
+                     prepare: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Prepared] | None = None,
                      ) -> Callable[[F], F]: ...
 @overload
 def register_backend(name: str, fn: F, *, weights: bool = False, lse: bool = False,
@@ -139,6 +151,7 @@ def register_backend(name: str, fn: F, *, weights: bool = False, lse: bool = Fal
                      softcap: bool = False, alibi: bool = False, sinks: bool = False,
                      varlen: bool = False, grad_features: frozenset[str] | None = None,
                      block_mask: bool = False, bias: bool = False, score_mod: bool = False,
+                     prepare: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Prepared] | None = None,
                      ) -> F: ...
 def register_backend(name: str, fn: Backend | None = None, *, weights: bool = False, lse: bool = False,
                      grad: bool = False, dropout: bool = False, dtypes: frozenset[torch.dtype] | None = None,
@@ -146,6 +159,7 @@ def register_backend(name: str, fn: Backend | None = None, *, weights: bool = Fa
                      softcap: bool = False, alibi: bool = False, sinks: bool = False,
                      varlen: bool = False, grad_features: frozenset[str] | None = None,
                      block_mask: bool = False, bias: bool = False, score_mod: bool = False,
+                     prepare: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Prepared] | None = None,
                      ) -> Callable[[F], F] | Backend:
     """Register ``fn`` under ``name`` with its capabilities (usable as a decorator).
 
@@ -158,7 +172,7 @@ def register_backend(name: str, fn: Backend | None = None, *, weights: bool = Fa
         _SPECS[name] = BackendSpec(name, f, weights=weights, lse=lse, grad=grad, dropout=dropout,
                                    dtypes=dtypes, devices=devices, ready=ready, softcap=softcap, alibi=alibi,
                                    sinks=sinks, varlen=varlen, grad_features=grad_features,
-                                   block_mask=block_mask, bias=bias, score_mod=score_mod)
+                                   block_mask=block_mask, bias=bias, score_mod=score_mod, prepare=prepare)
         return f
 
     return deco if fn is None else deco(fn)

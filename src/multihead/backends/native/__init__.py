@@ -73,7 +73,7 @@ def _not_ready() -> str | None:
 
 @register_backend("native", lse=True, grad=True, dtypes=DTYPES, devices=frozenset({"cpu"}), ready=_not_ready,
                   softcap=True, alibi=True, sinks=True, varlen=True, grad_features=frozenset(), block_mask=True,
-                  bias=True)
+                  bias=True, prepare=ops.prepare)
 def native_backend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     mask: torch.Tensor | None, causal: bool, window: int | None, scale: float,

@@ -25,7 +25,7 @@ from ._ffi import SUFFIX, kernel, ptr
 from .loader import require
 
 __all__ = ["attention_f32", "check_operator_inputs", "key_panels", "decode_f32", "Logits", "Tiles", "MAX_BLOCK_KEYS",
-           "run_kernel",
+           "run_kernel", "PlainCall",
            "query_tile", "QUERY_TILE", "rows_per_kv_head", "DECODE_ROWS"]
 
 
@@ -365,6 +365,57 @@ def run_kernel(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     if lse is not None:
         return out, lse
     return out
+
+
+class PlainCall:
+    """One call signature's kernel call, made once: a loop (the decoding loop or the FlashAttention
+    loop) for tensors of these shapes and dtype, with no mask, logit feature, lse or gradient, as
+    :func:`run_kernel` would call it; per call only the pointers, strides and output are new.
+
+    Built by :func:`multihead.attention`'s remembered plan for such a signature; the shapes,
+    dtype and device it was built for are the plan's key, checked by the caller's validation.
+    """
+
+    __slots__ = ("_lib", "_fn", "_decode", "_size", "_out_strides", "_dtype", "_shape", "_tail", "_last")
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decode: bool) -> None:
+        """q (B, H, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv): the signature's tensors (any
+        strides); ``decode``: the decoding loop, else the FlashAttention loop."""
+        b, h, sq, d = q.shape
+        _, hkv, sk, dv = v.shape
+        self._lib = require()
+        self._fn = kernel(self._lib, "mh_decode_f32" if decode else "mh_attention_f32", q.dtype)
+        self._decode = decode
+        self._size, self._out_strides = (b, h, sq, dv), (sq * h * dv, dv, h * dv, 1)  # (B, Sq, H, Dv) memory
+        self._dtype = q.dtype
+        self._shape = (b, h, hkv, sq, sk, d, dv)
+        self._tail = (sq * h * dv, dv, h * dv, *_NO_MASK_STRIDES, *_NO_LSE_STRIDES)  # out's strides, no mask/lse
+        # the last call's strides of q, k, v, and the kernel's strides argument for them
+        self._last: tuple[tuple[tuple[int, ...], ...], tuple[int, ...]] = ((), ())
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                 window: int | None) -> torch.Tensor | None:
+        """out (B, H, Sq, Dv) for tensors of the signature (validated by the caller), or None where
+        a last dimension is strided (the general path copies it first) or the kernels were loaded
+        again since (:func:`.loader.loaded`'s cache cleared: another build may run now)."""
+        if loader.library() is not self._lib:
+            return None
+        given = (q.stride(), k.stride(), v.stride())
+        last = self._last
+        if given != last[0]:  # other strides than the last call's: their kernel arguments
+            qs, ks, vs = given
+            if qs[3] != 1 or ks[3] != 1 or vs[3] != 1:
+                return None
+            # one tuple, set at once: a thread never reads another call's strides with its own
+            last = self._last = (given, (qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], *self._tail))
+        strides = last[1]
+        out = torch.empty_strided(self._size, self._out_strides, dtype=self._dtype)
+        extra = () if self._decode else (*_NO_LOGITS, query_tile())
+        code = self._fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), None, None, self._shape, strides,
+                        scale, int(causal), window or 0, *extra, torch.get_num_threads())
+        if code != 0:
+            _refused(code)
+        return out
 
 
 def _checked_bias(bias: object, b: int, h: int, sq: int, sk: int) -> torch.Tensor:

@@ -37,10 +37,11 @@ import torch
 
 from . import attention as loops  # the name `attention` is the operator multihead::attention's here
 from . import loader, step
+from ..registry import Prepared
 from ._ffi import ptr
 
 __all__ = ["attention", "attention_impl", "attention_backward", "decode_step", "direct", "forward", "run",
-           "symbolic"]
+           "symbolic", "prepare"]
 
 Tensor = torch.Tensor
 
@@ -87,6 +88,14 @@ def _check(code: int, what: str) -> None:
         raise RuntimeError(f"the native {what} refused the problem (code {code})")
 
 
+# torch's C state queries of :func:`direct` (torch.jit.is_tracing() is _is_tracing() outside TorchScript),
+# looked up once: direct() is asked on every small call.
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_functorch_level = torch._C._functorch.peek_interpreter_stack
+_jit_tracing = torch._C._is_tracing
+_profiling = torch.autograd._profiler_enabled
+
+
 def direct(*tensors: Tensor | None) -> bool:
     """Whether a call with these tensors may run a kernel's implementation directly rather than
     through its operator (the operator's Python dispatch costs tens of µs a call, a sizeable part
@@ -94,9 +103,8 @@ def direct(*tensors: Tensor | None) -> bool:
     tracing or watching the operators (``torch.compile``, ``torch.export``, a ``TorchDispatchMode``
     such as fake tensors, functorch transforms, ``torch.jit.trace``, the profiler), all of which
     need to see the operator."""
-    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
-            or torch._C._functorch.peek_interpreter_stack() is not None or torch.jit.is_tracing()
-            or torch.autograd._profiler_enabled()):
+    if (torch.compiler.is_compiling() or _dispatch_modes() > 0 or _functorch_level() is not None or _jit_tracing()
+            or _profiling()):
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:
@@ -363,6 +371,24 @@ def _decode_step_fake(x: Tensor, weights: list[Tensor], biases: list[Optional[Te
                       sin: Optional[Tensor], rotary_dim: int, interleaved: bool, cache_k: Tensor, cache_v: Tensor,
                       lengths: Tensor, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> Tensor:
     return x.new_empty(x.shape)
+
+
+def prepare(q: Tensor, k: Tensor, v: Tensor, decode: bool | None = None) -> Prepared:
+    """The native loop for one call signature (these shapes and dtype; no mask, logit feature, lse,
+    gradient or dropout), made once (:class:`.attention.PlainCall`): what :func:`run` would run for
+    such a call, without its per-call choices. ``decode``: the decoding loop, the FlashAttention
+    loop, or None: by the rows per K/V head (:data:`.attention.DECODE_ROWS`). The function it
+    returns gives None (the caller then runs the general path) where :func:`direct` says the
+    operator must be seen (a compiler, a dispatch mode, the profiler) or a last dimension is strided."""
+    if decode is None:
+        decode = loops.rows_per_kv_head(q, k) <= loops.DECODE_ROWS
+    call = loops.PlainCall(q, k, v, decode)
+
+    def run_prepared(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
+                     window: Optional[int]) -> Optional[Tensor]:
+        return call(q, k, v, scale, causal, window) if direct(q, k, v) else None
+
+    return run_prepared
 
 
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool, window: int | None,
