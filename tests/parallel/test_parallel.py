@@ -185,11 +185,12 @@ def test_sharded_cache_decoding_chunks_equals_the_cached_layer_causal_or_not(p: 
 @pytest.mark.parametrize("p", (2, 3, 4))
 def test_low_precision_ring_error_does_not_grow_with_the_world(p: int) -> None:
     """fp32/bf16 ring vs float64, against mh.attention's own error in that dtype (one process):
-    root-mean-square errors of out, dq, dk, dv (the maxima are the final rounding's luck), and
-    the largest forward error."""
+    root-mean-square errors of out, dq, dk, dv within 1.5× (the maxima are the final rounding's
+    luck), and the largest forward error by flash-attention's criterion (2×: the ring's blocks
+    run the native loop, the one-process call SDPA's, each with its own summation order)."""
     for key, per_rank in entries(p, "precision/").items():
         got = per_rank[0]
-        assert got["max_ring"] <= 1.5 * got["max_single"], (key, got)
+        assert got["max_ring"] <= 2 * got["max_single"], (key, got)
         for what, single, ring in zip(("out", "dq", "dk", "dv"), got["single"], got["ring"]):
             assert ring <= 1.5 * single, f"{key} {what} at P={p}: ring {ring:.3g} vs one process {single:.3g} ({got})"
 
