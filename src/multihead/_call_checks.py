@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ._checks import check_bool_mask, check_finite as _check_finite, check_tensor
+from ._memo import derived
 from .cache import KVCache
 from .masks import cu_seqlens_from_positions, key_padding_mask
 from .rope import RoPE, check_positions
@@ -149,7 +150,8 @@ def validate_call(layer: Layer, x: torch.Tensor, context: torch.Tensor | None, m
     cu = None
     if packed:
         assert positions is not None  # checked above
-        cu = cu_seqlens_from_positions(check_positions(positions, x.shape[0], x.shape[1]))
+        # derived once per positions tensor: every layer of a packed model call gets the same one
+        cu = derived(check_positions(positions, x.shape[0], x.shape[1]), "cu_seqlens", cu_seqlens_from_positions)
     return Inputs(real, attn_mask, positions, cu)
 
 

@@ -1,11 +1,16 @@
 """A bounded table of remembered decisions: what ``mh.attention`` (its backend per call
-signature) and ``"auto"`` (its rule per signature) keep between calls."""
+signature) and ``"auto"`` (its rule per signature) keep between calls; and values derived from
+a tensor, remembered while that tensor is unchanged (:func:`derived`: a packed batch's sequence
+bounds, computed once for all the layers of a model call instead of once per layer)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from typing import TypeVar
 
-__all__ = ["remember"]
+import torch
+
+__all__ = ["remember", "derived", "DERIVED_SIZE"]
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -20,4 +25,36 @@ def remember(table: dict[K, V], key: K, value: V, limit: int) -> V:
         except (KeyError, RuntimeError, StopIteration):  # another thread took it first
             pass
     table[key] = value
+    return value
+
+
+#: At most this many derived values are remembered (:func:`derived`); the oldest goes first.
+DERIVED_SIZE = 8
+#: (source, its version, what) -> (the source, its version, the value, the value's version)
+_derived: dict[tuple[int, int, Hashable], tuple[torch.Tensor, int, torch.Tensor, int]] = {}
+
+
+def derived(source: torch.Tensor, what: Hashable, make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``make(source)``, remembered for this very tensor while neither it nor the value changed.
+
+    A tensor's version counter moves with every in-place change, so the same tensor object at the
+    same version holds the same values; the entry keeps the source alive, so its ``id`` cannot be
+    taken by another tensor meanwhile. Nothing is remembered while a compiler traces, or for
+    inference tensors (their in-place changes are not counted); a change through ``.data`` is not
+    counted either: don't mutate a tensor that way between two calls that read it.
+
+    Args:
+        source: the tensor the value is derived from.
+        what: which value of it (e.g. ``("bounds", S)``).
+        make: computes the value from ``source``; it must not change ``source``.
+    """
+    if torch.compiler.is_compiling() or source.is_inference():
+        return make(source)
+    key = (id(source), source._version, what)
+    found = _derived.get(key)
+    if found is not None and found[0] is source and found[2]._version == found[3]:
+        return found[2]
+    value = make(source)
+    if not value.is_inference():
+        remember(_derived, key, (source, source._version, value, value._version), DERIVED_SIZE)
     return value
