@@ -313,8 +313,8 @@ def cu_seqlens_from_positions(positions: torch.Tensor) -> torch.Tensor:
     if pos.device.type == "cpu" and s <= HOST_BOUNDS_MAX and not torch.compiler.is_compiling():
         rows = []
         for row in pos.tolist():
-            firsts = [i for i in range(s) if i == 0 or row[i] != row[i - 1] + 1]
-            rows.append(firsts + [s] * (s + 1 - len(firsts)))
+            begins = [i for i in range(s) if i == 0 or row[i] != row[i - 1] + 1]
+            rows.append(begins + [s] * (s + 1 - len(begins)))
         return torch.tensor(rows, dtype=torch.int64)
     starts = torch.ones_like(pos, dtype=torch.bool)
     starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
