@@ -124,10 +124,10 @@ def test_qk_norm_families_are_refused_by_name(model_type: str, cls: str) -> None
     assert cls in _refused(model_type)
 
 
-def test_hunyuan_ntk_alpha_rope_is_refused_naming_it() -> None:
-    """HunYuan dense's own 'dynamic' RoPE with an alpha (θ · alpha^(D/(D-2))) is not transformers' dynamic NTK."""
-    params = {"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0, "factor": 1.0}
-    assert "alpha=1000.0" in _refused("hunyuan_v1_dense", head_dim=16, rope_parameters=params)
+def test_hunyuan_ntk_alpha_rope_with_a_bad_alpha_is_refused_naming_it() -> None:
+    """HunYuan dense's own 'dynamic' RoPE with an alpha (θ · alpha^(D/(D-2))) is read; a bad alpha is refused."""
+    params = {"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": -2.0, "factor": 1.0}
+    assert "alpha=-2.0" in _refused("hunyuan_v1_dense", head_dim=16, rope_parameters=params)
 
 
 # ---- 6-8. extra computation, relative positions, not plain softmax attention -------------------------

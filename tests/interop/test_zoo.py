@@ -228,7 +228,9 @@ ZOO: dict[str, tuple[dict[str, Any], bool]] = {
     "decision_transformer": ({"state_dim": 5, "act_dim": 3, "max_ep_len": 16, "use_cache": False}, False),
     "glm4_moe_lite": ({**DEEPSEEK, "rope_interleave": True, "n_shared_experts": 1}, True),
     # q/k RMSNorm over D after RoPE (qk_norm="head_after_rope"), biases on all four projections
-    "hunyuan_v1_dense": ({"head_dim": 16, "attention_bias": True}, True),
+    # and its checkpoints' NTK-alpha RoPE (rope_type "dynamic" with an alpha: a fixed, stretched base)
+    "hunyuan_v1_dense": ({"head_dim": 16, "attention_bias": True, "rope_parameters": {
+        "rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 50.0, "factor": 1.0}}, True),
     "youtu": ({**DEEPSEEK, "rope_interleave": True}, True),
 }
 #: Encoder-decoders: built for generation (``AutoModelForSeq2SeqLM``, Whisper's speech class),
@@ -635,4 +637,11 @@ def test_zoo_catches_qk_norm_before_rope_planted_in_hunyuan_v1_dense(monkeypatch
     """HunYuan dense described with its q/k RMSNorm before RoPE (it normalises the rotated q and k)."""
     _planted(monkeypatch, "transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense.HunYuanDenseV1Attention",
              qk_norm="head")
+    assert compare("hunyuan_v1_dense").startswith("wrong")
+
+
+def test_zoo_catches_the_ntk_alpha_base_ignored_in_hunyuan_v1_dense(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HunYuan dense described without its NTK-alpha base (the config's RoPE read as dynamic NTK instead)."""
+    _planted(monkeypatch, "transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense.HunYuanDenseV1Attention",
+             rope_theta=None)
     assert compare("hunyuan_v1_dense").startswith("wrong")

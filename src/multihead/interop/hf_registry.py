@@ -63,7 +63,9 @@ is never imported here):
 * ``qk_norm``: ``"head"`` (RMSNorm ``q_norm``/``k_norm`` over D, Qwen3, Gemma 3),
   ``"proj"`` (over the whole projection, OLMo 2) or ``"head_after_rope"`` (over D, of the rotated
   q and k: HunYuan dense); ``norm_names``: the two norms' submodule names (HunYuan's
-  ``query_layernorm``/``key_layernorm``); ``norm_offset``: the weight is stored as
+  ``query_layernorm``/``key_layernorm``); ``rope_theta``: ``(module, config) -> θ or None``, a
+  RoPE base the class computes itself in place of the config's RoPE (HunYuan's NTK-alpha),
+  None where it reads the config as usual; ``norm_offset``: the weight is stored as
   ``w - 1`` (Gemma). ``softcap``: the module's ``attn_logit_softcapping`` is applied
   (Gemma 2/3). ``params``: the module's own parameters besides its submodules' (gpt-oss's
   ``sinks``); any other is refused. RoPE scaling (``rope_type`` linear, dynamic, llama3,
@@ -135,6 +137,7 @@ class AttentionSpec:
     layer_type_attr: str = "layer_type"
     copy_of: str | None = None
     norm_names: tuple[str, str] = ("q_norm", "k_norm")
+    rope_theta: Callable[[Any, Any], float | None] | None = None
 
     @property
     def name(self) -> str:
@@ -476,15 +479,20 @@ def _exaone4_rope(module: Any, config: Any) -> bool:
     return module.sliding_window is None or sliding
 
 
-def _check_hunyuan_rope(module: Any, config: Any) -> None:
-    """HunYuan dense: ``rope_type="dynamic"`` with an ``alpha`` is its own NTK-alpha RoPE (θ stretched to
-    ``θ · alpha^(D / (D - 2))``, fixed), not transformers' dynamic NTK scaling that the reader would read."""
+def _hunyuan_rope_theta(module: Any, config: Any) -> float | None:
+    """HunYuan dense: ``rope_type="dynamic"`` with an ``alpha`` is its own NTK-alpha RoPE, a fixed base
+    ``rope_theta · alpha^(D / (D - 2))`` (HunYuanDenseV1RotaryEmbedding.compute_ntk_alpha_rope_parameters),
+    not transformers' dynamic NTK scaling; None for any other RoPE (read from the config as usual)."""
     params = hf_config.rope_parameters(config.to_dict() if hasattr(config, "to_dict") else config, None,
                                        f"{type(module).__name__} config")
-    if params.get("rope_type", params.get("type")) == "dynamic" and params.get("alpha"):
-        raise ValueError(f"rope_parameters rope_type='dynamic' with alpha={params['alpha']!r} is not supported "
-                         "(HunYuanDenseV1RotaryEmbedding's NTK-alpha RoPE: rope_theta · alpha^(D / (D - 2)), not "
-                         "dynamic NTK scaling)")
+    alpha = params.get("alpha")
+    if params.get("rope_type", params.get("type")) != "dynamic" or not alpha:
+        return None
+    d = int(module.head_dim)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0 or d <= 2:
+        raise ValueError(f"rope_parameters alpha must be a positive number with head_dim > 2, got alpha={alpha!r}, "
+                         f"head_dim={d}")
+    return float(params.get("rope_theta", hf_config.DEFAULT_ROPE_BASE)) * float(alpha) ** (d / (d - 2))
 
 
 _WINDOWED = frozenset({"sliding_window"})
@@ -594,7 +602,7 @@ _COPIES = [
     # HunYuan dense: Llama's (bias on all four from attention_bias) with per-head RMSNorm over D of
     # q and k AFTER RoPE (query_layernorm, key_layernorm: Llama's RMSNorm, weight of D)
     _q_proj("hunyuan_v1_dense", "HunYuanDenseV1Attention", norm="HunYuanDenseV1RMSNorm", qk_norm="head_after_rope",
-            norm_names=("query_layernorm", "key_layernorm"), check=_check_hunyuan_rope),
+            norm_names=("query_layernorm", "key_layernorm"), rope_theta=_hunyuan_rope_theta),
     # EXAONE 4's attention verbatim (its model's MoE aside)
     _q_proj("exaone_moe", "ExaoneMoeAttention", norm="ExaoneMoeRMSNorm", qk_norm="head", window="is_sliding",
             extra_attrs=_EXAONE4_ATTRS, rope_on=_exaone4_rope),
@@ -729,7 +737,7 @@ def why_not(module: nn.Module, config: Any | None = None) -> str | None:
         got = hf_config.field(config, key) if config is not None else None
         if got != want:
             return f"{spec.name} with config.{key}={got!r} is not supported (only {want!r})"
-    for rule in (spec.check, spec.rope_on):
+    for rule in (spec.check, spec.rope_on, spec.rope_theta):
         if rule is None:
             continue
         try:

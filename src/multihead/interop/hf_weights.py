@@ -321,8 +321,12 @@ def _rope(module: Any, config: Any, spec: hf_registry.AttentionSpec) -> RoPE | N
     if spec.rope is None or (spec.rope_on is not None and not spec.rope_on(module, config)):
         return None  # no position encoding in this class, or in this layer (SmolLM3's no-RoPE layers)
     src = f"{spec.name} config"
-    base, scaling, factor = hf_config.module_rope(config, _layer_type(module, config, spec), src,
-                                                  partial=spec.partial_rotary)
+    theta = spec.rope_theta(module, config) if spec.rope_theta is not None else None
+    if theta is not None:  # a base the class computes itself, unscaled (HunYuan's NTK-alpha)
+        base, scaling, factor = theta, None, 1.0
+    else:
+        base, scaling, factor = hf_config.module_rope(config, _layer_type(module, config, spec), src,
+                                                      partial=spec.partial_rotary)
     head_dim = int(module.head_dim)
     return RoPE.from_facts(head_dim, base, interleaved=spec.rope == "interleaved", rotary_dim=int(head_dim * factor),
                            max_positions=hf_config.module_max_positions(config), scaling=scaling)
