@@ -14,9 +14,8 @@ import torch
 from torch import nn
 
 from ._checks import check_bool_mask, check_finite as _check_finite, check_tensor
-from ._memo import derived
 from .cache import KVCache
-from .masks import cu_seqlens_from_positions, key_padding_mask
+from .masks import key_padding_mask, packed_cu_seqlens
 from .rope import RoPE, check_positions
 
 __all__ = ["validate_call", "Inputs", "refuse_unexpected", "refuse_positional", "ATTENTION_HABITS",
@@ -150,8 +149,7 @@ def validate_call(layer: Layer, x: torch.Tensor, context: torch.Tensor | None, m
     cu = None
     if packed:
         assert positions is not None  # checked above
-        # derived once per positions tensor: every layer of a packed model call gets the same one
-        cu = derived(check_positions(positions, x.shape[0], x.shape[1]), "cu_seqlens", cu_seqlens_from_positions)
+        cu = packed_cu_seqlens(check_positions(positions, x.shape[0], x.shape[1]))  # once per positions tensor
     return Inputs(real, attn_mask, positions, cu)
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ._checks import check_int, check_tensor
+from ._memo import derived
 
 __all__ = [
     "Structure",
@@ -40,6 +41,8 @@ __all__ = [
     "segment_mask",
     "check_cu_seqlens",
     "segment_bounds",
+    "packed_cu_seqlens",
+    "packed_bounds",
     "cu_seqlens_from_positions",
     "segments_from_positions",
 ]
@@ -321,6 +324,26 @@ def cu_seqlens_from_positions(positions: torch.Tensor) -> torch.Tensor:
     index = torch.arange(s, device=pos.device).expand(b, s)
     firsts = torch.where(starts, index, s).sort(dim=1).values  # (B, S): each row's starts, then S
     return torch.cat((firsts, torch.full((b, 1), s, dtype=firsts.dtype, device=pos.device)), dim=1)
+
+
+def packed_cu_seqlens(positions: torch.Tensor) -> torch.Tensor:
+    """:func:`cu_seqlens_from_positions`, made once per positions tensor while it is unchanged
+    (:func:`multihead._memo.derived`): every layer of a packed model call reads the same one."""
+    return derived(positions, "cu_seqlens", cu_seqlens_from_positions)
+
+
+def packed_bounds(cu_seqlens: object, seq: int, batch: int | None = None) -> torch.Tensor:
+    """:func:`segment_bounds` (B|1, 2, S), after :func:`check_cu_seqlens` where ``batch`` is
+    given, each made once per ``cu_seqlens`` tensor while it is unchanged: the native kernel's
+    packed sequences, read back to the host and checked once per model call, not once per layer.
+
+    Raises:
+        TypeError, ValueError: see :func:`check_cu_seqlens`.
+    """
+    cu = check_tensor("cu_seqlens", cu_seqlens)
+    if batch is not None:
+        derived(cu, ("checked", seq, batch), lambda c: check_cu_seqlens(c, seq, batch=batch))
+    return derived(cu, ("bounds", seq), lambda c: segment_bounds(c, seq))
 
 
 def segments_from_positions(positions: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..masks import packed_bounds, packed_cu_seqlens
 from .hf_patch import PatchedAttention
 
 __all__ = ["pack_padding", "packable", "PackedPadding", "ENCODER_CLASSES"]
@@ -85,6 +86,9 @@ class PackedPadding:
             raise ValueError("pack_padding: a layer is watched (multihead.trace or multihead.heads.capture), whose "
                              "records would be packed rows; call handle.remove() first")
         positions = (real.cumsum(dim=1) - 1)[real].unsqueeze(0)  # (1, N): 0.. per text, restarting at each
+        # the packed structure, made once per model call as Hugging Face makes its mask once (every
+        # layer then finds it: multihead._memo.derived)
+        packed_bounds(packed_cu_seqlens(positions), positions.shape[1], 1)
         for wrapper in self.wrappers:
             wrapper.packing = positions
         self.shape, self.real = tuple(x.shape), real  # type: ignore[assignment]

@@ -19,8 +19,7 @@ from typing import NamedTuple
 import torch
 
 from ..._checks import check_float, check_int, check_tensor
-from ..._memo import derived
-from ...masks import check_cu_seqlens, segment_bounds
+from ...masks import packed_bounds
 from . import loader
 from ._ffi import SUFFIX, kernel, ptr
 from .loader import require
@@ -200,8 +199,7 @@ class Logits(NamedTuple):
         outlive the call (kept by the caller)."""
         slopes, sinks = (None if t is None else t.detach().float().contiguous()
                          for t in (self.alibi_slopes, self.sinks))
-        seg = None if self.cu_seqlens is None else derived(  # (B|1, 2, S), once per cu_seqlens tensor
-            self.cu_seqlens, ("bounds", seq), lambda cu: segment_bounds(cu, seq))
+        seg = None if self.cu_seqlens is None else packed_bounds(self.cu_seqlens, seq)  # (B|1, 2, S)
         seg_bs = 0 if seg is None or seg.shape[0] == 1 else seg.stride(0)
         tiles = self.tiles
         tile_args: tuple[object, ...] = (None, (), None) if tiles is None else tiles.arguments()
@@ -293,9 +291,7 @@ def _check_logits(q: object, k: object, softcap: object, alibi_slopes: object, s
     if cu_seqlens is not None:
         if q.shape[2] != k.shape[2]:
             raise ValueError(f"cu_seqlens needs Sq == Sk, got Sq={q.shape[2]}, Sk={k.shape[2]}")
-        seq, batch = q.shape[2], q.shape[0]  # checked once per cu_seqlens tensor (one read back to the host)
-        derived(check_tensor("cu_seqlens", cu_seqlens), ("checked", seq, batch),
-                lambda cu: check_cu_seqlens(cu, seq, batch=batch))
+        packed_bounds(cu_seqlens, q.shape[2], q.shape[0])  # checked once per cu_seqlens tensor (read on the host)
 
 
 #: The FlashAttention loop's features when none is given: softcap, slopes, sinks, segments, their
