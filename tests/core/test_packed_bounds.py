@@ -1,6 +1,6 @@
-"""Packed sequences' bounds, worked out once: the host path of small CPU tensors equals the torch
-path (hypothesis), and :func:`multihead._memo.derived` reuses a value only while its tensor is
-unchanged.
+"""Packed sequences' bounds, worked out once: the host path of small CPU positions equals the
+torch path, the bounds equal their definition written out (hypothesis), and
+:func:`multihead._memo.derived` reuses a value only while its tensor is unchanged.
 
 Notation: B batch, S tokens, N packed sequences.
 """
@@ -29,6 +29,16 @@ def packings(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor, int]:
     return positions, cu, s
 
 
+def _bounds_written_out(cu: torch.Tensor, s: int) -> torch.Tensor:
+    """(B|1, 2, S): token t lies in sequence n, the last with cu[n] <= t (empty ones hold none)."""
+    rows = cu.reshape(-1, cu.shape[-1]).tolist()
+    out = []
+    for row in rows:
+        n = [max(i for i in range(len(row) - 1) if row[i] <= t) for t in range(s)]
+        out.append([[row[i] for i in n], [row[i + 1] for i in n]])
+    return torch.tensor(out, dtype=torch.int64)
+
+
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(packings())
 def test_the_host_path_equals_the_torch_path(case: tuple[torch.Tensor, torch.Tensor, int]) -> None:
@@ -37,7 +47,7 @@ def test_the_host_path_equals_the_torch_path(case: tuple[torch.Tensor, torch.Ten
     limit = masks.HOST_BOUNDS_MAX
     try:
         masks.HOST_BOUNDS_MAX = -1  # every size on the torch path
-        device = masks.cu_seqlens_from_positions(positions), masks.segment_bounds(cu, s)
+        device = masks.cu_seqlens_from_positions(positions), _bounds_written_out(cu, s)
     finally:
         masks.HOST_BOUNDS_MAX = limit
     for a, b in zip(host, device):
@@ -78,8 +88,11 @@ def test_derived_remembers_nothing_for_inference_tensors_and_is_bounded() -> Non
 
 @pytest.mark.parametrize("seq", [masks.HOST_BOUNDS_MAX, masks.HOST_BOUNDS_MAX + 1])
 def test_both_paths_take_long_packings(seq: int) -> None:
-    """At the host path's limit and just past it (the torch path): one long packing, the same bounds."""
+    """At the host path's limit and just past it (the torch path): one long packing, its cumulative
+    lengths from positions and its bounds."""
     cu = torch.tensor([0, 3, 3, seq // 2, seq])
+    positions = torch.cat([torch.arange(3), torch.arange(seq // 2 - 3), torch.arange(seq - seq // 2)])
+    assert masks.cu_seqlens_from_positions(positions)[0, :4].tolist() == [0, 3, seq // 2, seq]
     bounds = masks.segment_bounds(cu, seq)
     assert bounds.shape == (1, 2, seq)
     assert bounds[0, :, 0].tolist() == [0, 3] and bounds[0, :, 3].tolist() == [3, seq // 2]
