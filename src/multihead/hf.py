@@ -10,10 +10,11 @@ from typing import Any
 
 from .interop.hf_kernel import NAME, attention_forward, bool_mask, register
 from .interop.hf_packing import PackedPadding, pack_padding, packable
-from .interop.hf_patch import PatchedAttention, is_patched, patch, unpatch
+from .interop.hf_patch import PatchedAttention, Route, is_patched, patch, routes, unpatch
 
-__all__ = ["patch", "unpatch", "is_patched", "register", "attention_forward", "bool_mask", "PatchedAttention",
-           "pack_padding", "packable", "PackedPadding", "NAME", "KVCacheAdapter"]  # noqa: F822 - KVCacheAdapter: module __getattr__ (imports transformers)
+__all__ = ["patch", "unpatch", "is_patched", "routes", "Route", "register", "attention_forward", "bool_mask",
+           "PatchedAttention", "pack_padding", "packable", "PackedPadding", "NAME",
+           "KVCacheAdapter"]  # noqa: F822 - KVCacheAdapter: module __getattr__ (imports transformers)
 
 
 def __getattr__(name: str) -> Any:

@@ -37,7 +37,7 @@ def test_phimoe_with_scaled_rope_is_refused_naming_rope_type() -> None:
         "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
         "short_mscale": 1.2, "long_mscale": 1.3, "original_max_position_embeddings": 32})
     with pytest.raises(ValueError, match="rope_type='longrope' is not supported"):
-        mh.hf.patch(model)
+        mh.hf.patch(model, kernel=False)  # the kernel route takes it: test_kernel_zoo.py
 
 
 def test_smollm3_use_rope_other_than_0_or_1_is_refused_naming_it() -> None:
@@ -59,14 +59,14 @@ def test_olmo3_reads_each_layers_rope_by_its_attention_type() -> None:
 ])
 def test_near_copies_not_described_are_refused_by_name(model_type: str, cls: str) -> None:
     with pytest.raises(ValueError, match=f"{cls} is not a supported attention class"):
-        mh.hf.patch(_meta_model(model_type, head_dim=16))
+        mh.hf.patch(_meta_model(model_type, head_dim=16), kernel=False)
 
 
 @pytest.mark.parametrize("model_type", ["phi", "stablelm", "persimmon"])
 def test_qk_layernorm_is_refused_naming_it(model_type: str) -> None:
     """Phi's, StableLM's and Persimmon's optional per-head LayerNorm on q and k is not described."""
     with pytest.raises(ValueError, match="q_layernorm"):  # its submodules, named
-        mh.hf.patch(_meta_model(model_type, qk_layernorm=True))
+        mh.hf.patch(_meta_model(model_type, qk_layernorm=True), kernel=False)
 
 
 @pytest.mark.parametrize("model_type", ["phi", "stablelm", "glm"])
@@ -75,7 +75,7 @@ def test_an_odd_rotary_width_is_refused_naming_the_factor(model_type: str) -> No
     params = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5625}
     model = _meta_model(model_type, head_dim=16, rope_parameters=params)
     with pytest.raises(ValueError, match="partial_rotary_factor=0.5625 rotates 9 of 16 dims"):
-        mh.hf.patch(model)
+        mh.hf.patch(model, kernel=False)
 
 
 # ---- hf_copies.COPIES: each class's source is its original's, but for the lines its entry names ----
@@ -137,7 +137,7 @@ def test_glm4_moe_qk_norm_is_refused_naming_it() -> None:
     """GLM-4 MoE's optional per-head q/k RMSNorm (use_qk_norm) is not described."""
     with pytest.raises(ValueError, match="q_norm"):
         mh.hf.patch(_meta_model("glm4_moe", head_dim=16, use_qk_norm=True, n_routed_experts=4, num_experts_per_tok=2,
-                                n_group=1, topk_group=1))
+                                n_group=1, topk_group=1), kernel=False)
 
 
 def test_modernbert_out_drop_is_dropout_or_identity_and_nothing_else() -> None:

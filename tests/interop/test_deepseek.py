@@ -158,7 +158,7 @@ def test_unequal_key_value_heads_are_refused_by_name() -> None:
     config = _config("deepseek_v3")
     config.num_key_value_heads = 2
     with pytest.raises(ValueError, match=r"num_key_value_heads=2 != config.num_attention_heads=4"):
-        mh.hf.patch(_model(config))
+        mh.hf.patch(_model(config), kernel=False)  # the wrapper's description: the kernel route is HF's module
 
 
 def test_an_attribute_the_description_lacks_is_refused() -> None:
@@ -166,7 +166,7 @@ def test_an_attribute_the_description_lacks_is_refused() -> None:
     model.model.layers[1].self_attn.softcap = 30.0
     with pytest.raises(ValueError, match=r"layers.1.self_attn .*attributes its description does not cover: "
                                          r"\['softcap'\]"):
-        mh.hf.patch(model)
+        mh.hf.patch(model, kernel=False)
 
 
 def test_both_query_paths_present_is_refused() -> None:
@@ -174,7 +174,7 @@ def test_both_query_paths_present_is_refused() -> None:
     attn = model.model.layers[0].self_attn
     attn.q_proj = nn.Linear(64, 4 * 20, bias=False)  # beside q_a_proj / q_b_proj
     with pytest.raises(ValueError, match="submodules its description does not account for: q_a_layernorm"):
-        mh.hf.patch(model)
+        mh.hf.patch(model, kernel=False)
 
 
 def test_plain_converter_points_to_the_latent_layer() -> None:

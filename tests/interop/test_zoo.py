@@ -2,11 +2,13 @@
 
 Two passes, because patching decides by class (``hf_registry.REGISTRY``):
 
-* **every model type** (822 in transformers 5.24): its modeling module is imported and the
-  registered attention classes it holds are listed. A type holding none is refused by
-  construction (``patch`` only wraps registered classes); a type holding one must be in
-  ``ZOO`` below, so that it is compared. Types whose modeling module does not import are
-  counted and listed.
+* **every model type** (822 in transformers 5.24): its modeling module is imported and, where
+  it could hold a registered class or a module that dispatches through transformers'
+  ``AttentionInterface``, its model is built on ``meta`` and patched: each type's routes
+  (``"wrapper"``, ``"kernel"``, both), ``"refused"``, ``"no attention"`` or ``"unbuildable"``.
+  A type holding a registered class must be in ``ZOO`` below, so that it is compared; the
+  kernel route's types are compared in test_kernel_zoo.py; the HF guide's counts are these.
+  Types whose modeling module does not import are counted and listed.
 * **every accepted type** (``ZOO``): built from a tiny config (E=64, H=4, Hkv=2 where the
   class has GQA, 2 layers, windows shrunk to 6 with 9 tokens, every 2-D weight ×4 so that
   attention is far from uniform), run on a right-padded and a left-padded batch, patched,
@@ -21,7 +23,7 @@ plant each family's own rule wrong (a RoPE pairing, a no-RoPE layer, a window, a
 ``test_patched_model_fills_hf_cache_as_hf_does``: for every decoder, the prompt's keys and values
 the patched model writes into HF's cache equal those HF writes.
 
-Runtime: about 4 minutes on 2 shared cores (85 s of it building every model type on meta).
+Runtime: about 4 minutes on 2 shared cores (75 s of it building every model type on meta).
 """
 
 from __future__ import annotations
@@ -409,7 +411,7 @@ def compare(model_type: str) -> str:
     batches = [_inputs(model_type, side) for side in ("right", "left")]
     wants = [_outs(model, inputs) for inputs in batches]
     tokens = _generate(model, model_type, batches[0]) if generator else None
-    mh.hf.patch(model)
+    mh.hf.patch(model, kernel=False)  # the registered wrappers only (the kernel route: test_kernel_zoo.py)
     for side, inputs, want in zip(("right", "left"), batches, wants):
         for (got, _), (out, real) in zip(_outs(model, inputs), want):
             rel = ((got[real] - out[real]).abs().max() / out[real].abs().max()).item()
@@ -467,7 +469,8 @@ def _may_hold_registered(modules: list[Any]) -> bool:
 
 
 def _patch_on_meta(model_type: str) -> str:
-    """``"patched"``, ``"refused"``, ``"no attention"`` or ``"unbuildable"``; anything else raises."""
+    """The routes ``mh.hf.patch`` takes in ``model_type``'s model (``"wrapper"``, ``"kernel"`` or
+    ``"wrapper+kernel"``), ``"refused"``, ``"no attention"`` or ``"unbuildable"``; anything else raises."""
     try:
         with warnings.catch_warnings(), torch.device("meta"):
             warnings.simplefilter("ignore")
@@ -475,7 +478,7 @@ def _patch_on_meta(model_type: str) -> str:
     except Exception:  # noqa: BLE001 - a config the tiny recipe cannot build is not our failure
         return "unbuildable"
     try:
-        mh.hf.patch(model)
+        routes = mh.hf.patch(model, report=True)
     except ValueError as e:
         return "refused" if "cannot patch" in str(e) else "no attention"
     for m in model.modules():
@@ -486,23 +489,61 @@ def _patch_on_meta(model_type: str) -> str:
                 continue
             assert config.model_type in ZOO, f"{model_type}: patched {type(m.original).__name__} with a " \
                                              f"{config.model_type} config"
-    return "patched"
+    return "+".join(sorted({r.route for r in routes}, reverse=True))
+
+
+#: The counts of :func:`test_every_model_type_is_exact_or_refused` as the HF guide states them, for the
+#: transformers version it names (tests/docs compares the guide's other claims).
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "guides" / "huggingface.md"
+
+
+def routes_sentence(outcome: dict[str, list[str]], total: int) -> str:
+    """The guide's sentence on how many model types take each route."""
+    import transformers as tf
+
+    kernel = outcome.get("kernel", []) + outcome.get("wrapper+kernel", [])
+    return (f"Of the {total} model types of transformers {tf.__version__}, `mh.hf.patch` runs "
+            f"{len(outcome.get('wrapper', [])) + len(outcome.get('wrapper+kernel', []))} with registered wrappers "
+            f"and {len(kernel)} through the kernel route ({len(outcome.get('wrapper+kernel', []))} of them "
+            f"with both), refuses {len(outcome.get('refused', []))} by name and finds no attention module in "
+            f"{len(outcome.get('no attention', []))}; {len(outcome.get('unbuildable', []))} cannot be built "
+            "from a tiny config without inputs of their own.")
 
 
 def test_every_model_type_is_exact_or_refused(capsys: pytest.CaptureFixture) -> None:
-    """All model types: patched only where a verified (class, config type) pair is inside,
-    refused by name otherwise, never another exception."""
+    """All model types: patched only where a verified (class, config type) pair is inside or the
+    kernel route takes the module, refused by name otherwise, never another exception; the
+    guide's counts are these."""
+    from test_kernel_zoo import KERNEL_ZOO
+
     outcome: dict[str, list[str]] = {}
     for model_type in sorted(CONFIG_MAPPING_NAMES):
         modules = _modeling_modules(model_type)
-        kind = _patch_on_meta(model_type) if _may_hold_registered(modules) else "refused (no registered class)"
+        kind = _patch_on_meta(model_type) if _may_hold_registered(modules) or any(
+            _dispatches_in(m) for m in modules) else "refused"
         outcome.setdefault(kind, []).append(model_type)
     with capsys.disabled():
         print(f"\nzoo: {len(CONFIG_MAPPING_NAMES)} model types: "
-              + ", ".join(f"{len(v)} {k}" for k, v in sorted(outcome.items()))
-              + f"; patched: {', '.join(outcome.get('patched', []))}")
+              + ", ".join(f"{len(v)} {k}" for k, v in sorted(outcome.items())))
     assert len(CONFIG_MAPPING_NAMES) > 800  # the whole zoo was enumerated
-    assert set(ZOO) <= set(outcome["patched"])  # every verified type is found and patched
+    wrapped = set(outcome.get("wrapper", [])) | set(outcome.get("wrapper+kernel", []))
+    assert set(ZOO) <= wrapped  # every verified type is found and patched with its wrappers
+    assert set(KERNEL_ZOO) <= set(outcome.get("kernel", []))  # every kernel-route type compared is found so
+    guide = GUIDE.read_text(encoding="utf-8")
+    start, end = "<!-- zoo-routes -->\n", "\n<!-- /zoo-routes -->"
+    stated = guide[guide.index(start) + len(start):guide.index(end)]
+    import transformers as tf
+
+    if f"transformers {tf.__version__}," in stated:  # the guide states the pinned version's counts
+        assert stated == routes_sentence(outcome, len(CONFIG_MAPPING_NAMES))
+
+
+def _dispatches_in(module: Any) -> bool:
+    """Whether a modeling module defines a class whose forward dispatches through AttentionInterface."""
+    from multihead.interop import hf_routes
+
+    return any(isinstance(v, type) and issubclass(v, nn.Module) and v.__module__ == module.__name__
+               and hf_routes.dispatches_class(v) for v in vars(module).values())
 
 
 def test_zoo_catches_rope_planted_in_vit(monkeypatch: pytest.MonkeyPatch) -> None:

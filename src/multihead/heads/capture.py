@@ -69,20 +69,26 @@ def find_layers(model: nn.Module) -> list[tuple[str, MultiHeadAttention]]:
     Raises:
         TypeError: ``model`` is not an nn.Module.
         ValueError: ``model`` holds multi-head latent attention (DeepSeek), whose heads are not
-            recorded, or Hugging Face attention modules that are not patched
-            (they would be missing from the list), or no attention layer at all.
+            recorded, Hugging Face attention modules that are not patched, or on
+            :func:`multihead.hf.patch`'s kernel route (they would be missing from the list),
+            or no attention layer at all.
     """
     from .. import hf, interop
+    from ..interop import hf_routes
     from ..interop.hf_patch import attention_modules
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    unpatched = [(n, type(m).__name__) for n, m in attention_modules(model)
-                 if interop.hf_family(m) is not None]
+    candidates = attention_modules(model)
+    kernel = [(n, type(m).__name__) for n, m in candidates if hf_routes.routed(m)]
+    if kernel:
+        raise ValueError(f"model has {len(kernel)} attention module(s) on multihead.hf.patch's kernel route (Hugging "
+                         f"Face's module, multihead's kernel), e.g. {_listed(kernel)}: multihead.heads records the "
+                         "layers patched with a wrapper only; output_attentions=True returns these modules' weights")
+    unpatched = [(n, type(m).__name__) for n, m in candidates if interop.hf_family(m) is not None]
     if unpatched:
-        listed = ", ".join(f"{n or '<model>'} ({t})" for n, t in unpatched[:3])
         raise ValueError(f"model has {len(unpatched)} Hugging Face attention module(s) that are not patched, "
-                         f"e.g. {listed}: call multihead.hf.patch(model) first so that multihead computes "
+                         f"e.g. {_listed(unpatched)}: call multihead.hf.patch(model) first so that multihead computes "
                          "(and can record) their heads")
     wrapper_of: dict[int, str] = {}
     for name, module in model.named_modules():
@@ -97,6 +103,11 @@ def find_layers(model: nn.Module) -> list[tuple[str, MultiHeadAttention]]:
         raise ValueError(f"model {type(model).__name__} contains no multihead.MultiHeadAttention layer "
                          "(nor a patched Hugging Face attention module)")
     return found
+
+
+def _listed(modules: list[tuple[str, str]]) -> str:
+    """The first three (name, class) pairs, as an error message lists them."""
+    return ", ".join(f"{n or '<model>'} ({t})" for n, t in modules[:3])
 
 
 def resolve_layers(found: Sequence[tuple[str, MultiHeadAttention]], layers: Iterable[int | str] | None,

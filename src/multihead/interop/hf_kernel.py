@@ -30,11 +30,15 @@ from torch import nn
 from ..functional import attention
 from ..masks import from_additive
 
-__all__ = ["bool_mask", "written_keys", "hf_recording", "attention_forward", "register", "NAME", "refusal",
+__all__ = ["BACKEND_ATTR",
+           "bool_mask", "written_keys", "hf_recording", "attention_forward", "register", "NAME", "refusal",
            "check_keywords", "HONOURED", "CARRIES_NOTHING", "REFUSED_WHEN_SET", "SDPA_OFF_BUT_COMPUTED"]
 
 #: The name under which :func:`register` installs the kernel.
 NAME = "multihead"
+#: The attribute, in a calling module's ``__dict__``, naming the core backend the kernel uses there
+#: (set by ``multihead.hf.patch(backend=...)`` on the modules it routes to the kernel).
+BACKEND_ATTR = "multihead_backend"
 
 
 # ---- masks ------------------------------------------------------------------------------
@@ -262,7 +266,8 @@ def attention_forward(
     bias = None if bias is None else bias[..., :n]
     result = attention(query, key, value, causal=causal, mask=mask, window=window, scale=scaling,
                        dropout_p=dropout, return_weights=want_weights, softcap=kwargs.get("softcap"),
-                       sinks=kwargs.get("s_aux"), cu_seqlens=_packed(query, key, kwargs), bias=bias)
+                       sinks=kwargs.get("s_aux"), cu_seqlens=_packed(query, key, kwargs), bias=bias,
+                       backend=module.__dict__.get(BACKEND_ATTR))
     out, weights = result if isinstance(result, tuple) else (result, None)  # (B, H, S, D); a tuple iff want_weights
     return out.transpose(1, 2).contiguous(), weights  # (B, S, H, D)
 

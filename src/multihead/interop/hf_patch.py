@@ -49,7 +49,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 import torch.nn.functional as F
@@ -58,11 +58,13 @@ from torch import nn
 from ..latent import MultiHeadLatentAttention
 from ..masks import Structure
 from ..module import MultiHeadAttention
-from . import hf_cache, hf_registry
+from . import hf_cache, hf_registry, hf_routes
 from .hf_weights import from_hf, to_hf
 from .hf_kernel import NAME, attention_forward, bool_mask, hf_recording, register, written_keys
+from .hf_routes import Route
 
-__all__ = ["patch", "unpatch", "is_patched", "register", "attention_forward", "PatchedAttention", "NAME",
+__all__ = ["patch", "unpatch", "is_patched", "routes", "Route",
+           "register", "attention_forward", "PatchedAttention", "NAME",
            "attention_modules", "set_submodule"]
 
 
@@ -202,6 +204,12 @@ def _hf_cache(cache: Any | None, kwargs: dict[str, Any]) -> Any | None:
     return cache
 
 
+def _self_attention_cache(cache: Any | None) -> Any | None:
+    """A decoder self-attention's part of HF's cache: an ``EncoderDecoderCache``'s ``self_attention_cache``
+    (a decoder with cross-attention layers, GPT-2's and BERT's, holds one), else the cache itself."""
+    return cache.self_attention_cache if cache is not None and hasattr(cache, "self_attention_cache") else cache
+
+
 def _positions(x: torch.Tensor, position_ids: torch.Tensor | None, cache: Any | None, layer_idx: int | None):
     if position_ids is not None:
         return position_ids
@@ -251,7 +259,7 @@ class _GPT2Wrapper(PatchedAttention):
         if encoder_hidden_states is not None:
             raise ValueError("encoder_hidden_states given to a patched GPT-2 self-attention: cross-attention "
                              "is not supported")
-        cache = _hf_cache(cache, kwargs)
+        cache = _self_attention_cache(_hf_cache(cache, kwargs))
         y, weights = self.attend(hidden_states, attention_mask, None, cache, kwargs, output_attentions)
         return F.dropout(y, self.resid_dropout, self.training), weights
 
@@ -272,9 +280,7 @@ class _BertWrapper(PatchedAttention):
         if encoder_hidden_states is not None:
             raise ValueError("encoder_hidden_states given to a patched BERT self-attention: cross-attention "
                              "is not supported")
-        cache = _hf_cache(cache, kwargs)
-        if cache is not None and hasattr(cache, "self_attention_cache"):
-            cache = cache.self_attention_cache
+        cache = _self_attention_cache(_hf_cache(cache, kwargs))
         y, weights = self.attend(hidden_states, attention_mask, None, cache, kwargs)
         y = F.dropout(y, self.hidden_dropout, self.training)
         return self.LayerNorm(y + hidden_states), weights
@@ -567,7 +573,8 @@ def attention_modules(model: nn.Module, *, include_patched: bool = False) -> lis
     """Top-most attention modules (supported or not; wrappers too if asked), in model order.
 
     A registered class is always a candidate; any other module whose class name says
-    attention is one (to be refused by name) unless a registered class sits inside it, or
+    attention, or whose forward dispatches through transformers' ``AttentionInterface``, is one
+    (for the kernel route, or to be refused by name) unless a registered class sits inside it, or
     its class is in :data:`~multihead.interop.hf_registry.LEFT_ALONE` (it holds only torch's
     own ``nn.MultiheadAttention``: left as it is, with everything inside it).
     """
@@ -585,7 +592,8 @@ def attention_modules(model: nn.Module, *, include_patched: bool = False) -> lis
         elif isinstance(module, (MultiHeadAttention, MultiHeadLatentAttention)):
             taken.append(name)  # ours already
         elif hf_registry.spec_of(module) is not None or (
-                _ATTENTION_NAME.search(type(module).__name__) and not _holds_registered(module)):
+                (_ATTENTION_NAME.search(type(module).__name__) or hf_routes.dispatches(module))
+                and not _holds_registered(module)):
             taken.append(name)
             found.append((name, module))
     return found
@@ -607,23 +615,95 @@ def _wrap(module: nn.Module, overrides: dict[str, Any]) -> PatchedAttention:
     return _WRAPPERS[spec.call](module, from_hf(module, **overrides))
 
 
-def patch(model: nn.Module, *, strict: bool = True, backend: str | None = None) -> nn.Module:
-    """Replace every supported attention module of ``model`` by multihead's, in place.
+def _decide(name: str, module: nn.Module, overrides: dict[str, Any],
+            kernel: bool) -> tuple[Route, PatchedAttention | None]:
+    """The best exact route for one candidate: its registered wrapper, else (``kernel``) the kernel
+    through AttentionInterface, else refused with both reasons."""
+    cls = type(module).__name__
+    try:
+        wrapper = _wrap(module, overrides)
+    except ValueError as e:
+        not_wrapped = str(e)
+    else:
+        return Route(name, cls, hf_routes.WRAPPER, f"registered: {hf_registry.require_spec(module).name}"), wrapper
+    if not kernel:
+        return Route(name, cls, hf_routes.REFUSED, not_wrapped), None
+    why_not_kernel = hf_routes.kernel_refusal(module)
+    if why_not_kernel is None:
+        if hf_registry.spec_of(module) is None:
+            not_wrapped = f"{cls} is not a registered class"
+        return Route(name, cls, hf_routes.KERNEL, "HF's module, the multihead kernel through AttentionInterface "
+                                                  f"(no wrapper: {not_wrapped})"), None
+    return Route(name, cls, hf_routes.REFUSED, f"{not_wrapped}; the kernel route: {why_not_kernel}"), None
 
-    Exact or refused: a module is patched only if its class is in
-    :data:`multihead.interop.hf_registry.REGISTRY` and its description covers it (see
-    :func:`multihead.interop.hf_registry.why_not`).
+
+def routes(model: nn.Module, *, kernel: bool = True) -> list[Route]:
+    """How :func:`patch` handles (or handled) each attention module of ``model``, in model order;
+    nothing is changed.
+
+    On a model not patched yet, each module's :class:`~multihead.interop.hf_routes.Route` is what
+    :func:`patch` would do; on a patched one, a wrapper reads ``"wrapper"``, a module running the
+    kernel ``"kernel"``, and a module left as it was ``"refused"`` with the reason.
+
+    Raises:
+        TypeError: ``model`` is not an nn.Module.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    found = []
+    for name, module in attention_modules(model, include_patched=True):
+        if isinstance(module, PatchedAttention):
+            original = module.original
+            found.append(Route(name, type(original).__name__, hf_routes.WRAPPER,
+                               f"registered: {hf_registry.require_spec(original).name}"))
+        elif hf_routes.routed(module):
+            found.append(Route(name, type(module).__name__, hf_routes.KERNEL,
+                               "HF's module, the multihead kernel through AttentionInterface"))
+        else:
+            found.append(_decide(name, module, {}, kernel)[0])
+    return found
+
+
+@overload
+def patch(model: nn.Module, *, strict: bool = ..., backend: str | None = ..., kernel: bool = ...,
+          report: Literal[False] = ...) -> nn.Module: ...
+
+
+@overload
+def patch(model: nn.Module, *, strict: bool = ..., backend: str | None = ..., kernel: bool = ...,
+          report: Literal[True]) -> list[Route]: ...
+
+
+def patch(model: nn.Module, *, strict: bool = True, backend: str | None = None, kernel: bool = True,
+          report: bool = False) -> nn.Module | list[Route]:
+    """Run every attention module of ``model`` on multihead, in place, each by the best exact route.
+
+    Exact or refused, per module (:func:`routes` lists the decision and its reason):
+
+    * ``"wrapper"``: its class is in :data:`multihead.interop.hf_registry.REGISTRY` and its
+      description covers it (see :func:`multihead.interop.hf_registry.why_not`): the module is
+      replaced by a wrapper around a converted :class:`~multihead.MultiHeadAttention` (our
+      projections, RoPE, in-place cache, fused decoding step, packing and head capture);
+    * ``"kernel"`` (``kernel=True``): otherwise, where the module dispatches through
+      transformers' ``AttentionInterface`` and transformers lets its model run ``"sdpa"``: HF's
+      module stays, and multihead's kernel computes its softmax(QKᵀ)V
+      (:mod:`multihead.interop.hf_routes`); a keyword argument the kernel does not implement is
+      refused by name when the module runs;
+    * ``"refused"``: neither, with both reasons.
 
     Args:
         model: a transformers model (e.g. BertModel, GPT2Model, LlamaForCausalLM).
         strict: raise on an attention module that cannot be converted exactly; False leaves
             such modules as they are, with one warning that lists them and why.
-        backend: multihead backend for the converted layers (default: the library's).
+        backend: multihead backend for the converted layers and the kernel (default: the library's).
+        kernel: allow the kernel route (False: registered wrappers only).
+        report: return :func:`routes` of the patched model instead of the model.
 
     Returns:
-        ``model`` (patched in place; weights are copied, mode and dtype kept). Patching a
-        model that is already patched, with nothing left to patch, changes nothing and
-        warns so.
+        ``model`` (patched in place; weights are copied, mode and dtype kept), or with
+        ``report=True`` each attention module's :class:`~multihead.interop.hf_routes.Route`.
+        Patching a model that is already patched, with nothing left to patch, changes nothing
+        and warns so.
 
     Raises:
         TypeError: ``model`` is not an nn.Module.
@@ -638,29 +718,34 @@ def patch(model: nn.Module, *, strict: bool = True, backend: str | None = None) 
         raise ValueError(f"model is itself an attention module ({type(model).__name__}): patch the model that "
                          "contains it, or convert it with multihead.MultiHeadAttention.from_hf")
     plan: list[tuple[str, PatchedAttention]] = []
+    to_kernel: list[nn.Module] = []
     skipped: list[str] = []
     for name, module in candidates:
-        try:
-            plan.append((name, _wrap(module, overrides)))
-        except ValueError as e:
-            if strict:
-                raise ValueError(f"cannot patch {name} ({type(module).__name__}): {e}; "
-                                 "pass strict=False to leave it unpatched") from e
-            skipped.append(f"{name} ({e})")
+        decided, wrapper = _decide(name, module, overrides, kernel)
+        if wrapper is not None:
+            plan.append((name, wrapper))
+        elif decided.route == hf_routes.KERNEL:
+            to_kernel.append(module)
+        elif strict:
+            raise ValueError(f"cannot patch {name} ({decided.cls}): {decided.why}; "
+                             "pass strict=False to leave it unpatched")
+        else:
+            skipped.append(f"{name} ({decided.why})")
     already = is_patched(model)
-    if not plan and not already:
+    if not plan and not to_kernel and not already:
         why = f": {'; '.join(skipped[:3])}" if skipped else ""
         raise ValueError(f"model {type(model).__name__} has no supported attention module to patch{why}")
     if skipped:
         warnings.warn(f"multihead.hf.patch left {len(skipped)} attention module(s) unpatched: "
                       + "; ".join(skipped), stacklevel=2)
-    if not plan:
+    if not plan and not to_kernel:
         warnings.warn(f"model {type(model).__name__} is already patched; nothing left to patch, "
                       "nothing changed", stacklevel=2)
     for name, wrapper in plan:  # only now, so that a failure above leaves the model untouched
         set_submodule(model, name, wrapper)
         _record_like_the_original(model, name, wrapper)
-    return model
+    hf_routes.route(model, to_kernel, backend)
+    return routes(model) if report else model
 
 
 def unpatch(model: nn.Module) -> nn.Module:
@@ -668,7 +753,8 @@ def unpatch(model: nn.Module) -> nn.Module:
 
     The originals follow the mode (train/eval), dtype and device the model was given
     while patched. Weights changed while patched are *not* copied back; use
-    :func:`multihead.interop.to_hf` on ``wrapper.mh`` and ``wrapper.original`` for that.
+    :func:`multihead.interop.to_hf` on ``wrapper.mh`` and ``wrapper.original`` for that. Modules
+    on the kernel route get their configs' attention implementation back.
 
     Returns:
         ``model``.
@@ -682,12 +768,14 @@ def unpatch(model: nn.Module) -> nn.Module:
             original.to(device=weight.device, dtype=weight.dtype).train(module.training)
             set_submodule(model, name, original)
             _restore_recording(model, name, module)
+    hf_routes.restore(model)
     return model
 
 
 def is_patched(model: nn.Module) -> bool:
-    """Whether any module of ``model`` is a :class:`PatchedAttention`."""
-    return any(isinstance(m, PatchedAttention) for m in model.modules())
+    """Whether any module of ``model`` is a :class:`PatchedAttention` or runs the multihead kernel
+    through the kernel route."""
+    return any(isinstance(m, PatchedAttention) or hf_routes.routed(m) for m in model.modules())
 
 
 def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -1,0 +1,191 @@
+"""The patch's kernel route: model types no registered wrapper takes, patched through transformers'
+``AttentionInterface`` (``mh.hf.patch`` keeps HF's module, multihead's kernel computes softmax(QKᵀ)V).
+
+Notation: B batch, S tokens.
+
+Every model type of :data:`KERNEL_ZOO` (the types whose tiny model runs on token ids, holds no
+registered class and dispatches through the interface: measured over every model type of
+transformers 5.24) is built as test_zoo.py builds its types (E=64, H=4, Hkv=2, 2 layers, every
+2-D weight ×4), patched by plain ``mh.hf.patch(model)``, and compared with the eager model on a
+right- and a left-padded batch (relative 1e-5 on real tokens) and through greedy generation (the
+same tokens). ``mh.hf.routes`` must name the kernel route for each of its attention modules, and
+``unpatch`` must give the model its implementation back. A planted kernel that ignores the padding
+mask must fail the comparison.
+
+Runtime: about 15 s on 2 shared cores.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import multihead as mh
+from multihead.interop import hf_kernel
+
+pytest.importorskip("transformers")
+from transformers import AutoModel, AutoModelForCausalLM  # noqa: E402
+
+from test_zoo import RTOL, _generate, _inputs, _outs, build, sharpen, tiny_config  # noqa: E402
+
+_MOE = {"num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32}
+
+#: Model types on the kernel route: (extra config fields, generator?). Sizes shrunk where the
+#: tiny recipe leaves a large default (experts, state-space widths, per-layer embeddings).
+KERNEL_ZOO: dict[str, tuple[dict[str, Any], bool]] = {
+    # decoders
+    "afmoe": ({}, True), "beam": ({}, True), "bitnet": ({}, True), "ctrl": ({}, True), "diffllama": ({}, True),
+    "doge": ({}, True), "flint": ({}, True), "gpt_bigcode": ({}, True), "granite_swa": ({}, True),
+    "granitemoe_swa": ({}, True), "hrm_text": ({}, True), "jetmoe": ({}, True), "laguna": ({}, True),
+    "lara_mini": ({}, True), "lfm2": ({}, True), "llama4_text": ({}, True), "minimax_m2": ({}, True),
+    "ministral3": ({}, True), "modernbert-decoder": ({}, True), "nanochat": ({}, True), "nemotron": ({}, True),
+    "olmoe": ({}, True), "qwen2_moe": ({}, True), "zaya": ({}, True), "gemma4_unified_text": ({}, True),
+    "roberta-prelayernorm": ({}, True), "xlm-roberta-xl": ({}, True),
+    "falcon_h1": ({"mamba_d_ssm": 64, "mamba_d_state": 16, "mamba_chunk_size": 16, "mamba_n_heads": 4,
+                   "mamba_d_head": 16, "mamba_expand": 1}, True),
+    "inkling_text": ({**_MOE, "rel_extent": 16}, True),
+    "gemma4_text": ({"vocab_size_per_layer_input": 100, "hidden_size_per_layer_input": 16}, True),
+    "nemotron_h": (_MOE, True), "kolibri1": (_MOE, True), "mimo_v2_flash": (_MOE, True),
+    # encoders and decoders compared by their states
+    "albert": ({}, False), "gte": ({}, False), "higgs_audio_v2": ({}, False), "jina_embeddings_v3": ({}, False),
+    "mobilebert": ({}, False), "molmo2_text": ({}, False), "muse_glimmer_text": ({}, False),
+    "nomic_bert": ({}, False), "qwen3_vl_text": ({}, False), "qwen3_vl_moe_text": ({}, False),
+    "tipsv2_text_model": ({}, False), "ultrabert": ({}, False),
+}
+
+
+#: Registered classes whose description refuses a setting (so no wrapper takes them; the refusals
+#: are in test_copied_families.py): the kernel route takes them instead, exact all the same.
+FALLBACKS: dict[str, tuple[str, dict[str, Any]]] = {
+    "phi q/k LayerNorm": ("phi", {"qk_layernorm": True}),
+    "persimmon q/k LayerNorm": ("persimmon", {"qk_layernorm": True}),
+    "glm4_moe q/k norm": ("glm4_moe", {"head_dim": 16, "use_qk_norm": True, "n_routed_experts": 4,
+                                       "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+                                       "moe_intermediate_size": 32}),
+    "phimoe longrope with mscale": ("phimoe", {"num_local_experts": 2, "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+        "short_mscale": 1.2, "long_mscale": 1.3, "original_max_position_embeddings": 4}}),
+}
+
+
+def _eager(model_type: str, extra: dict[str, Any] | None = None, generator: bool | None = None) -> nn.Module:
+    if extra is None or generator is None:
+        extra, generator = KERNEL_ZOO[model_type]
+    torch.random.default_generator.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build(model_type, tiny_config(model_type, **extra), AutoModelForCausalLM if generator else AutoModel,
+                      "eager").eval()
+    return sharpen(model)
+
+
+def compare_kernel_route(model_type: str, extra: dict[str, Any] | None = None, generator: bool | None = None) -> str:
+    """``"exact"`` or what differs after ``mh.hf.patch`` puts the kernel in ``model_type``'s tiny model
+    (:data:`KERNEL_ZOO`'s settings, or ``extra`` and ``generator``)."""
+    model = _eager(model_type, extra, generator)
+    generator = KERNEL_ZOO[model_type][1] if generator is None else generator
+    batches = [_inputs(model_type, side) for side in ("right", "left")]
+    wants = [_outs(model, inputs) for inputs in batches]
+    tokens = _generate(model, model_type, batches[0]) if generator else None
+    report = mh.hf.patch(model, report=True)
+    assert report and {r.route for r in report} == {"kernel"}, report
+    for side, inputs, want in zip(("right", "left"), batches, wants):
+        for (got, _), (out, real) in zip(_outs(model, inputs), want):
+            rel = ((got[real] - out[real]).abs().max() / out[real].abs().max()).item()
+            if not rel <= RTOL:
+                return f"wrong: relative difference {rel:.2e} on real tokens ({side} padding)"
+    if generator and not torch.equal(_generate(model, model_type, batches[0]), tokens):
+        return "wrong: different greedy tokens"
+    mh.hf.unpatch(model)
+    assert not mh.hf.is_patched(model) and model.config._attn_implementation == "eager"
+    return "exact"
+
+
+@pytest.mark.parametrize("model_type", list(KERNEL_ZOO))
+def test_kernel_route_type_is_exact(model_type: str) -> None:
+    assert compare_kernel_route(model_type) == "exact"
+
+
+@pytest.mark.parametrize("case", list(FALLBACKS))
+def test_a_registered_class_its_description_refuses_takes_the_kernel_route_exactly(case: str) -> None:
+    model_type, extra = FALLBACKS[case]
+    assert compare_kernel_route(model_type, extra, generator=True) == "exact"
+
+
+def test_a_model_with_both_routes_is_exact() -> None:
+    """GPT-2 with cross-attention: its self-attention takes the wrapper, its cross-attention (which the
+    wrapper refuses) the kernel; the padded batch's states equal eager's, and so do the next token's
+    through the cache (an EncoderDecoderCache, whose self-attention part the wrapper fills)."""
+    from transformers import GPT2Config, GPT2Model
+
+    torch.random.default_generator.manual_seed(0)
+    config = GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=100, add_cross_attention=True)
+    model = sharpen(GPT2Model._from_config(config, attn_implementation="eager").eval())
+    g = torch.Generator().manual_seed(1)
+    ids, mask = torch.randint(3, 100, (2, 9), generator=g), torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0
+    context = torch.randn(2, 5, 64, generator=g)  # (B, S_enc, E)
+    step, mask2 = torch.randint(3, 100, (2, 1), generator=g), torch.ones(2, 10, dtype=torch.long)
+    mask2[1, :3] = 0
+
+    def run() -> list[torch.Tensor]:
+        out = model(ids, attention_mask=mask, encoder_hidden_states=context, use_cache=True)
+        nxt = model(step, attention_mask=mask2, encoder_hidden_states=context, past_key_values=out.past_key_values)
+        return [out.last_hidden_state[mask.bool()], nxt.last_hidden_state]
+
+    with torch.no_grad():
+        wants = run()
+        routes = {r.name: r.route for r in mh.hf.patch(model, report=True)}
+        gots = run()
+    assert routes == {"h.0.attn": "wrapper", "h.0.crossattention": "kernel", "h.1.attn": "wrapper",
+                      "h.1.crossattention": "kernel"}
+    for got, want in zip(gots, wants):
+        assert ((got - want).abs().max() / want.abs().max()).item() <= RTOL
+
+
+def test_kernel_route_comparison_catches_a_kernel_that_ignores_the_padding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A planted mistake: the kernel drops HF's padding mask. The comparison must report it."""
+    monkeypatch.setattr(hf_kernel, "_mask_and_bias", lambda mask, bias, sk: (None, None))
+    assert compare_kernel_route("bitnet").startswith("wrong")
+
+
+def test_kernel_route_takes_the_backend_asked_for() -> None:
+    """``patch(backend=...)`` reaches the kernel route: a backend without a feature is refused by name there."""
+    model = _eager("bitnet")
+    mh.hf.patch(model, backend="no-such-backend")
+    with pytest.raises(ValueError, match="no-such-backend"):
+        _outs(model, _inputs("bitnet", "left"))
+    mh.hf.unpatch(model)
+    assert all("multihead_backend" not in m.__dict__ for m in model.modules())
+    _outs(model, _inputs("bitnet", "left"))  # eager again
+
+
+def test_kernel_route_is_not_taken_when_refused() -> None:
+    """``kernel=False`` keeps registered wrappers only: an unregistered class is refused, naming both routes."""
+    model = _eager("bitnet")
+    with pytest.raises(ValueError, match="BitNetAttention is not a supported attention class"):
+        mh.hf.patch(model, kernel=False)
+    assert {r.route for r in mh.hf.routes(model, kernel=False)} == {"refused"}
+    assert not mh.hf.is_patched(model)
+
+
+def test_head_capture_refuses_a_kernel_route_module_by_name() -> None:
+    """mh.heads records wrapped layers only: a module on the kernel route is named, never silently missing;
+    output_attentions=True gives its weights, equal to eager's."""
+    model = _eager("bitnet")
+    inputs = _inputs("bitnet", "left")
+    with torch.no_grad():
+        want = model(**inputs, output_attentions=True).attentions
+        mh.hf.patch(model)
+        got = model(**inputs, output_attentions=True).attentions
+    with pytest.raises(ValueError, match=r"kernel route.*model\.layers\.0\.self_attn \(BitNetAttention\)"):
+        mh.heads.capture(model)
+    real = inputs["attention_mask"].bool()  # (B, S): rows of real queries
+    assert len(got) == len(want) == 2
+    for g, w in zip(got, want):  # (B, H, S, Sk)
+        assert torch.allclose(g.transpose(1, 2)[real], w.transpose(1, 2)[real], atol=1e-6)
