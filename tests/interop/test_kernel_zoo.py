@@ -189,3 +189,17 @@ def test_head_capture_refuses_a_kernel_route_module_by_name() -> None:
     assert len(got) == len(want) == 2
     for g, w in zip(got, want):  # (B, H, S, Sk)
         assert torch.allclose(g.transpose(1, 2)[real], w.transpose(1, 2)[real], atol=1e-6)
+
+
+@pytest.mark.parametrize("model_type", ["bitnet", "nanochat"])
+def test_kernel_route_generates_with_the_in_place_cache(model_type: str) -> None:
+    """HF's module on the kernel route writes ``mh.hf.KVCacheAdapter`` through its Cache API: the greedy
+    tokens of a left-padded batch equal eager's with HF's own cache."""
+    model = _eager(model_type)
+    inputs = _inputs(model_type, "left")  # (B, S) ids and mask, row 1 left-padded
+    greedy = {"max_new_tokens": 5, "min_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        want = model.generate(**inputs, **greedy)
+        mh.hf.patch(model)
+        got = model.generate(**inputs, cache=mh.hf.KVCacheAdapter(model, 16), **greedy)
+    assert torch.equal(got, want)

@@ -534,8 +534,12 @@ def test_every_model_type_is_exact_or_refused(capsys: pytest.CaptureFixture) -> 
     stated = guide[guide.index(start) + len(start):guide.index(end)]
     import transformers as tf
 
-    if f"transformers {tf.__version__}," in stated:  # the guide states the pinned version's counts
+    if f"transformers {tf.__version__}," in stated:  # the guide and README state the pinned version's counts
         assert stated == routes_sentence(outcome, len(CONFIG_MAPPING_NAMES))
+        readme = " ".join((GUIDE.parents[2] / "README.md").read_text(encoding="utf-8").split())
+        wrapped, kernel = len(wrapped), len(outcome.get("kernel", [])) + len(outcome.get("wrapper+kernel", []))
+        assert (f"Of transformers {tf.__version__.rsplit('.', 1)[0]}'s {len(CONFIG_MAPPING_NAMES)} model types, "
+                f"{wrapped} patch with wrappers and {kernel} through the kernel") in readme
 
 
 def _dispatches_in(module: Any) -> bool:
