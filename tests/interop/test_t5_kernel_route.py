@@ -1,5 +1,6 @@
-"""The T5 family through the AttentionInterface route: T5's relative position bias reaches the
-core as ``bias=`` (HF passes it as ``position_bias``), exact against eager attention.
+"""The T5 family through the AttentionInterface route (``attn_implementation="multihead"``, or
+``mh.hf.patch``'s kernel route): T5's relative position bias reaches the core as ``bias=`` (HF
+passes it as ``position_bias``), exact against eager attention.
 
 Notation: B batch, S tokens, H heads.
 
@@ -61,11 +62,21 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
+def _to_kernel(model: torch.nn.Module, way: str) -> None:
+    """Put the kernel in ``model``: ``attn_implementation`` set by hand, or ``mh.hf.patch``'s kernel route
+    (no wrapper is registered for T5's classes), every attention module on it."""
+    if way == "attn_implementation":
+        model.set_attn_implementation(NAME)
+    else:
+        assert {r.route for r in mh.hf.patch(model, report=True)} == {"kernel"}
+
+
+@pytest.mark.parametrize("way", ["attn_implementation", "patch"])
 @pytest.mark.parametrize("model_type", TYPES)
-def test_t5_family_through_the_kernel_equals_eager(model_type: str) -> None:
+def test_t5_family_through_the_kernel_equals_eager(model_type: str, way: str) -> None:
     eager = _model(model_type)
     kernel = copy.deepcopy(eager)
-    kernel.set_attn_implementation(NAME)
+    _to_kernel(kernel, way)
     for side in ("right", "left"):
         batch = _batch(side)
         with torch.no_grad():
@@ -79,11 +90,14 @@ def test_t5_family_through_the_kernel_equals_eager(model_type: str) -> None:
 
 
 def test_switch_transformers_is_refused_by_name() -> None:
-    """Its class keeps transformers' SDPA off (``_supports_sdpa = False``): refused, never computed."""
+    """Its class keeps transformers' SDPA off (``_supports_sdpa = False``): refused, never computed, on
+    both ways in."""
     kernel = _model("switch_transformers")
     kernel.set_attn_implementation(NAME)
     with torch.no_grad(), pytest.raises(ValueError, match="'switch_transformers'.*_supports_sdpa=False"):
         kernel(**_batch("right"))
+    with pytest.raises(ValueError, match="the kernel route: .*'switch_transformers'.*_supports_sdpa=False"):
+        mh.hf.patch(_model("switch_transformers"))
 
 
 def test_t5_relative_bias_table_gradient_equals_eager() -> None:
