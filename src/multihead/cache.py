@@ -9,7 +9,9 @@ At inference each head's K and V are kept so that a new token costs O(S), not O(
 
 * **Per-row lengths.** Each row b has its own length ``L_b`` (``lengths``), kept on
   the device and mirrored on the host, so nothing is read back from the device on the
-  hot path and nothing is ever inferred from the data. Prompts of different lengths are
+  hot path and nothing is ever inferred from the data. (A write traced by ``torch.compile``,
+  :meth:`KVCache.append_static`, advances the device counters alone: the mirror is read
+  back from them once, at its next use outside the graph.) Prompts of different lengths are
   given **right-padded** with ``key_mask`` (real tokens first): each row then
   continues from its own length, so its tokens sit at positions 0, 1, 2, … with no
   gaps and RoPE positions need no bookkeeping. (Left padding, as Hugging Face uses,
@@ -103,7 +105,8 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)  # (B, Hkv, C, D)
         self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)  # (B,)
         self.slot_pos = torch.full((batch_size, capacity), -1, dtype=torch.int64, device=device)  # (B, C)
-        self._host_lengths = [0] * batch_size  # mirror of ``lengths``: no device reads
+        #: mirror of ``lengths`` (no device reads); None after a traced write (see _host_lengths)
+        self._mirror: list[int] | None = [0] * batch_size
         self.max_len = max_len
         self.window = window
         self.ring = bool(ring)
@@ -143,8 +146,22 @@ class KVCache:
         return self.k.nbytes + self.v.nbytes
 
     def host_lengths(self) -> list[int]:
-        """Tokens written per row, from the host mirror (no device read)."""
+        """Tokens written per row, from the host mirror (no device read but the first after a
+        traced write)."""
         return list(self._host_lengths)
+
+    @property
+    def _host_lengths(self) -> list[int]:
+        """The host mirror of ``lengths``. A write traced by ``torch.compile``
+        (:meth:`append_static`) cannot update it without the graph depending on its values (a
+        recompile per length), so it leaves it unset; it is read back here, once, at its next use."""
+        if self._mirror is None:
+            self._mirror = [int(n) for n in self.lengths.tolist()]
+        return self._mirror
+
+    @_host_lengths.setter
+    def _host_lengths(self, lengths: list[int]) -> None:
+        self._mirror = lengths
 
     def __repr__(self) -> str:
         return (f"KVCache(batch_size={self.batch_size}, max_len={self.max_len}, capacity={self.capacity}, "
@@ -218,15 +235,42 @@ class KVCache:
                         f"cannot crop row {b} from {length} to {t} tokens: a ring cache of {self.capacity} "
                         f"slots no longer holds the window before position {t}"
                     )
-        lengths = torch.tensor(new, dtype=torch.int64, device=self.device)
+        self._cut(torch.tensor(new, dtype=torch.int64, device=self.device))
+        self._host_lengths = new
+
+    def crop_static(self, lengths: torch.Tensor) -> None:
+        """Roll back to ``lengths`` (B,) int64 on the device, each at most the row's length: the
+        undo of :meth:`append_static` by device operations alone (traced, no host read; the host
+        mirror is read back at its next use). A linear cache only (a ring checks what it still
+        holds on the host: :meth:`crop`).
+
+        Raises:
+            ValueError: a ring cache.
+        """
+        if self.ring:
+            raise ValueError("crop_static rolls back a linear cache; a ring cache crops through crop()")
+        self._cut(lengths)
+        self._mirror = None  # read back from lengths at its next use (_host_lengths)
+
+    def _cut(self, lengths: torch.Tensor) -> None:
+        """Set the device counters to ``lengths`` (B,), no longer than they are: slots past them emptied."""
         self.slot_pos.masked_fill_(self.slot_pos >= lengths[:, None], -1)
         self.lengths.copy_(lengths)
-        self._host_lengths = new
 
     # -- appending: append (K/V written, what it overwrote saved), then commit or rollback --
     def check_append(self, batch: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                      device: torch.device, new_tokens: int) -> None:
         """Raise before anything is written if ``new_tokens`` can't be appended."""
+        self._check_shapes(batch, num_kv_heads, head_dim, dtype, device)
+        longest = max(self._host_lengths)
+        if longest + new_tokens > self.max_len:
+            raise ValueError(
+                f"cache overflow: a row holds {longest} tokens, {new_tokens} more exceed max_len={self.max_len}"
+            )
+
+    def _check_shapes(self, batch: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                      device: torch.device) -> None:
+        """Raise if new K/V of this batch, heads, width, dtype or device do not fit the buffers."""
         shape = self.k.shape  # (B, Hkv, C, D), read once (asked at every decoding step)
         if batch != shape[0]:
             raise ValueError(f"cache has batch_size {self.batch_size}, got a batch of {batch}")
@@ -239,15 +283,41 @@ class KVCache:
             raise TypeError(f"cache has dtype {self.dtype}, the layer computes in {dtype}")
         if device != self.k.device:
             raise ValueError(f"cache is on device {self.device}, the layer on {device}")
-        longest = max(self._host_lengths)
-        if longest + new_tokens > self.max_len:
-            raise ValueError(
-                f"cache overflow: a row holds {longest} tokens, {new_tokens} more exceed max_len={self.max_len}"
-            )
 
     def positions(self, new_tokens: int) -> torch.Tensor:
         """(B, Sn) absolute positions of the next ``new_tokens`` tokens of each row."""
         return self.lengths[:, None] + torch.arange(new_tokens, device=self.device)
+
+    def append_static(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k``/``v`` (B, Hkv, Sn, D) at each row's length and advance the counters, by
+        device operations alone: the write ``torch.compile`` traces, one graph for every length.
+
+        The reader attends over the whole buffers (B, Hkv, C, D) with a mask hiding the slots
+        not yet written (as transformers' ``StaticCache`` and gpt-fast's cache are read), so no
+        shape depends on a length. Nothing is read back to the host: the host mirror is left
+        unset and read back once at its next use. A write past ``max_len`` fails the step's
+        device assertion (a ``RuntimeError`` on the CPU, raised before anything is written).
+
+        Raises:
+            ValueError: a ring cache (slots are not positions there: use :meth:`append`); a batch,
+                head count or width other than the buffers'.
+            TypeError: a dtype other than the buffers'.
+        """
+        if self.ring:
+            raise ValueError("append_static writes a linear cache's slots in order; a ring cache appends "
+                             "through append()")
+        b, hkv, sn, d = k.shape
+        self._check_shapes(b, hkv, d, k.dtype, k.device)
+        torch._assert_async((self.lengths + sn <= self.max_len).all(),
+                            f"cache overflow: {sn} more tokens per row exceed max_len={self.max_len} "
+                            "(nothing was written)")
+        positions = self.positions(sn)  # (B, Sn)
+        index = positions[:, None, :, None].expand(b, hkv, sn, d)  # (B, Hkv, Sn, D)
+        self.k.scatter_(2, index, k.detach())
+        self.v.scatter_(2, index, v.detach())
+        self.slot_pos.scatter_(1, positions, positions)
+        self.lengths.add_(sn)
+        self._mirror = None  # read back from lengths at its next use (_host_lengths)
 
     def append(self, k: torch.Tensor, v: torch.Tensor, real: Sequence[int] | None, *,
                structure: Structure) -> Append:

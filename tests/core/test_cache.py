@@ -371,3 +371,47 @@ def test_ring_cache_chunks_of_several_tokens_equal_the_full_forward() -> None:
         outs.append(layer(x[:, t : t + n], cache=cache))
         t += n
     torch.testing.assert_close(torch.cat(outs, dim=1), layer(x), atol=1e-5, rtol=0)
+
+
+# ---- append_static: the write torch.compile traces ---------------------------------------------
+def test_a_static_append_writes_what_append_and_commit_write() -> None:
+    """K/V, slot positions and lengths land where ``append`` then ``commit`` put them; the host
+    mirror, left unset by the device-only write, is read back from ``lengths`` at its next use."""
+    staged, static = mh.KVCache(2, 8, 2, 4), mh.KVCache(2, 8, 2, 4)
+    for sn in (3, 1, 1):
+        k, v = torch.randn(2, 2, sn, 4), torch.randn(2, 2, sn, 4)  # (B, Hkv, Sn, D)
+        staged.commit(staged.append(k, v, None, structure=mh.masks.Structure()))
+        static.append_static(k, v)
+    assert static.host_lengths() == staged.host_lengths() == [5, 5]
+    for name in ("k", "v", "slot_pos", "lengths"):
+        assert torch.equal(getattr(static, name), getattr(staged, name)), name
+
+
+def test_a_static_append_past_max_len_fails_before_writing() -> None:
+    cache = mh.KVCache(1, 4, 1, 2)
+    cache.append_static(torch.ones(1, 1, 3, 2), torch.ones(1, 1, 3, 2))
+    before = [t.clone() for t in (cache.k, cache.v, cache.slot_pos, cache.lengths)]
+    with pytest.raises(RuntimeError, match=r"cache overflow: 2 more tokens per row exceed max_len=4 "
+                                           r"\(nothing was written\)"):
+        cache.append_static(torch.full((1, 1, 2, 2), 2.0), torch.full((1, 1, 2, 2), 2.0))
+    assert all(torch.equal(a, b) for a, b in zip(before, (cache.k, cache.v, cache.slot_pos, cache.lengths)))
+    assert cache.host_lengths() == [3]
+
+
+def test_a_static_crop_undoes_a_static_append_on_the_device() -> None:
+    """``crop_static`` takes the lengths as a device tensor (a traced step's undo reads nothing on
+    the host): the counters are back, the slots past them empty, the mirror read back."""
+    cache = mh.KVCache(2, 8, 1, 2)
+    cache.append_static(torch.ones(2, 1, 3, 2), torch.ones(2, 1, 3, 2))
+    before = (cache.lengths.clone(), cache.slot_pos.clone())
+    cache.append_static(torch.ones(2, 1, 2, 2), torch.ones(2, 1, 2, 2))
+    cache.crop_static(before[0])
+    assert torch.equal(cache.lengths, before[0]) and torch.equal(cache.slot_pos, before[1])
+    assert cache.host_lengths() == [3, 3]
+
+
+def test_a_static_append_refuses_a_ring_cache_and_other_shapes() -> None:
+    with pytest.raises(ValueError, match="a ring cache appends through append"):
+        mh.KVCache(1, 8, 1, 2, window=4, ring=True).append_static(torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2))
+    with pytest.raises(ValueError, match="cache has batch_size 1, got a batch of 2"):
+        mh.KVCache(1, 8, 1, 2).append_static(torch.ones(2, 1, 1, 2), torch.ones(2, 1, 1, 2))

@@ -6,8 +6,8 @@ fails here whatever it computes:
 * ``split_heads(`` and ``merge_heads(`` are called only by the layer's own steps
   (:mod:`multihead.module`) and the float64 reference; every other path (the Hugging Face
   wrappers, context parallelism, the heads toolkit) composes ``layer.split`` / ``layer.output``.
-* the KV cache's counters — ``lengths``, ``slot_pos`` and the host copy ``_host_lengths`` —
-  are written (assigned, or changed in place) only in :mod:`multihead.cache`; a native step
+* the KV cache's counters — ``lengths``, ``slot_pos`` and the host copy ``_host_lengths`` (its
+  store ``_mirror``) — are written (assigned, or changed in place) only in :mod:`multihead.cache`; a native step
   advances them only through the tensors :meth:`KVCache.native_counters` hands it.
 """
 
@@ -21,7 +21,7 @@ import pytest
 import multihead
 
 SRC = Path(multihead.__file__).parent
-COUNTERS = frozenset({"lengths", "slot_pos", "_host_lengths"})
+COUNTERS = frozenset({"lengths", "slot_pos", "_host_lengths", "_mirror"})
 IN_PLACE = frozenset({"add_", "sub_", "copy_", "zero_", "fill_", "masked_fill_", "scatter_", "index_copy_",
                       "index_fill_", "put_", "clamp_"})
 
