@@ -108,8 +108,12 @@ def test_qwen3_gqa_rope_qk_norm_generates_hf_tokens(padded: bool) -> None:
     _same_tokens_as_hf(_model("qwen3", head_dim=16), _prompts(padded))
 
 
-def test_beam_search_reorders_the_buffers_in_place() -> None:
-    _same_tokens_as_hf(_model(), _prompts(padded=True), num_beams=2)
+@pytest.mark.parametrize("num_beams", [2, 3])
+@pytest.mark.parametrize("padded", [True, False])
+def test_beam_search_reorders_the_buffers_in_place(num_beams: int, padded: bool) -> None:
+    """HF's beam search reorders the cache's rows at every step (``reorder_cache``): the same
+    beams as with its own cache, on the fused step (no padding) and through update (padding)."""
+    _same_tokens_as_hf(_model(), _prompts(padded), num_beams=num_beams)
 
 
 def test_unpatched_model_writes_in_place_through_update() -> None:
@@ -201,20 +205,27 @@ def test_the_adapter_is_a_transformers_cache() -> None:
 
 # ---- one adapter, several generate calls (a new generate starts empty) ----------------------
 def _prompt_sets() -> list[dict[str, torch.Tensor]]:
-    """A prompt of batch 1, then a left-padded batch of 3 (rows padded by 0, 2 and 4 tokens)."""
+    """A prompt of batch 1, a left-padded batch of 3 (rows padded by 0, 2 and 4 tokens), and a
+    left-padded batch of 8 (row b padded by b tokens)."""
     g = torch.Generator().manual_seed(2)
     one = {"input_ids": torch.randint(3, VOCAB, (1, S), generator=g),
            "attention_mask": torch.ones(1, S, dtype=torch.long)}
     mask = torch.ones(3, S, dtype=torch.long)
     mask[1, :2], mask[2, :4] = 0, 0
     three = {"input_ids": torch.randint(3, VOCAB, (3, S), generator=g), "attention_mask": mask}
-    return [one, three]
+    return [one, three, left_padded(8, S, g)]
+
+
+def left_padded(batch: int, length: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """``batch`` prompts of ``length`` tokens, row b with b padding tokens on the left (as HF pads)."""
+    mask = (torch.arange(length)[None, :] >= torch.arange(batch)[:, None]).long()  # (B, S)
+    return {"input_ids": torch.randint(3, VOCAB, (batch, length), generator=g), "attention_mask": mask}
 
 
 @pytest.mark.parametrize("patched", [True, False])
 def test_one_adapter_reused_for_every_generate_gives_hf_tokens_each_time(patched: bool) -> None:
-    """Twice in a row per prompt set, and from batch 1 to batch 3, on one adapter: every call
-    starts empty (as transformers' generate hands it the cache), so each equals unpatched HF."""
+    """Twice in a row per prompt set, from batch 1 to batch 3 to batch 8, on one adapter: every
+    call starts empty (as transformers' generate hands it the cache), so each equals unpatched HF."""
     model, sets = _model(), _prompt_sets()
     with torch.no_grad():
         wants = [model.generate(**prompts, **GREEDY) for prompts in sets]
@@ -241,6 +252,18 @@ def test_a_generate_continuing_forgotten_tokens_is_refused_by_name() -> None:
                                              r"pass generate the whole sequence"):
             model.generate(input_ids=torch.full((2, 2), 5), attention_mask=mask, **GREEDY, cache=cache)
     assert cache.get_seq_length() == 0 and all(s.kv.host_lengths() == [0, 0] for s in cache.slots)
+
+
+def test_a_generate_continuing_tokens_a_new_adapter_never_held_is_refused_by_name() -> None:
+    """The same rule on a new adapter: a generate's first tokens are at position 0."""
+    model = mh.hf.patch(_model())
+    cache = mh.hf.KVCacheAdapter(model, max_len=32)
+    with pytest.raises(ValueError, match=r"starts every generate empty \(it held 0 tokens per row.*first tokens are "
+                                         r"at position 10: pass generate the whole sequence"):
+        with torch.no_grad():
+            model.generate(input_ids=torch.full((2, 2), 5), attention_mask=torch.ones(2, 12, dtype=torch.long),
+                           **GREEDY, cache=cache)
+    assert cache.get_seq_length() == 0 and [s.kv for s in cache.slots] == [None, None]
 
 
 # ---- an adapter built for another model --------------------------------------------------------

@@ -26,18 +26,31 @@ Each layer call takes one of two paths, recorded in :attr:`KVCacheAdapter.paths`
   of the held ones (B, Hkv, L, D); HF's mask then covers padding (left padding works: its
   slots are held and masked, as in HF's own caches).
 
+**Compiled.** With the model's forward compiled (``model.forward = torch.compile(model.forward)``),
+the traced calls take a third answer, static shapes, as transformers' ``StaticCache`` gives:
+``update`` writes at each row's length kept on the device and returns the whole buffers (B,
+Hkv, C, D), HF's mask is sized to C (it hides the slots not yet written, padding too) and the
+length HF asks for is a 0-d tensor. No shape and no Python value in the graph depends on a
+length: no graph break, and one graph serves every decoding step and the later ``generate``
+calls of the same batch size. The fused step is not taken there (``paths`` reads ``"update"``),
+and the two checks made inside the graph (room for the new tokens, a generate starting at
+position 0) are device assertions: a ``RuntimeError`` before anything is written.
+``is_compileable`` stays False, so ``generate`` does not compile the model itself or build the
+mask outside it; compile the whole forward, not single layers (the mask's size and the keys
+``update`` returns must both be the traced ones).
+
 Supported: greedy and sampling, batches with padding, beam search (``reorder_cache``
 reorders the buffers in place), ``crop`` (assisted decoding's roll-back), one adapter for
 many ``generate`` calls (each starts empty; a new batch size remakes the buffers). Refused,
 by name: a model with more layers than the adapter was built for (at its first extra layer,
-the forward's earlier writes undone), a ``generate`` that passes only new tokens to continue
-the tokens the adapter forgot when it began,
-growing past ``max_len`` (before anything is written; size ``max_len`` ≥ prompt +
-``max_new_tokens``), ``batch_repeat_interleave`` / ``batch_select_indices`` on a filled
-cache (the buffers are preallocated for one batch), K and V of different widths (DeepSeek's
-latent attention caches the latent and the rotary key: use HF's cache there), layers that
-are not attention (linear attention, shared KV), training (the cache stores no autograd
-history). ``is_compileable`` is False: our cache keeps its lengths on the host.
+the forward's earlier writes undone), a ``generate`` whose first tokens are not at position 0
+(only new tokens passed, to continue tokens the adapter does not hold: it forgets what it held
+when a generate begins), growing past ``max_len`` (before anything is written; size ``max_len``
+≥ prompt + ``max_new_tokens``), ``batch_repeat_interleave`` / ``batch_select_indices`` on a
+filled cache (the buffers are preallocated for one batch), K and V of different widths
+(DeepSeek's latent attention caches the latent and the rotary key: use HF's cache there),
+layers that are not attention (linear attention, shared KV), training (the cache stores no
+autograd history).
 
 The classes subclass transformers' and live in :mod:`multihead.interop.hf_cache_adapter`,
 imported on first access of ``KVCacheAdapter`` (module ``__getattr__``): ``import multihead``
@@ -78,8 +91,8 @@ def own_step(layer: MultiHeadAttention, layer_idx: int | None, cache: Any, x: to
     Returns:
         y (B, S, E), or None.
     """
-    if mask is not None or layer_idx is None or torch.is_grad_enabled():
-        return None
+    if mask is not None or layer_idx is None or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return None  # traced: update's static write (the adapter's shapes do not follow the lengths there)
     slot = cache.slot(layer_idx, positions)  # checked: a layer the adapter has, a new generate at 0
     if not cache.at_own_positions(positions, slot.get_seq_length(), x.shape[1]):
         return None
