@@ -168,6 +168,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _bench_hf_generate(args)
     if args.flex:
         return _bench_flex(args)
+    if args.embed:
+        return _bench_embed(args)
     if not args.quick:  # a quiet moment: this machine's GEMM measured again and kept (gemm_choice)
         from ..backends.gemm import keep_gemm_measurement
 
@@ -205,6 +207,14 @@ def _write_result(args: argparse.Namespace, result: dict[str, Any], name: str, t
     path.write_text(json.dumps(result, indent=2), encoding="utf-8")
     _emit(args, result, table + f"\n\nwrote {path}")
     return 0
+
+
+def _bench_embed(args: argparse.Namespace) -> int:
+    """``bench --embed``: the embedding job against sentence-transformers."""
+    from . import bench_embed
+
+    result = bench_embed.run_embed(quick=args.quick, progress=_say)
+    return _write_result(args, result, "embed.json", bench_embed.format_embed(result))
 
 
 def _bench_flex(args: argparse.Namespace) -> int:
@@ -327,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-generate", action="store_true",
                    help="instead of the suite: a transformers Llama's prefill and decoding step, unpatched vs "
                         "patched vs patched + mh.hf.KVCacheAdapter (minutes; --quick: seconds)")
+    p.add_argument("--embed", action="store_true",
+                   help="instead of the suite: the embedding job, a corpus of 512 texts through the bundled model, "
+                        "against sentence-transformers (a minute; --quick: seconds)")
     p.add_argument("--flex", action="store_true",
                    help="instead of the suite: mask_mods and score_mods (causal, window, documents, prefix-LM, "
                         "sparse tiles, T5 bias, soft-capping) against compiled FlexAttention and SDPA, forward "
