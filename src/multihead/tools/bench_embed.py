@@ -5,20 +5,24 @@ Notation: N texts, E embed_dim (384 for the bundled all-MiniLM-L6-v2).
 
 The corpus is made here, the same on every machine: N sentences (512; ``quick``: 24) of 4 to 120
 words drawn from a fixed word list, their lengths spread like a real corpus (most between 8 and
-40 words, a long tail). Three ways embed it, each the whole corpus per call, batches of 32:
+40 words, a long tail). Four ways embed it, each the whole corpus per call, batches of 32:
 
 * ``sentence-transformers``: ``SentenceTransformer(bundled).encode(texts)``, its defaults (it sorts
   texts by length, pads each batch, and runs transformers' BERT with ``sdpa``);
 * ``sentence-transformers + mh.hf.patch``: the same object with its BERT patched
   (:func:`multihead.hf.patch`): multihead's attention layers on the padded batches;
 * ``multihead embed``: :func:`multihead.tools.embed.Embedder` (what ``multihead embed`` runs):
-  sorted batches run on their real tokens only (:func:`multihead.hf.pack_padding`).
+  sorted batches run on their real tokens only (:func:`multihead.hf.pack_padding`);
+* ``multihead embed, bfloat16``: the same with the encoder in bfloat16 (``--dtype bfloat16``), the
+  precision OpenVINO picks by default on a CPU with AMX; its least cosine says what it costs.
 
-Timed round-robin (:func:`multihead.tools.bench.time_interleaved`), so machine noise hits all three
-alike; sentences/s of the median and the spread (slowest and fastest call), the speed-up over
+Timed round-robin (:func:`multihead.tools.bench.time_interleaved`), so machine noise hits all four
+alike: sentences/s of the median and the spread (slowest and fastest call), the speed-up over
 sentence-transformers of the medians and paired per round, and the share of the CPUs other
 processes used meanwhile (:class:`multihead.tools.machine.OthersLoad`). Every way's embeddings are
-compared with sentence-transformers' (the least cosine).
+compared with sentence-transformers' (the least cosine). sentence-transformers' ONNX Runtime and
+OpenVINO backends are not among the ways: their optimum packages pin older transformers, so they
+need an environment of their own.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from .bench import time_interleaved
 
 __all__ = ["corpus", "run_embed", "format_embed", "WAYS"]
 
-WAYS = ("sentence-transformers", "sentence-transformers + mh.hf.patch", "multihead embed")
+WAYS = ("sentence-transformers", "sentence-transformers + mh.hf.patch", "multihead embed",
+        "multihead embed, bfloat16")
 _BASE = "sentence-transformers"
 _WORDS = ("attention", "model", "token", "head", "query", "key", "value", "layer", "vector", "matrix", "the",
           "a", "of", "and", "to", "in", "is", "that", "for", "with", "language", "learns", "pattern", "each",
@@ -54,7 +59,8 @@ def corpus(n: int, seed: int = 0) -> list[str]:
 
 
 def _ways(texts: list[str], batch_size: int) -> tuple[dict[str, Callable[[], np.ndarray]], dict[str, Any]]:
-    """The three ways, each embedding ``texts`` when called, and facts about the corpus."""
+    """The ways of :data:`WAYS`, each embedding ``texts`` when called, and facts about the corpus."""
+    import torch
     from sentence_transformers import SentenceTransformer
 
     import multihead as mh
@@ -66,11 +72,12 @@ def _ways(texts: list[str], batch_size: int) -> tuple[dict[str, Callable[[], np.
     patched = SentenceTransformer(path, device="cpu")
     bert: Any = patched[0].auto_model  # the transformers model inside sentence-transformers' first module
     mh.hf.patch(bert)
-    ours = embed.Embedder(path)
+    ours, ours16 = embed.Embedder(path), embed.Embedder(path, dtype=torch.bfloat16)
     ways: dict[str, Callable[[], np.ndarray]] = {
         WAYS[0]: lambda: plain.encode(texts, batch_size=batch_size),
         WAYS[1]: lambda: patched.encode(texts, batch_size=batch_size),
         WAYS[2]: lambda: ours.embed(texts, batch_size=batch_size).vectors,
+        WAYS[3]: lambda: ours16.embed(texts, batch_size=batch_size).vectors,
     }
     tokens = [len(ids) for ids in plain.tokenizer(texts)["input_ids"]]
     return ways, {"texts": len(texts), "tokens": sum(tokens), "longest": max(tokens),
@@ -79,7 +86,7 @@ def _ways(texts: list[str], batch_size: int) -> tuple[dict[str, Callable[[], np.
 
 def run_embed(*, quick: bool = False, reps: int | None = None, batch_size: int = 32,
               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Embed the corpus the three ways (see the module's docstring); returns the results as JSON data.
+    """Embed the corpus each way of :data:`WAYS` (see the module's docstring); returns the results as JSON data.
 
     Raises:
         ImportError: sentence-transformers or the bundled model's package is not installed.
@@ -90,7 +97,7 @@ def run_embed(*, quick: bool = False, reps: int | None = None, batch_size: int =
 
     say = progress or (lambda line: None)
     texts = corpus(24 if quick else 512)
-    say(f"loading the bundled model three ways, {len(texts)} texts")
+    say(f"loading the bundled model {len(WAYS)} ways, {len(texts)} texts")
     ways, facts = _ways(texts, batch_size)
     with torch.inference_mode():
         outputs = {name: np.asarray(fn()) for name, fn in ways.items()}

@@ -235,6 +235,8 @@ def cmd_embed(args: argparse.Namespace) -> int:
     """``multihead embed FILE``: :func:`~multihead.tools.embed.embed_file`, a progress bar on stderr."""
     from tqdm.auto import tqdm
 
+    import torch
+
     from .embed import embed_file
 
     bars: list[Any] = []  # the bar starts with the first batch: a refused file or model shows none
@@ -247,7 +249,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
 
     try:
         info = embed_file(args.file, args.out, model_dir=args.model, batch_size=args.batch_size,
-                          threads=args.threads, progress=progress)
+                          threads=args.threads, dtype=getattr(torch, args.dtype), progress=progress)
     finally:
         for bar in bars:
             bar.close()
@@ -258,7 +260,8 @@ def cmd_embed(args: argparse.Namespace) -> int:
               f"(as sentence-transformers cuts them): line {lines}", file=sys.stderr, flush=True)
     text = (f"wrote {info['out']}: {info['texts']} embeddings of {info['embed_dim']} float32 "
             f"({'unit vectors' if info['normalized'] else 'not normalised'}) of the lines of {info['input']}\n"
-            f"model {info['model_dir']} (attention patched by multihead), at most {info['max_length']} tokens a text\n"
+            f"model {info['model_dir']} (attention patched by multihead, the encoder in {info['dtype']}), "
+            f"at most {info['max_length']} tokens a text\n"
             f"{info['batches']} batch{'es' if info['batches'] != 1 else ''} of up to {info['batch_size']} texts "
             "sorted by length, "
             f"{info['threads']} torch threads, {info['seconds']:.2f} s")
@@ -364,6 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="texts per forward pass, sorted by length (default %(default)s)")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--model", default=None, metavar="DIR", help="checkpoint folder (default: the bundled MiniLM)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the encoder's precision (default %(default)s: equal to sentence-transformers; bfloat16: "
+                        "about twice as fast on CPUs with AMX or AVX512-BF16, cosine about 0.9999 to float32's)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_embed)

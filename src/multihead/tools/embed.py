@@ -41,10 +41,14 @@ import torch
 from . import models
 
 __all__ = ["Embedder", "Embedded", "embed", "embed_file", "read_texts", "check_texts", "check_batch_size",
-           "check_out_path", "OUT_FORMATS", "DEFAULT_BATCH_SIZE"]
+           "check_dtype", "DTYPES", "check_out_path", "OUT_FORMATS", "DEFAULT_BATCH_SIZE"]
 
 #: Texts per batch unless told (sentence-transformers' default too).
 DEFAULT_BATCH_SIZE = 32
+#: The encoder precisions :class:`Embedder` runs. bfloat16 keeps 8 bits of mantissa: on the
+#: bundled MiniLM its embeddings' cosine to float32's is about 0.9999, and its error against a
+#: float64 run stays within 2× that of transformers' own model run in bfloat16 (tested).
+DTYPES = (torch.float32, torch.bfloat16)
 #: The output formats :func:`embed_file` writes, by file extension.
 OUT_FORMATS = (".npy", ".jsonl")
 #: The modules of ``modules.json`` that :class:`Embedder` reproduces (by their class name).
@@ -138,6 +142,17 @@ def check_texts(texts: Sequence[str], *, what: str = "texts") -> list[str]:
     return texts
 
 
+def check_dtype(dtype: object) -> torch.dtype:
+    """``dtype`` if it is one of :data:`DTYPES`.
+
+    Raises:
+        TypeError: anything else, naming the accepted ones.
+    """
+    if not isinstance(dtype, torch.dtype) or dtype not in DTYPES:
+        raise TypeError(f"dtype must be one of {', '.join(map(str, DTYPES))}, got {dtype!r}")
+    return dtype
+
+
 def check_batch_size(batch_size: int) -> int:
     """``batch_size`` if it is a positive int, else a TypeError/ValueError naming it."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int):
@@ -156,23 +171,31 @@ class Embedder:
             bundled all-MiniLM-L6-v2.
         normalize: L2-normalise the pooled vectors; default (None) what the folder's
             ``modules.json`` says (a ``Normalize`` module listed; no ``modules.json``: no).
+        dtype: the encoder's precision: ``torch.float32`` (default: equal to
+            sentence-transformers' own float32 encode within float rounding) or
+            ``torch.bfloat16`` (weights and activations in bfloat16, the pooling in float32:
+            about twice as fast where the CPU has AMX or AVX512-BF16, with a bfloat16
+            computation's accuracy: see :data:`DTYPES`).
 
     Raises:
         ValueError: a bad folder or checkpoint, a sentence-transformers module or pooling mode
             other than Transformer / mean Pooling / Normalize, or attention multihead cannot patch.
-        TypeError: ``normalize`` not None or a bool.
+        TypeError: ``normalize`` not None or a bool, ``dtype`` not one of :data:`DTYPES`.
     """
 
-    def __init__(self, model_dir: str | os.PathLike[str] | None = None, *, normalize: bool | None = None) -> None:
+    def __init__(self, model_dir: str | os.PathLike[str] | None = None, *, normalize: bool | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
         if normalize is not None and not isinstance(normalize, bool):
             raise TypeError(f"normalize must be None or a bool, got {normalize!r}")
+        check_dtype(dtype)
         from .. import hf
 
         self.path = models._checkpoint_dir(model_dir)
         listed = _pipeline(self.path)  # before loading: a refused pipeline costs nothing
         self.normalize = listed if normalize is None else normalize
         self.model, self.tokenizer = models.load_model(self.path), models.load_tokenizer(self.path)
-        hf.patch(self.model)
+        hf.patch(self.model.to(dtype))
+        self.dtype = dtype
         # BERT-family encoders run each batch on its real tokens only (the padding costs nothing)
         self.packing = hf.pack_padding(self.model) if hf.packable(self.model) else None
         self.max_length = _token_limit(self.path, self.model.config, self.tokenizer)
@@ -236,7 +259,7 @@ class Embedder:
         inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
         if getattr(self.model.config, "is_decoder", False) or getattr(self.model.config, "use_cache", False):
             inputs["use_cache"] = False
-        hidden = self.model(**inputs).last_hidden_state  # (B, S, E)
+        hidden = self.model(**inputs).last_hidden_state.float()  # (B, S, E), pooled in float32
         m = batch["attention_mask"].to(hidden.dtype)[..., None]  # (B, S, 1)
         pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)  # (B, E)
         return torch.nn.functional.normalize(pooled, dim=-1) if self.normalize else pooled
@@ -244,7 +267,7 @@ class Embedder:
 
 def embed(texts: Sequence[str], *, model_dir: str | os.PathLike[str] | None = None,
           batch_size: int = DEFAULT_BATCH_SIZE, threads: int | None = None, normalize: bool | None = None,
-          progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+          dtype: torch.dtype = torch.float32, progress: Callable[[int, int], None] | None = None) -> np.ndarray:
     """(N, E) float32 sentence embeddings of ``texts``, equal to ``SentenceTransformer.encode``.
 
     One-shot form of :class:`Embedder` (which see for the arguments; load one to embed many
@@ -256,8 +279,9 @@ def embed(texts: Sequence[str], *, model_dir: str | os.PathLike[str] | None = No
     """
     texts = check_texts(texts)
     check_batch_size(batch_size)
+    check_dtype(dtype)
     models.check_threads(threads)
-    result = Embedder(model_dir, normalize=normalize).embed(texts, batch_size=batch_size, threads=threads,
+    result = Embedder(model_dir, normalize=normalize, dtype=dtype).embed(texts, batch_size=batch_size, threads=threads,
                                                             progress=progress)
     if result.truncated:
         warnings.warn(f"{len(result.truncated)} of {len(texts)} texts were cut to the model's "
@@ -334,7 +358,7 @@ def _write(out: Path, vectors: np.ndarray) -> None:
 
 def embed_file(path: str | os.PathLike[str], out_path: str | os.PathLike[str] | None = None, *,
                model_dir: str | os.PathLike[str] | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
-               threads: int | None = None, normalize: bool | None = None,
+               threads: int | None = None, normalize: bool | None = None, dtype: torch.dtype = torch.float32,
                progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Embed each line of ``path`` (:func:`read_texts`) and write the (N, E) float32 rows.
 
@@ -342,7 +366,7 @@ def embed_file(path: str | os.PathLike[str], out_path: str | os.PathLike[str] | 
         path: a UTF-8 text file, one text per line.
         out_path: ``.npy`` (``numpy.load`` gives (N, E) float32) or ``.jsonl`` (line i:
             ``{"line": i, "embedding": [E floats]}``); default ``path`` with the suffix ``.npy``.
-        model_dir, batch_size, threads, normalize, progress: as :class:`Embedder` and
+        model_dir, batch_size, threads, normalize, dtype, progress: as :class:`Embedder` and
             :meth:`Embedder.embed`.
 
     Returns:
@@ -358,12 +382,14 @@ def embed_file(path: str | os.PathLike[str], out_path: str | os.PathLike[str] | 
     out = check_out_path(source.with_suffix(".npy") if out_path is None else out_path, source)
     texts = read_texts(source)
     check_batch_size(batch_size)
+    check_dtype(dtype)
     models.check_threads(threads)
-    embedder = Embedder(model_dir, normalize=normalize)
+    embedder = Embedder(model_dir, normalize=normalize, dtype=dtype)
     result = embedder.embed(texts, batch_size=batch_size, threads=threads, progress=progress)
     _write(out, result.vectors)
     return {"input": str(source), "out": str(out), "model_dir": str(embedder.path), "texts": len(texts),
             "embed_dim": int(result.vectors.shape[1]), "normalized": result.normalized, "batch_size": batch_size,
+            "dtype": str(dtype).removeprefix("torch."),
             "batches": result.batches, "threads": result.threads, "seconds": result.seconds,
             "max_length": result.max_length,
             "truncated": {"count": len(result.truncated), "lines": [i + 1 for i in result.truncated]}}
