@@ -203,3 +203,11 @@ def test_kernel_route_generates_with_the_in_place_cache(model_type: str) -> None
         mh.hf.patch(model)
         got = model.generate(**inputs, cache=mh.hf.KVCacheAdapter(model, 16), **greedy)
     assert torch.equal(got, want)
+
+
+def test_patching_a_kernel_routed_model_again_changes_nothing_and_unpatch_restores_it() -> None:
+    model = _eager("bitnet")
+    mh.hf.patch(model)
+    with pytest.warns(UserWarning, match="already patched; nothing left to patch"):
+        mh.hf.patch(model)
+    assert mh.hf.unpatch(model).config._attn_implementation == "eager" and not mh.hf.is_patched(model)

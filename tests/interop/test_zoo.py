@@ -471,8 +471,10 @@ def _may_hold_registered(modules: list[Any]) -> bool:
 def _patch_on_meta(model_type: str) -> str:
     """The routes ``mh.hf.patch`` takes in ``model_type``'s model (``"wrapper"``, ``"kernel"`` or
     ``"wrapper+kernel"``), ``"refused"``, ``"no attention"`` or ``"unbuildable"``; anything else raises."""
-    try:
-        with warnings.catch_warnings(), torch.device("meta"):
+    from transformers.initialization import no_init_weights
+
+    try:  # on meta, with no weight initialised (there are no values to initialise): the model's modules only
+        with warnings.catch_warnings(), torch.device("meta"), no_init_weights():
             warnings.simplefilter("ignore")
             model = build(model_type, tiny_config(model_type, **ZOO.get(model_type, ({}, False))[0]), AutoModel)
     except Exception:  # noqa: BLE001 - a config the tiny recipe cannot build is not our failure

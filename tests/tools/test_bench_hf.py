@@ -13,11 +13,14 @@ pytest.importorskip("transformers")
 from multihead.tools import bench_hf  # noqa: E402
 
 
-def test_quick_run_reports_prefill_and_decoding_three_ways() -> None:
-    result = bench_hf.run_hf_generate(quick=True, reps=1)
-    assert result["same_logits"] is True
+def test_quick_run_reports_prefill_and_decoding_three_ways_and_the_compiled_steps() -> None:
+    """The three ways, and (``compiled=True``) HF's StaticCache and our adapter with each model's forward
+    compiled, timed among the decoding step's ways; the compiled steps' logits equal HF's eager step."""
+    result = bench_hf.run_hf_generate(quick=True, reps=1, compiled=True)
+    assert result["same_logits"] is True and result["compiled_same_logits"] is True
+    assert list(result["prefill"]) == list(bench_hf.WAYS)
+    assert list(result["decode"]) == [*bench_hf.WAYS, *bench_hf.COMPILED]
     for phase in ("prefill", "decode"):
-        assert list(result[phase]) == list(bench_hf.WAYS)
         assert result[phase]["HF"]["vs_hf"] == result[phase]["HF"]["paired_vs_hf"] == 1.0
         assert all(st["tokens_per_s"] > 0 for st in result[phase].values())
     assert len(result["paths"]) == bench_hf.QUICK["layers"]
@@ -29,6 +32,7 @@ def test_quick_run_reports_prefill_and_decoding_three_ways() -> None:
     text = bench_hf.format_hf_generate(result)
     assert "prefill:" in text and "decode:" in text and "patched + KVCacheAdapter" in text
     assert f"floor, {bench_hf.FLOOR}" in text and "beyond it (the attention's own work): HF " in text
+    assert "compiled steps' logits agree: True" in text and bench_hf.COMPILED[0] in text
 
 
 def test_the_prefill_floor_runs_the_four_projections_and_nothing_else_of_attention() -> None:
@@ -60,3 +64,11 @@ def test_cli_flag_runs_it_and_writes_json(tmp_path, capsys: pytest.CaptureFixtur
     written = json.loads((tmp_path / "hf_generate.json").read_text(encoding="utf-8"))
     assert set(written) >= {"sizes", "prefill", "decode", "paths"} and written["sizes"] == bench_hf.QUICK
     assert json.loads(capsys.readouterr().out)["decode"].keys() == set(bench_hf.WAYS)
+
+
+def test_compiled_without_hf_generate_is_refused(capsys: pytest.CaptureFixture) -> None:
+    from multihead import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--compiled"])
+    assert e.value.code == 2 and "--compiled applies to --hf-generate only" in capsys.readouterr().err

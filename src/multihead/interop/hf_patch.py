@@ -721,6 +721,8 @@ def patch(model: nn.Module, *, strict: bool = True, backend: str | None = None, 
     to_kernel: list[nn.Module] = []
     skipped: list[str] = []
     for name, module in candidates:
+        if hf_routes.routed(module):
+            continue  # on the kernel route already
         decided, wrapper = _decide(name, module, overrides, kernel)
         if wrapper is not None:
             plan.append((name, wrapper))
@@ -775,7 +777,7 @@ def unpatch(model: nn.Module) -> nn.Module:
 def is_patched(model: nn.Module) -> bool:
     """Whether any module of ``model`` is a :class:`PatchedAttention` or runs the multihead kernel
     through the kernel route."""
-    return any(isinstance(m, PatchedAttention) or hf_routes.routed(m) for m in model.modules())
+    return any(isinstance(m, PatchedAttention) or hf_routes.dispatches_here(m) for m in model.modules())
 
 
 def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -29,7 +29,7 @@ from torch import nn
 from .hf_kernel import BACKEND_ATTR, NAME, refusal, register
 
 __all__ = ["Route", "WRAPPER", "KERNEL", "REFUSED", "dispatches", "dispatches_class", "dispatchers",
-           "kernel_refusal", "route", "restore", "routed", "BACKEND_ATTR"]
+           "kernel_refusal", "route", "restore", "routed", "dispatches_here", "BACKEND_ATTR"]
 
 WRAPPER, KERNEL, REFUSED = "wrapper", "kernel", "refused"
 #: Where a routed model remembers each config it changed and the implementation it held.
@@ -113,6 +113,11 @@ def restore(model: nn.Module) -> None:
         for config, implementation in module.__dict__.pop(_SAVED, []):
             config._attn_implementation_internal = implementation
         module.__dict__.pop(BACKEND_ATTR, None)
+
+
+def dispatches_here(module: nn.Module) -> bool:
+    """Whether ``module`` itself dispatches through ``AttentionInterface`` to the multihead kernel now."""
+    return dispatches(module) and getattr(getattr(module, "config", None), "_attn_implementation", None) == NAME
 
 
 def routed(module: nn.Module) -> bool:

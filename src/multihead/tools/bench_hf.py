@@ -13,7 +13,11 @@ vocab 32000, MLP 2816; float32, ``attn_implementation="sdpa"``) on a P=1536 prom
   :func:`multihead.decode.why_not_fused` allows (else the reason is reported and the
   wrapper's step writes in place through ``update``).
 
-and, for the prefill only, its floor: ``FLOOR``, the unpatched model with every attention
+With ``compiled=True`` (``--compiled``) the decoding step is timed two more ways, each model's
+``forward`` compiled by ``torch.compile`` after the prompt is written: ``HF + StaticCache,
+compiled`` (transformers' recipe for fast decoding) and ``patched + KVCacheAdapter, compiled``.
+
+And, for the prefill only, its floor: ``FLOOR``, the unpatched model with every attention
 module reduced to its four projections (q, k, v from the input, the output projection on q;
 no positions, scores or cache): the GEMMs every way runs, below which no attention kernel
 can take the prompt. What each way takes beyond it is the attention's own work (RoPE, the cache, the
@@ -45,6 +49,9 @@ FULL = {"layers": 8, "embed_dim": 1024, "heads": 16, "kv_heads": 4, "vocab": 320
         "prompt": 1536}
 QUICK = {"layers": 2, "embed_dim": 64, "heads": 4, "kv_heads": 2, "vocab": 128, "intermediate": 128, "prompt": 32}
 WAYS = ("HF", "patched + DynamicCache", "patched + KVCacheAdapter")
+#: The decoding step's compiled ways (``compiled=True``): each model's ``forward`` compiled by
+#: ``torch.compile``, transformers' ``StaticCache`` (its recipe for compiled decoding) and ours.
+COMPILED = ("HF + StaticCache, compiled", "patched + KVCacheAdapter, compiled")
 FLOOR = "HF, attention = projections only"
 
 
@@ -89,17 +96,20 @@ def _models(sizes: dict[str, int]) -> tuple[Any, Any]:
     return hf, patch(copy.deepcopy(hf))
 
 
-def run_hf_generate(*, quick: bool = False, reps: int | None = None,
+def run_hf_generate(*, quick: bool = False, reps: int | None = None, compiled: bool = False,
                     progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Time prefill and one decoding step three ways; return plain dicts (see the module docstring).
 
     Args:
         quick: :data:`QUICK` sizes instead of :data:`FULL`.
         reps: timed repetitions of each (default 7 for prefill and 15 for a step; quick: 2, 3).
+        compiled: also time the decoding step the :data:`COMPILED` ways, among the others (each
+            compiled before the timing; minutes at full size).
         progress: called with a short line before each phase.
 
     Returns:
         ``{"sizes", "paths", "prefill": {way: stats}, "decode": {way: stats}, "same_logits",
+        "compiled_same_logits" (the compiled steps' logits equal HF's; None unless ``compiled``),
         "prefill_floor"}``, stats as :func:`time_interleaved`'s plus ``tokens_per_s`` and ``vs_hf``
         (time ratio); ``prefill_floor``: the :data:`FLOOR` model's times, timed among the prefill's
         ways, and ``beyond_floor_s`` per way (its median less the floor's).
@@ -137,12 +147,58 @@ def run_hf_generate(*, quick: bool = False, reps: int | None = None,
         step_fns: dict[str, Fn] = {way: functools.partial(models[way], input_ids=step_ids, cache=caches[way],
                                                           use_cache=True) for way in WAYS}
         resets: dict[str, Fn] = {way: functools.partial(_roll_back, caches[way], p) for way in WAYS}
-        dec = time_interleaved(step_fns, reps=reps or (3 if quick else 15), warmup=1, resets=resets)
+        compiled_same = None
+        if compiled:
+            say("compiling the decoding step two ways")
+            step_logits = hf(input_ids=step_ids, cache=caches["HF"], use_cache=True).logits
+            resets["HF"]()
+            compiled_same = True
+            for way, (step, reset, got) in _compiled_steps(hf, ids, step_ids).items():
+                step_fns[way], resets[way] = step, reset
+                compiled_same = compiled_same and torch.allclose(got, step_logits, rtol=1e-4, atol=1e-4)
+        dec = time_interleaved(step_fns, reps=reps or (3 if quick else 15), warmup=2 if compiled else 1,
+                               resets=resets)
     same = all(torch.allclose(logits[w], logits["HF"], rtol=1e-4, atol=1e-4) for w in WAYS)
     return {"sizes": dict(sizes), "threads": torch.get_num_threads(), "paths": caches[WAYS[2]].paths,
-            "same_logits": same, "prefill": _rated(pre, p), "decode": _rated(dec, 1),
+            "same_logits": same, "compiled_same_logits": compiled_same, "prefill": _rated(pre, p),
+            "decode": _rated(dec, 1),
             "prefill_floor": {"median_s": floor["median_s"], "min_s": floor["min_s"], "times_s": floor["times_s"],
                               "beyond_floor_s": {way: st["median_s"] - floor["median_s"] for way, st in pre.items()}}}
+
+
+def _compiled_steps(hf: Any, ids: torch.Tensor, step_ids: torch.Tensor) -> dict[str, tuple[Fn, Fn, torch.Tensor]]:
+    """Per :data:`COMPILED` way: (the decoding step after the prompt ``ids`` (1, P), its reset, its
+    logits), on a copy of ``hf`` whose ``forward`` is compiled after the prompt is written (eagerly, once)."""
+    from transformers import StaticCache
+
+    from ..interop import hf_cache
+    from ..interop.hf_patch import patch
+
+    p = ids.shape[1]
+    out = {}
+    for way in COMPILED:
+        model = copy.deepcopy(hf)
+        if way == COMPILED[0]:
+            cache: Any = StaticCache(config=hf.config, max_cache_len=p + 1)
+            reset: Fn = functools.partial(_roll_back_static, cache, p)
+        else:
+            model = patch(model)
+            cache = hf_cache.KVCacheAdapter(model, max_len=p + 1)
+            reset = functools.partial(_roll_back, cache, p)
+        model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)  # the prompt, written once, eager
+        model.forward = torch.compile(model.forward)  # the step's graph only
+        step = functools.partial(model, input_ids=step_ids, cache=cache, use_cache=True)
+        logits = step().logits
+        reset()
+        out[way] = (step, reset, logits)
+    return out
+
+
+def _roll_back_static(cache: Any, held: int) -> None:
+    """A ``StaticCache`` back to ``held`` tokens: each layer writes at its ``cumulative_length`` (the
+    step's slot is written again by the next call)."""
+    for layer in cache.layers:
+        layer.cumulative_length.fill_(held)
 
 
 def _roll_back(cache: Any, held: int) -> None:
@@ -166,12 +222,14 @@ def format_hf_generate(result: dict[str, Any]) -> str:
     s = result["sizes"]
     lines = [f"LlamaForCausalLM, random weights: L={s['layers']} E={s['embed_dim']} H={s['heads']} "
              f"Hkv={s['kv_heads']} vocab={s['vocab']} MLP={s['intermediate']}; prompt P={s['prompt']}; "
-             f"float32, {result['threads']} threads; first logits agree: {result['same_logits']}",
+             f"float32, {result['threads']} threads; first logits agree: {result['same_logits']}"
+             + ("" if result.get("compiled_same_logits") is None
+                else f"; compiled steps' logits agree: {result['compiled_same_logits']}"),
              f"adapter's decoding path per layer: {sorted(set(map(str, result['paths'])))}"]
     for phase, unit in (("prefill", "prompt tokens/s"), ("decode", "tokens/s")):
-        lines += ["", f"{phase}:", f"  {'way':<28}{'median ms':>12}{unit:>18}{'time vs HF':>12}{'paired':>8}"]
+        lines += ["", f"{phase}:", f"  {'way':<38}{'median ms':>12}{unit:>18}{'time vs HF':>12}{'paired':>8}"]
         for way, st in result[phase].items():
-            lines.append(f"  {way:<28}{st['median_s'] * 1e3:>12.2f}{st['tokens_per_s']:>18.1f}{st['vs_hf']:>12.3f}"
+            lines.append(f"  {way:<38}{st['median_s'] * 1e3:>12.2f}{st['tokens_per_s']:>18.1f}{st['vs_hf']:>12.3f}"
                          f"{st['paired_vs_hf']:>8.3f}")
         if phase == "prefill" and "prefill_floor" in result:
             lines += _floor_lines(result["prefill_floor"])

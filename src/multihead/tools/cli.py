@@ -191,7 +191,7 @@ def _bench_hf_generate(args: argparse.Namespace) -> int:
 
     from . import bench_hf
 
-    result = bench_hf.run_hf_generate(quick=args.quick, progress=_say)
+    result = bench_hf.run_hf_generate(quick=args.quick, compiled=args.compiled, progress=_say)
     return _write_result(args, result, "hf_generate.json", bench_hf.format_hf_generate(result))
 
 
@@ -340,6 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-generate", action="store_true",
                    help="instead of the suite: a transformers Llama's prefill and decoding step, unpatched vs "
                         "patched vs patched + mh.hf.KVCacheAdapter (minutes; --quick: seconds)")
+    p.add_argument("--compiled", action="store_true",
+                   help="with --hf-generate: also the decoding step compiled, HF's StaticCache against "
+                        "mh.hf.KVCacheAdapter (each model's forward under torch.compile)")
     p.add_argument("--embed", action="store_true",
                    help="instead of the suite: the embedding job, a corpus of 512 texts through the bundled model, "
                         "against sentence-transformers (a minute; --quick: seconds)")
@@ -394,6 +397,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for flag in ("seq", "batch"):
         if getattr(args, flag, 1) < 1:
             _refuse(parser, f"--{flag} must be a positive integer, got {getattr(args, flag)}")
+    if args.command == "bench" and args.compiled and not args.hf_generate:
+        _refuse(parser, "--compiled applies to --hf-generate only")
     if args.command == "explain" and args.seq > max_seq_len(args.config):  # before any work
         what = "a config is explained (shapes only)" if args.config else "the seed's example runs (for real)"
         _refuse(parser, f"--seq must be at most {max_seq_len(args.config)} when {what}, got {args.seq}")
