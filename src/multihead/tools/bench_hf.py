@@ -175,7 +175,7 @@ def _compiled_steps(hf: Any, ids: torch.Tensor, step_ids: torch.Tensor) -> dict[
     from ..interop.hf_patch import patch
 
     p = ids.shape[1]
-    out = {}
+    out: dict[str, tuple[Fn, Fn, torch.Tensor]] = {}
     for way in COMPILED:
         model = copy.deepcopy(hf)
         if way == COMPILED[0]:
@@ -187,8 +187,8 @@ def _compiled_steps(hf: Any, ids: torch.Tensor, step_ids: torch.Tensor) -> dict[
             reset = functools.partial(_roll_back, cache, p)
         model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)  # the prompt, written once, eager
         model.forward = torch.compile(model.forward)  # the step's graph only
-        step = functools.partial(model, input_ids=step_ids, cache=cache, use_cache=True)
-        logits = step().logits
+        logits = model(input_ids=step_ids, cache=cache, use_cache=True).logits  # compiles the step
+        step: Fn = functools.partial(model, input_ids=step_ids, cache=cache, use_cache=True)
         reset()
         out[way] = (step, reset, logits)
     return out
