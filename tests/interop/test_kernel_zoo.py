@@ -30,7 +30,7 @@ from multihead.interop import hf_kernel
 pytest.importorskip("transformers")
 from transformers import AutoModel, AutoModelForCausalLM  # noqa: E402
 
-from test_zoo import RTOL, _generate, _inputs, _outs, build, sharpen, tiny_config  # noqa: E402
+from test_zoo import RTOL, _inputs, _outs, build, compare_patched, sharpen, tiny_config  # noqa: E402
 
 _MOE = {"num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32}
@@ -89,21 +89,15 @@ def compare_kernel_route(model_type: str, extra: dict[str, Any] | None = None, g
     (:data:`KERNEL_ZOO`'s settings, or ``extra`` and ``generator``)."""
     model = _eager(model_type, extra, generator)
     generator = KERNEL_ZOO[model_type][1] if generator is None else generator
-    batches = [_inputs(model_type, side) for side in ("right", "left")]
-    wants = [_outs(model, inputs) for inputs in batches]
-    tokens = _generate(model, model_type, batches[0]) if generator else None
-    report = mh.hf.patch(model, report=True)
-    assert report and {r.route for r in report} == {"kernel"}, report
-    for side, inputs, want in zip(("right", "left"), batches, wants):
-        for (got, _), (out, real) in zip(_outs(model, inputs), want):
-            rel = ((got[real] - out[real]).abs().max() / out[real].abs().max()).item()
-            if not rel <= RTOL:
-                return f"wrong: relative difference {rel:.2e} on real tokens ({side} padding)"
-    if generator and not torch.equal(_generate(model, model_type, batches[0]), tokens):
-        return "wrong: different greedy tokens"
+
+    def patching(m: nn.Module) -> None:
+        report = mh.hf.patch(m, report=True)
+        assert report and {r.route for r in report} == {"kernel"}, report
+
+    found = compare_patched(model, model_type, generator, patching)
     mh.hf.unpatch(model)
     assert not mh.hf.is_patched(model) and model.config._attn_implementation == "eager"
-    return "exact"
+    return found
 
 
 @pytest.mark.parametrize("model_type", list(KERNEL_ZOO))

@@ -408,10 +408,17 @@ def _generate(model: nn.Module, model_type: str, batch: dict[str, torch.Tensor])
 def compare(model_type: str) -> str:
     """``"exact"``, or what differs (``"wrong: ..."``) after patching ``model_type``'s tiny model."""
     model, generator = _build(model_type)
+    # the registered wrappers only (the kernel route: test_kernel_zoo.py)
+    return compare_patched(model, model_type, generator, lambda m: mh.hf.patch(m, kernel=False))
+
+
+def compare_patched(model: nn.Module, model_type: str, generator: bool, patching: Any) -> str:
+    """``"exact"``, or what differs, between ``model`` (eager) and ``model`` after ``patching(model)``:
+    right- and left-padded batches (relative 1e-5 on real tokens), and greedy tokens for generators."""
     batches = [_inputs(model_type, side) for side in ("right", "left")]
     wants = [_outs(model, inputs) for inputs in batches]
     tokens = _generate(model, model_type, batches[0]) if generator else None
-    mh.hf.patch(model, kernel=False)  # the registered wrappers only (the kernel route: test_kernel_zoo.py)
+    patching(model)
     for side, inputs, want in zip(("right", "left"), batches, wants):
         for (got, _), (out, real) in zip(_outs(model, inputs), want):
             rel = ((got[real] - out[real]).abs().max() / out[real].abs().max()).item()
