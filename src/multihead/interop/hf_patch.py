@@ -615,6 +615,16 @@ def _wrap(module: nn.Module, overrides: dict[str, Any]) -> PatchedAttention:
     return _WRAPPERS[spec.call](module, from_hf(module, **overrides))
 
 
+#: What a module on the kernel route runs (:attr:`Route.why`).
+_ON_KERNEL = "HF's module, the multihead kernel through AttentionInterface"
+
+
+def _wrapper_route(name: str, original: nn.Module) -> Route:
+    """The route of a module ``original`` that a registered wrapper takes (or took)."""
+    spec = hf_registry.require_spec(original)
+    return Route(name, type(original).__name__, hf_routes.WRAPPER, f"registered: {spec.name}")
+
+
 def _decide(name: str, module: nn.Module, overrides: dict[str, Any],
             kernel: bool) -> tuple[Route, PatchedAttention | None]:
     """The best exact route for one candidate: its registered wrapper, else (``kernel``) the kernel
@@ -625,15 +635,14 @@ def _decide(name: str, module: nn.Module, overrides: dict[str, Any],
     except ValueError as e:
         not_wrapped = str(e)
     else:
-        return Route(name, cls, hf_routes.WRAPPER, f"registered: {hf_registry.require_spec(module).name}"), wrapper
+        return _wrapper_route(name, module), wrapper
     if not kernel:
         return Route(name, cls, hf_routes.REFUSED, not_wrapped), None
     why_not_kernel = hf_routes.kernel_refusal(module)
     if why_not_kernel is None:
         if hf_registry.spec_of(module) is None:
             not_wrapped = f"{cls} is not a registered class"
-        return Route(name, cls, hf_routes.KERNEL, "HF's module, the multihead kernel through AttentionInterface "
-                                                  f"(no wrapper: {not_wrapped})"), None
+        return Route(name, cls, hf_routes.KERNEL, f"{_ON_KERNEL} (no wrapper: {not_wrapped})"), None
     return Route(name, cls, hf_routes.REFUSED, f"{not_wrapped}; the kernel route: {why_not_kernel}"), None
 
 
@@ -653,12 +662,9 @@ def routes(model: nn.Module, *, kernel: bool = True) -> list[Route]:
     found = []
     for name, module in attention_modules(model, include_patched=True):
         if isinstance(module, PatchedAttention):
-            original = module.original
-            found.append(Route(name, type(original).__name__, hf_routes.WRAPPER,
-                               f"registered: {hf_registry.require_spec(original).name}"))
+            found.append(_wrapper_route(name, module.original))
         elif hf_routes.routed(module):
-            found.append(Route(name, type(module).__name__, hf_routes.KERNEL,
-                               "HF's module, the multihead kernel through AttentionInterface"))
+            found.append(Route(name, type(module).__name__, hf_routes.KERNEL, _ON_KERNEL))
         else:
             found.append(_decide(name, module, {}, kernel)[0])
     return found

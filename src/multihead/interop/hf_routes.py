@@ -121,6 +121,7 @@ def dispatches_here(module: nn.Module) -> bool:
 
 
 def routed(module: nn.Module) -> bool:
-    """Whether ``module`` runs the multihead kernel through ``AttentionInterface`` now."""
+    """Whether ``module`` runs the multihead kernel through ``AttentionInterface`` now (every
+    dispatching module inside it does)."""
     found = dispatchers(module)
-    return bool(found) and all(getattr(m.config, "_attn_implementation", None) == NAME for m in found)
+    return bool(found) and all(dispatches_here(m) for m in found)
