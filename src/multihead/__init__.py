@@ -30,7 +30,7 @@ _NAMES = {
     "attention": ".functional",
     "MultiHeadAttention": ".module", "split_heads": ".module", "merge_heads": ".module",
     "MultiHeadLatentAttention": ".latent", "LatentCache": ".latent",
-    "RoPE": ".rope", "interleaved_to_half": ".rope", "half_to_interleaved": ".rope",
+    "RoPE": ".rope", "interleaved_to_half": ".rope", "half_to_interleaved": ".rope", "MRoPE": ".mrope",
     "RopeScaling": ".rope_scaling",
     "KVCache": ".cache",
     "Structure": ".masks",
@@ -49,7 +49,8 @@ _MODULES = {
 }
 
 __all__ = [
-    "attention", "MultiHeadAttention", "MultiHeadLatentAttention", "LatentCache", "RoPE", "RopeScaling", "KVCache",
+    "attention", "MultiHeadAttention", "MultiHeadLatentAttention", "LatentCache", "RoPE", "MRoPE", "RopeScaling",
+    "KVCache",
     "trace", "Trace", "split_heads", "merge_heads", "interleaved_to_half", "half_to_interleaved", "masks",
     "logits", "Structure", "backends", "decode", "native", "reference", "AttentionConfig", "cost", "Cost",
     "interop", "hf", "models", "heads", "parallel", "embed", "BlockMask", "create_block_mask", "block_mask",
@@ -83,6 +84,7 @@ if TYPE_CHECKING:  # what type checkers and editors see: the core's names, eager
     from .latent import LatentCache, MultiHeadLatentAttention  # noqa: F401
     from .masks import Structure  # noqa: F401
     from .module import MultiHeadAttention, merge_heads, split_heads  # noqa: F401
+    from .mrope import MRoPE  # noqa: F401
     from .rope import RoPE, half_to_interleaved, interleaved_to_half  # noqa: F401
     from .rope_scaling import RopeScaling  # noqa: F401
     from .tools.cost import Cost, cost  # noqa: F401
