@@ -19,6 +19,17 @@ their rows: after a prefill of P tokens and N single-token steps, ``cap.weights[
 is (B, H, P+N, Sk), each call's rows zero-padded to the longest key count, and
 ``cap.heads``/``cap.q`` (B, H, P+N, D); ``cap.k``/``cap.v`` are the last call's (the cache's
 keys and values: every token's).
+
+A module on :func:`multihead.hf.patch`'s kernel route (Hugging Face's module, multihead's kernel
+through ``AttentionInterface``) is captured too, under its own name: the kernel reports each call
+(:data:`multihead.interop.hf_kernel.WATCH_ATTR`), which records what it received and computed,
+after HF's projections, QK-norm, RoPE and cache: ``q``, ``k``, ``v``, the weights and ``heads``,
+the kernel's per-head output (HF's module may still change it before its output projection, a
+gate). Its :class:`LayerInfo` is read from its first call (the shapes, the ``is_causal`` and
+``sliding_window`` it passes, checked against its mask), so such a layer appears in
+``cap.layers`` once it has run. Its later calls continue the rows only as a decoding step: a
+causal layer whose keys hold every earlier query's and the new ones (a cache), or a layer that is
+not causal (cross-attention) given one query over the same keys; anything else is refused.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -34,9 +46,14 @@ from torch import nn
 from ..backends import get_spec
 from ..functional import default_backend
 from ..latent import MultiHeadLatentAttention
+from ..masks import Structure, full_mask
 from ..module import MultiHeadAttention
 
-__all__ = ["capture", "Capture", "LayerInfo", "find_layers", "DEFAULT_LIMIT_BYTES", "WORKSPACE_COPIES", "WHAT"]
+if TYPE_CHECKING:
+    from ..interop.hf_kernel import KernelCall
+
+__all__ = ["capture", "Capture", "LayerInfo", "find_layers", "capture_layers", "DEFAULT_LIMIT_BYTES",
+           "WORKSPACE_COPIES", "WHAT"]
 
 #: What a capture can record (``what=``).
 WHAT = ("weights", "heads", "q", "k", "v")
@@ -64,14 +81,27 @@ class LayerInfo:
 def find_layers(model: nn.Module) -> list[tuple[str, MultiHeadAttention]]:
     """The :class:`MultiHeadAttention` layers of ``model`` in module order, named as the model
     names them: a layer inside a :class:`multihead.hf.PatchedAttention` takes the wrapper's
-    name (``encoder.layer.0.attention``), so names match the unpatched model's.
+    name (``encoder.layer.0.attention``), so names match the unpatched model's. What
+    :mod:`multihead.heads.edit` changes (ablation, scaling, pruning).
 
     Raises:
         TypeError: ``model`` is not an nn.Module.
         ValueError: ``model`` holds multi-head latent attention (DeepSeek), whose heads are not
             recorded, Hugging Face attention modules that are not patched, or on
-            :func:`multihead.hf.patch`'s kernel route (they would be missing from the list),
-            or no attention layer at all.
+            :func:`multihead.hf.patch`'s kernel route (HF's module holds their heads; they would be
+            missing from the list), or no attention layer at all.
+    """
+    return [(n, m) for n, m in capture_layers(model, kernel=False) if isinstance(m, MultiHeadAttention)]
+
+
+def capture_layers(model: nn.Module, *, kernel: bool = True) -> list[tuple[str, nn.Module]]:
+    """The attention layers :func:`capture` can record, in module order, named as the unpatched model
+    names them: each :class:`MultiHeadAttention` (a wrapper's under the wrapper's name) and, with
+    ``kernel``, each Hugging Face attention module on :func:`multihead.hf.patch`'s kernel route.
+
+    Raises:
+        TypeError, ValueError: as :func:`find_layers`; with ``kernel``, a kernel-route module that
+            runs the kernel in more than one submodule (one call per layer is recorded).
     """
     from .. import hf, interop
     from ..interop import hf_routes
@@ -80,12 +110,20 @@ def find_layers(model: nn.Module) -> list[tuple[str, MultiHeadAttention]]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     candidates = attention_modules(model)
-    kernel = [(n, type(m).__name__) for n, m in candidates if hf_routes.routed(m)]
-    if kernel:
-        raise ValueError(f"model has {len(kernel)} attention module(s) on multihead.hf.patch's kernel route (Hugging "
-                         f"Face's module, multihead's kernel), e.g. {_listed(kernel)}: multihead.heads records the "
-                         "layers patched with a wrapper only; output_attentions=True returns these modules' weights")
-    unpatched = [(n, type(m).__name__) for n, m in candidates if interop.hf_family(m) is not None]
+    routed = [(n, m) for n, m in candidates if hf_routes.routed(m)]
+    if routed and not kernel:
+        listed = _listed([(n, type(m).__name__) for n, m in routed])
+        raise ValueError(f"model has {len(routed)} attention module(s) on multihead.hf.patch's kernel route (Hugging "
+                         f"Face's module, multihead's kernel), e.g. {listed}: multihead.heads edits the heads of "
+                         "layers patched with a wrapper only (multihead.heads.capture records both routes)")
+    for n, m in routed:
+        inside = [type(d).__name__ for d in hf_routes.dispatchers(m)]
+        if len(inside) != 1:
+            raise ValueError(f"{n or '<model>'} ({type(m).__name__}) runs the multihead kernel in {len(inside)} "
+                             f"modules ({', '.join(inside)}): multihead.heads.capture records one attention per layer")
+    on_kernel = {id(m) for _, m in routed}
+    unpatched = [(n, type(m).__name__) for n, m in candidates
+                 if id(m) not in on_kernel and interop.hf_family(m) is not None]
     if unpatched:
         raise ValueError(f"model has {len(unpatched)} Hugging Face attention module(s) that are not patched, "
                          f"e.g. {_listed(unpatched)}: call multihead.hf.patch(model) first so that multihead computes "
@@ -98,7 +136,8 @@ def find_layers(model: nn.Module) -> list[tuple[str, MultiHeadAttention]]:
     if latent:
         raise ValueError(f"model has {len(latent)} multi-head latent attention layer(s) (DeepSeek), e.g. "
                          f"{latent[0] or '<model>'}: multihead.heads does not record latent attention's heads")
-    found = [(wrapper_of.get(id(m), n), m) for n, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
+    found = [(wrapper_of.get(id(m), n), m) for n, m in model.named_modules()
+             if isinstance(m, MultiHeadAttention) or id(m) in on_kernel]
     if not found:
         raise ValueError(f"model {type(model).__name__} contains no multihead.MultiHeadAttention layer "
                          "(nor a patched Hugging Face attention module)")
@@ -110,7 +149,7 @@ def _listed(modules: list[tuple[str, str]]) -> str:
     return ", ".join(f"{n or '<model>'} ({t})" for n, t in modules[:3])
 
 
-def resolve_layers(found: Sequence[tuple[str, MultiHeadAttention]], layers: Iterable[int | str] | None,
+def resolve_layers(found: Sequence[tuple[str, nn.Module]], layers: Iterable[int | str] | None,
                    argname: str = "layers") -> list[int]:
     """Indices into ``found`` for ``layers`` (indices in model order or names), in model order.
 
@@ -166,7 +205,8 @@ class Capture:
     Attributes:
         layers: captured layer names in model order (index = position in this list).
         info: name -> :class:`LayerInfo`.
-        modules: name -> the :class:`MultiHeadAttention` itself (for o_proj, pruning...).
+        modules: name -> the :class:`MultiHeadAttention` itself (for o_proj, pruning...), or
+            Hugging Face's module for a layer on the kernel route.
         weights: name -> (B, H', S, Sk) attention weights (H' = stored query heads).
         heads: name -> (B, H', S, D) head outputs before o_proj.
         q: name -> (B, H', S, D) queries after RoPE.
@@ -180,7 +220,7 @@ class Capture:
         self.limit_bytes = limit_bytes
         self.layers: list[str] = []
         self.info: dict[str, LayerInfo] = {}
-        self.modules: dict[str, MultiHeadAttention] = {}
+        self.modules: dict[str, nn.Module] = {}
         self.weights: dict[str, torch.Tensor] = {}
         self.heads: dict[str, torch.Tensor] = {}
         self.q: dict[str, torch.Tensor] = {}
@@ -233,6 +273,20 @@ class Capture:
                 f"{self.nbytes:,} held + {kept:,} kept + {workspace:,} while the backend computes every head's "
                 f"weights, over limit_bytes={self.limit_bytes:,}: capture fewer layers, shorter inputs, "
                 "a smaller dtype, or raise limit_bytes")
+
+    def _keep(self, name: str, records: dict[str, torch.Tensor | None]) -> None:
+        """Store one call's records of layer ``name`` that :attr:`what` asks for: ``weights``,
+        ``heads`` and ``q`` (B, H, S, ...) keep the asked heads and append rows; ``k`` and ``v``
+        (B, Hkv, Sk, D) are replaced."""
+        info = self.info[name]
+        sel = None
+        for what, t in records.items():
+            if what in self.what and t is not None:
+                per_query = what in ("weights", "heads", "q")
+                if per_query and len(info.heads) != info.num_heads:
+                    sel = torch.tensor(info.heads, device=t.device) if sel is None else sel
+                    t = t.index_select(1, sel)
+                self._store(name, what, t, rows=per_query)
 
     def _store(self, name: str, what: str, t: torch.Tensor, rows: bool) -> None:
         """Keep ``t`` (detached, a copy in the capture's dtype): rows of a later cached call are
@@ -294,7 +348,6 @@ class _Recorder:
     def _finish(self) -> None:
         """Store the call's records (the steps always report Q_k, K_k, V_k and head_k)."""
         seen, cap, name = self.seen, self.cap, self.name
-        info = cap.info[name]
         if "head_k" not in seen or ("weights" in cap.what and "weights" not in seen):
             raise ValueError(f"layer {name!r} ran without its attend step reporting (heads and weights) on this "
                              "path: nothing to capture")
@@ -302,15 +355,100 @@ class _Recorder:
         q = seen.get("Q_rot_norm", seen.get("Q_rot", seen.get("Q_norm", seen["Q_k"])))
         k = seen.get("K_cache", seen.get("K_rot_norm", seen.get("K_rot", seen.get("K_norm", seen["K_k"]))))
         v = seen.get("V_cache", seen["V_k"])
-        sel = None if len(info.heads) == info.num_heads else torch.tensor(info.heads, device=q.device)
-        for what, t, per_query in (("weights", seen.get("weights"), True), ("heads", seen["head_k"], True),
-                                   ("q", q, True), ("k", k, False), ("v", v, False)):
-            if what in cap.what and t is not None:
-                if per_query and sel is not None:
-                    t = t.index_select(1, sel)
-                cap._store(name, what, t, rows=per_query)
+        cap._keep(name, {"weights": seen.get("weights"), "heads": seen["head_k"], "q": q, "k": k, "v": v})
         self.calls += 1
         seen.clear()
+
+
+class _KernelRecorder:
+    """The watcher of one captured layer on the kernel route
+    (:class:`~multihead.interop.hf_kernel.KernelWatcher`): reads the layer's facts from its first
+    call, checks every call before the kernel computes, stores what it computed."""
+
+    def __init__(self, cap: Capture, name: str, asked: tuple[int, ...] | None) -> None:
+        self.cap, self.name, self.asked = cap, name, asked
+        self.weights = "weights" in cap.what
+        self.calls = 0  # calls stored
+        self.held = 0  # queries stored so far (the rows)
+        self.keys = 0  # the first call's key count
+
+    def before(self, call: KernelCall) -> None:
+        """Refuse, before anything is computed, a call whose facts differ from the layer's first
+        call, that does not continue a cache, or that would pass ``limit_bytes``."""
+        cap, name = self.cap, self.name
+        info = kernel_layer_info(name, call, self.asked)
+        known = cap.info.get(name)
+        if known is None:
+            wide = [w for w in ("heads", "v") if w in cap.what]
+            if wide and call.value.shape[-1] != info.head_dim:
+                raise ValueError(f"layer {name!r} has values {call.value.shape[-1]} wide and queries {info.head_dim}: "
+                                 f"multihead.heads records one head_dim per layer; capture without {wide}")
+            cap.info[name] = known = info
+        elif info != known:
+            raise ValueError(f"layer {name!r} was called as {info} after {known}: one layer, one description")
+        b, s, keys = call.query.shape[0], call.query.shape[2], call.key.shape[2]
+        if self.calls:
+            self._check_continues(known.causal, s, keys)
+        cap._check_budget(name, b, s, keys, call.query.dtype)
+
+    def _check_continues(self, causal: bool, s: int, keys: int) -> None:
+        """A later call of the layer must be a decoding step through a cache (its rows follow the
+        stored ones): a causal layer's keys hold every earlier query's and its own; a layer that is
+        not causal (cross-attention) takes one query over the first call's keys."""
+        if (keys >= self.held + s) if causal else (s == 1 and keys == self.keys):
+            return
+        if not causal or keys == s:
+            raise ValueError(f"layer {self.name!r} was called again inside one capture, not as a step through a KV "
+                             f"cache ({s} queries over {keys} keys after {self.held} rows): record one forward pass "
+                             "per `with multihead.heads.capture(...)` block (calls through a KV cache, as in "
+                             "generate, append their rows)")
+        raise ValueError(f"layer {self.name!r} attends {keys} cached keys for its {self.held + s} queries so far: the "
+                         "cache no longer holds every earlier token (a sliding window or a ring), so the calls' rows "
+                         "cannot be aligned by key position; capture a forward pass with use_cache=False, or decode "
+                         "within the window")
+
+    def after(self, call: KernelCall, out: torch.Tensor, weights: torch.Tensor | None) -> None:
+        """Store the call: ``out`` (B, H, S, D) the kernel's per-head output, ``weights`` (B, H, S, Sk)."""
+        if self.weights and weights is None:
+            raise ValueError(f"layer {self.name!r}: the kernel returned no weights to capture")
+        self.cap._keep(self.name, {"weights": weights, "heads": out, "q": call.query, "k": call.key,
+                                   "v": call.value})
+        self.held = self.held + call.query.shape[2] if self.calls else call.query.shape[2]
+        self.keys = self.keys if self.calls else call.key.shape[2]
+        self.calls += 1
+
+
+def kernel_layer_info(name: str, call: KernelCall, asked: tuple[int, ...] | None) -> LayerInfo:
+    """The :class:`LayerInfo` of a kernel-route layer, from one of its calls: heads and head_dim from
+    the shapes, ``causal`` and ``window`` as the module passes them (``is_causal``,
+    ``sliding_window``), checked against its mask.
+
+    Raises:
+        ValueError: a window on a layer that is not causal, a mask that lets a query see a key its
+            causality or window forbids, a causal mask on a layer that says it is not causal, or
+            ``asked`` heads out of range.
+    """
+    _, h, s, d = call.query.shape
+    hkv, keys = call.key.shape[1], call.key.shape[2]
+    window = call.sliding_window
+    if window is not None and (not call.is_causal or isinstance(window, bool) or not isinstance(window, int)):
+        raise ValueError(f"layer {name!r} passes sliding_window={window!r} with is_causal={call.is_causal}: "
+                         "multihead.heads describes a window as a token count on a causal layer only")
+    allowed = call.mask  # (B|1, 1|H, S, Sk), True = attend
+    if call.bias is not None:  # an additive mask masks with the dtype's minimum
+        visible = call.bias > torch.finfo(call.bias.dtype).min / 2
+        allowed = visible if allowed is None else allowed & visible
+    if allowed is not None:
+        said = full_mask(None, call.is_causal, window, s, keys, allowed.device)  # (S, Sk) or None
+        if said is not None and bool((allowed & ~said).any()):
+            raise ValueError(f"layer {name!r}'s mask lets a query see keys that is_causal={call.is_causal}, "
+                             f"sliding_window={window} forbid: its heads' description would be false")
+        future = ~Structure(causal=True).dense(s, keys, allowed.device)  # (S, Sk) keys after each query
+        if said is None and s > 1 and bool(allowed.any()) and not bool((allowed & future).any()):
+            raise ValueError(f"layer {name!r} says is_causal=False but its mask is causal: its heads' description "
+                             "would be false")
+    kept = tuple(range(h)) if asked is None else check_head_list(asked, h, "heads")
+    return LayerInfo(name, h, hkv, d, call.is_causal, window, kept)
 
 
 class capture:  # noqa: N801  (a context manager used like a function)
@@ -318,14 +456,16 @@ class capture:  # noqa: N801  (a context manager used like a function)
 
     Args:
         model: a :class:`multihead.MultiHeadAttention`, any module containing them, or a
-            Hugging Face model patched by :func:`multihead.hf.patch`.
+            Hugging Face model patched by :func:`multihead.hf.patch`, on either route (a
+            kernel-route layer is listed in ``cap.layers`` once it has run: see the module's
+            docstring).
         what: any of ``"weights"`` (B, H, Sq, Sk), ``"heads"`` (B, H, S, D, before
             o_proj), ``"q"`` (B, H, S, D, after RoPE), ``"k"``, ``"v"`` (B, Hkv, Sk, D,
             k after RoPE).
         layers: layer indices (model order, as in ``cap.layers`` when all are captured) or
             names; None = all.
         heads: query heads to keep for weights/heads/q (k and v keep every K/V head);
-            None = all.
+            None = all. Checked against a kernel-route layer's head count at its first call.
         dtype: store in this dtype (e.g. ``torch.float16`` halves the memory); None = as
             computed.
         limit_bytes: refuse a layer's call, before its attention computes anything, when
@@ -342,7 +482,10 @@ class capture:  # noqa: N801  (a context manager used like a function)
         TypeError, ValueError (before anything runs): an unpatched HF model, an unknown
             layer name or index, heads out of range, an unknown ``what``, a layer whose
             named backend cannot return weights; a call over ``limit_bytes`` or a second
-            call of one layer inside the block (raised from the forward pass).
+            call of one layer inside the block (raised from the forward pass), and on the
+            kernel route (raised from the layer's call, before its kernel computes): heads
+            out of range, a description its call contradicts (:func:`kernel_layer_info`),
+            ``"heads"`` or ``"v"`` of values wider than the queries.
     """
 
     def __init__(self, model: nn.Module, what: Sequence[str] = ("weights", "heads"),
@@ -357,34 +500,69 @@ class capture:  # noqa: N801  (a context manager used like a function)
             raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
         if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int) or limit_bytes < 1:
             raise ValueError(f"limit_bytes must be a positive int, got {limit_bytes!r}")
-        found = find_layers(model)
+        found = capture_layers(model)
         picked = [found[i] for i in resolve_layers(found, layers)]
         self._cap = Capture(what, dtype, limit_bytes)
+        # heads checked against each layer's count: a wrapped layer's now, a kernel-route one's at its first call
+        asked = None if heads is None else check_head_list(heads, 1 << 62, "heads")
+        if asked == ():
+            raise ValueError("heads must name at least one head, got []")
         for name, layer in picked:
-            if not get_spec(default_backend(layer.backend, True)).weights:
-                raise ValueError(f"layer {name!r} uses backend {layer.backend!r}, which returns no weights: "
-                                 "set layer.backend = None while capturing")
-            kept = tuple(range(layer.num_heads)) if heads is None else check_head_list(heads, layer.num_heads, "heads")
-            if not kept:
-                raise ValueError("heads must name at least one head, got []")
+            backend = layer.backend if isinstance(layer, MultiHeadAttention) else _kernel_backend(layer)
+            if not get_spec(default_backend(backend, True)).weights:
+                raise ValueError(f"layer {name!r} uses backend {backend!r}, which returns no weights: "
+                                 + ("set layer.backend = None while capturing" if isinstance(layer, MultiHeadAttention)
+                                    else "patch the model with backend=None to capture it"))
             self._cap.layers.append(name)
             self._cap.modules[name] = layer
-            self._cap.info[name] = LayerInfo(name, layer.num_heads, layer.num_kv_heads, layer.head_dim,
-                                             layer.causal, layer.window, kept)
+            if isinstance(layer, MultiHeadAttention):
+                kept = tuple(range(layer.num_heads)) if asked is None else check_head_list(asked, layer.num_heads,
+                                                                                            "heads")
+                self._cap.info[name] = LayerInfo(name, layer.num_heads, layer.num_kv_heads, layer.head_dim,
+                                                 layer.causal, layer.window, kept)
         self._picked = picked
+        self._asked = asked
 
     def __enter__(self) -> Capture:
         self._stack = ExitStack()
         weights = "weights" in self._cap.what
         for name, layer in self._picked:
-            if layer.watch is not None:
+            if not isinstance(layer, MultiHeadAttention):
+                self._watch_kernel(name, layer)
+            elif layer.watch is not None:
                 self._stack.close()
                 raise ValueError(f"layer {name!r} is already being captured or traced (nested capture of one layer)")
-            self._stack.enter_context(layer.watched(self._cap._recorder(name), weights=weights))
+            else:
+                self._stack.enter_context(layer.watched(self._cap._recorder(name), weights=weights))
         return self._cap
+
+    def _watch_kernel(self, name: str, layer: nn.Module) -> None:
+        """Put a recorder on the kernel-route module ``layer``'s dispatching module until the block ends."""
+        from ..interop import hf_routes
+        from ..interop.hf_kernel import WATCH_ATTR
+
+        (module,) = hf_routes.dispatchers(layer)  # one, checked by capture_layers
+        if WATCH_ATTR in module.__dict__:
+            self._stack.close()
+            raise ValueError(f"layer {name!r} is already being captured (nested capture of one layer)")
+        module.__dict__[WATCH_ATTR] = _KernelRecorder(self._cap, name, self._asked)
+        self._stack.callback(module.__dict__.pop, WATCH_ATTR, None)
 
     def __exit__(self, *exc: object) -> None:
         self._stack.close()  # back to the fast paths: nobody watches the steps
+        cap = self._cap
+        for name in [n for n in cap.layers if n not in cap.info]:  # a kernel-route layer that never ran
+            del cap.modules[name]
+        cap.layers[:] = [n for n in cap.layers if n in cap.info]
+
+
+def _kernel_backend(layer: nn.Module) -> str | None:
+    """The core backend the kernel runs in ``layer`` (``multihead.hf.patch(backend=...)``), or None."""
+    from ..interop import hf_routes
+    from ..interop.hf_kernel import BACKEND_ATTR
+
+    backend: str | None = hf_routes.dispatchers(layer)[0].__dict__.get(BACKEND_ATTR)
+    return backend
 
 
 def weighted_layers(cap: Capture) -> list[str]:

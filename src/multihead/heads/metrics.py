@@ -33,7 +33,9 @@ Definitions (all ranges inclusive; every sum runs over j in K(i)):
   (:func:`repeated_tokens`), where J_i is the one key after the earlier copy.
 * ``norm_weight`` (Kobayashi et al. 2020), when ``v`` was captured: mean_i Σ_j A_ij ‖f^h(x_j)‖₂
   with f^h(x_j) = W_O^h v_j (W_O^h = the head's columns of o_proj, bias excluded): the
-  size of what the head writes, beside the plain weight Σ_j A_ij = 1. Range [0, ∞).
+  size of what the head writes, beside the plain weight Σ_j A_ij = 1. Range [0, ∞). Not
+  measured (None) on a layer of :func:`multihead.hf.patch`'s kernel route: W_O is Hugging Face's
+  module's, which may change the heads before it (a gate).
 
 Relation to TransformerLens' head detector (``compute_head_attention_similarity_score``
 with ``error_measure="mul"``, no exclusions, one sequence of n tokens, no padding): it
@@ -54,6 +56,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from ..backends import full_mask
+from ..module import MultiHeadAttention
 from .capture import Capture, weighted_layers
 
 __all__ = ["HeadMetrics", "metrics", "norm_weights", "format_table", "to_json", "repeated_tokens",
@@ -242,20 +245,30 @@ def norm_weights(cap: Capture, layer: int | str) -> torch.Tensor:
         (B, H', S, Sk) float64 (H' = the captured query heads).
 
     Raises:
-        ValueError: the layer or what it needs was not captured.
+        ValueError: the layer or what it needs was not captured, or the layer is on
+            :func:`multihead.hf.patch`'s kernel route (its W_O is Hugging Face's module's).
     """
     name = _layer_name(cap, layer)
     for what, store in (("weights", cap.weights), ("v", cap.v)):
         if name not in store:
             raise ValueError(f"norm_weights needs {what!r} captured for layer {name!r}: "
                              f"use capture(..., what=('weights', 'v', ...))")
+    if not _knows_w_o(cap, name):
+        raise ValueError(f"norm_weights needs layer {name!r}'s W_O, which Hugging Face's module holds on the kernel "
+                         f"route ({type(cap.modules[name]).__name__}; it may change the heads before it)")
     return cap.weights[name].double() * _fnorm(cap, name)[:, :, None, :]
+
+
+def _knows_w_o(cap: Capture, name: str) -> bool:
+    """Whether layer ``name``'s output projection is multihead's (a wrapped layer, not the kernel route)."""
+    return isinstance(cap.modules[name], MultiHeadAttention)
 
 
 def _fnorm(cap: Capture, name: str) -> torch.Tensor:
     """‖W_O^h v_j‖₂ per captured query head and key: (B, H', Sk) float64."""
-    info, v = cap.info[name], cap.v[name].double()  # (B, Hkv, Sk, D)
-    w_o = cap.modules[name].o_proj.weight.detach().double().cpu()  # (E, H·D)
+    info, v, layer = cap.info[name], cap.v[name].double(), cap.modules[name]  # v (B, Hkv, Sk, D)
+    assert isinstance(layer, MultiHeadAttention)  # _knows_w_o
+    w_o = layer.o_proj.weight.detach().double().cpu()  # (E, H·D)
     group = info.num_heads // info.num_kv_heads
     d = info.head_dim
     out = []
@@ -319,7 +332,7 @@ def metrics(cap: Capture, tokens: object = None, key_mask: torch.Tensor | None =
     rows: list[HeadMetrics] = []
     for name in names:
         info = cap.info[name]
-        fnorm = _fnorm(cap, name) if name in cap.v else None
+        fnorm = _fnorm(cap, name) if name in cap.v and _knows_w_o(cap, name) else None
         scores = _layer_scores(cap.weights[name].detach().to("cpu", torch.float64, copy=True), real,
                                info.causal, info.window, tok, special, induction, fnorm)
         for k, head in enumerate(info.heads):

@@ -22,7 +22,8 @@ BridgeTower, GIT and DeepSeek-V4 say ``_supports_sdpa = False`` and would be com
 from __future__ import annotations
 
 import sys
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -30,7 +31,7 @@ from torch import nn
 from ..functional import attention
 from ..masks import from_additive
 
-__all__ = ["BACKEND_ATTR",
+__all__ = ["BACKEND_ATTR", "WATCH_ATTR", "KernelCall", "KernelWatcher",
            "bool_mask", "written_keys", "hf_recording", "attention_forward", "register", "NAME", "refusal",
            "check_keywords", "HONOURED", "CARRIES_NOTHING", "REFUSED_WHEN_SET", "SDPA_OFF_BUT_COMPUTED"]
 
@@ -39,6 +40,47 @@ NAME = "multihead"
 #: The attribute, in a calling module's ``__dict__``, naming the core backend the kernel uses there
 #: (set by ``multihead.hf.patch(backend=...)`` on the modules it routes to the kernel).
 BACKEND_ATTR = "multihead_backend"
+#: The attribute, in a calling module's ``__dict__``, holding the :class:`KernelWatcher` that sees
+#: each of its kernel calls (set by :func:`multihead.heads.capture` while its block is open).
+WATCH_ATTR = "multihead_watch"
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """What one kernel call received, after HF's projections, RoPE, cache and mask building.
+
+    Attributes:
+        query: (B, H, S, D).
+        key, value: (B, Hkv, Sk, D) and (B, Hkv, Sk, Dv): the keys the call attends (a cache's
+            written ones).
+        mask: bool (B|1, 1|H, S, Sk), True = attend, or None (HF's mask; an additive one with real
+            values is in ``bias``).
+        bias: float (B|1, H|1, S, Sk) added to the scaled logits (T5's relative bias, a mask with
+            real values: ``finfo.min`` entries mask), or None.
+        is_causal: the causality the module states (``is_causal=`` or ``module.is_causal``).
+        sliding_window: the ``sliding_window=`` the module passes, or None.
+    """
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    mask: torch.Tensor | None
+    bias: torch.Tensor | None
+    is_causal: bool
+    sliding_window: Any
+
+
+class KernelWatcher(Protocol):
+    """Who watches a module's kernel calls (:data:`WATCH_ATTR`): told of each call before the kernel
+    computes (it may refuse it by raising), and of its result after."""
+
+    weights: bool  # the kernel must compute the weights, for the watcher
+
+    def before(self, call: KernelCall) -> None:
+        """Check ``call`` before anything is computed; raise to refuse it."""
+
+    def after(self, call: KernelCall, out: torch.Tensor, weights: torch.Tensor | None) -> None:
+        """``out`` (B, H, S, Dv), per head; ``weights`` (B, H, S, Sk) when :attr:`weights` is set."""
 
 
 # ---- masks ------------------------------------------------------------------------------
@@ -264,12 +306,18 @@ def attention_forward(
     key, value = key[:, :, :n], value[:, :, :n]
     want_weights = bool(kwargs.get("output_attentions", False))
     bias = None if bias is None else bias[..., :n]
+    watcher: KernelWatcher | None = module.__dict__.get(WATCH_ATTR)
+    call = KernelCall(query, key, value, mask, bias, bool(is_causal), kwargs.get("sliding_window"))
+    if watcher is not None:
+        watcher.before(call)
     result = attention(query, key, value, causal=causal, mask=mask, window=window, scale=scaling,
-                       dropout_p=dropout, return_weights=want_weights, softcap=kwargs.get("softcap"),
-                       sinks=kwargs.get("s_aux"), cu_seqlens=_packed(query, key, kwargs), bias=bias,
-                       backend=module.__dict__.get(BACKEND_ATTR))
-    out, weights = result if isinstance(result, tuple) else (result, None)  # (B, H, S, D); a tuple iff want_weights
-    return out.transpose(1, 2).contiguous(), weights  # (B, S, H, D)
+                       dropout_p=dropout, return_weights=want_weights or (watcher is not None and watcher.weights),
+                       softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"), cu_seqlens=_packed(query, key, kwargs),
+                       bias=bias, backend=module.__dict__.get(BACKEND_ATTR))
+    out, weights = result if isinstance(result, tuple) else (result, None)  # (B, H, S, D); a tuple iff weights asked
+    if watcher is not None:
+        watcher.after(call, out, weights)
+    return out.transpose(1, 2).contiguous(), weights if want_weights else None  # (B, S, H, D)
 
 
 def _mask_and_bias(attention_mask: torch.Tensor | None, position_bias: torch.Tensor | None,
