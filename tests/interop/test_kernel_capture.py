@@ -254,3 +254,19 @@ def test_a_model_with_both_routes_captures_every_layer() -> None:
         assert steps.weights[name].shape == whole.weights[name].shape
         got, full = steps.weights[name].transpose(1, 2)[real], whole.weights[name].transpose(1, 2)[real]
         assert torch.allclose(got, full, atol=ATOL), name
+
+
+def test_values_wider_than_keys_are_captured_with_their_width() -> None:
+    """MiMo-V2-Flash's values are 128 wide, its queries and keys 192: the heads (B, H, S, 128) are the
+    weights times the values (query head h reads K/V head h // (H / Hkv)), and LayerInfo says both widths."""
+    model = _eager("mimo_v2_flash")
+    mh.hf.patch(model)
+    inputs = _inputs("mimo_v2_flash", "left")
+    with torch.no_grad(), mh.heads.capture(model, ("weights", "heads", "v")) as cap:
+        model(**inputs)
+    real = inputs["attention_mask"].bool()
+    for name in cap.layers:
+        info, a, v = cap.info[name], cap.weights[name].double(), cap.v[name].double()  # v (B, Hkv, S, 128)
+        assert (info.head_dim, info.value_dim) == (192, 128) and cap.heads[name].shape == (2, 4, 9, 128)
+        heads = a @ v.repeat_interleave(info.num_heads // info.num_kv_heads, dim=1)  # (B, H, S, 128)
+        assert torch.allclose(heads.transpose(1, 2)[real], cap.heads[name].double().transpose(1, 2)[real], atol=ATOL)

@@ -76,6 +76,7 @@ class LayerInfo:
     causal: bool
     window: int | None
     heads: tuple[int, ...]  # the query heads stored (row h of a stored tensor is head heads[h])
+    value_dim: int | None = None  # the values' (and heads') width where it differs from head_dim (MiMo-V2)
 
 
 def find_layers(model: nn.Module) -> list[tuple[str, MultiHeadAttention]]:
@@ -208,7 +209,7 @@ class Capture:
         modules: name -> the :class:`MultiHeadAttention` itself (for o_proj, pruning...), or
             Hugging Face's module for a layer on the kernel route.
         weights: name -> (B, H', S, Sk) attention weights (H' = stored query heads).
-        heads: name -> (B, H', S, D) head outputs before o_proj.
+        heads: name -> (B, H', S, D) head outputs before o_proj (D: ``info[name].value_dim`` where set).
         q: name -> (B, H', S, D) queries after RoPE.
         k, v: name -> (B, Hkv, Sk, D) keys after RoPE and values (all K/V heads).
         nbytes: bytes held so far.
@@ -246,8 +247,9 @@ class Capture:
             raise ValueError(f"name must be a captured layer ({self.layers[:4]}...), got {name!r}")
         i = self.info[name]
         h, hkv, d = len(i.heads), i.num_kv_heads, i.head_dim
-        per = {"weights": h * queries * keys, "heads": h * queries * d, "q": h * queries * d,
-               "k": hkv * keys * d, "v": hkv * keys * d}
+        dv = d if i.value_dim is None else i.value_dim
+        per = {"weights": h * queries * keys, "heads": h * queries * dv, "q": h * queries * d,
+               "k": hkv * keys * d, "v": hkv * keys * dv}
         kept = batch * sum(per[w] for w in self.what) * (self.dtype or dtype).itemsize
         workspace = 0
         if "weights" in self.what:
@@ -379,10 +381,6 @@ class _KernelRecorder:
         info = kernel_layer_info(name, call, self.asked)
         known = cap.info.get(name)
         if known is None:
-            wide = [w for w in ("heads", "v") if w in cap.what]
-            if wide and call.value.shape[-1] != info.head_dim:
-                raise ValueError(f"layer {name!r} has values {call.value.shape[-1]} wide and queries {info.head_dim}: "
-                                 f"multihead.heads records one head_dim per layer; capture without {wide}")
             cap.info[name] = known = info
         elif info != known:
             raise ValueError(f"layer {name!r} was called as {info} after {known}: one layer, one description")
@@ -448,7 +446,8 @@ def kernel_layer_info(name: str, call: KernelCall, asked: tuple[int, ...] | None
             raise ValueError(f"layer {name!r} says is_causal=False but its mask is causal: its heads' description "
                              "would be false")
     kept = tuple(range(h)) if asked is None else check_head_list(asked, h, "heads")
-    return LayerInfo(name, h, hkv, d, call.is_causal, window, kept)
+    dv = call.value.shape[-1]
+    return LayerInfo(name, h, hkv, d, call.is_causal, window, kept, None if dv == d else dv)
 
 
 class capture:  # noqa: N801  (a context manager used like a function)
@@ -484,8 +483,7 @@ class capture:  # noqa: N801  (a context manager used like a function)
             named backend cannot return weights; a call over ``limit_bytes`` or a second
             call of one layer inside the block (raised from the forward pass), and on the
             kernel route (raised from the layer's call, before its kernel computes): heads
-            out of range, a description its call contradicts (:func:`kernel_layer_info`),
-            ``"heads"`` or ``"v"`` of values wider than the queries.
+            out of range, a description its call contradicts (:func:`kernel_layer_info`).
     """
 
     def __init__(self, model: nn.Module, what: Sequence[str] = ("weights", "heads"),
