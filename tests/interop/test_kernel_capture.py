@@ -270,3 +270,26 @@ def test_values_wider_than_keys_are_captured_with_their_width() -> None:
         assert (info.head_dim, info.value_dim) == (192, 128) and cap.heads[name].shape == (2, 4, 9, 128)
         heads = a @ v.repeat_interleave(info.num_heads // info.num_kv_heads, dim=1)  # (B, H, S, 128)
         assert torch.allclose(heads.transpose(1, 2)[real], cap.heads[name].double().transpose(1, 2)[real], atol=ATOL)
+
+
+def test_t5_with_its_relative_bias_captures_encoder_decoder_and_cross_attention() -> None:
+    """T5 on the kernel route (its relative bias as the core's bias=): the six attention modules of a
+    left-padded encoder-decoder batch, their weights equal to eager's, the decoder's self-attention
+    causal (the kernel's own causality where HF passes no mask), the rest not."""
+    from test_t5_kernel_route import _batch, _model
+
+    model = _model("t5").eval()
+    batch = _batch("left")
+    with torch.no_grad():
+        want = model(**batch, output_attentions=True)
+        mh.hf.patch(model)
+        with mh.heads.capture(model) as cap:
+            model(**batch)
+    decoder = [w for pair in zip(want.decoder_attentions, want.cross_attentions) for w in pair]
+    wants = [*want.encoder_attentions, *decoder]
+    assert cap.layers == ["encoder.block.0.layer.0", "encoder.block.1.layer.0", "decoder.block.0.layer.0",
+                          "decoder.block.0.layer.1", "decoder.block.1.layer.0", "decoder.block.1.layer.1"]
+    assert [cap.info[n].causal for n in cap.layers] == [False, False, True, False, True, False]
+    for name, w in zip(cap.layers, wants):
+        real = batch["attention_mask" if name.startswith("encoder") else "decoder_attention_mask"].bool()
+        assert (cap.weights[name].transpose(1, 2)[real] - w.transpose(1, 2)[real]).abs().max() <= ATOL, name

@@ -438,6 +438,8 @@ def kernel_layer_info(name: str, call: KernelCall, asked: tuple[int, ...] | None
         allowed = visible if allowed is None else allowed & visible
     if allowed is not None:
         said = full_mask(None, call.is_causal, window, s, keys, allowed.device)  # (S, Sk) or None
+        if call.mask is None and said is not None:
+            allowed = allowed & said  # without HF's mask the kernel applies the stated structure itself (T5's bias)
         if said is not None and bool((allowed & ~said).any()):
             raise ValueError(f"layer {name!r}'s mask lets a query see keys that is_causal={call.is_causal}, "
                              f"sliding_window={window} forbid: its heads' description would be false")
