@@ -67,6 +67,12 @@ DEEPSEEK = {"num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 24, "qk
             "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                 "original_max_position_embeddings": 16, "mscale": 1.0, "mscale_all_dim": 0.8}}
 
+#: Llama 4 text: layer 0 rotates (interleaved), L2-normalises q and k and attends inside chunks of 4
+#: tokens; layer 1 has no RoPE, attends fully causally and scales q by position (floor_scale 3: from
+#: position 2 on). More in tests/interop/test_llama4.py.
+LLAMA4 = {"head_dim": 16, "attention_chunk_size": 4, "no_rope_layers": [1, 0], "floor_scale": 3, "attn_scale": 0.5,
+          "num_local_experts": 2, "intermediate_size_mlp": 128}
+
 #: Accepted model types: (extra config fields, generator?). Their classes are registered.
 ZOO: dict[str, tuple[dict[str, Any], bool]] = {
     "llama": ({"attention_bias": True}, True),
@@ -139,6 +145,8 @@ ZOO: dict[str, tuple[dict[str, Any], bool]] = {
         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500000.0}}}, True),
     # layer 0 with RoPE, no window; layer 1 without RoPE, sliding
     "smollm3": ({"no_rope_layers": [1, 0], "use_sliding_window": True}, True),
+    # chunks of 4 in layer 0 (RoPE, q/k L2 norm), temperature tuning in layer 1 (no RoPE): LLAMA4 above
+    "llama4_text": (LLAMA4, True),
     "cohere2": ({"layer_types": ["sliding_attention", "full_attention"]}, True),
     # partial rotary: 10 of D=16 dims rotate (Phi, StableLM rotate-half; GLM interleaved pairs)
     "phi": ({"num_key_value_heads": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,

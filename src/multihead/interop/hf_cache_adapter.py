@@ -277,7 +277,9 @@ class KVCacheAdapter(Cache):
             raise TypeError(f"model must be a transformers model or config, got {type(model).__name__}")
         text = config.get_text_config(decoder=True)
         types, _ = get_layer_types_and_kwargs(text)
-        other = [(i, t) for i, t in enumerate(types) if t not in ("full_attention", "sliding_attention")]
+        # a sliding or chunked layer's keys are all held: HF's mask hides the ones it does not attend to
+        other = [(i, t) for i, t in enumerate(types)
+                 if t not in ("full_attention", "sliding_attention", "chunked_attention")]
         if other:
             raise ValueError(f"KVCacheAdapter holds attention layers' K/V only; layer {other[0][0]} is "
                              f"{other[0][1]!r}")

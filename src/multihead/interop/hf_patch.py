@@ -59,7 +59,7 @@ from ..latent import MultiHeadLatentAttention
 from ..masks import Structure
 from ..module import MultiHeadAttention
 from . import hf_cache, hf_registry, hf_routes
-from .hf_weights import from_hf, to_hf
+from .hf_weights import convert, to_hf
 from .hf_kernel import NAME, attention_forward, bool_mask, hf_recording, register, written_keys
 from .hf_routes import Route
 
@@ -560,7 +560,84 @@ class _LatentWrapper(PatchedAttention):
 # ---- end DeepSeek ------------------------------------------------------------------------------
 
 
-_WRAPPERS = {"bert": _BertWrapper, "bert-encoder": _BertEncoderWrapper,
+# ---- Llama 4 text attention: chunked attention and temperature tuning -----------------------------------
+class _Llama4Wrapper(_LlamaWrapper):
+    """Llama 4's text attention: Llama's call, plus what its class and model add to attention.
+
+    * Chunks (``config.layer_types[layer_idx] == "chunked_attention"``): queries attend causally
+      inside chunks of ``attention_chunk_size`` tokens. HF's mask holds them wherever they cut
+      (``create_chunked_causal_mask``, chunks counted from each row's first real token); where HF
+      gives no mask (every key of the call in one chunk, no padding) they are built here from the
+      cache positions, so a direct call is chunked too.
+    * Temperature tuning (no-RoPE layers with ``attn_temperature_tuning``): q (B, H, S, D) times
+      ``log1p(floor((p + 1) / floor_scale)) · attn_scale + 1`` at the cache positions p (the cache's
+      length + 0 .. S-1, the same row for the whole batch), as the class computes it.
+
+    On :class:`multihead.hf.KVCacheAdapter` the fused decoding step is taken where neither changes
+    anything (every position of the call in the first chunk and below ``floor_scale - 1``), else the
+    layer's steps around ``cache.update``.
+    """
+
+    def __init__(self, original: nn.Module, mh: MultiHeadAttention) -> None:
+        super().__init__(original, mh)
+        hf: Any = original  # transformers' module: its attributes are not typed here
+        self.chunk = hf_registry.llama4_chunk(hf, hf.config)
+        self.temperature = hf_registry.llama4_temperature(hf, hf.config)
+
+    def attend(self, x: torch.Tensor, attention_mask: torch.Tensor | None, positions: torch.Tensor | None,
+               cache: Any | None, kwargs: dict[str, Any], output_attentions: bool | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Our layer's steps on ``x`` (B, S, E) -> (y (B, S, E), weights (B, H, S, Sk) or None)."""
+        layer, s = self.mh, x.shape[1]
+        want = self.wants_weights(output_attentions, kwargs)
+        past = cache.get_seq_length(self.layer_idx) if cache is not None else 0  # as the class reads it
+        mask = bool_mask(attention_mask, s if cache is None else None)
+        if mask is None and hf_cache.is_adapter(cache) and not want and self._plain(past, s):
+            y = hf_cache.own_step(layer, self.layer_idx, cache, x, None, positions)
+            if y is not None:
+                return y, None
+        q, k, v = layer.split(*layer.project(x))  # (B, H, S, D), (B, Hkv, S, D) ×2
+        q, k = layer.rotate(q, k, positions if layer.rope is not None else None)
+        if self.temperature is not None:
+            q = self._tuned(q, past)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)  # (B, Hkv, Sk, D)
+        mask, n = written_keys(mask, s, k.shape[2], layer.causal)
+        if mask is None and self.chunk is not None:
+            mask = self._chunks(past, s, n, x.device)
+        heads, weights = layer.attend(q, k[:, :, :n], v[:, :, :n], mask=mask, return_weights=want,
+                                      cached=cache is not None)
+        return layer.output(heads), weights  # (B, S, E)
+
+    def _plain(self, past: Any, s: int) -> bool:
+        """Whether the chunks and the temperature change nothing for positions ``past .. past+S-1``."""
+        if not isinstance(past, int):
+            return False  # traced: the adapter's own static path
+        if self.chunk is not None and past + s > self.chunk:
+            return False
+        if self.temperature is None:
+            return True
+        last = torch.tensor(float(past + s - 1), dtype=torch.float32)  # the class's float32 arithmetic
+        return bool(torch.floor((last + 1.0) / self.temperature[0]) == 0)
+
+    def _tuned(self, q: torch.Tensor, past: Any) -> torch.Tensor:
+        """q (B, H, S, D) scaled per position, as Llama4TextAttention computes it."""
+        floor, scale = self.temperature or (1.0, 0.0)
+        positions = torch.arange(q.shape[2], device=q.device) + past  # (S,) the cache's, for every row
+        scales = torch.log1p(torch.floor((positions.float() + 1.0) / floor)) * scale + 1.0  # (S,)
+        return (q * scales[:, None]).to(q.dtype)  # (B, H, S, D)
+
+    def _chunks(self, past: Any, s: int, n: int, device: torch.device) -> torch.Tensor:
+        """(S, n) bool: causal inside chunks, queries at cache positions ``past + i``, the n keys the
+        last ``n`` positions up to the last query (HF's chunked mask without padding)."""
+        chunk = self.chunk or 1
+        q_pos = torch.arange(s, device=device)[:, None] + past  # (S, 1)
+        k_pos = torch.arange(n, device=device)[None, :] + (past + s - n)  # (1, n)
+        return (k_pos <= q_pos) & (torch.div(k_pos, chunk, rounding_mode="floor")
+                                   == torch.div(q_pos, chunk, rounding_mode="floor"))  # (S, n)
+
+
+_WRAPPERS = {"bert": _BertWrapper, "bert-encoder": _BertEncoderWrapper, "llama4": _Llama4Wrapper,
              "gpt2": _GPT2Wrapper, "llama": _LlamaWrapper, "vit": _ViTWrapper,
              "gpt_neox": _GPTNeoXWrapper, "falcon": _FalconWrapper, "bloom": _BloomWrapper,
              "clip": _ClipWrapper, "opt": _OptWrapper, "bart": _Seq2SeqWrapper}
@@ -612,7 +689,7 @@ def _wrap(module: nn.Module, overrides: dict[str, Any]) -> PatchedAttention:
                          "alone; patch the model that holds its parent attention module")
     if spec.layout == "latent":  # DeepSeek (issue #15)
         return _LatentWrapper(module, MultiHeadLatentAttention.from_hf(module, **overrides))
-    return _WRAPPERS[spec.call](module, from_hf(module, **overrides))
+    return _WRAPPERS[spec.call](module, convert(module, **overrides))  # the layer its wrapper completes
 
 
 #: What a module on the kernel route runs (:attr:`Route.why`).

@@ -78,6 +78,12 @@ is never imported here):
   (BLOOM); without a config it is accepted, a config given must still be of a verified type.
   ``check``: the family's own rule on its module and config (Falcon's variants, BLOOM's
   tensor-parallel options), raising ValueError/TypeError with the reason, naming the key.
+  ``alone``: a rule refusing what a layer converted alone (``from_hf``) does not compute but the
+  family's wrapper does (Llama 4's temperature tuning: its wrapper, ``call="llama4"``, also
+  computes its chunked attention).
+* ``norm_weight``: False where the q/k norm has no weight (Llama 4's L2 norm: ours holds ones,
+  a non-persistent buffer). ``notes``: what the family's wrapper computes besides the fields
+  above, for the docs' table.
 
 Causality comes from the module's ``is_causal``, the scale from its ``scaling``, biases
 and head counts from the weights, for every entry.
@@ -92,6 +98,7 @@ configs (``tests/interop/test_zoo.py``) and regenerate the docs' table (docs/gui
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,7 +109,7 @@ from . import hf_config  # the one reader of config facts
 from . import hf_copies
 
 __all__ = ["AttentionSpec", "REGISTRY", "spec_of", "require_spec", "why_not", "qualified_name", "markdown_table",
-           "CONFIG_LAYER_TYPE"]
+           "CONFIG_LAYER_TYPE", "llama4_chunk", "llama4_temperature"]
 
 #: ``layer_type_attr`` of a class whose layer type is ``config.layer_types[module.layer_idx]``.
 CONFIG_LAYER_TYPE = "config.layer_types[layer_idx]"
@@ -138,6 +145,9 @@ class AttentionSpec:
     copy_of: str | None = None
     norm_names: tuple[str, str] = ("q_norm", "k_norm")
     rope_theta: Callable[[Any, Any], float | None] | None = None
+    norm_weight: bool = True
+    alone: Callable[[Any, Any], None] | None = None
+    notes: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -424,6 +434,91 @@ _DEEPSEEK = [_deepseek(2, "interleaved"), _deepseek(3, "rope_interleave", also=(
 # ---- end DeepSeek ------------------------------------------------------------------------
 
 
+# ---- Llama 4 text attention (transformers 5.24, modeling_llama4.py, read line by line) -------------
+# Llama4TextAttention: q/k/v/o_proj (bias from attention_bias), use_rope = config.no_rope_layers[layer_idx].
+# RoPE layers: interleaved RoPE (complex pairs (2p, 2p+1), float32), then, where the module holds
+# qk_norm (config.use_qk_norm), Llama4TextL2Norm: a weightless RMS norm over D (eps rms_norm_eps) of
+# the rotated q and k. No-RoPE layers with attn_temperature_tuning: q scaled by
+# log1p(floor((p + 1) / floor_scale)) · attn_scale + 1 at the cache positions p (the cache's length +
+# 0 .. S-1: one row of positions for the batch, left padding counted). Its model masks each layer by
+# config.layer_types[layer_idx]: "chunked_attention" (the default of RoPE layers) causally inside
+# chunks of attention_chunk_size tokens counted from each row's first real token
+# (create_chunked_causal_mask); "full_attention" causally. The wrapper (call "llama4", in hf_patch)
+# computes both; a converted layer alone has no temperature tuning (refused: `alone`) and takes its
+# chunks from the caller's mask, as the HF module takes them from its model's.
+def _llama4_rope(module: Any, config: Any) -> bool:
+    """Llama 4: RoPE where ``use_rope`` (``config.no_rope_layers[layer_idx]``, 1 or 0) holds."""
+    use = module.use_rope
+    if not isinstance(use, (bool, int)) or use not in (0, 1):
+        raise TypeError(f"Llama4TextAttention.use_rope (config.no_rope_layers) must be 0 or 1, got {use!r}")
+    return bool(use)
+
+
+def llama4_chunk(module: Any, config: Any) -> int | None:
+    """The chunk size (tokens) a Llama 4 layer attends within, or None where it attends fully causally.
+
+    Raises:
+        ValueError: ``config.layer_types[layer_idx]`` neither ``"chunked_attention"`` nor
+            ``"full_attention"``, or a chunked layer without a positive ``attention_chunk_size``.
+    """
+    kinds, idx = hf_config.field(config, "layer_types"), module.layer_idx
+    if not isinstance(kinds, (list, tuple)) or not isinstance(idx, int) or not 0 <= idx < len(kinds):
+        raise ValueError(f"config.layer_types must hold layer_idx={idx!r}, got {kinds!r:.80}")
+    if kinds[idx] == "full_attention":
+        return None
+    if kinds[idx] != "chunked_attention":
+        raise ValueError(f"config.layer_types[{idx}]={kinds[idx]!r} is not supported (only 'chunked_attention' "
+                         "or 'full_attention')")
+    size = hf_config.field(config, "attention_chunk_size")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"config.attention_chunk_size must be a positive int for a chunked layer, got {size!r}")
+    return size
+
+
+def llama4_temperature(module: Any, config: Any) -> tuple[float, float] | None:
+    """``(floor_scale, attn_scale)`` where a Llama 4 layer scales its queries by position (a no-RoPE
+    layer with ``attn_temperature_tuning``), else None.
+
+    Raises:
+        TypeError: ``attn_temperature_tuning`` is not a bool.
+        ValueError: ``floor_scale`` is not a positive number or ``attn_scale`` not a finite one.
+    """
+    tuning = module.attn_temperature_tuning
+    if not isinstance(tuning, bool):
+        raise TypeError(f"attn_temperature_tuning must be true or false, got {type(tuning).__name__} {tuning!r}")
+    if not tuning or _llama4_rope(module, config):
+        return None
+    floor, scale = module.floor_scale, module.attn_scale
+    for key, value, low in (("floor_scale", floor, 0.0), ("attn_scale", scale, -math.inf)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value < math.inf:
+            raise ValueError(f"config.{key} must be a {'positive' if low == 0.0 else 'finite'} number, got {value!r}")
+    return float(floor), float(scale)
+
+
+def _check_llama4(module: Any, config: Any) -> None:
+    """Llama 4: a layer type and a temperature its wrapper computes."""
+    llama4_chunk(module, config)
+    llama4_temperature(module, config)
+
+
+def _llama4_alone(module: Any, config: Any) -> None:
+    """A converted Llama 4 layer alone: refused where the class scales q by position."""
+    if llama4_temperature(module, config) is not None:
+        raise ValueError(f"Llama4TextAttention layer {module.layer_idx}: attn_temperature_tuning=True scales this "
+                         "no-RoPE layer's queries by their cache positions, which a MultiHeadAttention alone does "
+                         "not; patch the model (multihead.hf.patch), whose wrapper computes it")
+
+
+_LLAMA4 = AttentionSpec(
+    "transformers.models.llama4.modeling_llama4.Llama4TextAttention", ("llama4_text",), "q_proj", "llama4", _LINEARS,
+    {"": _LLAMA_ATTRS | {"attn_scale", "attn_temperature_tuning", "floor_scale", "num_attention_heads",
+                         "num_key_value_heads", "use_rope"}, "qk_norm": frozenset({"eps"})},
+    rope="interleaved", qk_norm="head_after_rope", norm_names=("qk_norm", "qk_norm"), norm_weight=False,
+    alternatives=({"qk_norm": "Llama4TextL2Norm"}, {}), rope_on=_llama4_rope, check=_check_llama4,
+    alone=_llama4_alone, notes=("chunked attention (`config.layer_types`)", "temperature tuning (no-RoPE layers)"))
+# ---- end Llama 4 ---------------------------------------------------------------------------------------
+
+
 # ---- Llama / Qwen3 / OLMo 2 / Cohere copies and near-copies (transformers 5.24, read line by line) ----
 def _check_default_rope(module: Any, config: Any) -> None:
     """PhiMoE: a ``rope_type`` other than ``"default"`` multiplies cos/sin by the config's
@@ -646,6 +741,7 @@ _DESCRIBED: Mapping[str, AttentionSpec] = {s.cls: s for s in [
     *_OUT_PROJ_FAMILIES,
     *_DEEPSEEK,
     *_COPIES,
+    _LLAMA4,
 ]}
 #: Every supported class, keyed by its qualified name: those described here and their copies
 #: (:mod:`multihead.interop.hf_copies`, each described by its original's entry).
@@ -785,12 +881,13 @@ def markdown_table() -> str:
                   "is_sliding": "sliding layers (`module.is_sliding`)",
                   "config": "`config.sliding_window`"}[spec.window]
         rope += ", not in every layer" if spec.rope_on is not None else ""
-        also = [f"QK-norm ({spec.qk_norm})"] if spec.qk_norm else []
+        also = [f"QK-norm ({spec.qk_norm}{'' if spec.norm_weight else ', no weight'})"] if spec.qk_norm else []
         also += ["soft-capping"] if spec.softcap else []
         also += ["sinks"] if "sinks" in spec.params else []
         also += ["cross-attention (encoder-decoder cache)"] if spec.cross_attention else []
         also += ["latent KV (MLA)"] if spec.layout == "latent" else []
         also += [f"copy of `{spec.copy_of}`"] if spec.copy_of else []
+        also += list(spec.notes)
         rows.append(f"| {', '.join(spec.model_types)} | `{spec.name}` | {spec.layout} | {rope} | {window} | "
                     f"{', '.join(also) or '-'} |")
     return "\n".join(rows)

@@ -35,6 +35,7 @@ from torch import nn
 
 from ..config import check_overrides
 from ..module import MultiHeadAttention
+from ..qk_norm import RMSNorm
 from ..rope import RoPE
 from . import hf_config, hf_registry
 from .checkpoint import load_state
@@ -227,7 +228,8 @@ def from_hf(module: nn.Module, config: Any | None = None, **overrides: Any) -> M
     cross-attention layer being called with ``context``) and DistilBERT's. Heads, KV heads
     (GQA), bias, causal (``is_causal``), the logit scale (``scaling``), the window where the
     class has one, and RoPE (base from the config via :mod:`multihead.interop.hf_config`) or
-    ALiBi carry over.
+    ALiBi carry over. A Llama 4 layer attends causally: its chunks are the caller's mask, as
+    the HF module takes them from its model's (``mh.hf.patch``'s wrapper computes them).
 
     Args:
         module: the HF attention module (eval mode recommended; dropout carries over).
@@ -242,7 +244,22 @@ def from_hf(module: nn.Module, config: Any | None = None, **overrides: Any) -> M
         ValueError: a class that is not registered, a submodule or attribute its
             description does not cover (q/k norms, gates, sinks...), cross-attention, a
             config value it does not cover (RoPE scaling other than the default, partial
-            rotary, OLMo's clip_qkv...), naming the class and the reason.
+            rotary, OLMo's clip_qkv...), naming the class and the reason; what only the
+            family's patch wrapper computes (Llama 4's temperature tuning in no-RoPE layers).
+    """
+    _family_or_raise(module, config)
+    spec = hf_registry.require_spec(module, config)
+    if spec.alone is not None:  # what only the family's patch wrapper computes (Llama 4's temperature)
+        spec.alone(module, config if config is not None else hf_registry._config_of(module))
+    return convert(module, config, **overrides)
+
+
+def convert(module: nn.Module, config: Any | None = None, **overrides: Any) -> MultiHeadAttention:
+    """:func:`from_hf` without its description's ``alone`` rule: the layer a patch wrapper runs and
+    completes (Llama 4's, whose wrapper scales q by position where the class does).
+
+    Raises:
+        TypeError, ValueError: as :func:`from_hf`.
     """
     family = _family_or_raise(module, config)
     spec = hf_registry.require_spec(module, config)
@@ -262,8 +279,19 @@ def from_hf(module: nn.Module, config: Any | None = None, **overrides: Any) -> M
     )
     if "q_proj.bias" in state and "k_proj.bias" not in state:
         layer.k_proj.register_parameter("bias", None)  # Whisper: q/v/out_proj have biases, k_proj none
+    if not spec.norm_weight and layer.qk_norm is not None:
+        _weightless(layer.q_norm)
+        _weightless(layer.k_norm)
     load_state(layer, state)
     return layer.train(module.training)
+
+
+def _weightless(norm: RMSNorm) -> None:
+    """A q/k norm without a weight (Llama 4's L2 norm): its weight ones as a non-persistent buffer,
+    nothing to train and nothing in the state dict; ``x / rms(x) · 1`` is ``x / rms(x)`` exactly."""
+    ones = torch.ones_like(norm.weight).detach()  # (D,)
+    del norm.weight
+    norm.register_buffer("weight", ones, persistent=False)
 
 
 # Each reader returns (settings, sizes) and may complete ``state`` (BertSelfAttention's W_o).
@@ -303,8 +331,8 @@ def _q_proj_settings(module: Any, config: Any, state: dict[str, torch.Tensor],
         "causal": bool(module.is_causal), "scale": float(scale),
         "dropout": float(module.attention_dropout or 0.0), "window": window, "rope": _rope(module, config, spec),
     }
-    if spec.qk_norm is not None:
-        norm = getattr(module, spec.norm_names[0])
+    norm = getattr(module, spec.norm_names[0], None) if spec.qk_norm is not None else None
+    if norm is not None:  # every layer but Llama 4's no-RoPE ones, which hold no qk_norm
         eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
         if eps is None:
             raise TypeError(f"{spec.name}: {spec.norm_names[0]} must have variance_epsilon or eps, got "
