@@ -204,8 +204,9 @@ class Capture:
     """What :func:`capture` recorded; filled while the context is open.
 
     Attributes:
-        layers: captured layer names in model order (index = position in this list).
-        info: name -> :class:`LayerInfo`.
+        layers: captured layer names in model order (index = position in this list); a layer on
+            the kernel route is kept once it has run.
+        info: name -> :class:`LayerInfo` (a kernel-route layer's from its first call).
         modules: name -> the :class:`MultiHeadAttention` itself (for o_proj, pruning...), or
             Hugging Face's module for a layer on the kernel route.
         weights: name -> (B, H', S, Sk) attention weights (H' = stored query heads).
