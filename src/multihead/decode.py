@@ -25,6 +25,7 @@ from torch import nn
 
 from .backends import native
 from .cache import KVCache
+from .mrope import MRoPE
 from .rope import RoPE
 
 __all__ = ["why_not_fused", "fused_for", "fused_step", "repeat_step", "FusedStep", "FUSED_CONDITIONS", "PROGRAMMABLE"]
@@ -121,7 +122,8 @@ def _plain_rope(layer: Layer, cache: KVCache) -> bool:
     if rope is None:
         return True
     cos, sin = rope.cos, rope.sin
-    return (type(rope) is RoPE and max(cache.host_lengths()) < rope.table_limit and cos.is_cpu and sin.is_cpu
+    # MRoPE at (S,) / (B, S) positions is RoPE's rotation on RoPE's tables (its three rows equal)
+    return (type(rope) in (RoPE, MRoPE) and max(cache.host_lengths()) < rope.table_limit and cos.is_cpu and sin.is_cpu
             and cos.dtype == sin.dtype == torch.float32 and cos.shape == sin.shape and cos.is_contiguous()
             and sin.is_contiguous())
 
@@ -164,7 +166,7 @@ FUSED_CONDITIONS: tuple[tuple[str, Check], ...] = (
      lambda layer, x, c, kw: all(plain_linear(p) and all(t is None or t.is_contiguous() for t in _weight_bias(p))
                                  for p in _projections(layer))),
     ("a projection's weight or bias is not of the layer's shape", lambda layer, x, c, kw: _projection_shapes(layer)),
-    ("the RoPE is not a plain multihead.RoPE whose contiguous float32 CPU tables cover the positions",
+    ("the RoPE is not a plain multihead.RoPE (or MRoPE) whose contiguous float32 CPU tables cover the positions",
      lambda layer, x, c, kw: _plain_rope(layer, c)),
     ("the native kernel is not compiled here for AVX-512 or AVX2", lambda layer, x, c, kw: native.vector_bits() >= 256),
 )

@@ -242,6 +242,10 @@ ZOO: dict[str, tuple[dict[str, Any], bool]] = {
     "hunyuan_v1_dense": ({"head_dim": 16, "attention_bias": True, "rope_parameters": {
         "rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 50.0, "factor": 1.0}}, True),
     "youtu": ({**DEEPSEEK, "rope_interleave": True}, True),
+    # M-RoPE (3 position rows; text batches here, image rows in tests/interop/test_qwen_vl.py), sliding layer 1
+    **{t: ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            "layer_types": ["full_attention", "sliding_attention"], "use_sliding_window": True}, False)
+       for t in ("qwen2_vl_text", "qwen2_5_vl_text")},
 }
 #: Encoder-decoders: built for generation (``AutoModelForSeq2SeqLM``, Whisper's speech class),
 #: their encoder's and decoder's outputs compared, the decoder's cross-attention included.

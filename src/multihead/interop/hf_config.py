@@ -31,7 +31,7 @@ from ..rope_scaling import RopeScaling
 __all__ = ["ENCODERS", "DECODERS", "INTERLEAVED_ROPE", "DEFAULT_ROPE_BASE", "read_json", "field", "pick",
            "required", "optional_int", "as_int", "optional_bool", "optional_number", "rope_parameters",
            "rope_base", "rotary_factor", "rope_scaling", "module_rope_base", "module_rope", "module_window",
-           "module_max_positions", "module_flag"]
+           "module_max_positions", "module_flag", "module_mrope_sections"]
 
 # Bidirectional self-attention (causal=False); absolute or relative positions, no RoPE.
 ENCODERS = frozenset({"bert", "roberta", "distilbert", "albert", "electra", "xlm-roberta",
@@ -294,3 +294,20 @@ def module_flag(cfg: Any, key: str, src: str) -> bool | None:
     if value is not None and not isinstance(value, bool):
         raise TypeError(f"{src}: {key} must be true or false, got {type(value).__name__} {value!r}")
     return value
+
+
+def module_mrope_sections(cfg: Any, default: Sequence[int], src: str) -> tuple[int, ...]:
+    """M-RoPE's frequency slots per position row: ``rope_parameters["mrope_section"]``, or the
+    class's ``default`` where the config gives none, as the Qwen-VL rotary embeddings read it.
+
+    Raises:
+        TypeError: ``mrope_section`` not a list of ints, naming the key.
+    """
+    params = rope_parameters(cfg, None, src)
+    sections = params.get("mrope_section")
+    if sections is None:
+        return tuple(default)
+    if isinstance(sections, (str, bytes)) or not isinstance(sections, Sequence) or any(
+            isinstance(n, bool) or not isinstance(n, int) for n in sections):
+        raise TypeError(f"{src}: rope_parameters.mrope_section must be a list of ints, got {sections!r}")
+    return tuple(sections)

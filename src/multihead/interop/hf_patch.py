@@ -58,7 +58,7 @@ from torch import nn
 from ..latent import MultiHeadLatentAttention
 from ..masks import Structure
 from ..module import MultiHeadAttention
-from . import hf_cache, hf_registry, hf_routes
+from . import hf_cache, hf_mrope, hf_registry, hf_routes
 from .hf_weights import convert, to_hf
 from .hf_kernel import NAME, attention_forward, bool_mask, hf_recording, register, written_keys
 from .hf_routes import Route
@@ -236,6 +236,52 @@ class _LlamaWrapper(PatchedAttention):
         positions = _positions(hidden_states, kwargs.get("position_ids"), cache, self.layer_idx)
         y, weights = self.attend(hidden_states, attention_mask, positions, cache, kwargs)
         return F.dropout(y, self.resid_dropout, self.training), weights
+
+
+class _MRopeWrapper(PatchedAttention):
+    """Qwen2-VL and Qwen2.5-VL text attention: ``forward(hidden_states, attention_mask, position_ids,
+    cache, position_embeddings, **kwargs)``, called by keyword.
+
+    RoPE at the text model's (3, B, S) M-RoPE positions (:mod:`multihead.interop.hf_mrope` reads
+    them; ``position_ids`` here is the text row HF's mask was built from). Where the three rows are
+    equal (text tokens, decoding after an image) M-RoPE is plain RoPE at row 0: the layer's call,
+    its in-place cache and fused step, at those positions. Where they differ (image or video
+    tokens) the layer's steps run with the three rows: project, split, rotate, HF's cache or none,
+    attend, output.
+    """
+
+    mrope_record: hf_mrope.PositionsRecord | None  # set by patch (hf_mrope.link), in __dict__
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, cache: Any | None = None,
+                position_embeddings: Any = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cache = _hf_cache(cache, kwargs)
+        record = self.__dict__.get("mrope_record")
+        owner = type(self.original).__name__
+        if record is None:
+            raise ValueError(f"a patched {owner} outside a text model with a rotary_emb cannot see its M-RoPE "
+                             "positions (3, B, S): patch the model that holds it")
+        rows = record.positions_for(position_embeddings, owner)  # (3, B, S)
+        if record.same:
+            return self.attend(hidden_states, attention_mask, rows[0], cache, kwargs)
+        return self._attend_rows(hidden_states, attention_mask, rows, cache, kwargs)
+
+    def _attend_rows(self, x: torch.Tensor, attention_mask: torch.Tensor | None, rows: torch.Tensor,
+                     cache: Any | None, kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer's steps with RoPE at three different position rows (3, B, S): x (B, S, E) ->
+        (y (B, S, E), weights (B, H, S, Sk) or None)."""
+        layer = self.mh
+        want = self.wants_weights(None, kwargs)
+        mask = bool_mask(attention_mask, x.shape[1] if cache is None else None)
+        q, k, v = layer.split(*layer.project(x))  # (B, H, S, D), (B, Hkv, S, D) ×2
+        q, k = layer.rotate(q, k, rows)  # M-RoPE: each frequency slot at its section's row
+        if cache is None:
+            heads, weights = layer.attend(q, k, v, mask=mask, return_weights=want)
+        else:
+            k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)  # (B, Hkv, Sk, D), in place on ours
+            mask, n = written_keys(mask, q.shape[2], k.shape[2], layer.causal)
+            heads, weights = layer.attend(q, k[:, :, :n], v[:, :, :n], mask=mask, return_weights=want, cached=True)
+        return layer.output(heads), weights  # (B, S, E)
 
 
 class _ViTWrapper(PatchedAttention):
@@ -640,7 +686,8 @@ class _Llama4Wrapper(_LlamaWrapper):
 _WRAPPERS = {"bert": _BertWrapper, "bert-encoder": _BertEncoderWrapper, "llama4": _Llama4Wrapper,
              "gpt2": _GPT2Wrapper, "llama": _LlamaWrapper, "vit": _ViTWrapper,
              "gpt_neox": _GPTNeoXWrapper, "falcon": _FalconWrapper, "bloom": _BloomWrapper,
-             "clip": _ClipWrapper, "opt": _OptWrapper, "bart": _Seq2SeqWrapper}
+             "clip": _ClipWrapper, "opt": _OptWrapper, "bart": _Seq2SeqWrapper,
+             "mrope": _MRopeWrapper}
 
 
 _ATTENTION_NAME = re.compile(r"Attention|Attn|SelfAttn", re.IGNORECASE)
@@ -829,6 +876,7 @@ def patch(model: nn.Module, *, strict: bool = True, backend: str | None = None, 
     for name, wrapper in plan:  # only now, so that a failure above leaves the model untouched
         set_submodule(model, name, wrapper)
         _record_like_the_original(model, name, wrapper)
+    hf_mrope.link(model, [(name, w) for name, w in plan if isinstance(w, _MRopeWrapper)])
     hf_routes.route(model, to_kernel, backend)
     return routes(model) if report else model
 
@@ -853,6 +901,7 @@ def unpatch(model: nn.Module) -> nn.Module:
             original.to(device=weight.device, dtype=weight.dtype).train(module.training)
             set_submodule(model, name, original)
             _restore_recording(model, name, module)
+            hf_mrope.unlink(module)
     hf_routes.restore(model)
     return model
 

@@ -30,7 +30,9 @@ is never imported here):
   ``"gpt_neox"``, ``"falcon"``, ``"bloom"``, ``"clip"`` (ViT's, with
   the ``is_causal`` keyword HF's kernels obey), ``"opt"``, ``"bart"`` (``hidden_states,
   key_value_states, cache, attention_mask``, filling HF's ``EncoderDecoderCache`` as the class
-  does), ``"latent"``; ``None``: converted by ``from_hf`` but never patched alone).
+  does), ``"latent"``, ``"mrope"`` (Llama's keywords; the (3, B, S) M-RoPE positions read where
+  the text model's rotary embedding takes them: :mod:`multihead.interop.hf_mrope`); ``None``:
+  converted by ``from_hf`` but never patched alone).
 * ``cross_attention``: the class attends to another sequence when its forward is given
   one (``key_value_states``: BART's, its copies', mBART's, Whisper's decoders); the wrapper does the same,
   caching the encoder's keys and values once as HF does. A module whose
@@ -43,7 +45,9 @@ is never imported here):
   ``attrs`` path that is absent is not read.
 * ``rope``: ``None`` (no position encoding inside attention), ``"half"`` (rotate-half,
   HF Llama), ``"interleaved"`` (pairs (2p, 2p+1), Cohere) or ``"rope_interleave"``
-  (interleaved when ``config.rope_interleave`` is true, rotate-half otherwise, DeepSeek-V3);
+  (interleaved when ``config.rope_interleave`` is true, rotate-half otherwise, DeepSeek-V3)
+  or ``"mrope"`` (M-RoPE: rotate-half whose frequency slots read three position rows in
+  ``mrope_section`` chunks, Qwen2-VL and Qwen2.5-VL text, :data:`MROPE_KINDS`);
   base and scaling are read by
   :mod:`multihead.interop.hf_config` (only ``rope_type="default"``, full rotary).
 * ``rope_on``: where set, the layer applies its RoPE only when ``rope_on(module, config)``
@@ -703,6 +707,48 @@ _COPIES = [
             extra_attrs=_EXAONE4_ATTRS, rope_on=_exaone4_rope),
 ]
 
+# ---- Qwen-VL text attention with M-RoPE (transformers 5.24, read line by line) ---------------------
+#: M-RoPE's ``rope`` kinds: (slot layout, the sections the class's rotary embedding uses where
+#: ``rope_parameters`` has no ``mrope_section``); :class:`multihead.mrope.MRoPE` computes them.
+MROPE_KINDS: Mapping[str, tuple[str, tuple[int, int, int]]] = {
+    "mrope": ("chunked", (16, 24, 24)),  # Qwen2VLRotaryEmbedding, Qwen2_5_VLRotaryEmbedding
+}
+
+
+def _check_mrope(module: Any, config: Any) -> None:
+    """Qwen-VL text attention: the model's rotary table (sized by ``config.head_dim`` or E / H) is
+    as wide as the module's heads, and ``mrope_section`` assigns every frequency slot to a row."""
+    from ..mrope import slot_rows
+
+    spec = spec_of(module)
+    kind = None if spec is None or spec.rope is None else MROPE_KINDS.get(spec.rope)
+    if spec is None or kind is None:  # called from an M-RoPE entry only
+        raise ValueError(f"{type(module).__name__} is not described with M-RoPE")
+    src = f"{spec.name} config"
+    table = hf_config.field(config, "head_dim") or (hf_config.field(config, "hidden_size")
+                                                    // hf_config.field(config, "num_attention_heads"))
+    if table != module.head_dim:
+        raise ValueError(f"config.head_dim={table!r} differs from the module's head_dim={module.head_dim}: "
+                         "transformers' M-RoPE table and attention would disagree")
+    layout, default = kind
+    _, _, factor = hf_config.module_rope(config, None, src)  # a partial rotary factor is refused here
+    slot_rows(hf_config.module_mrope_sections(config, default, src), layout, int(module.head_dim * factor) // 2)
+
+
+#: Qwen2-VL's text attention (Qwen2.5-VL's is the same source): Qwen2's (q/k/v biases, o_proj without,
+#: head_dim = E / H, window where the layer type slides) with M-RoPE: the text model's rotary embedding
+#: takes (3, B, S) positions and rope_parameters["mrope_section"]; the wrapper reads those positions
+#: (multihead.interop.hf_mrope), not the cos/sin the decoder layer hands over.
+_QWEN_VL_ATTRS = frozenset({"hidden_size", "num_heads", "num_key_value_heads", "rope_parameters", "layer_type",
+                            "sliding_window"})
+_QWEN_VL = [
+    _q_proj("qwen2_vl_text", "Qwen2VLAttention", module="qwen2_vl", rope="mrope", window="module",
+            extra_attrs=_QWEN_VL_ATTRS, call="mrope", check=_check_mrope),
+    _q_proj("qwen2_5_vl_text", "Qwen2_5_VLAttention", module="qwen2_5_vl", rope="mrope", window="module",
+            extra_attrs=_QWEN_VL_ATTRS, call="mrope", check=_check_mrope),
+]
+
+
 #: The classes described here, keyed by their qualified names.
 _DESCRIBED: Mapping[str, AttentionSpec] = {s.cls: s for s in [
     _q_proj("llama", "LlamaAttention", also=("exaone", "internlm3", "iquestcoder")),  # their models are Llama
@@ -740,6 +786,7 @@ _DESCRIBED: Mapping[str, AttentionSpec] = {s.cls: s for s in [
     *_FUSED_QKV,
     *_OUT_PROJ_FAMILIES,
     *_DEEPSEEK,
+    *_QWEN_VL,
     *_COPIES,
     _LLAMA4,
 ]}
@@ -874,7 +921,8 @@ def markdown_table() -> str:
             continue  # converted by from_hf as part of its parent's entry
         rope = {None: "none", "half": "RoPE, rotate-half (+ scaling)",
                 "interleaved": "RoPE, interleaved (+ scaling)",
-                "rope_interleave": "RoPE, as `rope_interleave` (+ scaling)"}[spec.rope]
+                "rope_interleave": "RoPE, as `rope_interleave` (+ scaling)",
+                "mrope": "M-RoPE, rotate-half, 3 position rows in sections (+ scaling)"}[spec.rope]
         rope = "ALiBi (standard slopes)" if spec.alibi else rope
         rope += ", partial" if spec.partial_rotary else ""
         window = {None: "none", "module": "per layer (`module.sliding_window`)",

@@ -35,8 +35,10 @@ from torch import nn
 
 from ..config import check_overrides
 from ..module import MultiHeadAttention
+from ..mrope import MRoPE
 from ..qk_norm import RMSNorm
 from ..rope import RoPE
+from ..rope_scaling import RopeScaling
 from . import hf_config, hf_registry
 from .checkpoint import load_state
 
@@ -356,8 +358,20 @@ def _rope(module: Any, config: Any, spec: hf_registry.AttentionSpec) -> RoPE | N
         base, scaling, factor = hf_config.module_rope(config, _layer_type(module, config, spec), src,
                                                       partial=spec.partial_rotary)
     head_dim = int(module.head_dim)
+    if spec.rope is not None and spec.rope in hf_registry.MROPE_KINDS:
+        return _mrope(config, spec.name, spec.rope, head_dim, base, scaling)
     return RoPE.from_facts(head_dim, base, interleaved=spec.rope == "interleaved", rotary_dim=int(head_dim * factor),
                            max_positions=hf_config.module_max_positions(config), scaling=scaling)
+
+
+def _mrope(config: Any, name: str, kind: str, head_dim: int, base: float, scaling: RopeScaling | None) -> MRoPE:
+    """Qwen-VL text attention's M-RoPE (class ``name``, ``rope`` kind ``kind``): its sections from
+    ``mrope_section`` (or the class's default), its slot layout from :data:`hf_registry.MROPE_KINDS`,
+    over all of D."""
+    layout, default = hf_registry.MROPE_KINDS[kind]
+    sections = hf_config.module_mrope_sections(config, default, f"{name} config")
+    return MRoPE.from_sections(head_dim, base, sections=sections, layout=layout,
+                               max_positions=hf_config.module_max_positions(config), scaling=scaling)
 
 
 def _layer_type(module: Any, config: Any, spec: hf_registry.AttentionSpec) -> str | None:
