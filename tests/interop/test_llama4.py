@@ -175,3 +175,17 @@ def test_a_layer_type_it_does_not_describe_is_refused_by_name() -> None:
     model.config.layer_types = ["sliding_attention", "full_attention"]
     with pytest.raises(ValueError, match="layer_types\\[0\\]='sliding_attention' is not supported"):
         mh.hf.patch(model, kernel=False)
+
+
+def test_capture_records_the_queries_attention_read() -> None:
+    """mh.heads.capture's q of the no-RoPE layer is the temperature-scaled one: its weights follow from q and k."""
+    model = mh.hf.patch(_model())
+    ids = _prompts(padded=False)["input_ids"][:1]
+    with mh.heads.capture(model, what=("weights", "q", "k")) as cap, torch.no_grad():
+        model(ids, use_cache=False)
+    name = "model.layers.1.self_attn"
+    q, k = cap.q[name], cap.k[name]  # (1, H, S, D), (1, Hkv, S, D)
+    logits = q @ k.repeat_interleave(q.shape[1] // k.shape[1], dim=1).transpose(-1, -2) * q.shape[-1] ** -0.5
+    causal = torch.ones(S, S, dtype=torch.bool).tril()
+    want = logits.masked_fill(~causal, float("-inf")).softmax(-1)  # (1, H, S, S)
+    assert _rel(cap.weights[name], want) <= RTOL

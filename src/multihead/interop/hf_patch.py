@@ -646,6 +646,8 @@ class _Llama4Wrapper(_LlamaWrapper):
         q, k = layer.rotate(q, k, positions if layer.rope is not None else None)
         if self.temperature is not None:
             q = self._tuned(q, past)
+            if layer.watch is not None:  # what attention reads, where a rotated q is reported (capture's q)
+                layer.watch.observe("Q_rot", q)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)  # (B, Hkv, Sk, D)
         mask, n = written_keys(mask, s, k.shape[2], layer.causal)
