@@ -54,7 +54,7 @@ KERNEL_ZOO: dict[str, tuple[dict[str, Any], bool]] = {
     # encoders and decoders compared by their states
     "albert": ({}, False), "gte": ({}, False), "higgs_audio_v2": ({}, False), "jina_embeddings_v3": ({}, False),
     "mobilebert": ({}, False), "molmo2_text": ({}, False), "muse_glimmer_text": ({}, False),
-    "nomic_bert": ({}, False), "qwen3_vl_text": ({}, False), "qwen3_vl_moe_text": ({}, False),
+    "nomic_bert": ({}, False),
     "tipsv2_text_model": ({}, False), "ultrabert": ({}, False),
 }
 

@@ -8,9 +8,10 @@ produce; the whole vision-language models (one vision block, a 4 × 4 patch grid
 image tokens per row, a left-padded batch) are compared on their logits, their greedy tokens (on
 HF's cache and on mh.hf.KVCacheAdapter) and the keys and values they cache. Planted mistakes
 (the sections swapped, the image rows ignored) must fail the comparison; a layer called without
-the positions its model computed is refused by name.
+the positions its model computed is refused by name. Qwen3-VL (and its MoE model) take the same
+wrapper with the interleaved M-RoPE layout and their per-head q/k RMSNorm.
 
-Runtime: about 10 s on 2 shared cores.
+Runtime: about 15 s on 2 shared cores.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 import multihead as mh
-from multihead.interop import hf_config, hf_mrope
+from multihead.interop import hf_config, hf_mrope, hf_registry
 
 pytest.importorskip("transformers")
 from transformers import AutoModel  # noqa: E402
@@ -31,6 +32,8 @@ from transformers import AutoModel  # noqa: E402
 from test_zoo import RTOL, ZOO, _inputs, sharpen, tiny_config  # noqa: E402
 
 B, S = 2, 12
+_QWEN3_VISION = {"num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64, "num_position_embeddings": 16,
+                 "deepstack_visual_indexes": [0]}
 #: Per family: the text model type, the VL config and model classes, and the vision sizes (one block).
 FAMILIES = {
     "qwen2_vl": ("qwen2_vl_text", "Qwen2VLConfig", "Qwen2VLForConditionalGeneration",
@@ -38,6 +41,8 @@ FAMILIES = {
     "qwen2_5_vl": ("qwen2_5_vl_text", "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration",
                    {"num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64, "window_size": 8,
                     "fullatt_block_indexes": [0]}),
+    "qwen3_vl": ("qwen3_vl_text", "Qwen3VLConfig", "Qwen3VLForConditionalGeneration", _QWEN3_VISION),
+    "qwen3_vl_moe": ("qwen3_vl_moe_text", "Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration", _QWEN3_VISION),
 }
 GREEDY = {"max_new_tokens": 4, "min_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
 
@@ -108,6 +113,12 @@ def test_planted_swapped_sections_fail(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _compare_text("qwen2_vl_text").startswith("wrong")
 
 
+def test_planted_chunked_layout_for_qwen3_vl_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3-VL's interleaved slots (T H W T H W T T) read as Qwen2-VL's chunks: the comparison fails."""
+    monkeypatch.setitem(hf_registry.MROPE_KINDS, "mrope_interleaved", ("chunked", (24, 20, 20)))
+    assert _compare_text("qwen3_vl_text").startswith("wrong")
+
+
 def test_planted_text_positions_for_image_tokens_fail(monkeypatch: pytest.MonkeyPatch) -> None:
     """The image tokens' height and width rows ignored (row 0 for every section): the comparison fails."""
     real = hf_mrope.PositionsRecord.positions_for
@@ -146,11 +157,16 @@ def _vl_inputs() -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_vision_language_model_with_an_image_is_exact(family: str) -> None:
     """Logits (1e-5), the prompt's cached keys and values, and greedy tokens on HF's cache and on
-    mh.hf.KVCacheAdapter: equal to the eager model's, the text attention on wrappers."""
+    mh.hf.KVCacheAdapter: equal to the eager model's on the same cache, the text attention on wrappers.
+
+    (Qwen3-VL-MoE's own generation on HF's DynamicCache differs after an image from the same model
+    on the adapter and from its uncached forward, without multihead's wrappers too: each cache is
+    compared with itself.)"""
     model, inputs = _vl_model(family), _vl_inputs()
     with torch.no_grad():
         want = model(**inputs, use_cache=True)
         tokens = model.generate(**inputs, **GREEDY)
+        adapted = model.generate(**inputs, **GREEDY, cache=mh.hf.KVCacheAdapter(model, max_len=S + 4))
         mh.hf.patch(model)
         got = model(**inputs, use_cache=True)
         assert {r.route for r in mh.hf.routes(model) if "language_model" in r.name} == {"wrapper"}
@@ -158,7 +174,9 @@ def test_vision_language_model_with_an_image_is_exact(family: str) -> None:
         assert _same_cache(got.past_key_values, want.past_key_values, inputs["attention_mask"]) == "exact"
         assert torch.equal(model.generate(**inputs, **GREEDY), tokens)
         cache = mh.hf.KVCacheAdapter(model, max_len=S + 4)
-        assert torch.equal(model.generate(**inputs, **GREEDY, cache=cache), tokens)
+        assert torch.equal(model.generate(**inputs, **GREEDY, cache=cache), adapted)
+    assert cache.paths == ["update", "update"]  # the image's rows shift every later position: no own step
+    assert family == "qwen3_vl_moe" or torch.equal(adapted, tokens)
 
 
 def test_text_generation_takes_the_fused_step_at_its_own_positions() -> None:

@@ -73,6 +73,8 @@ DEEPSEEK = {"num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 24, "qk
 LLAMA4 = {"head_dim": 16, "attention_chunk_size": 4, "no_rope_layers": [1, 0], "floor_scale": 3, "attn_scale": 0.5,
           "num_local_experts": 2, "intermediate_size_mlp": 128}
 
+#: Qwen3-VL text: M-RoPE over D = 16 (8 slots: T H W T H W T T).
+QWEN3_VL_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]}
 #: Accepted model types: (extra config fields, generator?). Their classes are registered.
 ZOO: dict[str, tuple[dict[str, Any], bool]] = {
     "llama": ({"attention_bias": True}, True),
@@ -246,6 +248,10 @@ ZOO: dict[str, tuple[dict[str, Any], bool]] = {
     **{t: ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
             "layer_types": ["full_attention", "sliding_attention"], "use_sliding_window": True}, False)
        for t in ("qwen2_vl_text", "qwen2_5_vl_text")},
+    # interleaved M-RoPE and per-head q/k RMSNorm (its MoE model's layers sparse)
+    "qwen3_vl_text": ({"head_dim": 16, "rope_parameters": QWEN3_VL_ROPE}, False),
+    "qwen3_vl_moe_text": ({"head_dim": 16, "rope_parameters": QWEN3_VL_ROPE, "num_experts": 4,
+                           "num_experts_per_tok": 2, "moe_intermediate_size": 32}, False),
 }
 #: Encoder-decoders: built for generation (``AutoModelForSeq2SeqLM``, Whisper's speech class),
 #: their encoder's and decoder's outputs compared, the decoder's cross-attention included.

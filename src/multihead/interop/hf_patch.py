@@ -239,8 +239,9 @@ class _LlamaWrapper(PatchedAttention):
 
 
 class _MRopeWrapper(PatchedAttention):
-    """Qwen2-VL and Qwen2.5-VL text attention: ``forward(hidden_states, attention_mask, position_ids,
-    cache, position_embeddings, **kwargs)``, called by keyword.
+    """Qwen2-VL, Qwen2.5-VL and Qwen3-VL text attention: ``forward(hidden_states, attention_mask,
+    position_ids, cache, position_embeddings, **kwargs)``, called by keyword (Qwen3-VL's class orders
+    them otherwise; its decoder layer passes them by keyword too).
 
     RoPE at the text model's (3, B, S) M-RoPE positions (:mod:`multihead.interop.hf_mrope` reads
     them; ``position_ids`` here is the text row HF's mask was built from). Where the three rows are

@@ -46,8 +46,9 @@ is never imported here):
 * ``rope``: ``None`` (no position encoding inside attention), ``"half"`` (rotate-half,
   HF Llama), ``"interleaved"`` (pairs (2p, 2p+1), Cohere) or ``"rope_interleave"``
   (interleaved when ``config.rope_interleave`` is true, rotate-half otherwise, DeepSeek-V3)
-  or ``"mrope"`` (M-RoPE: rotate-half whose frequency slots read three position rows in
-  ``mrope_section`` chunks, Qwen2-VL and Qwen2.5-VL text, :data:`MROPE_KINDS`);
+  or ``"mrope"`` / ``"mrope_interleaved"`` (M-RoPE: rotate-half whose frequency slots read three
+  position rows in ``mrope_section`` chunks, Qwen2-VL and Qwen2.5-VL text, or interleaved,
+  Qwen3-VL text: :data:`MROPE_KINDS`);
   base and scaling are read by
   :mod:`multihead.interop.hf_config` (only ``rope_type="default"``, full rotary).
 * ``rope_on``: where set, the layer applies its RoPE only when ``rope_on(module, config)``
@@ -712,6 +713,7 @@ _COPIES = [
 #: ``rope_parameters`` has no ``mrope_section``); :class:`multihead.mrope.MRoPE` computes them.
 MROPE_KINDS: Mapping[str, tuple[str, tuple[int, int, int]]] = {
     "mrope": ("chunked", (16, 24, 24)),  # Qwen2VLRotaryEmbedding, Qwen2_5_VLRotaryEmbedding
+    "mrope_interleaved": ("interleaved", (24, 20, 20)),  # Qwen3VL(Moe)TextRotaryEmbedding
 }
 
 
@@ -746,6 +748,11 @@ _QWEN_VL = [
             extra_attrs=_QWEN_VL_ATTRS, call="mrope", check=_check_mrope),
     _q_proj("qwen2_5_vl_text", "Qwen2_5_VLAttention", module="qwen2_5_vl", rope="mrope", window="module",
             extra_attrs=_QWEN_VL_ATTRS, call="mrope", check=_check_mrope),
+    # Qwen3-VL's text attention (its MoE model's is the same source): Qwen3's (per-head q/k RMSNorm
+    # before RoPE, biases from attention_bias, no window) with M-RoPE in the interleaved layout
+    *(_q_proj(t, f"{c}TextAttention", module=t[:-5], rope="mrope_interleaved", extra_attrs=frozenset({"layer_type"}),
+              call="mrope", norm=f"{c}TextRMSNorm", qk_norm="head", check=_check_mrope)
+      for t, c in (("qwen3_vl_text", "Qwen3VL"), ("qwen3_vl_moe_text", "Qwen3VLMoe"))),
 ]
 
 
@@ -922,7 +929,8 @@ def markdown_table() -> str:
         rope = {None: "none", "half": "RoPE, rotate-half (+ scaling)",
                 "interleaved": "RoPE, interleaved (+ scaling)",
                 "rope_interleave": "RoPE, as `rope_interleave` (+ scaling)",
-                "mrope": "M-RoPE, rotate-half, 3 position rows in sections (+ scaling)"}[spec.rope]
+                "mrope": "M-RoPE, rotate-half, 3 position rows in sections (+ scaling)",
+                "mrope_interleaved": "M-RoPE, rotate-half, 3 position rows interleaved (+ scaling)"}[spec.rope]
         rope = "ALiBi (standard slopes)" if spec.alibi else rope
         rope += ", partial" if spec.partial_rotary else ""
         window = {None: "none", "module": "per layer (`module.sliding_window`)",
