@@ -51,11 +51,13 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
-def _text_model(model_type: str) -> nn.Module:
+def _text_model(model_type: str, **extra: Any) -> nn.Module:
+    """The zoo's tiny text model of ``model_type``, its config updated with ``extra``."""
     torch.random.default_generator.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = AutoModel.from_config(tiny_config(model_type, **ZOO[model_type][0]), attn_implementation="eager")
+        config = tiny_config(model_type, **{**ZOO[model_type][0], **extra})
+        model = AutoModel.from_config(config, attn_implementation="eager")
     return sharpen(model.eval())
 
 
@@ -69,9 +71,9 @@ def _image_rows() -> torch.Tensor:
     return rows
 
 
-def _compare_text(model_type: str) -> str:
+def _compare_text(model_type: str, **extra: Any) -> str:
     """``"exact"`` or what differs: the patched text model on a left-padded batch at image rows."""
-    model = _text_model(model_type)
+    model = _text_model(model_type, **extra)
     g = torch.Generator().manual_seed(1)
     ids, mask = torch.randint(3, 100, (B, S), generator=g), torch.ones(B, S, dtype=torch.long)
     mask[1, :2] = 0
@@ -104,6 +106,15 @@ def _same_cache(got: Any, want: Any, mask: torch.Tensor) -> str:
 def test_text_model_at_image_rows_is_exact(family: str) -> None:
     """Hidden states and the cache's keys and values equal HF's where the three position rows differ."""
     assert _compare_text(FAMILIES[family][0]) == "exact"
+
+
+@pytest.mark.parametrize(("model_type", "scaling"), [
+    ("qwen2_vl_text", {"rope_type": "dynamic", "factor": 2.0}),  # M = 8 < S: the frequencies grow
+    ("qwen3_vl_text", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4}),
+])
+def test_scaled_mrope_at_image_rows_is_exact(model_type: str, scaling: dict[str, Any]) -> None:
+    rope = {**ZOO[model_type][0]["rope_parameters"], **scaling}
+    assert _compare_text(model_type, rope_parameters=rope, max_position_embeddings=8) == "exact"
 
 
 def test_planted_swapped_sections_fail(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -43,8 +43,9 @@ class PositionsRecord:
 
     def _record(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         positions = args[1] if len(args) > 1 else kwargs.get("position_ids")
-        if not isinstance(positions, torch.Tensor) or not isinstance(output, tuple) or not output:
-            self.rows, self._cos = None, None
+        if (not isinstance(positions, torch.Tensor) or positions.dim() not in (2, 3) or not isinstance(output, tuple)
+                or not output):
+            self.rows, self._cos = None, None  # nothing a layer may use (it refuses)
             return
         rows = positions.expand(3, -1, -1) if positions.dim() == 3 else positions[None].expand(3, -1, -1)
         self.rows = rows  # (3, B, S): as the rotary embedding broadcasts them
