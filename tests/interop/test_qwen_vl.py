@@ -89,12 +89,14 @@ def _compare_text(model_type: str, **extra: Any) -> str:
     return _same_cache(got.cache, want.cache, mask)
 
 
-def _same_cache(got: Any, want: Any, mask: torch.Tensor) -> str:
+def _same_cache(got: Any, want: Any, mask: torch.Tensor, *, holds_all: bool = False) -> str:
     """``"exact"`` or the first layer whose cached keys or values (B, Hkv, Sk, D) differ on real tokens
-    (a sliding layer holds the last keys only)."""
+    (HF's sliding layer holds the last keys only; ``holds_all``: ``got`` holds every key, its last
+    ones compared)."""
     for i, (a, b) in enumerate(zip(got.layers, want.layers)):
         for kind in ("keys", "values"):
             x, y = getattr(a, kind), getattr(b, kind)
+            x = x[:, :, x.shape[2] - y.shape[2]:] if holds_all else x
             real = mask[:, -y.shape[2]:].bool()  # (B, Sk)
             rel = _rel(x.transpose(1, 2)[real], y.transpose(1, 2)[real]) if x.shape == y.shape else float("inf")
             if not rel <= RTOL:
@@ -167,8 +169,8 @@ def _vl_inputs() -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_vision_language_model_with_an_image_is_exact(family: str) -> None:
-    """Logits (1e-5), the prompt's cached keys and values, and greedy tokens on HF's cache and on
-    mh.hf.KVCacheAdapter: equal to the eager model's on the same cache, the text attention on wrappers.
+    """Logits (1e-5), the prompt's keys and values in HF's cache and in mh.hf.KVCacheAdapter's, and
+    greedy tokens on both: equal to the eager model's (on the same cache), the text attention on wrappers.
 
     (Qwen3-VL-MoE's own generation on HF's DynamicCache differs after an image from the same model
     on the adapter and from its uncached forward, without multihead's wrappers too: each cache is
@@ -184,6 +186,9 @@ def test_vision_language_model_with_an_image_is_exact(family: str) -> None:
         assert _rel(got.logits[inputs["attention_mask"].bool()], want.logits[inputs["attention_mask"].bool()]) <= RTOL
         assert _same_cache(got.past_key_values, want.past_key_values, inputs["attention_mask"]) == "exact"
         assert torch.equal(model.generate(**inputs, **GREEDY), tokens)
+        held = mh.hf.KVCacheAdapter(model, max_len=S + 4)  # the in-place cache, filled by the prompt
+        model(**inputs, cache=held, use_cache=True)
+        assert _same_cache(held, want.past_key_values, inputs["attention_mask"], holds_all=True) == "exact"
         cache = mh.hf.KVCacheAdapter(model, max_len=S + 4)
         assert torch.equal(model.generate(**inputs, **GREEDY, cache=cache), adapted)
     assert cache.paths == ["update", "update"]  # the image's rows shift every later position: no own step
