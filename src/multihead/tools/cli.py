@@ -166,6 +166,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"torch threads: {torch.get_num_threads()}", file=sys.stderr, flush=True)
     if args.hf_generate:
         return _bench_hf_generate(args)
+    if args.generate_jobs:
+        return _bench_generate_jobs(args)
     if args.flex:
         return _bench_flex(args)
     if args.embed:
@@ -193,6 +195,16 @@ def _bench_hf_generate(args: argparse.Namespace) -> int:
 
     result = bench_hf.run_hf_generate(quick=args.quick, compiled=args.compiled, progress=_say)
     return _write_result(args, result, "hf_generate.json", bench_hf.format_hf_generate(result))
+
+
+def _bench_generate_jobs(args: argparse.Namespace) -> int:
+    """``bench --generate-jobs``: whole generate calls, HF's caches against mh.hf.patch + KVCacheAdapter."""
+    from . import bench_generate
+
+    result = bench_generate.run_generate_jobs(
+        models=args.gen_models, prompts=args.gen_prompts, batches=args.gen_batches, new_tokens=args.new_tokens,
+        reps=args.reps, competing=args.competing, compiled=not args.no_compile, quick=args.quick, progress=_say)
+    return _write_result(args, result, "generate_jobs.json", bench_generate.format_generate_jobs(result))
 
 
 def _say(line: str) -> None:
@@ -343,6 +355,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compiled", action="store_true",
                    help="with --hf-generate: also the decoding step compiled, HF's StaticCache against "
                         "mh.hf.KVCacheAdapter (each model's forward under torch.compile)")
+    p.add_argument("--generate-jobs", action="store_true",
+                   help="instead of the suite: whole model.generate calls of a 0.5B Llama and Qwen3 (random "
+                        "weights), time to first token and decode tokens/s, HF's DynamicCache and StaticCache "
+                        "(eager and compiled) against mh.hf.patch + KVCacheAdapter (eager and compiled), "
+                        "tokens checked equal (the full matrix: hours on 2 cores; --quick: tiny sizes)")
+    p.add_argument("--model", choices=("llama", "qwen3"), action="append", default=None, dest="gen_models",
+                   help="with --generate-jobs: this model only (repeatable; default both)")
+    p.add_argument("--prompt", type=_positive_int, nargs="+", default=None, dest="gen_prompts", metavar="P",
+                   help="with --generate-jobs: prompt lengths (default 512 2048)")
+    p.add_argument("--batch", type=_positive_int, nargs="+", default=None, dest="gen_batches", metavar="B",
+                   help="with --generate-jobs: batch sizes, rows left-padded to different lengths (default 1 8)")
+    p.add_argument("--new-tokens", type=_positive_int, default=None, metavar="N",
+                   help="with --generate-jobs: tokens generated per call, at least 2 (default 128)")
+    p.add_argument("--reps", type=_positive_int, default=None,
+                   help="with --generate-jobs: timed calls of each way per job, after two untimed (one with "
+                        "--no-compile; default 3)")
+    p.add_argument("--competing", action="store_true",
+                   help="with --generate-jobs: one CPU-bound process runs beside the timings (ended with them)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="with --generate-jobs: without the two compiled ways (compiling takes minutes)")
     p.add_argument("--embed", action="store_true",
                    help="instead of the suite: the embedding job, a corpus of 512 texts through the bundled model, "
                         "against sentence-transformers (a minute; --quick: seconds)")
@@ -399,6 +431,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _refuse(parser, f"--{flag} must be a positive integer, got {getattr(args, flag)}")
     if args.command == "bench" and args.compiled and not args.hf_generate:
         _refuse(parser, "--compiled applies to --hf-generate only")
+    if args.command == "bench" and not args.generate_jobs:
+        _refuse_generate_options(parser, args)
     if args.command == "explain" and args.seq > max_seq_len(args.config):  # before any work
         what = "a config is explained (shapes only)" if args.config else "the seed's example runs (for real)"
         _refuse(parser, f"--seq must be at most {max_seq_len(args.config)} when {what}, got {args.seq}")
@@ -407,6 +441,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError) as e:  # bad configs, checkpoints, texts
         _refuse(parser, str(e))
         return 2  # pragma: no cover (_refuse exits)
+
+
+def _refuse_generate_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse ``bench``'s options that apply to ``--generate-jobs`` only, by name."""
+    for flag, dest in (("--model", "gen_models"), ("--prompt", "gen_prompts"), ("--batch", "gen_batches"),
+                       ("--new-tokens", "new_tokens"), ("--reps", "reps"), ("--competing", "competing"),
+                       ("--no-compile", "no_compile")):
+        if getattr(args, dest) not in (None, False):
+            _refuse(parser, f"{flag} applies to --generate-jobs only")
 
 
 def _refuse(parser: argparse.ArgumentParser, message: str) -> None:

@@ -1,0 +1,126 @@
+"""``multihead bench --generate-jobs`` at tiny sizes: whole generate calls, each way's tokens checked.
+
+Times are not checked (the machine is shared); the structure, the tokens' agreement with HF's,
+the report of a way that differs, and the CLI's options are. The compiled ways are left out here
+(compiling takes minutes); they run the same code with a compiled forward.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+from multihead.tools import bench_generate  # noqa: E402
+from multihead.tools.cli import main  # noqa: E402
+
+EAGER_WAYS = [w for w in bench_generate.WAYS if not w.endswith("compiled")]
+
+
+def test_quick_run_times_whole_generate_calls_and_every_way_equals_hf() -> None:
+    """Both models, batch 1 and a left-padded batch of 3: per way the time to first token and the
+    decode rate with their spreads and speed-ups, and tokens equal to HF's DynamicCache's."""
+    result = bench_generate.run_generate_jobs(quick=True, compiled=False)
+    quick = bench_generate.QUICK
+    assert list(result["models"]) == ["llama", "qwen3"] and result["mismatches"] == []
+    assert all(info["parameters"] > 0 for info in result["models"].values())
+    jobs = result["jobs"]
+    assert [(j["model"], j["prompt"], j["batch"]) for j in jobs] == [
+        (m, p, b) for m in ("llama", "qwen3") for p in quick["prompts"] for b in quick["batches"]]
+    for job in jobs:
+        assert list(job["ways"]) == EAGER_WAYS
+        assert job["row_lengths"][0] == job["prompt"] and len(job["row_lengths"]) == job["batch"]
+        for row in job["ways"].values():
+            assert row["tokens_equal"] is True and row["differing_tokens"] == 0
+            assert len(row["ttft_s"]["values"]) == quick["reps"]
+            assert row["ttft_s"]["min"] <= row["ttft_s"]["median"] <= row["ttft_s"]["max"]
+            assert row["decode_tokens_per_s"]["median"] > 0
+        assert job["ways"][bench_generate.BASE]["decode_speedup"] == 1.0
+    padded = [j for j in jobs if j["batch"] > 1]
+    assert padded and all(min(j["row_lengths"]) < j["prompt"] for j in padded)  # left padding in play
+    assert jobs[0]["adapter_paths"] == ["fused"]  # Llama, one row: our fused step inside generate
+    text = bench_generate.format_generate_jobs(result)
+    assert "mismatches: none: every way's tokens equal HF's" in text and "TTFT ms (min-max)" in text
+    assert f"{result['models']['qwen3']['parameters']:,} parameters" in text
+
+
+def test_a_way_whose_tokens_differ_is_reported_as_a_mismatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A planted way that changes HF's last token: reported in the way's row, the mismatches and the table."""
+    made = bench_generate._ways
+
+    def with_planted(*args: Any) -> tuple[dict[str, Any], Any]:
+        ways, adapter = made(*args)
+        honest = ways[bench_generate.BASE]
+
+        def planted(stamp: Any) -> torch.Tensor:
+            tokens = honest(stamp).clone()
+            tokens[0, -1] += 1
+            return tokens
+
+        return {**ways, "planted": planted}, adapter
+
+    monkeypatch.setattr(bench_generate, "_ways", with_planted)
+    result = bench_generate.run_generate_jobs(quick=True, compiled=False, models=["llama"], batches=[1])
+    job = result["jobs"][0]
+    row = job["ways"]["planted"]
+    assert row["tokens_equal"] is False and row["differing_tokens"] == 1
+    assert row["first_difference"] == [0, job["prompt"] + result["new_tokens"] - 1]
+    assert all(job["ways"][w]["tokens_equal"] for w in EAGER_WAYS)
+    assert len(result["mismatches"]) == 1 and "planted's tokens differ from HF's: 1 tokens" in result["mismatches"][0]
+    text = bench_generate.format_generate_jobs(result)
+    assert "MISMATCHES (1):" in text and "DIFFER" in text
+
+
+def test_prompts_are_seeded_and_left_padded_to_different_lengths() -> None:
+    ids, mask = bench_generate.make_prompts(100, 16, 4)
+    again, _ = bench_generate.make_prompts(100, 16, 4)
+    assert torch.equal(ids, again) and ids.shape == mask.shape == (4, 16)
+    lengths = mask.sum(1)
+    assert lengths[0] == 16 and len(set(lengths.tolist())) > 1
+    for row, n in zip(range(4), lengths.tolist()):  # padding first, then the row's tokens
+        assert mask[row, 16 - n:].all() and not mask[row, :16 - n].any()
+        assert (ids[row, :16 - n] == 0).all() and (ids[row, 16 - n:] > 0).all()
+
+
+def test_the_competing_process_runs_during_the_block_and_is_ended_after() -> None:
+    with bench_generate._spinning() as proc:
+        assert proc.poll() is None
+    assert proc.poll() is not None
+
+
+@pytest.mark.parametrize("kwargs, named", [({"models": ["gpt2"]}, "models"), ({"new_tokens": 1}, "new_tokens"),
+                                           ({"batches": [0]}, "batches")])
+def test_bad_arguments_are_refused_by_name(kwargs: dict[str, Any], named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        bench_generate.run_generate_jobs(quick=True, compiled=False, **kwargs)
+
+
+def test_cli_runs_the_chosen_subset_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "--generate-jobs", "--quick", "--no-compile", "--model", "llama", "--prompt", "8", "6",
+            "--batch", "2", "--new-tokens", "3", "--reps", "1", "--out", str(tmp_path), "--json"]
+    assert main(argv) == 0
+    written = json.loads((tmp_path / "generate_jobs.json").read_text(encoding="utf-8"))
+    assert [(j["model"], j["prompt"], j["batch"]) for j in written["jobs"]] == [("llama", 6, 2), ("llama", 8, 2)]
+    assert written["new_tokens"] == 3 and written["reps"] == 1 and written["competing"] is False
+    assert json.loads(capsys.readouterr().out)["mismatches"] == []
+
+
+@pytest.mark.parametrize("flag", [["--prompt", "8"], ["--batch", "2"], ["--competing"], ["--model", "llama"],
+                                  ["--no-compile"], ["--new-tokens", "4"], ["--reps", "2"]])
+def test_cli_refuses_generate_options_without_generate_jobs(flag: list[str],
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--quick", *flag])
+    assert exit_.value.code == 2 and f"{flag[0]} applies to --generate-jobs only" in capsys.readouterr().err
+
+
+def test_cli_refuses_an_unknown_model(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "--generate-jobs", "--model", "gpt2"])
+    assert "invalid choice: 'gpt2'" in capsys.readouterr().err
