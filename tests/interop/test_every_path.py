@@ -161,15 +161,23 @@ def captured(model_type: str, use_cache: bool | None) -> mh.heads.Capture:
 REFUSED = object()
 
 
+#: Types whose cache keeps one chunk of keys (Llama 4's chunked layers: chunks of 4 in the zoo), so a
+#: capture around ``generate`` past the first chunk is refused: the rows cannot be aligned by key.
+CHUNKED = {"llama4_text"}
+
+
 def _or_refused(model_type: str, run: Callable[[], Any]) -> Any:
-    """``run()``; for latent attention, a ValueError naming it is an answer too (``REFUSED``)."""
-    if model_type not in LATENT:
+    """``run()``; for latent attention, a ValueError naming it is an answer too (``REFUSED``), and
+    for a chunked cache (:data:`CHUNKED`) one saying the cache no longer holds every token."""
+    reason = {**dict.fromkeys(LATENT, r"DeepseekV[23]Attention|latent"),
+              **dict.fromkeys(CHUNKED, r"no longer holds every earlier token")}.get(model_type)
+    if reason is None:
         return run()
     try:
         return run()
     except ValueError as e:
-        if not re.search(r"DeepseekV[23]Attention|latent", str(e), re.IGNORECASE):
-            raise  # refused, but without naming the latent attention
+        if not re.search(reason, str(e), re.IGNORECASE):
+            raise  # refused, but not for the type's reason
         return REFUSED
 
 
