@@ -35,6 +35,12 @@ from test_zoo import RTOL, _inputs, _outs, build, compare_patched, sharpen, tiny
 _MOE = {"num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32}
 
+#: Multi-head latent attention at tiny sizes (its heads equal, small ranks, a small MoE).
+_MLA = {"num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_nope_head_dim": 12, "qk_rope_head_dim": 8,
+        "v_head_dim": 10, "head_dim": 8, "index_head_dim": 16, "index_n_heads": 2, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1,
+        "topk_group": 1}
+
 #: Model types on the kernel route: (extra config fields, generator?). Sizes shrunk where the
 #: tiny recipe leaves a large default (experts, state-space widths, per-layer embeddings).
 KERNEL_ZOO: dict[str, tuple[dict[str, Any], bool]] = {
@@ -188,3 +194,50 @@ def test_patching_a_kernel_routed_model_again_changes_nothing_and_unpatch_restor
     with pytest.warns(UserWarning, match="already patched; nothing left to patch"):
         mh.hf.patch(model)
     assert mh.hf.unpatch(model).config._attn_implementation == "eager" and not mh.hf.is_patched(model)
+
+
+def test_a_keyword_the_kernel_lacks_is_refused_at_patch_time() -> None:
+    """DeepSeek-V3.2's attention hands its sparse top-k ``indices`` to the attention function: the
+    patch refuses the module by name before any call (it took the kernel route and raised at the
+    first forward). Built on meta: only the modules are needed."""
+    from transformers.initialization import no_init_weights
+
+    with warnings.catch_warnings(), torch.device("meta"), no_init_weights():
+        warnings.simplefilter("ignore")
+        model = build("deepseek_v32", tiny_config("deepseek_v32", **_MLA), AutoModel)
+    routes = mh.hf.routes(model)
+    assert routes and all(r.route == "refused" and "['indices']" in r.why for r in routes), routes
+    with pytest.raises(ValueError, match=r"DeepseekV32Attention passes \['indices'\]"):
+        mh.hf.patch(model)
+
+
+def test_the_keywords_a_class_passes_are_read_from_its_call_of_the_attention_function(tmp_path: Any) -> None:
+    """:func:`hf_routes.unimplemented_keywords` reads the keywords of the call of the function looked up
+    in ``ALL_ATTENTION_FUNCTIONS``: one the kernel lacks is found, the kernel's own are not, and
+    another call's keywords are not read."""
+    import importlib.util
+
+    from multihead.interop import hf_routes
+
+    source = tmp_path / "planted_attention.py"  # two classes written as transformers writes them
+    source.write_text(
+        "import torch\n"
+        "from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS\n"
+        "class Planted(torch.nn.Module):\n"
+        "    def forward(self, q, k, v, mask, **kwargs):\n"
+        "        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface('eager', None)\n"
+        "        print(q, block_table=1)\n"
+        "        return attention_interface(self, q, k, v, mask, scaling=0.5, dropout=0.0, sliding_window=None,\n"
+        "                                   top_k_blocks=4, **kwargs)\n"
+        "class Known(Planted):\n"
+        "    def forward(self, q, k, v, mask, **kwargs):\n"
+        "        fn = ALL_ATTENTION_FUNCTIONS['sdpa']\n"
+        "        return fn(self, query=q, key=k, value=v, attention_mask=mask, s_aux=None, **kwargs)\n",
+        encoding="utf-8")
+    spec = importlib.util.spec_from_file_location("planted_attention", source)
+    assert spec is not None and spec.loader is not None
+    planted = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(planted)
+    assert hf_routes.dispatches_class(planted.Planted) and hf_routes.dispatches_class(planted.Known)
+    assert hf_routes.unimplemented_keywords(planted.Planted) == {"top_k_blocks"}
+    assert hf_routes.unimplemented_keywords(planted.Known) == frozenset()

@@ -33,7 +33,7 @@ from ..masks import from_additive
 
 __all__ = ["BACKEND_ATTR", "WATCH_ATTR", "KernelCall", "KernelWatcher",
            "bool_mask", "written_keys", "hf_recording", "attention_forward", "register", "NAME", "refusal",
-           "check_keywords", "HONOURED", "CARRIES_NOTHING", "REFUSED_WHEN_SET", "SDPA_OFF_BUT_COMPUTED"]
+           "check_keywords", "KEYWORDS", "HONOURED", "CARRIES_NOTHING", "REFUSED_WHEN_SET", "SDPA_OFF_BUT_COMPUTED"]
 
 #: The name under which :func:`register` installs the kernel.
 NAME = "multihead"
@@ -128,13 +128,17 @@ CARRIES_NOTHING: dict[str, str] = {
     "output_router_logits": "the mixture of experts' outputs",
     "return_dict": "the model's outputs",
     "num_items_in_batch": "the loss's normaliser",
+    "labels": "the loss's targets (Gemma 4's unified model hands them to its text model)",
     "deterministic": "flash-attn's switch for a deterministic backward (ModernBERT); no value depends on it",
 }
 #: Keyword arguments with a meaning the kernel does not compute: refused unless None.
 REFUSED_WHEN_SET: dict[str, str] = {
     "head_mask": "a per-head scaling of the attention probabilities",
 }
-_KNOWN = frozenset(HONOURED) | frozenset(CARRIES_NOTHING) | frozenset(REFUSED_WHEN_SET)
+#: Every keyword argument the kernel knows: the named parameters of :func:`attention_forward` and
+#: the three lists.
+KEYWORDS = (frozenset(HONOURED) | frozenset(CARRIES_NOTHING) | frozenset(REFUSED_WHEN_SET)
+            | {"module", "query", "key", "value", "attention_mask", "scaling", "dropout"})
 
 
 def check_keywords(module: nn.Module, kwargs: dict[str, Any]) -> None:
@@ -145,7 +149,7 @@ def check_keywords(module: nn.Module, kwargs: dict[str, Any]) -> None:
         TypeError: an unknown keyword (named, with the calling class).
         ValueError: a set keyword whose meaning the kernel does not compute.
     """
-    unknown = kwargs.keys() - _KNOWN
+    unknown = kwargs.keys() - KEYWORDS
     if unknown:
         raise TypeError(f"{type(module).__name__} passed keyword argument(s) {sorted(unknown)} to the multihead "
                         f"kernel, which implements only {sorted(HONOURED)} (and ignores HF's plumbing "

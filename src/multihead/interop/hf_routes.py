@@ -8,8 +8,10 @@ function up in transformers' ``ALL_ATTENTION_FUNCTIONS`` by its config's ``_attn
 (the interface transformers documents for custom kernels), and the kernel accepts its model
 (:func:`multihead.interop.hf_kernel.refusal`: transformers lets the model run ``"sdpa"``, whose
 contract the kernel keeps). Then HF keeps its projections, RoPE and cache, and multihead computes
-softmax(QKᵀ)V (:func:`multihead.interop.hf_kernel.attention_forward`), exact by construction;
-any keyword argument it does not implement is refused by name when the module runs.
+softmax(QKᵀ)V (:func:`multihead.interop.hf_kernel.attention_forward`), exact by construction.
+A keyword argument the kernel does not implement is refused by name: at patch time where the
+class's forward names it in its call of the attention function (:func:`unimplemented_keywords`:
+DeepSeek-V3.2's sparse ``indices``), else when the module runs.
 
 Routing sets ``_attn_implementation`` to :data:`~multihead.interop.hf_kernel.NAME` on exactly the
 configs the dispatching modules read, and remembers what was there, so :func:`restore` puts it
@@ -19,17 +21,19 @@ attend), which registered wrappers sharing the config read as well as any other 
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
+import textwrap
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
-from .hf_kernel import BACKEND_ATTR, NAME, refusal, register
+from .hf_kernel import BACKEND_ATTR, KEYWORDS, NAME, refusal, register
 
 __all__ = ["Route", "WRAPPER", "KERNEL", "REFUSED", "dispatches", "dispatches_class", "dispatchers",
-           "kernel_refusal", "route", "restore", "routed", "dispatches_here", "BACKEND_ATTR"]
+           "kernel_refusal", "unimplemented_keywords", "route", "restore", "routed", "dispatches_here", "BACKEND_ATTR"]
 
 WRAPPER, KERNEL, REFUSED = "wrapper", "kernel", "refused"
 #: Where a routed model remembers each config it changed and the implementation it held.
@@ -76,6 +80,25 @@ def dispatchers(module: nn.Module) -> list[nn.Module]:
     return [m for m in module.modules() if dispatches_class(type(m))]  # type: ignore[arg-type]
 
 
+@functools.cache
+def unimplemented_keywords(cls: type) -> frozenset[str]:
+    """The keyword arguments ``cls.forward`` names in its call of the attention function it looks up
+    (a name it assigns from an expression reading ``ALL_ATTENTION_FUNCTIONS``) that the kernel
+    does not know (:data:`multihead.interop.hf_kernel.KEYWORDS`); empty where the source cannot be
+    read (the kernel still checks every call)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(cls.forward))))  # type: ignore[attr-defined]
+    except (OSError, TypeError, SyntaxError):
+        return frozenset()
+    looked_up = {target.id for node in ast.walk(tree) if isinstance(node, ast.Assign | ast.AnnAssign)
+                 and node.value is not None and "ALL_ATTENTION_FUNCTIONS" in ast.unparse(node.value)
+                 for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                 if isinstance(target, ast.Name)}
+    passed = {kw.arg for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in looked_up for kw in node.keywords if kw.arg is not None}
+    return frozenset(passed - KEYWORDS)
+
+
 def kernel_refusal(module: nn.Module) -> str | None:
     """Why ``module`` cannot take the kernel route, or None where it can (see the module's docstring)."""
     found = dispatchers(module)
@@ -88,6 +111,10 @@ def kernel_refusal(module: nn.Module) -> str | None:
         why = refusal(m)
         if why is not None:
             return why
+        unknown = unimplemented_keywords(type(m))  # type: ignore[arg-type]  # classes hash by identity
+        if unknown:
+            return (f"{type(m).__name__} passes {sorted(unknown)} to its attention function, which the "
+                    "multihead kernel does not implement")
     return None
 
 
