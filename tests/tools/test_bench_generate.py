@@ -94,6 +94,14 @@ def test_the_competing_process_runs_during_the_block_and_is_ended_after() -> Non
     assert proc.poll() is not None
 
 
+def test_a_competing_run_times_beside_the_process_and_says_so() -> None:
+    result = bench_generate.run_generate_jobs(quick=True, compiled=False, models=["llama"], batches=[1],
+                                              competing=True)
+    assert result["competing"] is True and result["jobs"][0]["others_cpu_share"] is not None
+    text = bench_generate.format_generate_jobs(result)
+    assert "competing process: one CPU-bound" in text and "(the competing process included)" in text
+
+
 @pytest.mark.parametrize("kwargs, named", [({"models": ["gpt2"]}, "models"), ({"new_tokens": 1}, "new_tokens"),
                                            ({"batches": [0]}, "batches")])
 def test_bad_arguments_are_refused_by_name(kwargs: dict[str, Any], named: str) -> None:

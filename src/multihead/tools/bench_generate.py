@@ -21,9 +21,13 @@ Per way, from each call: the time to first token (from the call to the first tok
 prefill) and the decode rate, B·(N − 1) tokens over the rest of the call; medians with their
 spread (fastest and slowest of the repetitions) and the speed-up over ``HF, DynamicCache``, of
 the medians and paired per round (:func:`~multihead.tools.bench.paired_speedup`). The ways are
-timed round-robin (:func:`~multihead.tools.bench.time_interleaved`, two untimed calls each
-first: the compiled ways compile there; one without them), so machine noise hits them alike. Every call's tokens
-are compared with HF's: a difference is reported (``mismatches``), never hidden.
+timed round-robin (:func:`~multihead.tools.bench.time_interleaved`), so machine noise hits them
+alike, after two untimed calls each (one without the compiled ways): the compiled ways compile
+there, afresh for each job (``torch.compiler.reset()``: its few graphs stay within torch's
+recompile limit, and reaching it raises rather than running a forward uncompiled), and a
+compiled way that would compile again while timed raises. Every call's tokens, the untimed
+ones too, are compared with those of ``HF, DynamicCache``'s first call: a difference is reported
+(``mismatches``), never hidden.
 
 The load: the share of the CPUs other processes used while a job was timed
 (:class:`~multihead.tools.machine.OthersLoad`) and the load average. ``competing=True`` runs one
@@ -73,7 +77,7 @@ WAYS = ("HF, DynamicCache", "HF, StaticCache", "HF, StaticCache, compiled", "pat
         "patched + KVCacheAdapter, compiled")
 BASE = WAYS[0]
 #: The competing process ends after this many seconds even if the benchmark did not end it.
-COMPETING_MAX_S = 3600.0
+COMPETING_MAX_S = 6 * 3600.0
 #: Untimed calls of each way first, without and with the compiled ways: a compiled forward compiles
 #: in the first call and again in the second (where our adapter reuses the buffers the first made).
 _WARMUP = {False: 1, True: 2}
@@ -186,13 +190,14 @@ def _spinning() -> Iterator[subprocess.Popen[bytes]]:
         proc.wait()
 
 
-def _job(ways: dict[str, Way], reference: torch.Tensor, batch: int, new_tokens: int, reps: int,
-         competing: bool, warmup: int) -> dict[str, Any]:
-    """Time ``ways`` round-robin on one job; per way its stats (:func:`_stats`) and agreement with ``reference``."""
+def _job(ways: dict[str, Way], batch: int, new_tokens: int, reps: int, competing: bool,
+         warmup: int) -> dict[str, Any]:
+    """Time ``ways`` round-robin on one job; per way its stats (:func:`_stats`) and every call's
+    agreement with the tokens of :data:`BASE`'s first call."""
     from . import machine
 
     stamps: dict[str, list[tuple[float, float]]] = {name: [] for name in ways}
-    agree: dict[str, list[dict[str, Any]]] = {name: [] for name in ways}
+    outputs: dict[str, list[torch.Tensor]] = {name: [] for name in ways}
 
     def timed(name: str) -> None:
         stamp = _FirstToken()
@@ -201,16 +206,37 @@ def _job(ways: dict[str, Way], reference: torch.Tensor, batch: int, new_tokens: 
         end = time.perf_counter()
         first = stamp.at if stamp.at is not None else end
         stamps[name].append((first - start, end - first))
-        agree[name].append(_agreement(tokens, reference))
+        outputs[name].append(tokens)
 
     fns = {name: (lambda n=name: timed(n)) for name in ways}
-    with _competing(competing), machine.OthersLoad() as load:
-        time_interleaved(fns, reps=reps, warmup=warmup)
+    with _competing(competing), _loud_recompile_limit():
+        for _ in range(warmup):  # the compiled ways compile here
+            for fn in fns.values():
+                fn()
+        with _no_recompiles(), machine.OthersLoad() as load:
+            time_interleaved(fns, reps=reps, warmup=0)
     rows = {name: _stats(stamps[name][warmup:], batch * (new_tokens - 1)) for name in ways}
+    reference = outputs[BASE][0]
     for name, row in rows.items():
         row.update(_ratios(row, rows[BASE]))
-        row.update(_worst(agree[name]))
+        row.update(_worst([_agreement(tokens, reference) for tokens in outputs[name]]))
     return {"ways": rows, "others_cpu_share": load.share, "load_average": list(os.getloadavg())}
+
+
+def _loud_recompile_limit() -> contextlib.AbstractContextManager[Any]:
+    """Past torch's recompile limit a compiled forward would run uncompiled, silently: raise instead."""
+    import torch._dynamo.config as dynamo_config
+
+    if not hasattr(dynamo_config, "fail_on_recompile_limit_hit"):  # older torch: the per-job reset only
+        return contextlib.nullcontext()
+    return dynamo_config.patch(fail_on_recompile_limit_hit=True)
+
+
+def _no_recompiles() -> contextlib.AbstractContextManager[Any]:
+    """A compiled way that would compile again while it is timed raises instead of timing the compiler:
+    ``torch.compiler.set_stance("fail_on_recompile")``."""
+    stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
+    return stance("fail_on_recompile") if stance is not None else contextlib.nullcontext()
 
 
 def _agreement(tokens: torch.Tensor, reference: torch.Tensor) -> dict[str, Any]:
@@ -325,10 +351,11 @@ def _run_model(name: str, sizes: dict[str, Any], lengths: list[int], batches: li
             for b in batches:
                 say(f"{name}: P={p}, B={b}, N={new_tokens}, {reps} timed calls each way after "
                     f"{_WARMUP[compiled]} untimed")
+                if compiled:  # each job compiles afresh: its graphs stay within torch's recompile limit
+                    torch.compiler.reset()
                 ids, mask = make_prompts(sizes["vocab"], p, b)
-                reference = _generate(hf, ids, mask, new_tokens, _FirstToken())
                 ways, adapter = _ways(hf, patched, forwards, ids, mask, new_tokens)
-                job = _job(ways, reference, b, new_tokens, reps, competing, _WARMUP[compiled])
+                job = _job(ways, b, new_tokens, reps, competing, _WARMUP[compiled])
                 job = {"model": name, "prompt": p, "batch": b, "row_lengths": mask.sum(1).tolist(),
                        "adapter_paths": sorted(set(map(str, adapter.paths))), **job}
                 result["jobs"].append(job)
@@ -355,17 +382,19 @@ def format_generate_jobs(result: dict[str, Any]) -> str:
                      f"D={s['head_dim']} MLP={s['intermediate']} V={s['vocab']} "
                      f"({'tied' if s['tied'] else 'untied'} embeddings), {info['parameters']:,} parameters")
     for job in result["jobs"]:
-        lines += ["", *_job_lines(job)]
+        lines += ["", *_job_lines(job, result["competing"])]
     lines += ["", "mismatches: none: every way's tokens equal HF's" if not result["mismatches"]
               else f"MISMATCHES ({len(result['mismatches'])}):", *(f"  {m}" for m in result["mismatches"])]
     return "\n".join(lines)
 
 
-def _job_lines(job: dict[str, Any]) -> list[str]:
+def _job_lines(job: dict[str, Any], competing: bool) -> list[str]:
+    """One job's header (its rows, the load) and a row per way."""
     rows = job["row_lengths"]
     share = job["others_cpu_share"]
     load = ("unknown" if share is None else f"{share:.0%}") + (
-        " (busy: not a verdict)" if share is not None and share > 0.10 else "")
+        " (the competing process included)" if competing
+        else " (busy: not a verdict)" if share is not None and share > 0.10 else "")
     head = [f"{job['model']} P={job['prompt']} B={job['batch']} (rows {min(rows)}..{max(rows)} tokens"
             f"{', left-padded' if min(rows) < max(rows) else ''}); other processes' CPU share {load}, "
             f"load average {job['load_average'][0]:.2f}; adapter's paths {job['adapter_paths']}",
