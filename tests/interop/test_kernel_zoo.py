@@ -30,7 +30,7 @@ from multihead.interop import hf_kernel
 pytest.importorskip("transformers")
 from transformers import AutoModel, AutoModelForCausalLM  # noqa: E402
 
-from test_zoo import RTOL, _inputs, _outs, build, compare_patched, sharpen, tiny_config  # noqa: E402
+from test_zoo import RTOL, TINY, _inputs, _outs, build, compare_patched, sharpen, tiny_config  # noqa: E402
 
 _MOE = {"num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32}
@@ -109,6 +109,63 @@ def compare_kernel_route(model_type: str, extra: dict[str, Any] | None = None, g
 @pytest.mark.parametrize("model_type", list(KERNEL_ZOO))
 def test_kernel_route_type_is_exact(model_type: str) -> None:
     assert compare_kernel_route(model_type) == "exact"
+
+
+_MROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}}
+#: Composite and vision model types on the kernel route (some with wrappers too), built with every
+#: sub-config at the tiny sizes as well (:func:`tiny_nested`): (extra fields, a sub-config's under its
+#: name; generator?). Found by building every kernel-route type this way (the others need inputs of
+#: their own: grids, audio features, query embeddings, or are not tiny from their defaults).
+NESTED_ZOO: dict[str, tuple[dict[str, Any], bool]] = {
+    "gptj": ({"rotary_dim": 8}, True), "codegen": ({"rotary_dim": 8}, True), "minicpm3": (_MLA, True),
+    "mllama": ({}, True), "gemma4_unified": ({}, True),
+    "glm4v_text": (_MROPE, False), "glm_ocr_text": (_MROPE, False), "glm_image_text": (_MROPE, False),
+    "glm4v": ({"text_config": _MROPE}, False), "glm_ocr": ({"text_config": _MROPE}, False),
+    "cosmos3_edge": ({}, False), "esm": ({}, False), "kosmos-2.5": ({}, False), "paddleocr_vl": ({}, False),
+    "qwen3_vl": ({}, False),
+    # images, (B, 3, 32, 32) in 16 patches
+    "beit": ({}, False), "dinov3_vit": ({}, False), "dpt": ({}, False), "internvl_vision": ({}, False),
+    "mlcd": ({}, False), "mlcd_vision_model": ({}, False),
+}
+PIXELS = {"beit", "dinov3_vit", "dpt", "internvl_vision", "mlcd", "mlcd_vision_model"}
+
+
+def tiny_nested(cls: Any, extra: dict[str, Any]) -> Any:
+    """Config class ``cls`` at test_zoo's tiny sizes, each of its sub-configs too (``extra[name]``
+    holds a sub-config's own fields)."""
+    default = cls()
+    fields = {k: v for k, v in {**TINY, **extra}.items()
+              if (hasattr(default, k) or k in extra) and k not in getattr(cls, "sub_configs", {})}
+    for name, sub in getattr(cls, "sub_configs", {}).items():
+        if isinstance(sub, type) and sub.__name__ != "AutoConfig":  # (AutoConfig: a backbone left as it is)
+            fields[name] = tiny_nested(sub, extra.get(name, {})).to_dict()
+    return cls(**fields)
+
+
+def _pixels(model_type: str, side: str) -> dict[str, torch.Tensor]:
+    """Two 32 × 32 images (no padding: ``side`` changes nothing)."""
+    return {"pixel_values": torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))}
+
+
+@pytest.mark.parametrize("model_type", list(NESTED_ZOO))
+def test_composite_kernel_route_type_is_exact(model_type: str) -> None:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    extra, generator = NESTED_ZOO[model_type]
+    torch.random.default_generator.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build(model_type, tiny_nested(CONFIG_MAPPING[model_type], extra),
+                      AutoModelForCausalLM if generator else AutoModel, "eager").eval()
+    assert sum(p.numel() for p in model.parameters()) < 30_000_000  # tiny
+    routes: set[str] = set()
+
+    def patching(m: nn.Module) -> None:
+        routes.update(r.route for r in mh.hf.patch(m, report=True))
+
+    inputs = _pixels if model_type in PIXELS else None
+    assert compare_patched(sharpen(model), model_type, generator, patching, inputs) == "exact"
+    assert "kernel" in routes and "refused" not in routes, routes
 
 
 @pytest.mark.parametrize("case", list(FALLBACKS))

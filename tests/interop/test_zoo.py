@@ -430,10 +430,12 @@ def compare(model_type: str) -> str:
     return compare_patched(model, model_type, generator, lambda m: mh.hf.patch(m, kernel=False))
 
 
-def compare_patched(model: nn.Module, model_type: str, generator: bool, patching: Any) -> str:
+def compare_patched(model: nn.Module, model_type: str, generator: bool, patching: Any,
+                    inputs: Any = None) -> str:
     """``"exact"``, or what differs, between ``model`` (eager) and ``model`` after ``patching(model)``:
-    right- and left-padded batches (relative 1e-5 on real tokens), and greedy tokens for generators."""
-    batches = [_inputs(model_type, side) for side in ("right", "left")]
+    right- and left-padded batches (relative 1e-5 on real tokens), and greedy tokens for generators.
+    ``inputs(model_type, side)`` makes a batch (default :func:`_inputs`)."""
+    batches = [(inputs or _inputs)(model_type, side) for side in ("right", "left")]
     wants = [_outs(model, inputs) for inputs in batches]
     tokens = _generate(model, model_type, batches[0]) if generator else None
     patching(model)
