@@ -181,6 +181,7 @@ def _competing(on: bool) -> contextlib.AbstractContextManager[Any]:
 
 @contextlib.contextmanager
 def _spinning() -> Iterator[subprocess.Popen[bytes]]:
+    """A Python process spinning on one core for :data:`COMPETING_MAX_S` at most, killed when the block ends."""
     proc = subprocess.Popen([sys.executable, "-c", _SPIN, str(COMPETING_MAX_S)], stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
