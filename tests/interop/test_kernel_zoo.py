@@ -123,11 +123,23 @@ NESTED_ZOO: dict[str, tuple[dict[str, Any], bool]] = {
     "glm4v": ({"text_config": _MROPE}, False), "glm_ocr": ({"text_config": _MROPE}, False),
     "cosmos3_edge": ({}, False), "esm": ({}, False), "kosmos-2.5": ({}, False), "paddleocr_vl": ({}, False),
     "qwen3_vl": ({}, False),
+    # hybrids: attention layers among recurrent, state-space or convolution layers
+    "jamba": ({"num_hidden_layers": 8, **_MOE}, True), "lfm3": ({"num_hidden_layers": 8}, True),
+    "qwen3_5_text": ({"layer_types": ["linear_attention", "full_attention"]}, True),
+    "qwen3_5": ({"text_config": {"layer_types": ["linear_attention", "full_attention"]}}, True),
+    "recurrent_gemma": ({"num_hidden_layers": 8}, True),
     # images, (B, 3, 32, 32) in 16 patches
     "beit": ({}, False), "dinov3_vit": ({}, False), "dpt": ({}, False), "internvl_vision": ({}, False),
-    "mlcd": ({}, False), "mlcd_vision_model": ({}, False),
+    "mlcd": ({}, False), "mlcd_vision_model": ({}, False), "pixtral": ({}, False),
+    "qianfan_ocr_vision": ({}, False), "radio": ({}, False),
 }
-PIXELS = {"beit", "dinov3_vit", "dpt", "internvl_vision", "mlcd", "mlcd_vision_model"}
+PIXELS = {"beit", "dinov3_vit", "dpt", "internvl_vision", "mlcd", "mlcd_vision_model", "pixtral",
+          "qianfan_ocr_vision", "radio"}
+#: Types compared with transformers' ``"sdpa"`` model, its default, because its eager model computes
+#: other values: RecurrentGemma's recurrent layers carry the padded queries' outputs into the real
+#: tokens, and eager and SDPA give a fully masked (left-padding) query row different outputs
+#: (:func:`test_recurrent_gemma_eager_and_sdpa_differ_with_left_padding`).
+SDPA_ORACLE = {"recurrent_gemma"}
 
 
 def tiny_nested(cls: Any, extra: dict[str, Any]) -> Any:
@@ -147,8 +159,8 @@ def _pixels(model_type: str, side: str) -> dict[str, torch.Tensor]:
     return {"pixel_values": torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))}
 
 
-@pytest.mark.parametrize("model_type", list(NESTED_ZOO))
-def test_composite_kernel_route_type_is_exact(model_type: str) -> None:
+def _nested(model_type: str, impl: str) -> nn.Module:
+    """:data:`NESTED_ZOO`'s tiny model of ``model_type`` with ``attn_implementation=impl``, sharpened."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     extra, generator = NESTED_ZOO[model_type]
@@ -156,16 +168,35 @@ def test_composite_kernel_route_type_is_exact(model_type: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = build(model_type, tiny_nested(CONFIG_MAPPING[model_type], extra),
-                      AutoModelForCausalLM if generator else AutoModel, "eager").eval()
+                      AutoModelForCausalLM if generator else AutoModel, impl).eval()
     assert sum(p.numel() for p in model.parameters()) < 30_000_000  # tiny
+    return sharpen(model)
+
+
+@pytest.mark.parametrize("model_type", list(NESTED_ZOO))
+def test_composite_kernel_route_type_is_exact(model_type: str) -> None:
+    generator = NESTED_ZOO[model_type][1]
+    model = _nested(model_type, "sdpa" if model_type in SDPA_ORACLE else "eager")
     routes: set[str] = set()
 
     def patching(m: nn.Module) -> None:
         routes.update(r.route for r in mh.hf.patch(m, report=True))
 
     inputs = _pixels if model_type in PIXELS else None
-    assert compare_patched(sharpen(model), model_type, generator, patching, inputs) == "exact"
+    assert compare_patched(model, model_type, generator, patching, inputs) == "exact"
     assert "kernel" in routes and "refused" not in routes, routes
+
+
+def test_recurrent_gemma_eager_and_sdpa_differ_with_left_padding() -> None:
+    """Why :data:`SDPA_ORACLE` holds RecurrentGemma: transformers' own eager and SDPA models agree on
+    a right-padded batch and not on a left-padded one (their fully masked rows differ, and the
+    recurrent layers carry them on). When they agree, it can be compared with eager like the rest."""
+    eager, sdpa = _nested("recurrent_gemma", "eager"), _nested("recurrent_gemma", "sdpa")
+    for side, differ in (("right", False), ("left", True)):
+        inputs = _inputs("recurrent_gemma", side)
+        (want, real), = _outs(eager, inputs)
+        (got, _), = _outs(sdpa, inputs)
+        assert (((got[real] - want[real]).abs().max() / want[real].abs().max()).item() > 1e-3) == differ
 
 
 @pytest.mark.parametrize("case", list(FALLBACKS))

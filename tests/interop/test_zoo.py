@@ -495,6 +495,12 @@ def _may_hold_registered(modules: list[Any]) -> bool:
     return False
 
 
+#: Hybrid models whose first two layers hold no attention (state-space, linear or recurrent layers
+#: first): the meta pass builds them with 8 layers, so that their attention modules are there.
+HYBRIDS = dict.fromkeys(("jamba", "lfm3", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "recurrent_gemma"),
+                        {"num_hidden_layers": 8})
+
+
 def _patch_on_meta(model_type: str) -> str:
     """The routes ``mh.hf.patch`` takes in ``model_type``'s model (``"wrapper"``, ``"kernel"`` or
     ``"wrapper+kernel"``), ``"refused"``, ``"no attention"`` or ``"unbuildable"``; anything else raises."""
@@ -503,7 +509,8 @@ def _patch_on_meta(model_type: str) -> str:
     try:  # on meta, with no weight initialised (there are no values to initialise): the model's modules only
         with warnings.catch_warnings(), torch.device("meta"), no_init_weights():
             warnings.simplefilter("ignore")
-            model = build(model_type, tiny_config(model_type, **ZOO.get(model_type, ({}, False))[0]), AutoModel)
+            extra = {**HYBRIDS.get(model_type, {}), **ZOO.get(model_type, ({}, False))[0]}
+            model = build(model_type, tiny_config(model_type, **extra), AutoModel)
     except Exception:  # noqa: BLE001 - a config the tiny recipe cannot build is not our failure
         return "unbuildable"
     try:
