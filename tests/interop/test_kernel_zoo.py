@@ -131,10 +131,11 @@ NESTED_ZOO: dict[str, tuple[dict[str, Any], bool]] = {
     # images, (B, 3, 32, 32) in 16 patches
     "beit": ({}, False), "dinov3_vit": ({}, False), "dpt": ({}, False), "internvl_vision": ({}, False),
     "mlcd": ({}, False), "mlcd_vision_model": ({}, False), "pixtral": ({}, False),
-    "qianfan_ocr_vision": ({}, False), "radio": ({}, False),
+    "qianfan_ocr_vision": ({}, False), "radio": ({}, False), "sam2_vision_model": ({}, False),
+    "sam3_vit_model": ({}, False), "sapiens2": ({}, False), "step3p7": ({}, False),
 }
 PIXELS = {"beit", "dinov3_vit", "dpt", "internvl_vision", "mlcd", "mlcd_vision_model", "pixtral",
-          "qianfan_ocr_vision", "radio"}
+          "qianfan_ocr_vision", "radio", "sam2_vision_model", "sam3_vit_model", "sapiens2"}
 #: Types compared with transformers' ``"sdpa"`` model, its default, because its eager model computes
 #: other values: RecurrentGemma's recurrent layers carry the padded queries' outputs into the real
 #: tokens, and eager and SDPA give a fully masked (left-padding) query row different outputs
