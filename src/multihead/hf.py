@@ -1,6 +1,7 @@
 """``multihead.hf``: run Hugging Face models on multihead (patching, the kernel, the cache).
 
-The code lives in :mod:`multihead.interop.hf_patch`, :mod:`multihead.interop.hf_kernel`,
+The code lives in :mod:`multihead.interop.hf_patch` (its wrappers in
+:mod:`multihead.interop.hf_wrappers`), :mod:`multihead.interop.hf_kernel`,
 :mod:`multihead.interop.hf_cache` and :mod:`multihead.interop.hf_packing`; this module keeps the
 short public name ``mh.hf``.
 ``KVCacheAdapter`` (a transformers ``Cache`` subclass) is built on first access.

@@ -26,7 +26,7 @@ from transformers.models.falcon.modeling_falcon import FalconAttention, FalconRo
 from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXAttention, GPTNeoXRotaryEmbedding
 
 import multihead as mh
-from multihead.interop import hf_patch, hf_registry, hf_weights
+from multihead.interop import hf_registry, hf_weights, hf_wrappers_other
 from test_zoo import sharpen  # same folder (pytest puts it on sys.path)
 
 B, S, VOCAB, RTOL, ATOL = 2, 9, 100, 1e-5, 1e-5
@@ -252,7 +252,7 @@ def test_bloom_holes_need_the_reordering_of_keys(monkeypatch: pytest.MonkeyPatch
     batch = _holey_batch()
     want = _hidden(model, batch)
     mh.hf.patch(model)
-    monkeypatch.setattr(hf_patch, "_unmasked_keys_first",  # the keys left in their order
+    monkeypatch.setattr(hf_wrappers_other, "_unmasked_keys_first",  # the keys left in their order
                         lambda k, v, mask: (k, v, mask, torch.arange(k.shape[2]).expand(k.shape[0], -1)))
     assert _relative(_hidden(model, batch), want, batch["attention_mask"]) > 1e-3
 

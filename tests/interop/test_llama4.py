@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import multihead as mh
-from multihead.interop import hf_cache, hf_patch, hf_registry
+from multihead.interop import hf_cache, hf_registry, hf_wrappers
 
 pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM  # noqa: E402
@@ -99,7 +99,7 @@ def test_the_adapters_own_step_is_taken_only_where_it_is_exact(monkeypatch: pyte
 def test_the_adapters_own_step_where_the_temperature_changes_q_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Planted: the own step taken whatever the positions (the module's call has no temperature)."""
     _force_the_modules_cached_call(monkeypatch)
-    monkeypatch.setattr(hf_patch._Llama4Wrapper, "_plain", lambda self, past, s: True)
+    monkeypatch.setattr(hf_wrappers._Llama4Wrapper, "_plain", lambda self, past, s: True)
     want, got, _ = _generate_on_adapter(_model("sdpa", attention_chunk_size=64), _prompts(padded=False))
     assert not _same(want, got)
 

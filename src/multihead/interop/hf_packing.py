@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..masks import packed_bounds, packed_cu_seqlens
-from .hf_patch import PatchedAttention
+from .hf_wrappers import PatchedAttention
 
 __all__ = ["pack_padding", "packable", "PackedPadding", "ENCODER_CLASSES"]
 

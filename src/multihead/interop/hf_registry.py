@@ -448,7 +448,7 @@ _DEEPSEEK = [_deepseek(2, "interleaved"), _deepseek(3, "rope_interleave", also=(
 # 0 .. S-1: one row of positions for the batch, left padding counted). Its model masks each layer by
 # config.layer_types[layer_idx]: "chunked_attention" (the default of RoPE layers) causally inside
 # chunks of attention_chunk_size tokens counted from each row's first real token
-# (create_chunked_causal_mask); "full_attention" causally. The wrapper (call "llama4", in hf_patch)
+# (create_chunked_causal_mask); "full_attention" causally. The wrapper (call "llama4", in hf_wrappers)
 # computes both; a converted layer alone has no temperature tuning (refused: `alone`) and takes its
 # chunks from the caller's mask, as the HF module takes them from its model's.
 def _llama4_rope(module: Any, config: Any) -> bool:
