@@ -151,9 +151,10 @@ def test_olmo_clip_qkv_is_refused_naming_the_key() -> None:
 
 
 # ---- 9. multi-axis RoPE ------------------------------------------------------------------------------
-@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_vl_text"])
-def test_multi_axis_rope_is_refused_by_name(model_type: str) -> None:
-    assert "is not a supported attention class" in _refused(model_type)
+def test_multi_axis_rope_whose_sections_do_not_fit_the_heads_is_refused_by_name() -> None:
+    """M-RoPE is computed (Qwen2-VL's sections; the whole VL models in test_qwen_vl.py); the default
+    sections [16, 24, 24] with the tiny text model's 8 frequency slots are refused naming both."""
+    assert "sections must sum to rotary_dim / 2 = 8 frequency slots, got [16, 24, 24]" in _refused("qwen2_vl_text")
 
 
 # ---- the crashes of the old converter ------------------------------------------------------------------

@@ -263,7 +263,8 @@ VISION = {"vit", "clip_vision_model", "siglip_vision_model", "deit", "vit_mae", 
           "granite_docling_vision", "altclip_vision_model"}
 TIME_SERIES = {"time_series_transformer", "informer"}
 #: Decoders compared by their hidden states (no causal-LM class): their forward caches by default.
-DECODER_STATES = {"cosmos3_edge_text", "granite_docling_text"}
+DECODER_STATES = {"cosmos3_edge_text", "granite_docling_text", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text",
+                  "qwen3_vl_moe_text"}
 #: Speech encoders on raw samples: every frame compared (a padded frame still attends to real ones).
 AUDIO = {"wav2vec2", "hubert", "sew", "unispeech", "unispeech-sat", "data2vec-audio"}
 #: Model types AutoModel does not map: built with their own class.
