@@ -117,9 +117,9 @@ def make_prompts(vocab: int, prompt: int, batch: int, seed: int = 1) -> tuple[to
     left-padded with the pad id 0."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, vocab, (batch, prompt), generator=gen)
-    lengths = torch.randint(max(1, prompt // 2), prompt + 1, (batch,), generator=gen)
-    lengths[0] = prompt
-    mask = torch.arange(prompt).expand(batch, prompt) >= (prompt - lengths)[:, None]  # (B, P)
+    real = torch.randint(max(1, prompt // 2), prompt + 1, (batch,), generator=gen)  # (B,) each row's tokens
+    real[0] = prompt
+    mask = torch.arange(prompt).expand(batch, prompt) >= (prompt - real)[:, None]  # (B, P)
     return ids.masked_fill(~mask, _PAD), mask.long()
 
 
