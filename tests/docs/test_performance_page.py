@@ -44,3 +44,21 @@ def test_the_readme_tables_are_results_files() -> None:
 def test_replace_between_refuses_missing_markers() -> None:
     with pytest.raises(ValueError, match="markers"):
         bench_page.replace_between("no markers here", "results:x", "body")
+
+
+def test_the_readme_generate_table_is_its_results_file() -> None:
+    """Each figure of the README's whole-generate table: the medians and ratios of the file it cites."""
+    import json
+
+    readme = (ROOT / "README.md").read_text("utf-8")
+    result = json.loads((ROOT / "docs" / "results" / "generate_jobs" / "intel-xeon-amx-llama-512.json")
+                        .read_text("utf-8"))
+    ours, hf = "patched + KVCacheAdapter", "HF, DynamicCache"
+    for job in result["jobs"]:
+        ways, b = job["ways"], job["batch"]
+        kind = "batch 1" if b == 1 else f"batch {b}, left-padded"
+        decode = (f"| {kind}: decode | {ways[ours]['decode_tokens_per_s']['median']:.1f} tokens/s | "
+                  f"{ways[hf]['decode_tokens_per_s']['median']:.1f} tokens/s | {ways[ours]['decode_speedup']:.2f}× |")
+        ttft = (f"| {kind}: time to first token | {ways[ours]['ttft_s']['median']:.2f} s | "
+                f"{ways[hf]['ttft_s']['median']:.2f} s | {ways[ours]['ttft_speedup']:.2f}×")
+        assert decode in readme and ttft in readme, (decode, ttft)
