@@ -111,6 +111,10 @@ def test_kernel_route_type_is_exact(model_type: str) -> None:
     assert compare_kernel_route(model_type) == "exact"
 
 
+#: Qwen3-Next and Qwen3.5-MoE: linear-attention and attention layers in turn, small experts and heads.
+_QWEN_NEXT = {"num_hidden_layers": 4, "layer_types": ["linear_attention", "full_attention"] * 2, "num_experts": 4,
+              "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+              "head_dim": 16, "linear_key_head_dim": 16, "linear_value_head_dim": 16}
 _MROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}}
 #: Composite and vision model types on the kernel route (some with wrappers too), built with every
 #: sub-config at the tiny sizes as well (:func:`tiny_nested`): (extra fields, a sub-config's under its
@@ -128,6 +132,8 @@ NESTED_ZOO: dict[str, tuple[dict[str, Any], bool]] = {
     "qwen3_5_text": ({"layer_types": ["linear_attention", "full_attention"]}, True),
     "qwen3_5": ({"text_config": {"layer_types": ["linear_attention", "full_attention"]}}, True),
     "recurrent_gemma": ({"num_hidden_layers": 8}, True),
+    "qwen3_next": (_QWEN_NEXT, True), "qwen3_5_moe_text": (_QWEN_NEXT, True),
+    "qwen3_5_moe": ({"text_config": _QWEN_NEXT}, True),
     # images, (B, 3, 32, 32) in 16 patches
     "beit": ({}, False), "dinov3_vit": ({}, False), "dpt": ({}, False), "internvl_vision": ({}, False),
     "mlcd": ({}, False), "mlcd_vision_model": ({}, False), "pixtral": ({}, False),
