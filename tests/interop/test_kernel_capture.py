@@ -29,8 +29,8 @@ from multihead.interop.hf_kernel import WATCH_ATTR
 
 pytest.importorskip("transformers")
 
-from test_kernel_zoo import _eager  # noqa: E402
-from test_zoo import _inputs, sharpen  # noqa: E402
+from test_kernel_zoo import _eager, gpt2_with_cross_attention  # noqa: E402
+from test_zoo import _inputs  # noqa: E402
 
 ATOL = 1e-5
 capture_module = importlib.import_module("multihead.heads.capture")  # the module (the package's name is the class)
@@ -228,15 +228,7 @@ def test_a_model_with_both_routes_captures_every_layer() -> None:
     """GPT-2 with cross-attention: self-attention wrapped, cross-attention on the kernel route; the
     capture lists all four in model order, equal to eager's attentions and cross-attentions; a step
     through the cache appends one row to each, equal to the full pass's last row."""
-    from transformers import GPT2Config, GPT2Model
-
-    torch.random.default_generator.manual_seed(0)
-    config = GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=100, add_cross_attention=True)
-    model = sharpen(GPT2Model._from_config(config, attn_implementation="eager").eval())
-    g = torch.Generator().manual_seed(1)
-    ids, mask = torch.randint(3, 100, (2, 10), generator=g), torch.ones(2, 10, dtype=torch.long)
-    mask[1, :3] = 0
-    context = torch.randn(2, 5, 64, generator=g)  # (B, S_enc, E)
+    model, ids, mask, context = gpt2_with_cross_attention(10)
     with torch.no_grad():
         want = model(ids, attention_mask=mask, encoder_hidden_states=context, output_attentions=True)
         mh.hf.patch(model)

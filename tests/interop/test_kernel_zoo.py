@@ -212,21 +212,26 @@ def test_a_registered_class_its_description_refuses_takes_the_kernel_route_exact
     assert compare_kernel_route(model_type, extra, generator=True) == "exact"
 
 
-def test_a_model_with_both_routes_is_exact() -> None:
-    """GPT-2 with cross-attention: its self-attention takes the wrapper, its cross-attention (which the
-    wrapper refuses) the kernel; the padded batch's states equal eager's, and so do the next token's
-    through the cache (an EncoderDecoderCache, whose self-attention part the wrapper fills)."""
+def gpt2_with_cross_attention(s: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A tiny eager GPT-2 with cross-attention (sharpened) and its inputs: ids and mask (2, s), the
+    second row left-padded by 3, and the encoder's states (2, 5, 64)."""
     from transformers import GPT2Config, GPT2Model
 
     torch.random.default_generator.manual_seed(0)
     config = GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=100, add_cross_attention=True)
     model = sharpen(GPT2Model._from_config(config, attn_implementation="eager").eval())
     g = torch.Generator().manual_seed(1)
-    ids, mask = torch.randint(3, 100, (2, 9), generator=g), torch.ones(2, 9, dtype=torch.long)
+    ids, mask = torch.randint(3, 100, (2, s), generator=g), torch.ones(2, s, dtype=torch.long)
     mask[1, :3] = 0
-    context = torch.randn(2, 5, 64, generator=g)  # (B, S_enc, E)
-    step, mask2 = torch.randint(3, 100, (2, 1), generator=g), torch.ones(2, 10, dtype=torch.long)
-    mask2[1, :3] = 0
+    return model, ids, mask, torch.randn(2, 5, 64, generator=g)  # context: (B, S_enc, E)
+
+
+def test_a_model_with_both_routes_is_exact() -> None:
+    """GPT-2 with cross-attention: its self-attention takes the wrapper, its cross-attention (which the
+    wrapper refuses) the kernel; the padded batch's states equal eager's, and so do the next token's
+    through the cache (an EncoderDecoderCache, whose self-attention part the wrapper fills)."""
+    model, ids, mask, context = gpt2_with_cross_attention(10)
+    ids, mask, step, mask2 = ids[:, :9], mask[:, :9], ids[:, 9:], mask
 
     def run() -> list[torch.Tensor]:
         out = model(ids, attention_mask=mask, encoder_hidden_states=context, use_cache=True)
