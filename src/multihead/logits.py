@@ -32,7 +32,7 @@ import torch
 from ._checks import check_int
 from .block_mask import BlockMask
 
-__all__ = ["Features", "NO_FEATURES", "alibi_slopes", "alibi_bias", "soft_cap", "sink_column"]
+__all__ = ["Features", "NO_FEATURES", "relative_dense", "alibi_slopes", "alibi_bias", "soft_cap", "sink_column"]
 
 
 class Features(NamedTuple):
@@ -50,6 +50,9 @@ class Features(NamedTuple):
             to a backend declaring ``block_mask`` (the others receive it as a dense ``mask``).
         bias: float broadcastable to (B, H, Sq, Sk) (a 4-D view), added to the logits.
         score_mod: ``(score, b, h, q_idx, kv_idx) -> score`` (:mod:`multihead.score_mods`).
+        relative: float (B|1, H|1, Sq + Sk - 1), a bias that depends on the distance alone, added
+            to the logits with ``bias``: ``relative[b, h, j - i + Sq - 1]`` for query row i and key
+            j (:func:`relative_dense`; T5's position bias, one value per head and distance).
     """
 
     softcap: float | None = None
@@ -59,18 +62,32 @@ class Features(NamedTuple):
     block_mask: BlockMask | None = None
     bias: torch.Tensor | None = None
     score_mod: Callable[..., torch.Tensor] | None = None
+    relative: torch.Tensor | None = None
 
     def logits(self) -> dict[str, object]:
-        """The logit features asked for, by keyword (``softcap``, ``alibi_slopes``, ``sinks``, ``bias``,
-        ``score_mod``)."""
+        """The logit features asked for, by keyword (``softcap``, ``alibi_slopes``, ``sinks``, ``bias``
+        (with ``relative``), ``score_mod``)."""
+        bias = self.bias if self.bias is not None else self.relative
         return {name: value for name, value in (("softcap", self.softcap), ("alibi_slopes", self.alibi_slopes),
-                                                ("sinks", self.sinks), ("bias", self.bias),
+                                                ("sinks", self.sinks), ("bias", bias),
                                                 ("score_mod", self.score_mod)) if value is not None}
 
     def learned(self) -> list[torch.Tensor]:
-        """The features that are tensors a gradient may flow into (ALiBi slopes, sinks, the bias; a
+        """The features that are tensors a gradient may flow into (ALiBi slopes, sinks, the biases; a
         score_mod's captured tensors are not seen: it runs on a differentiable backend only)."""
-        return [t for t in (self.alibi_slopes, self.sinks, self.bias) if t is not None]
+        return [t for t in (self.alibi_slopes, self.sinks, self.bias, self.relative) if t is not None]
+
+    def has_bias(self) -> bool:
+        """Whether an additive bias is asked for (``bias`` or ``relative``)."""
+        return self.bias is not None or self.relative is not None
+
+    def dense_bias(self, sq: int, sk: int) -> torch.Tensor | None:
+        """``bias`` and ``relative`` as one bias broadcastable to (B, H, Sq, Sk) (None without either):
+        what a backend that adds a dense bias adds."""
+        if self.relative is None:
+            return self.bias
+        dense = relative_dense(self.relative, sq, sk)
+        return dense if self.bias is None else self.bias + dense
 
     def any(self) -> bool:
         """Whether anything is asked beyond masked softmax attention."""
@@ -79,6 +96,14 @@ class Features(NamedTuple):
 
 #: No logit feature, no packing.
 NO_FEATURES = Features()
+
+
+def relative_dense(relative: torch.Tensor, sq: int, sk: int) -> torch.Tensor:
+    """The bias (B|1, H|1, Sq, Sk) that ``relative`` (B|1, H|1, Sq + Sk - 1) stands for:
+    ``[b, h, i, j] = relative[b, h, j - i + Sq - 1]`` (a Toeplitz matrix per head), differentiable."""
+    r = relative.contiguous()
+    shifted = r.as_strided((r.shape[0], r.shape[1], sq, sk), (r.stride(0), r.stride(1), 1, 1))  # [i', j] = r[i' + j]
+    return shifted.flip(2)  # [i, j] = r[Sq - 1 - i + j]
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:

@@ -302,9 +302,11 @@ def lower(features: Features, sq: int, sk: int, heads: int) -> Features:
     where it is made only of building blocks in :mod:`multihead.logits`' order (soft-capping,
     then ALiBi, then relative bias) and none of them would run before a feature the call already
     sets: :class:`SoftCap` becomes ``softcap``, :class:`Alibi` ``alibi_slopes`` and
-    :class:`RelativeBias` an additive ``bias`` (1, H, Sq, Sk) gathered from its table (its
-    gradient reaches the table), so that the fast paths run it ("native" takes the first two,
-    "sdpa" a bias). Anything else is returned as given (``"explicit"`` runs the score_mod).
+    :class:`RelativeBias` gathered from its table (its gradient reaches the table) either one
+    value per head and distance, ``relative`` (1, H, Sq + Sk - 1), with T5's buckets, or an additive
+    ``bias`` (1, H, Sq, Sk) with others, so that the fast paths run it ("native" takes all of them,
+    forward and backward for the biases; "sdpa" the biases, as one dense bias). Anything else is
+    returned as given (``"explicit"`` runs the score_mod).
     """
     mod = features.score_mod
     if mod is None:
@@ -324,9 +326,9 @@ def lower(features: Features, sq: int, sk: int, heads: int) -> Features:
             lowered["alibi_slopes"] = part.slopes
         else:
             assert isinstance(part, RelativeBias)  # _stage accepts these three
-            bias = _relative(part, sq, sk)  # (1, H, Sq, Sk)
-            prior = lowered.get("bias", features.bias)
-            lowered["bias"] = bias if prior is None else prior + bias  # type: ignore[operator]
+            key, bias = _relative(part, sq, sk)  # relative (1, H, Sq + Sk - 1) or bias (1, H, Sq, Sk)
+            prior = lowered.get(key, getattr(features, key))
+            lowered[key] = bias if prior is None else prior + bias  # type: ignore[operator]
     return features._replace(**lowered)  # type: ignore[arg-type]
 
 
@@ -340,19 +342,18 @@ def _stage(part: object, heads: int) -> int | None:
     return None
 
 
-def _relative(part: RelativeBias, sq: int, sk: int) -> torch.Tensor:
-    """(1, H, Sq, Sk): ``table[h, buckets(q_idx, kv_idx)]`` at the call's positions (bottom-right).
+def _relative(part: RelativeBias, sq: int, sk: int) -> tuple[str, torch.Tensor]:
+    """``table[h, buckets(q_idx, kv_idx)]`` at the call's positions (bottom-right), as the feature
+    that adds it: ``("relative", (1, H, Sq + Sk - 1))`` where the buckets depend on the distance
+    ``kv_idx - q_idx`` alone (T5's), else ``("bias", (1, H, Sq, Sk))``; differentiable into the table.
 
-    T5's buckets depend on ``kv_idx - q_idx`` alone: without gradients they are computed once per
-    distance (Sq + Sk - 1 of them, not Sq·Sk: S = 2048 took 0.77 s pair by pair, 0.12 s so) and
-    laid out by a strided view (row i starts Sq - 1 - i distances in, then flipped)."""
+    Per distance, the buckets are computed Sq + Sk - 1 times, not Sq·Sk (S = 2048 took 0.77 s pair
+    by pair), and the native kernels read the vector along diagonals: no (Sq, Sk) bias is made."""
     table = part.table
-    if isinstance(part.buckets, T5Buckets) and not (torch.is_grad_enabled() and table.requires_grad):
+    if isinstance(part.buckets, T5Buckets):
         distances = torch.arange(-(sk - 1), sq, device=table.device)  # kv_idx - q_idx, (Sq + Sk - 1,)
-        per_distance = table[:, part.buckets(torch.zeros(1, dtype=torch.long, device=table.device), distances)]
-        n = per_distance.shape[1]  # (H, Sq + Sk - 1), contiguous
-        shifted = per_distance.as_strided((table.shape[0], sq, sk), (n, 1, 1))  # [h, i', j] = per_distance[h, i' + j]
-        return shifted.flip(1)[None]  # [h, i, j] = per_distance[h, Sq - 1 - i + j]: (1, H, Sq, Sk)
-    q_idx = torch.arange(sk - sq, sk, device=part.table.device)[:, None]  # (Sq, 1)
-    kv_idx = torch.arange(sk, device=part.table.device)[None, :]  # (1, Sk)
-    return part.table[:, part.buckets(q_idx, kv_idx)][None]  # (1, H, Sq, Sk)
+        buckets = part.buckets(torch.zeros(1, dtype=torch.long, device=table.device), distances)
+        return "relative", table[:, buckets][None]  # [0, h, t]: distance t - Sk + 1, i.e. key j - row i = t - Sq + 1
+    q_idx = torch.arange(sk - sq, sk, device=table.device)[:, None]  # (Sq, 1)
+    kv_idx = torch.arange(sk, device=table.device)[None, :]  # (1, Sk)
+    return "bias", table[:, part.buckets(q_idx, kv_idx)][None]  # (1, H, Sq, Sk)

@@ -220,7 +220,8 @@ def _native(decode: bool | None) -> Runner:
                                          return_weights=False, return_lse=return_lse, features=features)
         out, lse = native.run(q, k, v, scale=scale, causal=causal, window=window, mask=mask, decode=decode,
                               return_lse=return_lse, softcap=features.softcap, alibi_slopes=features.alibi_slopes,
-                              sinks=features.sinks, cu_seqlens=features.cu_seqlens, bias=features.bias)
+                              sinks=features.sinks, cu_seqlens=features.cu_seqlens, bias=features.bias,
+                              relative=features.relative)
         return out, None, lse
     return run
 
@@ -256,11 +257,11 @@ def _any_size(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.
     """One path for every size of a traced range, chosen from dtype, device and flags only: the
     native operator where it takes the call (it picks its loop inside, from the real sizes), else
     SDPA, else 'explicit' (soft-capping, a score_mod, or the log-sum-exp, without the kernel); an
-    additive bias takes SDPA or 'explicit' (no native loop adds it)."""
+    additive bias takes SDPA or 'explicit', which take it at any size as one dense bias."""
     learned = features.learned()
     grads = needs_grad(q, k, v) or (bool(learned) and needs_grad(*learned))
     features_used = features is not NO_FEATURES and any(f is not None for f in features)
-    scored = features.bias is not None or features.score_mod is not None  # no native loop applies them
+    scored = features.has_bias() or features.score_mod is not None  # SDPA and 'explicit' take any size
     if (q.device.type == "cpu" and q.dtype in native.DTYPES and dropout_p == 0 and not (grads and features_used)
             and not scored and native.vector_bits() > 0):
         fn: Runner = _native(decode=None)
@@ -348,10 +349,17 @@ AUTO_RULES: tuple[Rule, ...] = (
          f"{_widths(NATIVE_MIN_DECODE_SCORES)} for few rows): the native FlashAttention loop applies them, packed "
          "sequences as structure (no scores across sequences); the decoding loop takes none of them",
          _native_features_fit, _native(decode=False), block_mask=True),
+    Rule("native (bias, gradients)", "an additive bias (bias=..., or a relative bias lowered from a score_mod) "
+         "with gradients on the CPU, no dropout, no other logit feature or packing, from "
+         f"{_widths(NATIVE_MIN_GRAD_SCORES)} scores: the native kernel adds it in its forward and its backward, "
+         "which also gives the bias' gradient; bfloat16 not on a CPU with AMX",
+         lambda c: (c.bias and c.differentiable and c.dropout_p == 0 and c.q.device.type == "cpu"
+                    and not (c.logits or c.varlen) and c.native_fits(NATIVE_MIN_GRAD_SCORES)
+                    and not _bf16_on_amx(c)), _native(decode=False), block_mask=True),
     Rule("sdpa (additive bias)", "an additive bias (bias=...) without soft-capping or the log-sum-exp, and not "
          f"float32 gradients at head dim > {SDPA_GRAD_MAX_HEAD_DIM} (see 'explicit (gradients, accuracy)'): SDPA "
-         "with the bias merged into its float mask (-inf where masked), exact and differentiable (with gradients or "
-         "below the native thresholds: the native loop adds a bias in its forward only)",
+         "with the bias merged into its float mask (-inf where masked), exact and differentiable (with gradients "
+         "below the native thresholds, or with another logit feature or packing)",
          lambda c: (c.bias and not c.softcap and not c.return_lse and not _explicit_grad_fits(c)),
          _backend(sdpa_attention)),
     Rule("explicit (additive bias)", "an additive bias with soft-capping (SDPA cannot cap), the log-sum-exp "
@@ -446,7 +454,7 @@ def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, r
     learned = features.learned()
     return Call(q, k, v, dropout_p, return_weights, return_lse, features.softcap is not None,
                 features.alibi_slopes is not None, features.sinks is not None, features.cu_seqlens is not None,
-                bool(learned) and needs_grad(*learned), features.bias is not None, features.score_mod is not None)
+                bool(learned) and needs_grad(*learned), features.has_bias(), features.score_mod is not None)
 
 
 class Decision(NamedTuple):
@@ -497,7 +505,7 @@ def signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: floa
         learned = features.learned()
         asked = (features.softcap is not None, features.alibi_slopes is not None, features.sinks is not None,
                  features.cu_seqlens is not None, grad and any(t.requires_grad for t in learned),
-                 features.bias is not None, features.score_mod is not None)
+                 features.has_bias(), features.score_mod is not None)
     return (q.shape, k.shape, v.shape, q.dtype, q.device,
             grad and (q.requires_grad or k.requires_grad or v.requires_grad),
             dropout_p, return_weights, return_lse, asked)

@@ -87,8 +87,9 @@ def explicit_attention(
         scores = soft_cap(scores, softcap)
     if alibi_slopes is not None:
         scores = scores + alibi_bias(alibi_slopes, sq, sk, acc)  # (B, H, Sq, Sk)
-    if features.bias is not None:
-        scores = scores + features.bias.to(acc)  # (B, H, Sq, Sk)
+    extra = features.dense_bias(sq, sk)  # bias and relative: (B|1, H|1, Sq, Sk)
+    if extra is not None:
+        scores = scores + extra.to(acc)
     if features.score_mod is not None:
         scores = apply_score_mod(features.score_mod, scores)  # (B, H, Sq, Sk)
     combined = full_mask(mask, causal, window, sq, sk, q.device)

@@ -46,7 +46,7 @@ def sdpa_attention(
     causal mask is built and passed as ``attn_mask``.
     """
     if features is not NO_FEATURES and (features.alibi_slopes is not None or features.sinks is not None
-                                        or features.bias is not None):
+                                        or features.has_bias()):
         return _with_bias(q, k, v, mask, causal, window, scale, dropout_p, features), None, None
     qs, ks = q.shape, k.shape
     sq, sk = qs[2], ks[2]
@@ -127,8 +127,9 @@ def _with_bias(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     bias = torch.zeros(1, 1, sq, sk, dtype=work, device=q.device)  # (1, 1, Sq, Sk)
     if alibi_slopes is not None:
         bias = bias + alibi_bias(alibi_slopes, sq, sk, work)[None]  # (1, H, Sq, Sk)
-    if features.bias is not None:
-        bias = bias + features.bias.to(work)  # (B|1, H|1, Sq, Sk)
+    extra = features.dense_bias(sq, sk)  # bias and relative: (B|1, H|1, Sq, Sk)
+    if extra is not None:
+        bias = bias + extra.to(work)
     combined = full_mask(mask, causal, window, sq, sk, q.device)
     if combined is not None:
         bias = bias.masked_fill(~combined, float("-inf"))

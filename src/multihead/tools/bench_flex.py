@@ -16,8 +16,10 @@ to each implementation in its own way:
   the bias added: what a user without either would write).
 
 Every output is checked against the float64 reference on the dense mask and score
-(``max_error``). Forward and forward + backward are timed; FlexAttention has no CPU backward in
-this torch, which the report says ("n/a") after trying it once. Timing is
+(``max_error``). Forward and forward + backward are timed; in forward + backward, T5's bias
+table is learned (a leaf: multihead's building block and SDPA's gathered dense bias both give
+its gradient). FlexAttention has no CPU backward in this torch, which the report says ("n/a")
+after trying it once. Timing is
 :func:`multihead.tools.bench.time_interleaved` (round-robin, medians, paired ratios).
 Nothing here prints.
 """
@@ -147,12 +149,17 @@ def _sdpa_mask(case: FlexCase, mask: torch.Tensor | None, heads: int) -> torch.T
 
 
 def _implementations(case: FlexCase, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     flex: Callable[..., torch.Tensor] | None) -> tuple[dict[str, Fn], dict[str, Any]]:
-    """name -> forward callable, and facts of the case (tiles, build times)."""
+                     flex: Callable[..., torch.Tensor] | None,
+                     learned: bool = False) -> tuple[dict[str, Fn], dict[str, Any]]:
+    """name -> forward callable, and facts of the case (tiles, build times). ``learned``: a
+    relative bias' table is a leaf that gets its gradient, in multihead's building block and in
+    the dense bias SDPA is given (gathered from it on every call, as T5 gathers its position bias)."""
     import multihead as mh
 
     facts: dict[str, Any] = {}
     extra = dict(case.ours or {})
+    if learned and isinstance(extra.get("score_mod"), mh.score_mods.RelativeBias):
+        return _learned_relative(extra["score_mod"], q, k, v), facts
     mask = _dense_mask(case)
     if case.mask_mod is not None:
         t0 = time.perf_counter()
@@ -169,6 +176,19 @@ def _implementations(case: FlexCase, q: torch.Tensor, k: torch.Tensor, v: torch.
     if flex is not None:
         fns["FlexAttention (compiled)"], facts["flex_compile_s"] = _flex_fn(case, q, k, v, flex)
     return fns, facts
+
+
+def _learned_relative(mod: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Fn]:
+    """multihead and SDPA with a learned relative bias table (a leaf of its own, its gradient
+    computed by both): multihead's building block, and SDPA's dense bias gathered from the table."""
+    import multihead as mh
+
+    table = mod.table.detach().clone().requires_grad_()
+    ours = mh.score_mods.relative_bias(table, mod.buckets)
+    s = q.shape[2]
+    ids = mod.buckets(torch.arange(s)[:, None], torch.arange(s)[None, :])  # (S, S) bucket ids, made once
+    return {"multihead": lambda: mh.attention(q, k, v, score_mod=ours),
+            "SDPA, dense mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=table[:, ids][None])}
 
 
 def _flex_fn(case: FlexCase, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -236,7 +256,7 @@ def run_flex(*, quick: bool = False, heads: int = 8, head_dim: int = 64, reps: i
             errors = {name: (fn().double() - truth).abs().max().item() for name, fn in fns.items()}  # type: ignore[attr-defined]
             forward = time_interleaved(fns, reps=reps or (2 if quick else 7), warmup=1)
         leaves = tuple(t.clone().requires_grad_() for t in (q, k, v))
-        train_fns, _ = _implementations(case, leaves[0], leaves[1], leaves[2], None)
+        train_fns, _ = _implementations(case, leaves[0], leaves[1], leaves[2], None, learned=True)
         if flex_backward in ("not tried", None):
             flex_fn, flex_backward = _flex_backward(case, leaves, flex)
             if flex_fn is not None:
@@ -252,7 +272,7 @@ def run_flex(*, quick: bool = False, heads: int = 8, head_dim: int = 64, reps: i
     features = ", ".join(machine["vector_features"])
     cpu = f"{machine['cpu']} ({features}), {machine['cores']} cores, torch {machine['torch']}"
     return {"cpu": cpu, "machine": machine, "heads": heads, "head_dim": head_dim, "threads": torch.get_num_threads(),
-            "cases": out, "flex_backward": flex_backward or "runs"}
+            "cases": out, "flex_backward": flex_backward or "runs", "learned_table": True}
 
 
 def _ms(stats: dict[str, Any] | None) -> str:
@@ -285,6 +305,8 @@ def format_flex(result: dict[str, Any]) -> str:
                      f"| {_ratio(ours.get('forward'), sd.get('forward'))} | {_ms(ours.get('train'))} "
                      f"| {_ms(sd.get('train'))} | {_ratio(ours.get('train'), sd.get('train'))} |")
     lines.append(f"FlexAttention forward + backward on the CPU: {result['flex_backward']}")
+    if result.get("learned_table"):
+        lines.append("train of T5 bias: its table learned (its gradient computed by both)")
     worst = max((i["max_error"] or 0.0) for c in result["cases"] for i in c["impls"].values())
     lines.append(f"largest error against the float64 reference, any implementation: {worst:.1e}")
     return "\n".join(lines)

@@ -72,8 +72,8 @@ def _not_ready() -> str | None:
 
 
 @register_backend("native", lse=True, grad=True, dtypes=DTYPES, devices=frozenset({"cpu"}), ready=_not_ready,
-                  softcap=True, alibi=True, sinks=True, varlen=True, grad_features=frozenset(), block_mask=True,
-                  bias=True, prepare=ops.prepare)
+                  softcap=True, alibi=True, sinks=True, varlen=True, grad_features=frozenset({"bias"}),
+                  block_mask=True, bias=True, prepare=ops.prepare)
 def native_backend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     mask: torch.Tensor | None, causal: bool, window: int | None, scale: float,
@@ -81,10 +81,11 @@ def native_backend(
 ) -> tuple[torch.Tensor, None, torch.Tensor | None]:
     """The compiled kernels: float32, bfloat16, float16 (computed in float32, no float32
     copies), CPU, with the native backward for gradients (half precision: computed on
-    float32 copies). Soft-capping, ALiBi, sinks and packed sequences (``cu_seqlens`` as
-    structure) in the forward; its backward takes none of them: the registry refuses
-    gradients with a logit feature here by name, and packed sequences with gradients reach
-    it as a dense mask.
+    float32 copies). Soft-capping, ALiBi, sinks, an additive bias (dense, or relative: one
+    value per head and distance) and packed sequences (``cu_seqlens`` as structure) in the
+    forward; its backward takes the bias (and gives its gradient), none of the others: the
+    registry refuses gradients with another logit feature here by name, and packed sequences
+    with gradients reach it as a dense mask.
 
     A block mask (``features.block_mask``, and-ed with ``mask`` if both are given) runs in the
     FlashAttention loop, forward and backward, its empty tiles never computed; few query rows
@@ -96,7 +97,7 @@ def native_backend(
     mask, tiles = _block_mask(q, k, mask, features)
     out, lse = run(q, k, v, scale=scale, causal=causal, window=window, mask=mask, return_lse=return_lse,
                    softcap=features.softcap, alibi_slopes=features.alibi_slopes, sinks=features.sinks,
-                   cu_seqlens=features.cu_seqlens, tiles=tiles, bias=features.bias)
+                   cu_seqlens=features.cu_seqlens, tiles=tiles, bias=features.bias, relative=features.relative)
     return out, None, lse
 
 

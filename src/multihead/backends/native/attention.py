@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from ..._checks import check_float, check_int, check_tensor
+from ...logits import relative_dense
 from ...masks import packed_bounds
 from . import loader
 from ._ffi import SUFFIX, kernel, ptr
@@ -189,6 +190,7 @@ class Logits(NamedTuple):
     panels: torch.Tensor | None = None  # (1,) int64 counter of the key panels computed (tests)
     tiles: Tiles | None = None  # a block mask's tile classes and bytes
     bias: torch.Tensor | None = None  # an additive bias broadcastable to (B, H, Sq, Sk)
+    relative: torch.Tensor | None = None  # (B|1, H|1, Sq + Sk - 1): bias [b, h, i, j] = relative[b, h, j - i + Sq - 1]
 
     def any(self) -> bool:
         return any(value is not None for value in self)
@@ -203,10 +205,9 @@ class Logits(NamedTuple):
         seg_bs = 0 if seg is None or seg.shape[0] == 1 else seg.stride(0)
         tiles = self.tiles
         tile_args: tuple[object, ...] = (None, (), None) if tiles is None else tiles.arguments()
-        bias = self.bias  # float32 (B, H, Sq, Sk), checked and expanded by run_kernel
-        bias_args = (None, ()) if bias is None else (bias.data_ptr(), tuple(bias.stride()))
+        bias_args = _bias_pointer(self.bias, self.relative)  # checked by run_kernel
         return (float(self.softcap or 0.0), ptr(slopes), ptr(sinks), ptr(seg), seg_bs, ptr(self.panels),
-                *tile_args, *bias_args, slopes, sinks, seg, tiles, bias)
+                *tile_args, *bias_args, slopes, sinks, seg, tiles, self.bias, self.relative)
 
 
 
@@ -296,7 +297,7 @@ def _check_logits(q: object, k: object, softcap: object, alibi_slopes: object, s
 
 #: The FlashAttention loop's features when none is given: softcap, slopes, sinks, segments, their
 #: batch stride, panel counter.
-_NO_LOGITS = (0.0, None, None, None, 0, None, None, (), None, None, ())
+_NO_LOGITS = (0.0, None, None, None, 0, None, None, (), None, None, ())  # (features, then tiles and bias)
 _NO_MASK_STRIDES = (0, 0, 0, 0)
 _NO_LSE_STRIDES = (0, 0, 0)
 
@@ -341,8 +342,8 @@ def run_kernel(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
                *(_NO_LSE_STRIDES if lse is None else (h * sq, sq, 1)))
     features: tuple[object, ...] = ()
     keep: tuple[object, ...] = ()  # the tensors behind the features' pointers, alive through the call
-    if logits is not None and logits.bias is not None:
-        logits = logits._replace(bias=_checked_bias(logits.bias, b, h, sq, sk))
+    if logits is not None and (logits.bias is not None or logits.relative is not None):
+        logits = _checked_biases(logits, b, h, sq, sk)
     if logits is not None and logits.tiles is not None:
         if mask is not None:
             raise ValueError("a block mask (tiles) and a dense mask cannot be given together: fold the mask "
@@ -416,6 +417,56 @@ class PlainCall:
         if code != 0:
             _refused(code)
         return out
+
+
+def _bias_pointer(bias: torch.Tensor | None, relative: torch.Tensor | None) -> tuple[int | None, tuple[int, ...]]:
+    """The kernels' bias arguments (its address, 4 strides (b, h, i, j) in elements) for a checked bias
+    (float32 (B, H, Sq, Sk), expanded) or a checked relative bias (float32 (B, H, Sq + Sk - 1),
+    expanded, contiguous rows), not both: the relative one read along diagonals, from element
+    Sq - 1 of its row on, one element back per query row."""
+    if bias is not None:
+        return bias.data_ptr(), tuple(bias.stride())
+    if relative is None:
+        return None, ()
+    return relative.data_ptr(), tuple(relative.stride()[:2]) + (-1, 1)
+
+
+def bias_arguments(biases: Logits, b: int, h: int, sq: int, sk: int
+                   ) -> tuple[int | None, tuple[int, ...], tuple[torch.Tensor | None, ...]]:
+    """The backward's bias arguments (address, strides) for the forward's ``bias`` and ``relative``
+    (:class:`Logits`' fields; both: added into one dense bias), checked as the forward checks
+    them; and the tensors behind the address, to keep alive through the call."""
+    checked = _checked_biases(biases, b, h, sq, sk)
+    address, strides = _bias_pointer(checked.bias, checked.relative)
+    return address, strides, (checked.bias, checked.relative)
+
+
+def _checked_biases(logits: Logits, b: int, h: int, sq: int, sk: int) -> Logits:
+    """``logits`` with its bias and relative bias checked and laid out for the kernels (one of them:
+    both are added into one dense bias); the relative one's address moved to its element Sq - 1."""
+    bias = None if logits.bias is None else _checked_bias(logits.bias, b, h, sq, sk)
+    relative = None if logits.relative is None else _checked_relative(logits.relative, b, h, sq, sk)
+    if bias is not None and relative is not None:
+        bias, relative = (bias + relative_dense(relative, sq, sk)).expand(b, h, sq, sk), None
+    if relative is not None:
+        relative = relative[:, :, sq - 1:]  # row i starts Sq - 1 - i elements before this one (stride -1)
+    return logits._replace(bias=bias, relative=relative)
+
+
+def _checked_relative(relative: object, b: int, h: int, sq: int, sk: int) -> torch.Tensor:
+    """The relative bias, checked (a floating CPU tensor (B|1, H|1, Sq + Sk - 1)) before the kernel
+    reads it along diagonals: float32, contiguous rows, expanded to (B, H, Sq + Sk - 1).
+
+    Raises:
+        TypeError, ValueError: naming ``rel_bias``, expected against got.
+    """
+    t = check_tensor("rel_bias", relative, ndim=3)
+    if not t.dtype.is_floating_point or t.device.type != "cpu":
+        raise TypeError(f"rel_bias must be a floating CPU tensor, got {t.dtype} on {t.device}")
+    n = sq + sk - 1
+    if t.shape[0] not in (1, b) or t.shape[1] not in (1, h) or t.shape[2] != n:
+        raise ValueError(f"rel_bias must be [B|1, H|1, Sq + Sk - 1] = [{b}|1, {h}|1, {n}], got {list(t.shape)}")
+    return t.detach().float().contiguous().expand(b, h, n)
 
 
 def _checked_bias(bias: object, b: int, h: int, sq: int, sk: int) -> torch.Tensor:

@@ -11,7 +11,9 @@ exact output shapes, dtypes and strides, they are opaque nodes of a graph instea
   alibi_slopes=None, sinks=None, cu_seqlens=None) -> (out, lse)``, differentiable through
   ``multihead::attention_backward`` (FlashAttention-2's backward, ``csrc/backward.cpp``:
   probabilities recomputed from the saved lse) when no logit feature or packing is given
-  (the backward takes none: asking for gradients with one is refused by name);
+  but an additive bias (the backward adds it, and gives its gradient; asking for gradients
+  with another is refused by name). ``bias`` is dense, ``rel_bias`` one value per head and
+  distance (T5's), read along diagonals;
 * ``multihead::decode_step(...)`` a whole cached decoding step; it writes the new
   token's K and V into the cache buffers (declared as mutated).
 
@@ -136,7 +138,7 @@ def attention_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scal
               alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
               cu_seqlens: Optional[Tensor] = None, tiles: Optional[Tensor] = None,
               partial: Optional[Tensor] = None, bq: int = 0, bk: int = 0,
-              bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+              bias: Optional[Tensor] = None, rel_bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Attention with the native kernels: ``(out (B, H, Sq, Dv), lse (B, H, Sq))``, the body of
     the operator ``multihead::attention`` (:data:`attention`): :func:`forward` with the lse.
 
@@ -154,8 +156,11 @@ def attention_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scal
         tiles, partial, bq, bk: a block mask (:class:`.attention.Tiles`: int32 classes
             (B|1, H|1, ⌈Sq/bq⌉, ⌈Sk/bk⌉), uint8 partial tiles (P, bq, bk)), not with ``mask``;
             the FlashAttention loop skips its empty tiles (float64: applied as its dense mask).
-        bias: an additive float bias broadcastable to (B, H, Sq, Sk) (the FlashAttention loop,
-            forward only: the backward refuses it, as it refuses the logit features).
+        bias: an additive float bias broadcastable to (B, H, Sq, Sk) (the FlashAttention loop;
+            the backward adds it too, and gives its gradient).
+        rel_bias: (B|1, H|1, Sq + Sk - 1) float, a bias that depends on the distance alone:
+            ``rel_bias[b, h, j - i + Sq - 1]`` added to the logit of query row i and key j (T5's
+            position bias; read along diagonals, never made (Sq, Sk)); with ``bias`` too, both.
 
     Returns:
         out in q's dtype (a view of a (B, Sq, H, Dv) buffer; contiguous for float64),
@@ -168,7 +173,7 @@ def attention_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scal
     loops.check_operator_inputs(q, k, v, mask, window, softcap, alibi_slopes, sinks, cu_seqlens)
     blocks = _tiles(q, k, mask, tiles, partial, bq, bk)
     out, lse = forward(q, k, v, mask, scale, causal, window, decode, softcap, alibi_slopes, sinks, cu_seqlens,
-                       return_lse=True, tiles=blocks, bias=bias)
+                       return_lse=True, tiles=blocks, bias=bias, relative=rel_bias)
     assert lse is not None  # asked for
     return out, lse
 
@@ -177,7 +182,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: floa
             window: Optional[int], decode: Optional[bool], softcap: Optional[float] = None,
             alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
             cu_seqlens: Optional[Tensor] = None, *, return_lse: bool,
-            tiles: loops.Tiles | None = None, bias: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+            tiles: loops.Tiles | None = None, bias: Tensor | None = None,
+            relative: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """:func:`attention_impl`, with the lse only when ``return_lse`` (float32 and half precision:
     the kernel then writes none); what eager calls run directly when :func:`direct`. ``tiles``:
     a block mask, checked (:meth:`.attention.Tiles.check`) before the kernel reads it."""
@@ -185,10 +191,11 @@ def forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: floa
         tiles.check(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         mask, tiles = tiles.dense(q.shape[2], k.shape[2]), None
     plain = (softcap is None and alibi_slopes is None and sinks is None and cu_seqlens is None and tiles is None
-             and bias is None)
+             and bias is None and relative is None)
     if decode is None:  # the loop for these sizes, chosen where no tracer sees the sizes
         decode = plain and loops.rows_per_kv_head(q, k) <= loops.DECODE_ROWS
-    logits = None if plain else loops.Logits(softcap, alibi_slopes, sinks, cu_seqlens, tiles=tiles, bias=bias)
+    logits = None if plain else loops.Logits(softcap, alibi_slopes, sinks, cu_seqlens, tiles=tiles, bias=bias,
+                                             relative=relative)
     if logits is not None and (decode or q.dtype == torch.float64):
         raise ValueError("softcap, alibi_slopes, sinks, cu_seqlens, bias and block masks run in the float32 "
                          f"FlashAttention loop only (got decode={decode}, dtype {q.dtype})")
@@ -228,7 +235,7 @@ def _attention_fake(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], sca
                     alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
                     cu_seqlens: Optional[Tensor] = None, tiles: Optional[Tensor] = None,
                     partial: Optional[Tensor] = None, bq: int = 0, bk: int = 0,
-                    bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                    bias: Optional[Tensor] = None, rel_bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     b, h, sq, _ = q.shape
     dv = v.shape[-1]
     if q.dtype == torch.float64:
@@ -257,8 +264,10 @@ def _forward_f64(lib: object, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | No
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor,
                        mask: Optional[Tensor], scale: float, causal: bool, window: Optional[int],
                        tiles: Optional[Tensor] = None, partial: Optional[Tensor] = None, bq: int = 0,
-                       bk: int = 0) -> tuple[Tensor, Tensor, Tensor]:
-    """FlashAttention-2's backward: ``(dq, dk, dv)`` shaped and typed like q, k, v.
+                       bk: int = 0, bias: Optional[Tensor] = None, rel_bias: Optional[Tensor] = None,
+                       bias_grad: bool = False, rel_grad: bool = False
+                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """FlashAttention-2's backward: ``(dq, dk, dv, dbias, drel)``, dq, dk, dv shaped and typed like q, k, v.
 
     Args:
         dout: (B, H, Sq, Dv) the gradient of out. q, k, v, mask, scale, causal, window:
@@ -268,16 +277,25 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tenso
             not contiguous); the results do not depend on the strides (bitwise).
         tiles, partial, bq, bk: the forward's block mask, if any (its empty tiles cost no
             product; float64 applies it as its dense mask).
+        bias, rel_bias: the forward's additive biases, if any (float32 and half precision).
+        bias_grad: also compute the gradient of the bias added to each logit (dense);
+        rel_grad: also compute its sums along the diagonals (the relative bias' gradient).
 
     Returns:
         dq, dk, dv with the strides of q, k, v where those are dense (the layer's heads:
         views of its projections, whose backward then copies nothing), else laid out
-        (B, S, H, D) (:func:`_gradient_like`).
+        (B, S, H, D) (:func:`_gradient_like`); dbias (B, H, Sq, Sk) float32, the gradient of
+        the bias added to each logit (0 where masked), with ``bias_grad``, else an empty (0,);
+        drel (B, H, Sq + Sk - 1) float32, ``[b, h, t] = Σ_i dbias[b, h, i, t - Sq + 1 + i]``, with
+        ``rel_grad``, else an empty (0,).
     """
     _check_backward(dout, q, k, v, lse, delta, mask, window)
     blocks = _tiles(q, k, mask, tiles, partial, bq, bk)
     lib = loader.require()
     wide = _wide(q.dtype)
+    biases = loops.Logits(bias=bias, relative=rel_bias)
+    if wide == torch.float64 and (biases.any() or bias_grad or rel_grad):
+        raise ValueError("bias and rel_bias run in the float32 kernels only (the forward refuses them in float64)")
     if blocks is not None and wide == torch.float64:
         mask, blocks = blocks.dense(q.shape[2], k.shape[2]), None
     b, h, sq, d = q.shape
@@ -289,13 +307,21 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tenso
     common = (ptr(q_), ptr(k_), ptr(v_), ptr(do_), ptr(lse_), ptr(delta_), ptr(mask), ptr(dq), ptr(dk), ptr(dv),
               (b, h, hkv, sq, sk, d, dv_), (*_strides(q_, k_, v_, do_, dq, dk, dv), *mstrides),
               float(scale), int(causal), int(window or 0))
+    dbias = torch.empty((b, h, sq, sk) if bias_grad else (0,), dtype=torch.float32)  # the kernel writes all of it
+    drel = torch.empty((b, h, sq + sk - 1) if rel_grad else (0,), dtype=torch.float32)
     if wide == torch.float64:
         code = lib.mh_attention_backward_f64(*common, torch.get_num_threads())  # type: ignore[attr-defined]
     else:
         tile_args = (None, (), None) if blocks is None else blocks.arguments()
-        code = lib.mh_attention_backward_f32(*common, *tile_args, torch.get_num_threads())  # type: ignore[attr-defined]
+        bias_ptr, bias_strides, keep = loops.bias_arguments(biases, b, h, sq, sk)
+        if (bias_grad or rel_grad) and bias_ptr is None:
+            raise ValueError("bias_grad and rel_grad need the forward's bias or rel_bias, got neither")
+        code = lib.mh_attention_backward_f32(*common, *tile_args, bias_ptr, bias_strides,  # type: ignore[attr-defined]
+                                             ptr(dbias) if bias_grad else None, ptr(drel) if rel_grad else None,
+                                             torch.get_num_threads())
+        del keep
     _check(code, "attention backward")
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias, drel
 
 
 def _check_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor,
@@ -316,26 +342,37 @@ def _check_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, 
 def _attention_backward_fake(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor,
                              mask: Optional[Tensor], scale: float, causal: bool, window: Optional[int],
                              tiles: Optional[Tensor] = None, partial: Optional[Tensor] = None, bq: int = 0,
-                             bk: int = 0) -> tuple[Tensor, Tensor, Tensor]:
-    return _gradient_like(q), _gradient_like(k), _gradient_like(v)  # the real strides (.to keeps them)
+                             bk: int = 0, bias: Optional[Tensor] = None, rel_bias: Optional[Tensor] = None,
+                             bias_grad: bool = False, rel_grad: bool = False
+                             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    b, h, sq, _ = q.shape
+    sk = k.shape[2]
+    dbias = q.new_empty((b, h, sq, sk) if bias_grad else (0,), dtype=torch.float32)
+    drel = q.new_empty((b, h, sq + sk - 1) if rel_grad else (0,), dtype=torch.float32)
+    return _gradient_like(q), _gradient_like(k), _gradient_like(v), dbias, drel  # the real strides (.to keeps them)
+
+
+#: The operator ``multihead::attention``'s inputs, in order (its autograd reads them by name).
+_INPUTS = ("q", "k", "v", "mask", "scale", "causal", "window", "decode", "softcap", "alibi_slopes", "sinks",
+           "cu_seqlens", "tiles", "partial", "bq", "bk", "bias", "rel_bias")
+_BIAS, _REL_BIAS = _INPUTS.index("bias"), _INPUTS.index("rel_bias")
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    q, k, v, mask, scale, causal, window, _, *rest = inputs
-    logits, blocks = rest[:4], (rest + [None, None, 0, 0])[4:8]  # the features; the block mask (tiles, partial, bq, bk)
-    named = [name for name, value in zip(("softcap", "alibi_slopes", "sinks", "cu_seqlens", "bias"),
-                                         [*logits, (rest + [None] * 9)[8]]) if value is not None]
+    given = dict(zip(_INPUTS, (*inputs, *(None,) * (len(_INPUTS) - len(inputs)))))
+    named = [name for name in ("softcap", "alibi_slopes", "sinks", "cu_seqlens") if given[name] is not None]
     if named:  # the backward would compute another function's gradients: refused (the registry refuses first)
         raise ValueError(f"the native backward does not apply {', '.join(named)}: compute gradients with "
                          "backend='explicit' or 'sdpa' (or 'auto', which routes there)")
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, mask, blocks[0], blocks[1])
-    ctx.structure = (scale, causal, window)
-    ctx.block_size = (blocks[2], blocks[3])
+    ctx.save_for_backward(given["q"], given["k"], given["v"], out, lse, given["mask"], given["tiles"],
+                          given["partial"], given["bias"], given["rel_bias"])
+    ctx.structure = (given["scale"], given["causal"], given["window"])
+    ctx.block_size = (given["bq"] or 0, given["bk"] or 0)
 
 
 def _backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
-    q, k, v, out, lse, mask, tiles, partial = ctx.saved_tensors
+    q, k, v, out, lse, mask, tiles, partial, bias, rel_bias = ctx.saved_tensors
     wide = _wide(q.dtype)
     # dout's rows made contiguous (if they are not) before delta's sums, which then run in one order
     # for every layout: the gradients do not depend on dout's strides (bitwise).
@@ -343,9 +380,17 @@ def _backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tenso
     delta = (dout.to(wide) * out.to(wide)).sum(-1)  # (B, H, Sq): Σ_t dO·O
     if dlse is not None:
         delta = delta - dlse.to(wide)  # lse's own gradient: ds += p · dlse
-    dq, dk, dv = torch.ops.multihead.attention_backward(dout, q, k, v, lse, delta, mask, *ctx.structure, tiles,
-                                                        partial, *ctx.block_size)
-    return dq, dk, dv, *(None,) * 14
+    needs = (*ctx.needs_input_grad, *(False,) * len(_INPUTS))  # (trailing inputs left at their defaults: none)
+    want_bias, want_relative = bias is not None and needs[_BIAS], rel_bias is not None and needs[_REL_BIAS]
+    dq, dk, dv, dbias, drel = torch.ops.multihead.attention_backward(
+        dout, q, k, v, lse, delta, mask, *ctx.structure, tiles, partial, *ctx.block_size, bias, rel_bias,
+        bool(want_bias), bool(want_relative))
+    grads: list[Tensor | None] = [dq, dk, dv, *(None,) * (len(_INPUTS) - 3)]
+    if want_bias:
+        grads[_BIAS] = dbias.sum_to_size(bias.shape).to(bias.dtype)
+    if want_relative:
+        grads[_REL_BIAS] = drel.sum_to_size(rel_bias.shape).to(rel_bias.dtype)
+    return tuple(grads[:len(ctx.needs_input_grad)])
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)
@@ -395,7 +440,8 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, caus
         mask: torch.Tensor | None, return_lse: bool = False, decode: bool | None = None,
         softcap: float | None = None, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None, tiles: loops.Tiles | None = None,
-        bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        bias: torch.Tensor | None = None, relative: torch.Tensor | None = None
+        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The native loop for these tensors (decoding loop for few rows per K/V head, else
     the FlashAttention loop), half precision read and written as such and computed in
     float32: ``(out, lse or None)``.
@@ -407,20 +453,20 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, caus
     ``torch.compile`` and ``torch.export``; in eager calls without gradients its body
     directly (:func:`direct`)."""
     plain = (softcap is None and alibi_slopes is None and sinks is None and cu_seqlens is None and tiles is None
-             and bias is None)
+             and bias is None and relative is None)
     if not plain:
         decode = False  # the decoding loop takes none of them (nor a block mask, nor a bias)
     elif decode is None and not symbolic(q, k):
         decode = q.shape[2] * (q.shape[1] // k.shape[1]) <= loops.DECODE_ROWS  # rows per K/V head
     # symbolic sizes (torch.export with a Dim, torch.compile(dynamic=True)): None, the operator chooses
-    if not direct(q, k, v, mask, alibi_slopes, sinks, cu_seqlens, bias):
+    if not direct(q, k, v, mask, alibi_slopes, sinks, cu_seqlens, bias, relative):
         blocks = (None, None, 0, 0) if tiles is None else tiles
         out, lse = torch.ops.multihead.attention(q, k, v, mask, float(scale), bool(causal), window, decode,
                                                  None if softcap is None else float(softcap), alibi_slopes, sinks,
-                                                 cu_seqlens, *blocks, bias)
+                                                 cu_seqlens, *blocks, bias, relative)
         return out, (lse if return_lse else None)
     # the operator's body, without its dispatch
     if tiles is not None:
         tiles.check(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     return forward(q, k, v, mask, float(scale), bool(causal), window, decode, softcap, alibi_slopes, sinks, cu_seqlens,
-                   return_lse=return_lse, tiles=tiles, bias=bias)
+                   return_lse=return_lse, tiles=tiles, bias=bias, relative=relative)

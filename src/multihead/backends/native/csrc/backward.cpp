@@ -60,6 +60,16 @@ struct Grad {
     int64_t qs[3], ks[3], vs[3], dos[3], dqs[3], dks[3], dvs[3];  // strides (b, h, s) in elements
     T scale;
     Problem rule;  // dims, causal, window: what mh::span reads
+    // An additive bias on the scaled logits (float32 only): nullptr, or read at strides bs (b, h, i, j),
+    // any sign (a relative bias is a vector per head read along a diagonal); dbias: nullptr, or
+    // (B, H, Sq, Sk) contiguous, gets ds (the bias' gradient, 0 where masked); drel: nullptr, or the
+    // sums of ds along diagonals, [b, h, (block,) j - i + Sq - 1], drel_blocks vectors of Sq + Sk - 1
+    // per (b, h), one per key block (the two passes: blocks of one head run on any thread) or one.
+    const float* bias;
+    int64_t bs[4];
+    float* dbias;
+    float* drel;
+    int64_t drel_blocks;
 
     const T* qrow(int64_t b, int64_t h, int64_t i) const { return q + b * qs[0] + h * qs[1] + i * qs[2]; }
     const T* krow(int64_t b, int64_t h, int64_t j) const { return k + b * ks[0] + h * ks[1] + j * ks[2]; }
@@ -483,6 +493,10 @@ inline void row_p_ds(const Grad<float>& g, int64_t b, int64_t h, int64_t i, int6
         for (int64_t j = a; j < e; ++j)
             if (!m[(j0 + j) * g.ms[3]]) s[j] = NEG_INF;
     if (g.rule.tiles) tile_mask(g.rule, b, h, i, j0 + a, j0 + e, s - j0);
+    if (g.bias) {  // the forward's bias, in base 2 like s (masked columns stay -inf)
+        const float* row = g.bias + b * g.bs[0] + h * g.bs[1] + i * g.bs[2] + j0 * g.bs[3];
+        for (int64_t j = a; j < e; ++j) s[j] += row[j * g.bs[3]] * LOG2E;
+    }
     const vf l2 = splat(lse * LOG2E), dl = splat(g.delta[r]), f = splat(factor), zero = (vf){};
     vf total = zero;
     for (int64_t j = 0; j < width; j += W) {
@@ -592,6 +606,12 @@ void rows_meeting(const Grad<float>& g, int64_t j0, int64_t j1, int64_t& lo, int
     hi = std::max(lo, first([&](int64_t sl, int64_t) { return sl >= j1; }));
 }
 
+// With g.dbias: zeros in rows [r0, r1) of head h, keys [j0, j0 + n) (rows whose ds are not computed).
+inline void zero_dbias(const Grad<float>& g, int64_t b, int64_t h, int64_t r0, int64_t r1, int64_t j0, int64_t n) {
+    if (!g.dbias) return;
+    for (int64_t i = r0; i < r1; ++i) std::fill_n(g.dbias + g.row(b, h, i) * g.Sk + j0, n, 0.f);
+}
+
 // The fused pass's dQ / scale of the G query heads of a (b, K/V head): row (gi, i) of Dp floats
 // at p + gi·hs + i·rs (g.dq itself when D is a multiple of W, else a buffer).
 struct DqAcc {
@@ -622,11 +642,19 @@ void dkdv_item(const Grad<float>& g, F32Buffers& w, int64_t b, int64_t kvh, int6
     std::fill(w.acc_b, w.acc_b + KB2 * Dvp, 0.f);
     int64_t ilo, ihi;
     rows_meeting(g, j0, j1, ilo, ihi);
+    float* drel = g.drel ? g.drel + (b * g.H + kvh * G) * g.drel_blocks * (g.Sq + g.Sk - 1) : nullptr;
+    const int64_t drel_head = g.drel_blocks * (g.Sq + g.Sk - 1);  // its stride between heads
+    if (drel && g.drel_blocks > 1) drel += j0 / KB2 * (g.Sq + g.Sk - 1);  // this block's vector
     for (int64_t gi = 0; gi < G; ++gi) {
         const int64_t h = kvh * G + gi;
+        zero_dbias(g, b, h, 0, ilo, j0, n);  // rows that see none of these keys
+        zero_dbias(g, b, h, ihi, g.Sq, j0, n);
         for (int64_t ib = ilo; ib < ihi; ib += QB2) {
             const int64_t nb = std::min(QB2, ihi - ib);
-            if (!any_tile(g.rule, b, h, ib, nb, j0, j1)) continue;  // a block mask's empty tiles
+            if (!any_tile(g.rule, b, h, ib, nb, j0, j1)) {  // a block mask's empty tiles
+                zero_dbias(g, b, h, ib, ib + nb, j0, n);
+                continue;
+            }
             pack_rows(g.qrow(b, h, ib), D, g.qs[2], nb, round_up(nb, MR), Dp, sc2, w.qb);
             pack_rows(g.dorow(b, h, ib), Dv, g.dos[2], nb, round_up(nb, MR), Dvp, 1.f, w.dob);
             for (int64_t r0 = 0; r0 < nb; r0 += MR) {
@@ -642,6 +670,13 @@ void dkdv_item(const Grad<float>& g, F32Buffers& w, int64_t b, int64_t kvh, int6
                     float unused = 0.f;
                     row_p_ds(g, b, h, ib + i, j0, width, n, w.s + i * KB2, w.dp + i * KB2, w.p + i * KB2,
                              dqa ? 1.f : g.norm[g.row(b, h, ib + i)], &unused);
+                    if (g.dbias)  // ds is the bias' gradient (natural units, as the scores it is added to)
+                        std::copy(w.s + i * KB2, w.s + i * KB2 + n, g.dbias + g.row(b, h, ib + i) * g.Sk + j0);
+                    if (drel) {  // key j0 + j of row ib + i lies on diagonal j0 + j - (ib + i) + Sq - 1
+                        float* diag = drel + gi * drel_head + j0 - (ib + i) + g.Sq - 1;
+                        const float* ds = w.s + i * KB2;
+                        for (int64_t j = 0; j < n; ++j) diag[j] += ds[j];
+                    }
                 }
             }
             acc_gemm(w.p, 1, KB2, n, nb, w.dob, Dvp, w.acc_b, Dvp, Dvp);  // dV += pᵀ · dO
@@ -691,6 +726,17 @@ int backward_f32(Grad<float>& g, int threads) {
     const bool fused = g.B * g.Hkv >= FUSED_MIN_ITEMS;
     g.norm = alloc_t<float>(fused ? 1 : g.B * g.H * g.Sq);
     if (!g.norm) return -1;
+    // The relative bias' gradient: the fused pass sums each (b, h)'s diagonals in order in the output;
+    // the two passes, one vector per key block (summed below in block order: the same for any thread count).
+    float* out_rel = g.drel;
+    const int64_t ndiag = g.Sq + g.Sk - 1;
+    g.drel_blocks = fused ? 1 : key_blocks;
+    if (out_rel && !fused) {
+        g.drel = static_cast<float*>(std::calloc(size_t(g.B * g.H * key_blocks * ndiag), sizeof(float)));
+        if (!g.drel) { std::free(g.norm); return -1; }
+    } else if (out_rel) {
+        std::fill_n(out_rel, g.B * g.H * ndiag, 0.f);
+    }
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -725,6 +771,16 @@ int backward_f32(Grad<float>& g, int threads) {
         std::free(dqbuf);
     }
     std::free(g.norm);
+    if (out_rel && !fused) {
+        for (int64_t bh = 0; bh < g.B * g.H; ++bh)
+            for (int64_t t = 0; t < ndiag; ++t) {
+                float sum = 0.f;
+                for (int64_t blk = 0; blk < key_blocks; ++blk) sum += g.drel[(bh * key_blocks + blk) * ndiag + t];
+                out_rel[bh * ndiag + t] = sum;
+            }
+        std::free(g.drel);
+        g.drel = out_rel;
+    }
     return failed ? -1 : 0;
 }
 
@@ -737,17 +793,32 @@ void set_strides(Grad<T>& g, const int64_t* strides) {
     for (int i = 0; i < 4; ++i) g.ms[i] = strides[21 + i];
 }
 
+// What the float32 backward takes beyond the plain problem: a block mask, a bias and its gradient.
+struct Extra {
+    const Problem* blocks;
+    const float* bias;
+    const int64_t* bias_strides;
+    float* dbias;
+    float* drel;
+};
+
 template <typename T>
 int run_backward(const T* q, const T* k, const T* v, const T* dout, const T* lse, const T* delta,
                  const uint8_t* mask, T* dq, T* dk, T* dv, const int64_t* dims, const int64_t* strides,
-                 double scale, int causal, int64_t window, int threads, const Problem* blocks = nullptr) {
+                 double scale, int causal, int64_t window, int threads, const Extra* extra = nullptr) {
     Grad<T> g{};
-    if (blocks) {  // the block mask (float32 only: rule.tiles is read by its loops)
+    if (extra) {  // the block mask and the bias (float32 only: read by its loops)
+        const Problem* blocks = extra->blocks;
         g.rule.tiles = blocks->tiles;
         for (int i = 0; i < 4; ++i) g.rule.ts[i] = blocks->ts[i];
         g.rule.bq = blocks->bq;
         g.rule.bk = blocks->bk;
         g.rule.partial = blocks->partial;
+        g.bias = extra->bias;
+        if (g.bias)
+            for (int i = 0; i < 4; ++i) g.bs[i] = extra->bias_strides[i];
+        g.dbias = extra->dbias;
+        g.drel = extra->drel;
     }
     g.q = q; g.k = k; g.v = v; g.dout = dout; g.lse = lse; g.delta = delta; g.mask = mask;
     g.dq = dq; g.dk = dk; g.dv = dv;
@@ -796,16 +867,24 @@ void forward_f64_row(const Grad<double>& g, int64_t b, int64_t h, int64_t i, dou
 // q, k, v, dout, dq, dk, dv (b, h, s), then the mask's (b, h, i, j). The results do not depend
 // on the strides (bitwise).
 // tiles, tile_info, partial: null, or a block mask as the forward takes it (mask then null):
-// tiles that are EMPTY for a block of rows cost no product.
+// tiles that are EMPTY for a block of rows cost no product. bias, bias_strides: null, or the
+// forward's additive bias (float32, read at its 4 strides (b, h, i, j), which may be negative or 0);
+// dbias: null, or (B, H, Sq, Sk) contiguous float32, where the bias' gradient (ds, 0 where masked) is
+// written (the caller sums it over the bias' broadcast dims); drel: null, or (B, H, Sq + Sk - 1)
+// contiguous float32, where the sums of ds along the diagonals are written, [b, h, j - i + Sq - 1]
+// (a relative bias' gradient; no (Sq, Sk) matrix is made).
 extern "C" int mh_attention_backward_f32(const float* q, const float* k, const float* v, const float* dout,
                                          const float* lse, const float* delta, const uint8_t* mask, float* dq,
                                          float* dk, float* dv, const int64_t* dims, const int64_t* strides,
                                          double scale, int causal, int64_t window, const int32_t* tiles,
-                                         const int64_t* tile_info, const uint8_t* partial, int threads) {
+                                         const int64_t* tile_info, const uint8_t* partial, const float* bias,
+                                         const int64_t* bias_strides, float* dbias, float* drel, int threads) {
     Problem blocks{};
     if (tiles && !set_block_mask(blocks, tiles, tile_info, partial, mask)) return -2;
+    if ((bias && !bias_strides) || ((dbias || drel) && !bias)) return -2;
+    Extra extra{&blocks, bias, bias_strides, dbias, drel};
     return run_backward(q, k, v, dout, lse, delta, mask, dq, dk, dv, dims, strides, scale, causal, window, threads,
-                        &blocks);
+                        &extra);
 }
 
 extern "C" int mh_attention_backward_f64(const double* q, const double* k, const double* v, const double* dout,

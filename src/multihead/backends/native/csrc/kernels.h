@@ -43,11 +43,15 @@ int mh_decode_f16(const void* q, const void* k, const void* v, void* out, float*
                   const int64_t* dims, const int64_t* strides, float scale, int causal, int64_t window, int threads);
 
 // FlashAttention-2's backward, and the float64 forward of the same rule: dims as above; strides
-// (25: q, k, v, dout, dq, dk, dv (b, h, s), mask (b, h, i, j)).
+// (25: q, k, v, dout, dq, dk, dv (b, h, s), mask (b, h, i, j)); float32 also a block mask, an
+// additive bias (its 4 strides, any sign), its gradient dbias (B, H, Sq, Sk) and that gradient's
+// sums along diagonals drel (B, H, Sq + Sk - 1), or nulls.
 int mh_attention_backward_f32(const float* q, const float* k, const float* v, const float* dout, const float* lse,
                               const float* delta, const uint8_t* mask, float* dq, float* dk, float* dv,
                               const int64_t* dims, const int64_t* strides, double scale, int causal, int64_t window,
-                              const int32_t* tiles, const int64_t* tile_info, const uint8_t* partial, int threads);
+                              const int32_t* tiles, const int64_t* tile_info, const uint8_t* partial,
+                              const float* bias, const int64_t* bias_strides, float* dbias, float* drel,
+                              int threads);
 int mh_attention_backward_f64(const double* q, const double* k, const double* v, const double* dout,
                               const double* lse, const double* delta, const uint8_t* mask, double* dq, double* dk,
                               double* dv, const int64_t* dims, const int64_t* strides, double scale, int causal,
