@@ -2,7 +2,10 @@
 // AddressSanitizer and UndefinedBehaviorSanitizer around them: random problems whose
 // tensors are allocated at their exact size (any read or write outside them aborts), the
 // attention results compared with a float64 loop. Every entry point runs in float32,
-// bfloat16 and float16 (half precision tensors are uint16 buffers of their exact size).
+// bfloat16 and float16 (half precision tensors are uint16 buffers of their exact size); the
+// FlashAttention loop also with block masks and additive biases (dense, or relative: a vector
+// per head read along diagonals at a negative stride), and the float32 backward with them and
+// the bias' gradients.
 // Prints "ok <count>" and exits 0.
 //
 // Layouts as the Python side passes them: q (B, H, Sq, D), k (B, Hkv, Sk, D),
@@ -38,6 +41,10 @@ int mh_decode_step_f32(const float*, int64_t, int64_t, const float* const*, cons
 MH_HALF(bf16)
 MH_HALF(f16)
 int mh_convert_scalar(int, int, const void*, void*, int64_t);
+int mh_attention_backward_f32(const float*, const float*, const float*, const float*, const float*, const float*,
+                              const uint8_t*, float*, float*, float*, const int64_t*, const int64_t*, double, int,
+                              int64_t, const int32_t*, const int64_t*, const uint8_t*, const float*, const int64_t*,
+                              float*, float*, int);
 }
 
 // Element types: F32 float32, BF16 and F16 (uint16 buffers, converted by the library's scalar code).
@@ -67,6 +74,51 @@ static int64_t pick(int64_t lo, int64_t hi) { return lo + int64_t(next() % uint6
 static float unit() { return float(next() % 20001) / 10000.f - 1.f; }
 static std::vector<float> randoms(int64_t n) { std::vector<float> v(n); for (auto& x : v) x = unit(); return v; }
 
+// A random block mask for (B|1, 1, Sq, Sk): tiles of bq × bk (bk a multiple of 32), each EMPTY (-1),
+// FULL (-2) or partial (its bytes at partial[p]), shared by the batch or one per row.
+struct Blocks {
+    int64_t bq = 0, bk = 0, nq = 0, nk = 0, per_batch = 0;
+    std::vector<int32_t> tiles;
+    std::vector<uint8_t> partial;
+    int64_t info[6] = {};
+    bool allows(int64_t b, int64_t i, int64_t j) const {
+        const int32_t t = tiles[(per_batch ? b : 0) * nq * nk + (i / bq) * nk + j / bk];
+        return t == -2 || (t >= 0 && partial[(int64_t(t) * bq + i % bq) * bk + j % bk]);
+    }
+};
+static Blocks random_blocks(int64_t B, int64_t Sq, int64_t Sk);
+// A random additive bias: dense (B|1, H, Sq, Sk), or relative (1, H, Sq + Sk - 1), read by the kernels
+// at `ptr` with strides (b, h, i, j) (relative: from element Sq - 1 of a head's vector, i stride -1).
+struct Bias {
+    bool relative = false;
+    std::vector<float> values;
+    int64_t strides[4] = {};
+    const float* ptr = nullptr;
+    int64_t Sq = 0, Sk = 0, H = 0, per_batch = 0;
+    double at(int64_t b, int64_t h, int64_t i, int64_t j) const {
+        if (relative) return values[h * (Sq + Sk - 1) + j - i + Sq - 1];
+        return values[((per_batch ? b : 0) * H + h) * Sq * Sk + i * Sk + j];
+    }
+};
+static Bias random_bias(int64_t B, int64_t H, int64_t Sq, int64_t Sk) {
+    Bias bias;
+    bias.relative = next() % 2;
+    bias.Sq = Sq; bias.Sk = Sk; bias.H = H;
+    if (bias.relative) {
+        bias.values = randoms(H * (Sq + Sk - 1));
+        bias.ptr = bias.values.data() + (Sq - 1);
+        const int64_t st[4] = {0, Sq + Sk - 1, -1, 1};
+        std::copy(st, st + 4, bias.strides);
+    } else {
+        bias.per_batch = next() % 2;
+        bias.values = randoms((bias.per_batch ? B : 1) * H * Sq * Sk);
+        bias.ptr = bias.values.data();
+        const int64_t st[4] = {bias.per_batch ? H * Sq * Sk : 0, Sq * Sk, Sk, 1};
+        std::copy(st, st + 4, bias.strides);
+    }
+    return bias;
+}
+
 static int fail(const char* what, double got, double want) {
     std::printf("FAIL %s: got %g want %g\n", what, got, want);
     return 1;
@@ -84,7 +136,9 @@ static int attention_case(bool decode, int kind) {
     // Half the time multiples of 16: the decoding loop's register-blocked path (half precision).
     const bool sixteens = next() % 2;
     const int64_t D = sixteens ? 16 * pick(1, 3) : pick(1, 40), Dv = sixteens ? 16 * pick(1, 3) : pick(1, 40);
-    const bool causal = next() % 2, strided = next() % 2, masked = next() % 3 == 0;
+    const bool causal = next() % 2, strided = next() % 2;
+    const bool tiled = !decode && next() % 3 == 0, masked = !tiled && next() % 3 == 0;
+    const bool biased = !decode && next() % 3 == 0;
     const int64_t window = next() % 3 == 0 ? pick(1, 20) : 0;
     // Strided: the (B, S, H, D) buffers the module makes, seen as (B, H, S, D).
     const int64_t qs[3] = {H * Sq * D, strided ? D : Sq * D, strided ? H * D : D};
@@ -118,6 +172,13 @@ static int attention_case(bool decode, int kind) {
         }
     int64_t panels = 0;
     const uint8_t* mp = masked ? mask.data() : nullptr;
+    Blocks blocks = tiled ? random_blocks(B, Sq, Sk) : Blocks{};
+    Bias bias = biased ? random_bias(B, H, Sq, Sk) : Bias{};
+    const int32_t* tp = tiled ? blocks.tiles.data() : nullptr;
+    const int64_t* ti = tiled ? blocks.info : nullptr;
+    const uint8_t* pp = tiled ? blocks.partial.data() : nullptr;
+    const float* bp = biased ? bias.ptr : nullptr;
+    const int64_t* bs = biased ? bias.strides : nullptr;
     const void *qp = data(kind, q, qh), *kp = data(kind, k, kh), *vp = data(kind, v, vh);
     void* op = data(kind, out, oh);
     const int64_t tile = pick(1, 48);
@@ -133,11 +194,11 @@ static int attention_case(bool decode, int kind) {
                                : mh_decode_f16(qp, kp, vp, op, lp, mp, dims, strides, scale, causal, window, 2));
     else
         code = (kind == F32 ? mh_attention_f32(q.data(), k.data(), v.data(), out.data(), lp, mp, dims, strides, scale,
-                                               causal, window, softcap, al, sk, sg, sbs, &panels, nullptr, nullptr, nullptr, nullptr, nullptr, tile, 2)
+                                               causal, window, softcap, al, sk, sg, sbs, &panels, tp, ti, pp, bp, bs, tile, 2)
                 : kind == BF16 ? mh_attention_bf16(qp, kp, vp, op, lp, mp, dims, strides, scale, causal, window,
-                                                   softcap, al, sk, sg, sbs, &panels, nullptr, nullptr, nullptr, nullptr, nullptr, tile, 2)
+                                                   softcap, al, sk, sg, sbs, &panels, tp, ti, pp, bp, bs, tile, 2)
                                : mh_attention_f16(qp, kp, vp, op, lp, mp, dims, strides, scale, causal, window,
-                                                  softcap, al, sk, sg, sbs, &panels, nullptr, nullptr, nullptr, nullptr, nullptr, tile, 2));
+                                                  softcap, al, sk, sg, sbs, &panels, tp, ti, pp, bp, bs, tile, 2));
     if (code != 0) return fail("return code", code, 0);
     from_kind(kind, oh, out);
     // |out| <= 1: float32 within 1e-4; half precision adds one rounding of out (2^-9, 2^-12).
@@ -150,7 +211,7 @@ static int attention_case(bool decode, int kind) {
                 const int64_t g = h / G, pos = i + off;
                 double top = -INFINITY;
                 for (int64_t j = 0; j < Sk; ++j) {
-                    bool ok = (!causal || j <= pos) && (!masked || mask[i * Sk + j]);
+                    bool ok = (!causal || j <= pos) && (!masked || mask[i * Sk + j]) && (!tiled || blocks.allows(b, i, j));
                     if (window) ok = ok && j > pos - window && (causal || j < pos + window);
                     if (packed) {
                         const int64_t* sg = seg.data() + (per_row ? b : 0) * 2 * Sk;
@@ -162,6 +223,7 @@ static int attention_case(bool decode, int kind) {
                     dot *= scale;
                     if (softcap > 0.f) dot = softcap * std::tanh(dot / softcap);
                     if (alibi) dot -= slopes[h] * double(std::abs(pos - j));
+                    if (biased) dot += bias.at(b, h, i, j);
                     s[j] = ok ? dot : -INFINITY;
                     if (s[j] > top) top = s[j];
                 }
@@ -183,6 +245,115 @@ static int attention_case(bool decode, int kind) {
                         return fail(decode ? "decode lse" : "attention lse", got, want);
                 }
             }
+    return 0;
+}
+
+static Blocks random_blocks(int64_t B, int64_t Sq, int64_t Sk) {
+    Blocks m;
+    m.bq = pick(1, 24);
+    m.bk = 32 * pick(1, 2);
+    m.nq = (Sq + m.bq - 1) / m.bq;
+    m.nk = (Sk + m.bk - 1) / m.bk;
+    m.per_batch = next() % 2;
+    const int64_t rows = m.per_batch ? B : 1;
+    m.tiles.resize(rows * m.nq * m.nk);
+    int32_t count = 0;
+    for (auto& t : m.tiles) {
+        const uint64_t c = next() % 3;
+        t = c == 0 ? -1 : c == 1 ? -2 : count++;
+    }
+    m.partial.resize(size_t(count) * m.bq * m.bk);  // exactly the partial tiles' bytes
+    for (auto& x : m.partial) x = next() % 3 != 0;
+    const int64_t info[6] = {m.per_batch ? m.nq * m.nk : 0, 0, m.nk, 1, m.bq, m.bk};
+    std::copy(info, info + 6, m.info);
+    return m;
+}
+
+// The float32 backward on a random problem with a block mask and/or a bias (dense or relative) and
+// its gradients (dbias, drel), against float64 gradients of the same rule.
+static int backward_case() {
+    const int64_t B = pick(1, 2), Hkv = pick(1, 3), G = pick(1, 3), H = Hkv * G;
+    const int64_t Sq = pick(1, 60), Sk = pick(1, 80), D = pick(1, 40), Dv = pick(1, 40);
+    const bool causal = next() % 2, tiled = next() % 2, biased = next() % 4 != 0;
+    const int64_t window = next() % 3 == 0 ? pick(1, 20) : 0;
+    Blocks blocks = tiled ? random_blocks(B, Sq, Sk) : Blocks{};
+    Bias bias = biased ? random_bias(B, H, Sq, Sk) : Bias{};
+    std::vector<float> q = randoms(B * H * Sq * D), k = randoms(B * Hkv * Sk * D), v = randoms(B * Hkv * Sk * Dv);
+    std::vector<float> dout = randoms(B * H * Sq * Dv), out(B * H * Sq * Dv, NAN), lse(B * H * Sq, NAN);
+    const int64_t dims[7] = {B, H, Hkv, Sq, Sk, D, Dv};
+    const int64_t fwd[19] = {H * Sq * D, Sq * D, D, Hkv * Sk * D, Sk * D, D, Hkv * Sk * Dv, Sk * Dv, Dv,
+                             H * Sq * Dv, Sq * Dv, Dv, 0, 0, 0, 0, H * Sq, Sq, 1};
+    const float scale = 1.f / std::sqrt(float(D));
+    const int32_t* tp = tiled ? blocks.tiles.data() : nullptr;
+    const int64_t* ti = tiled ? blocks.info : nullptr;
+    const uint8_t* pp = tiled ? blocks.partial.data() : nullptr;
+    const float* bp = biased ? bias.ptr : nullptr;
+    const int64_t* bs = biased ? bias.strides : nullptr;
+    int code = mh_attention_f32(q.data(), k.data(), v.data(), out.data(), lse.data(), nullptr, dims, fwd, scale, causal,
+                                window, 0.f, nullptr, nullptr, nullptr, 0, nullptr, tp, ti, pp, bp, bs, pick(1, 48), 2);
+    if (code != 0) return fail("backward's forward return code", code, 0);
+    std::vector<float> delta(B * H * Sq);
+    for (int64_t r = 0; r < B * H * Sq; ++r) {
+        double d = 0;
+        for (int64_t t = 0; t < Dv; ++t) d += double(dout[r * Dv + t]) * out[r * Dv + t];
+        delta[r] = float(d);
+    }
+    std::vector<float> dq(q.size(), NAN), dk(k.size(), NAN), dv(v.size(), NAN);
+    const bool want_dense = biased && next() % 2, want_rel = biased && next() % 2;
+    std::vector<float> dbias(want_dense ? B * H * Sq * Sk : 0, NAN), drel(want_rel ? B * H * (Sq + Sk - 1) : 0, NAN);
+    const int64_t bwd[25] = {H * Sq * D, Sq * D, D, Hkv * Sk * D, Sk * D, D, Hkv * Sk * Dv, Sk * Dv, Dv,
+                             H * Sq * Dv, Sq * Dv, Dv, H * Sq * D, Sq * D, D, Hkv * Sk * D, Sk * D, D,
+                             Hkv * Sk * Dv, Sk * Dv, Dv, 0, 0, 0, 0};
+    code = mh_attention_backward_f32(q.data(), k.data(), v.data(), dout.data(), lse.data(), delta.data(), nullptr,
+                                     dq.data(), dk.data(), dv.data(), dims, bwd, scale, causal, window, tp, ti, pp, bp,
+                                     bs, want_dense ? dbias.data() : nullptr, want_rel ? drel.data() : nullptr, 2);
+    if (code != 0) return fail("backward return code", code, 0);
+    // float64: p, then ds = p·(dp − Σ p·dp); every gradient summed from them.
+    std::vector<double> wq(q.size()), wk(k.size()), wv(v.size()), wb(B * H * Sq * Sk), wr(B * H * (Sq + Sk - 1));
+    std::vector<double> p(Sk), dp(Sk);
+    const int64_t off = Sk - Sq;
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < H; ++h)
+            for (int64_t i = 0; i < Sq; ++i) {
+                const int64_t g = h / G, pos = i + off;
+                double top = -INFINITY;
+                for (int64_t j = 0; j < Sk; ++j) {
+                    bool ok = (!causal || j <= pos) && (!tiled || blocks.allows(b, i, j));
+                    if (window) ok = ok && j > pos - window && (causal || j < pos + window);
+                    double dot = 0;
+                    for (int64_t t = 0; t < D; ++t) dot += double(q[((b * H + h) * Sq + i) * D + t]) * k[((b * Hkv + g) * Sk + j) * D + t];
+                    dot = dot * scale + (biased ? bias.at(b, h, i, j) : 0.0);
+                    p[j] = ok ? dot : -INFINITY;
+                    top = std::max(top, p[j]);
+                }
+                double total = 0;
+                for (int64_t j = 0; j < Sk; ++j) total += p[j] == -INFINITY ? 0 : std::exp(p[j] - top);
+                double pdp = 0;
+                for (int64_t j = 0; j < Sk; ++j) {
+                    p[j] = p[j] == -INFINITY ? 0 : std::exp(p[j] - top) / total;
+                    dp[j] = 0;
+                    for (int64_t t = 0; t < Dv; ++t) dp[j] += double(dout[((b * H + h) * Sq + i) * Dv + t]) * v[((b * Hkv + g) * Sk + j) * Dv + t];
+                    pdp += p[j] * dp[j];
+                }
+                for (int64_t j = 0; j < Sk; ++j) {
+                    const double ds = p[j] * (dp[j] - pdp);
+                    wb[((b * H + h) * Sq + i) * Sk + j] = ds;
+                    wr[(b * H + h) * (Sq + Sk - 1) + j - i + Sq - 1] += ds;
+                    for (int64_t t = 0; t < Dv; ++t) wv[((b * Hkv + g) * Sk + j) * Dv + t] += p[j] * dout[((b * H + h) * Sq + i) * Dv + t];
+                    for (int64_t t = 0; t < D; ++t) {
+                        wq[((b * H + h) * Sq + i) * D + t] += scale * ds * k[((b * Hkv + g) * Sk + j) * D + t];
+                        wk[((b * Hkv + g) * Sk + j) * D + t] += scale * ds * q[((b * H + h) * Sq + i) * D + t];
+                    }
+                }
+            }
+    auto close = [](const std::vector<float>& got, const std::vector<double>& want, const char* what) {
+        for (size_t n = 0; n < got.size(); ++n)
+            if (!(std::fabs(got[n] - want[n]) <= 2e-3 * (1 + std::fabs(want[n])))) return fail(what, got[n], want[n]);
+        return 0;
+    };
+    if (close(dq, wq, "backward dq") || close(dk, wk, "backward dk") || close(dv, wv, "backward dv")) return 1;
+    if (want_dense && close(dbias, wb, "backward dbias")) return 1;
+    if (want_rel && close(drel, wr, "backward drel")) return 1;
     return 0;
 }
 
@@ -276,13 +447,14 @@ static int step_case(int kind) {
 
 int main(int argc, char** argv) {
     const int cases = argc > 1 ? std::atoi(argv[1]) : 200;
-    for (int c = 0; c < cases; ++c)
+    for (int c = 0; c < cases; ++c) {
         for (int kind : {F32, BF16, F16})
             if (attention_case(false, kind) || attention_case(true, kind) || step_case(kind)) {
                 std::printf("(%s)\n", kind_name(kind));
                 return 1;
             }
-        if (linear_case()) return 1;
+        if (linear_case() || backward_case()) return 1;
+    }
     std::printf("ok %d\n", cases);
     return 0;
 }

@@ -451,7 +451,7 @@ def test_kernels_stay_inside_their_tensors_under_address_sanitizer(tmp_path, arc
     flags = ["-std=c++17", "-O1", "-g", f"-march={arch}", "-fopenmp", "-fsanitize=address,undefined",
              "-fno-sanitize-recover=undefined"]
     units = [Path(__file__).parent / "native_memcheck.cpp", csrc / "attention.cpp", csrc / "attention_amx.cpp",
-             csrc / "decode.cpp"]
+             csrc / "decode.cpp", csrc / "backward.cpp"]
     # The harness itself (its float64 reference loops) is optimised and checked by UBSan only: the
     # sanitizer's runtime still puts redzones around every tensor it allocates, and the kernels'
     # units, built with AddressSanitizer, trap any access outside them (run: 56 s -> 46 s).

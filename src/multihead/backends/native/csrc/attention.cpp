@@ -187,8 +187,12 @@ void run_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t p0
             for (int64_t pan = 0; pan < npan; ++pan) pack_panel(P, kb, c0 + pan * NR, buf.kt + pan * D * NR);
         for (int64_t g = 0; g < G; ++g) {
             const int64_t h = kvh * G + g;
-            for (int64_t r0 = 0; r0 < rows; r0 += MR) {
-                const int64_t nr = std::min<int64_t>(MR, rows - r0);
+            for (int64_t r0 = 0, nr; r0 < rows; r0 += nr) {
+                nr = std::min<int64_t>(MR, rows - r0);
+                // With a block mask, a group of rows ends where its query block does: a group across
+                // two blocks would compute the union of their live tiles (90% empty tiles, S = 2048:
+                // 0.203× the time of every tile full, 0.19× so; Intel Xeon, AVX-512).
+                if (P.tiles) nr = std::min(nr, P.bq - (p0 + r0) % P.bq);
                 int64_t blo, bhi;  // keys these rows may see
                 key_range(P, p0 + r0, p0 + r0 + nr, blo, bhi, b);
                 blo = std::max(blo, c0);
@@ -263,7 +267,9 @@ int attention(const void* q, const void* k, const void* v, void* out, float* lse
     const int64_t qt = std::min(query_tile, std::max<int64_t>(P.Sq, 1));
     const int64_t tiles = (P.Sq + qt - 1) / qt;
     const int64_t items = P.B * P.Hkv * tiles;
-    const int64_t qt_pad = (qt + MR - 1) / MR * MR;
+    // Rows of packed queries per head: the tile rounded up to MR; with a block mask, MR more (zeros),
+    // because its row groups end at query blocks and may then start at any row (qk_tile reads MR).
+    const int64_t qt_pad = (qt + MR - 1) / MR * MR + (P.tiles ? MR : 0);
     // With enough (b, K/V head) pairs for the threads and K small enough to stay in L2 once packed,
     // each thread takes whole pairs and packs each one's K once (not once per query tile).
     const int64_t heads = P.B * P.Hkv, kpanels = (P.Sk + NR - 1) / NR;
