@@ -189,6 +189,9 @@ def attention(
             cu_seqlens=_check_segments(cu_seqlens, q, k), bias=_check_bias(bias, q, k),
             score_mod=_check_score_mod(score_mod), block_mask=_block_mask_for(mask_mod, block_mask, q, k))
         features = lower_score_mod(features, q.shape[2], k.shape[2], q.shape[1])  # building blocks: features
+        if features.head_scale is not None:  # score · scale_h: each head's queries times its scale
+            q = q * features.head_scale.to(q.dtype)[:, None, None]  # (B, H, Sq, D)
+            features = features._replace(head_scale=None)
         fn = resolve_backend(name, q, k, v, dropout_p=dropout_p, return_weights=return_weights,
                              return_lse=return_lse, features=features)
         spec = get_spec(name)

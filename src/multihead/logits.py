@@ -53,6 +53,9 @@ class Features(NamedTuple):
         relative: float (B|1, H|1, Sq + Sk - 1), a bias that depends on the distance alone, added
             to the logits with ``bias``: ``relative[b, h, j - i + Sq - 1]`` for query row i and key
             j (:func:`relative_dense`; T5's position bias, one value per head and distance).
+        head_scale: (H,) float multipliers of each head's logits before anything else (a lowered
+            :func:`multihead.score_mods.head_scale`): :func:`multihead.attention` multiplies each
+            head's queries by its own, so that no backend sees it.
     """
 
     softcap: float | None = None
@@ -63,6 +66,7 @@ class Features(NamedTuple):
     bias: torch.Tensor | None = None
     score_mod: Callable[..., torch.Tensor] | None = None
     relative: torch.Tensor | None = None
+    head_scale: torch.Tensor | None = None
 
     def logits(self) -> dict[str, object]:
         """The logit features asked for, by keyword (``softcap``, ``alibi_slopes``, ``sinks``, ``bias``
@@ -75,7 +79,7 @@ class Features(NamedTuple):
     def learned(self) -> list[torch.Tensor]:
         """The features that are tensors a gradient may flow into (ALiBi slopes, sinks, the biases; a
         score_mod's captured tensors are not seen: it runs on a differentiable backend only)."""
-        return [t for t in (self.alibi_slopes, self.sinks, self.bias, self.relative) if t is not None]
+        return [t for t in (self.alibi_slopes, self.sinks, self.bias, self.relative, self.head_scale) if t is not None]
 
     def has_bias(self) -> bool:
         """Whether an additive bias is asked for (``bias`` or ``relative``)."""

@@ -13,15 +13,17 @@ score tensor with broadcast int64 index tensors (:func:`multihead.block_mask.mas
 in multihead (query row i at ``i + Sk - Sq``: a query's cache position when decoding);
 FlexAttention's is the row index, the same when Sq == Sk.
 
-The building blocks are small objects whose fields a kernel can read (the native kernels
-are to run them natively); any other Python callable runs on the ``"explicit"`` backend,
-exactly and differentiably (gradients reach the tensors it captures, e.g. a learned table):
+The building blocks are small objects whose fields a kernel can read: :func:`lower` turns them
+into the features the native kernels run (forward and backward for the biases); any other
+Python callable runs on the ``"explicit"`` backend, exactly and differentiably (gradients reach
+the tensors it captures, e.g. a learned table):
 
 * :func:`relative_bias` ``(table, buckets)``: ``score + table[h, buckets(q_idx, kv_idx)]``,
   T5's relative position bias with :func:`t5_buckets`;
 * :func:`alibi` ``(slopes)``: ``score - slope_h · |q_idx - kv_idx|`` (as ``alibi_slopes=``);
-* :func:`soft_cap` ``(cap)``: ``cap · tanh(score / cap)`` (as ``softcap=``);
-* :func:`head_scale` ``(scales)``: ``score · scale_h``; :func:`tanh`; :func:`clamp` ``(lo, hi)``;
+* :func:`soft_cap` ``(cap)``: ``cap · tanh(score / cap)`` (as ``softcap=``); :func:`tanh` (as ``softcap=1``);
+* :func:`head_scale` ``(scales)``: ``score · scale_h`` (first: each head's queries times its scale);
+* :func:`clamp` ``(lo, hi)`` (``"explicit"`` only);
 * :func:`compose` ``(*mods)``: each applied to the result of the one before.
 """
 
@@ -293,15 +295,18 @@ def apply_score_mod(score_mod: ScoreMod, scores: torch.Tensor) -> torch.Tensor:
     return result.to(scores.dtype).expand(scores.shape)
 
 
-# The stages of multihead.logits' order a building block can be lowered to: the feature it becomes.
-_SOFTCAP, _ALIBI, _BIAS = 0, 1, 2
+# The stages of multihead.logits' order a building block can be lowered to: the feature it becomes
+# (a per-head scale only first of all: it becomes each head's queries times its scale).
+_SCALE, _SOFTCAP, _ALIBI, _BIAS = -1, 0, 1, 2
 
 
 def lower(features: Features, sq: int, sk: int, heads: int) -> Features:
     """``features`` with its ``score_mod`` turned into the logit features that compute it exactly,
-    where it is made only of building blocks in :mod:`multihead.logits`' order (soft-capping,
-    then ALiBi, then relative bias) and none of them would run before a feature the call already
-    sets: :class:`SoftCap` becomes ``softcap``, :class:`Alibi` ``alibi_slopes`` and
+    where it is made only of building blocks in :mod:`multihead.logits`' order (a per-head scale,
+    soft-capping, then ALiBi, then relative bias) and none of them would run before a feature the
+    call already sets: :class:`HeadScale` becomes ``head_scale`` (each head's queries times its
+    scale), :class:`SoftCap` becomes ``softcap`` and :func:`tanh` ``softcap=1``, :class:`Alibi`
+    ``alibi_slopes`` and
     :class:`RelativeBias` gathered from its table (its gradient reaches the table) either one
     value per head and distance, ``relative`` (1, H, Sq + Sk - 1), with T5's buckets, or an additive
     ``bias`` (1, H, Sq, Sk) with others, so that the fast paths run it ("native" takes all of them,
@@ -313,15 +318,17 @@ def lower(features: Features, sq: int, sk: int, heads: int) -> Features:
         return features
     parts = mod.mods if isinstance(mod, Compose) else (mod,)
     stage = max([s for s, on in ((_SOFTCAP, features.softcap is not None), (_ALIBI, features.alibi_slopes is not None),
-                                 (_BIAS, features.bias is not None)) if on], default=-1)
+                                 (_BIAS, features.has_bias())) if on], default=_SCALE - 1)
     lowered: dict[str, object] = {"score_mod": None}
     for part in parts:
         kind = _stage(part, heads)
         if kind is None or kind < stage or (kind == stage and kind != _BIAS):
             return features  # not a building block, or out of the order the features apply in
         stage = kind
-        if isinstance(part, SoftCap):
-            lowered["softcap"] = part.cap
+        if isinstance(part, HeadScale):
+            lowered["head_scale"] = part.scales
+        elif isinstance(part, SoftCap) or part is tanh:
+            lowered["softcap"] = part.cap if isinstance(part, SoftCap) else 1.0  # tanh(s) = 1 · tanh(s / 1)
         elif isinstance(part, Alibi):
             lowered["alibi_slopes"] = part.slopes
         else:
@@ -333,7 +340,9 @@ def lower(features: Features, sq: int, sk: int, heads: int) -> Features:
 
 
 def _stage(part: object, heads: int) -> int | None:
-    if isinstance(part, SoftCap):
+    if isinstance(part, HeadScale) and part.scales.shape == (heads,):
+        return _SCALE
+    if isinstance(part, SoftCap) or part is tanh:
         return _SOFTCAP
     if isinstance(part, Alibi) and part.slopes.shape == (heads,):
         return _ALIBI

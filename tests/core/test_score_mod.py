@@ -224,11 +224,12 @@ def test_a_backend_without_bias_or_score_mod_refuses_them_by_name(backend: str) 
                    r"backends that can: \[.*'explicit', 'sdpa'")
         with torch.no_grad(), pytest.raises(ValueError, match=refusal):
             mh.attention(q, k, v, bias=torch.zeros(24, 40), backend=backend)
+    clamped = sm.clamp(-1.0, 1.0)  # no fast path runs it (tanh is soft-capping at 1: native)
     with torch.no_grad(), pytest.raises(ValueError, match=rf"backend '{backend}' cannot do a score_mod"):
-        mh.attention(q, k, v, score_mod=sm.tanh, backend=backend)
+        mh.attention(q, k, v, score_mod=clamped, backend=backend)
     with pytest.raises(ValueError, match=r"backend 'sdpa' cannot do a score_mod \(score_mod=...\); "
                                          r"backends that can: \['explicit', 'auto'\]"):
-        mh.attention(q, k, v, score_mod=sm.tanh, backend="sdpa")
+        mh.attention(q, k, v, score_mod=clamped, backend="sdpa")
 
 
 def test_auto_routes_a_bias_to_sdpa_or_explicit_and_a_score_mod_to_explicit() -> None:
@@ -241,7 +242,7 @@ def test_auto_routes_a_bias_to_sdpa_or_explicit_and_a_score_mod_to_explicit() ->
     assert auto.auto_path(q.requires_grad_(), k, v, bias=bias) == "sdpa (additive bias)"
     assert auto.auto_path(q, k, v, bias=bias, softcap=5.0) == "explicit (additive bias)"
     assert auto.auto_path(q, k, v, bias=bias, return_lse=True) == "explicit (additive bias)"
-    assert auto.auto_path(q, k, v, score_mod=sm.tanh) == "explicit (score_mod)"
+    assert auto.auto_path(q, k, v, score_mod=sm.clamp(-1.0, 1.0)) == "explicit (score_mod)"
     wide = qkv(dtype=torch.float32, d=96)
     assert auto.auto_path(wide[0].requires_grad_(), *wide[1:], bias=bias) == "explicit (additive bias)"
     assert "SDPA with the bias merged" in auto.AUTO_PATHS["sdpa (additive bias)"]
@@ -303,3 +304,43 @@ def test_building_blocks_are_lowered_to_the_features_the_fast_paths_run() -> Non
     _written_out(q, k, v, sm.relative_bias(table64, rel.buckets)).square().sum().backward()
     assert leaf.grad is not None and table64.grad is not None
     torch.testing.assert_close(leaf.grad.double(), table64.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_head_scale_and_tanh_are_lowered_first_and_stay_exact() -> None:
+    """head_scale (first in a composition) becomes each head's queries times its scale, and tanh
+    soft-capping at 1: both take the native loop's path, equal the score_mod written out in float64
+    within twice the naive float32 error, and the scales get their gradient. A head_scale after
+    another building block stays a score_mod on "explicit"."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 4, 300, 32, generator=g, dtype=torch.float64) for _ in range(3))
+    scales = torch.rand(4, generator=g, dtype=torch.float64) + 0.5
+    native = mh.native.available()
+    cases = [(sm.head_scale(scales), "native" if native else "sdpa"),
+             (sm.tanh, "native (features)" if native else "explicit (softcap)"),
+             (sm.compose(sm.head_scale(scales), sm.soft_cap(5.0), sm.alibi(mh.logits.alibi_slopes(4))),
+              "native (features)" if native else "explicit (softcap)"),
+             (sm.compose(sm.soft_cap(5.0), sm.head_scale(scales)), "explicit (score_mod)")]
+    low = tuple(t.float() for t in (q, k, v))
+    for mod, path in cases:
+        low_mod = mod if not isinstance(mod, (sm.HeadScale, sm.Compose)) else _as_float(mod)
+        assert auto.auto_path(*low, score_mod=low_mod) == path, mod
+        truth = _written_out(q, k, v, mod)
+        with torch.no_grad():
+            got = mh.attention(*low, score_mod=low_mod)
+            naive = mh.attention(*low, score_mod=low_mod, backend="explicit")
+        assert (got.double() - truth).abs().max() <= 2 * (naive.double() - truth).abs().max() + 1e-7, mod
+    leaf, leaf64 = scales.float().requires_grad_(), scales.clone().requires_grad_()
+    mh.attention(*low, score_mod=sm.head_scale(leaf)).square().sum().backward()
+    _written_out(q, k, v, sm.head_scale(leaf64)).square().sum().backward()
+    torch.testing.assert_close(leaf.grad.double(), leaf64.grad, rtol=1e-4, atol=1e-5)
+
+
+def _as_float(mod: sm.ScoreMod) -> sm.ScoreMod:
+    """mod with its float64 tensors in float32 (the scales and slopes the float32 call takes)."""
+    if isinstance(mod, sm.HeadScale):
+        return sm.head_scale(mod.scales.float())
+    if isinstance(mod, sm.Alibi):
+        return sm.alibi(mod.slopes.float())
+    if isinstance(mod, sm.Compose):
+        return sm.compose(*(_as_float(m) for m in mod.mods))
+    return mod
