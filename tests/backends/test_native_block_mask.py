@@ -122,6 +122,24 @@ def test_empty_tiles_are_never_computed() -> None:
     assert native.key_panels(q, k, v, scale=0.125, tiles=nothing) == 0
 
 
+@pytest.mark.parametrize("window", [None, 200])
+def test_partial_tiles_compute_only_the_panels_their_rows_reach(window: int | None) -> None:
+    """A causal (or causal windowed) mask_mod as a plain lambda gives partial tiles on its edges: the
+    kernel computes only the key panels their rows' allowed bytes reach, exactly the panels of the
+    same structure given as causal=/window= (tiles of 96: row groups align with both loops')."""
+    q, k, v = (torch.randn(1, 2, 700, 64) for _ in range(3))
+    w = window or 10**9
+
+    def mod(b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
+        return (qi >= ki) & (qi - ki < w)
+
+    block = mh.BlockMask.from_mask_mod(mod, None, None, 700, 700, block_size=96)
+    assert block.counts()[2] > 0  # partial tiles
+    tiles = native.Tiles(block.tiles, block.partial, *block.block_size)
+    structured = native.key_panels(q, k, v, scale=0.125, causal=True, window=window)
+    assert native.key_panels(q, k, v, scale=0.125, tiles=tiles) == structured
+
+
 @pytest.mark.parametrize("b, hkv", [(1, 1), (2, 2)])  # the two-pass backward, and the fused one (B·Hkv ≥ 4)
 def test_gradients_equal_the_dense_mask(b: int, hkv: int) -> None:
     """dq, dk, dv through the operator with a block mask: float32 within 3× the naive error,

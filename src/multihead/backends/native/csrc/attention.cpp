@@ -99,12 +99,50 @@ inline void block_class(const Problem& P, int64_t b, int64_t h, int64_t i0, int6
     }
 }
 
+// Bytes [c0, c1) of a partial tile's row that may attend (c0 = c1 = 0 when none): read 8 at a time
+// (n, the tile's width, is a multiple of 32).
+inline void allowed_span(const uint8_t* row, int64_t n, int64_t& c0, int64_t& c1) {
+    int64_t w0 = 0, w1 = n / 8;
+    uint64_t first = 0, last = 0;
+    for (; w0 < w1; ++w0) {
+        std::memcpy(&first, row + 8 * w0, 8);
+        if (first) break;
+    }
+    if (w0 == w1) { c0 = c1 = 0; return; }
+    for (; w1 > w0; --w1) {
+        std::memcpy(&last, row + 8 * (w1 - 1), 8);
+        if (last) break;
+    }
+    c0 = 8 * w0 + __builtin_ctzll(first) / 8;  // little endian: the lowest set byte comes first
+    c1 = 8 * (w1 - 1) + (63 - __builtin_clzll(last)) / 8 + 1;
+}
+
+// The keys [lo, hi) of key block kb (within [a, e), panel aligned) that some row of [i0, i0 + nr)
+// may see: a FULL tile's whole block, a partial tile's row's allowed bytes. lo >= hi: none.
+inline void tile_hull(const Problem& P, int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t kb, int64_t a,
+                      int64_t e, int64_t& lo, int64_t& hi) {
+    lo = e;
+    hi = a;
+    for (int64_t i = i0; i < i0 + nr && (lo > a || hi < e); ++i) {
+        const int32_t t = tile_at(P, b, h, i / P.bq, kb);
+        if (t == TILE_EMPTY) continue;
+        int64_t c0 = 0, c1 = P.bk;
+        if (t != TILE_FULL) allowed_span(P.partial + (int64_t(t) * P.bq + i % P.bq) * P.bk, P.bk, c0, c1);
+        if (c1 <= c0) continue;
+        lo = std::min(lo, kb * P.bk + c0);
+        hi = std::max(hi, kb * P.bk + c1);
+    }
+    lo = std::max(a, lo / NR * NR);
+    hi = std::min(e, (hi + NR - 1) / NR * NR);
+}
+
 // With a block mask: the rows [i0, i0 + nr) of head h (their packed queries at row qrow of
 // buf.qbuf, their running state at row srow) against keys [j0, j1) (panel aligned; kt: the
 // packed panel of key j0 and those after it). Key blocks whose tiles are all EMPTY for these
 // rows are skipped (no product), consecutive all-FULL blocks run as one segment without a
-// mask, any other block alone with each row's bytes (a row whose tile is EMPTY reads zeros).
-// Returns the q·kᵀ panels computed.
+// mask, any other block alone with each row's bytes (a row whose tile is EMPTY reads zeros),
+// over the panels the rows' allowed bytes reach (a causal or windowed edge's triangle: half the
+// panels of a diagonal tile on average). Returns the q·kᵀ panels computed.
 template <class T>
 int64_t tiled_rows(const Problem& P, Buffers& buf, const float* kt, int64_t j0, int64_t j1, int64_t b, int64_t h,
                    int64_t qrow, int64_t srow, int64_t i0, int64_t nr, const T* vb) {
@@ -122,6 +160,14 @@ int64_t tiled_rows(const Problem& P, Buffers& buf, const float* kt, int64_t j0, 
             block_class(P, b, h, i0, nr, e / P.bk, any2, full2);
             if (!full2) break;
             e = std::min(j1, e + P.bk);
+        }
+        const int64_t block_end = e;
+        if (!full) {  // one block with partial tiles: only the panels its rows' allowed keys reach
+            int64_t lo, hi;
+            tile_hull(P, b, h, i0, nr, kb, a, e, lo, hi);
+            if (hi <= lo) { a = block_end; continue; }
+            a = lo;
+            e = hi;
         }
         const int64_t width = e - a, valid = std::min(e, P.Sk) - a;
         float* s = buf.s;  // (MR, KC)
@@ -142,7 +188,7 @@ int64_t tiled_rows(const Problem& P, Buffers& buf, const float* kt, int64_t j0, 
                        h, kb * P.bk);
         }
         pv(s, KC, nr, valid, vb + a * P.vs[2], P.vs[2], buf.o + srow * Dv, Dv, Dv);
-        a = e;
+        a = block_end;
     }
     return panels;
 }
