@@ -35,3 +35,13 @@ def test_cli_writes_flex_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert main(["bench", "--flex", "--quick", "--out", str(tmp_path), "--json"]) == 0
     written = json.loads((tmp_path / "flex.json").read_text(encoding="utf-8"))
     assert [c["case"] for c in written["cases"]] == ["prefix-LM"]
+
+
+def test_the_sparse_pattern_is_timed_against_the_full_one_in_the_same_rounds() -> None:
+    """The 90%-empty pattern's time over every tile full's, paired round by round, in the table."""
+    sparse = bench_flex._sparse_over_full(True, 2, 32, 2)
+    assert sparse is not None and sparse["ratio"] > 0
+    assert len(sparse["sparse"]["times_s"]) == len(sparse["full"]["times_s"]) == 2
+    result = {"heads": 2, "head_dim": 32, "threads": 1, "cases": [], "flex_backward": "n/a",
+              "sparse_over_full": sparse}
+    assert "90% empty tiles against every tile full, paired rounds" in bench_flex.format_flex(result)

@@ -266,13 +266,38 @@ def run_flex(*, quick: bool = False, heads: int = 8, head_dim: int = 64, reps: i
         out.append({"case": case.name, "seq": case.seq, **facts,
                     "impls": {name: {"max_error": errors.get(name), "forward": forward.get(name),
                                      "train": train.get(name)} for name in fns}})
+    sparse = _sparse_over_full(quick, heads, head_dim, reps) if only is None else None
     from .machine import machine_info
 
     machine = machine_info()
     features = ", ".join(machine["vector_features"])
     cpu = f"{machine['cpu']} ({features}), {machine['cores']} cores, torch {machine['torch']}"
     return {"cpu": cpu, "machine": machine, "heads": heads, "head_dim": head_dim, "threads": torch.get_num_threads(),
-            "cases": out, "flex_backward": flex_backward or "runs", "learned_table": True}
+            "cases": out, "flex_backward": flex_backward or "runs", "learned_table": True,
+            "sparse_over_full": sparse}
+
+
+def _sparse_over_full(quick: bool, heads: int, head_dim: int, reps: int | None) -> dict[str, Any] | None:
+    """multihead's forward of the 90%-empty pattern against every tile full, timed round-robin in
+    the same rounds (the cases' own timings are minutes apart): ``{"ratio": median paired ratio,
+    "sparse": stats, "full": stats}``; None where the cases lack either."""
+    import multihead as mh
+
+    from .bench import time_interleaved
+
+    by_name = {c.name: c for c in cases(quick, heads)}
+    if "90% empty tiles" not in by_name or "every tile full" not in by_name:
+        return None
+    sparse, full = by_name["90% empty tiles"], by_name["every tile full"]
+    gen = torch.Generator().manual_seed(sparse.seq)
+    q, k, v = (torch.randn(1, heads, sparse.seq, head_dim, generator=gen) for _ in range(3))
+    blocks = {c.name: mh.BlockMask.from_mask_mod(c.mask_mod, None, None, c.seq, c.seq) for c in (sparse, full)}
+    with torch.no_grad():
+        stats = time_interleaved({n: (lambda b=b: mh.attention(q, k, v, block_mask=b)) for n, b in blocks.items()},
+                                 reps=reps or (3 if quick else 11), warmup=1)
+    a, b = stats[sparse.name], stats[full.name]
+    ratios = sorted(x / y for x, y in zip(a["times_s"], b["times_s"]))
+    return {"ratio": ratios[len(ratios) // 2], "sparse": a, "full": b}
 
 
 def _ms(stats: dict[str, Any] | None) -> str:
@@ -307,6 +332,10 @@ def format_flex(result: dict[str, Any]) -> str:
     lines.append(f"FlexAttention forward + backward on the CPU: {result['flex_backward']}")
     if result.get("learned_table"):
         lines.append("train of T5 bias: its table learned (its gradient computed by both)")
-    worst = max((i["max_error"] or 0.0) for c in result["cases"] for i in c["impls"].values())
+    if result.get("sparse_over_full"):
+        s = result["sparse_over_full"]
+        lines.append(f"multihead, 90% empty tiles against every tile full, paired rounds: {s['ratio']:.2f}× the time "
+                     f"({_ms(s['sparse'])} ms / {_ms(s['full'])} ms)")
+    worst = max(((i["max_error"] or 0.0) for c in result["cases"] for i in c["impls"].values()), default=0.0)
     lines.append(f"largest error against the float64 reference, any implementation: {worst:.1e}")
     return "\n".join(lines)
