@@ -68,7 +68,8 @@ def _features(kind: str, h: int, s: int, grad: bool = False) -> Features:
 
 
 def _path(q, k, v, dropout_p=0.0, return_weights=False, return_lse=False, features=NO_FEATURES) -> str:
-    given = {name: value for name, value in features._asdict().items() if name != "relative"}  # lowered only
+    given = {name: value for name, value in features._asdict().items()
+             if name not in ("relative", "head_scale")}  # lowered only
     return auto.auto_path(q, k, v, dropout_p=dropout_p, return_weights=return_weights, return_lse=return_lse,
                           **given)
 
