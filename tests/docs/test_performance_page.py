@@ -62,3 +62,25 @@ def test_the_readme_generate_table_is_its_results_file() -> None:
         ttft = (f"| {kind}: time to first token | {ways[ours]['ttft_s']['median']:.2f} s | "
                 f"{ways[hf]['ttft_s']['median']:.2f} s | {ways[ours]['ttft_speedup']:.2f}×")
         assert decode in readme and ttft in readme, (decode, ttft)
+
+
+def test_the_readme_flex_table_is_its_results_file() -> None:
+    """Each ratio of the README's table against FlexAttention and SDPA: the paired ratios of the file it cites."""
+    import json
+
+    from multihead.tools.bench_flex import _ratio
+
+    readme = (ROOT / "README.md").read_text("utf-8")
+    result = json.loads((ROOT / "docs" / "results" / "flex" / "intel-xeon-amx.json").read_text("utf-8"))
+    flex, sdpa = "FlexAttention (compiled)", "SDPA, dense mask"
+    names = {"T5 bias": "T5 bias (its table learned in training)"}
+    shown = 0
+    for case in result["cases"]:
+        impls, ours = case["impls"], case["impls"]["multihead"]
+        if case["seq"] != 2048 or sdpa not in impls or case["case"] == "every tile full":
+            continue
+        row = (f"| {names.get(case['case'], case['case'])} | {_ratio(ours['forward'], impls[flex]['forward'])} | "
+               f"{_ratio(ours['forward'], impls[sdpa]['forward'])} | {_ratio(ours['train'], impls[sdpa]['train'])} |")
+        assert row in readme, row
+        shown += 1
+    assert shown == 6
