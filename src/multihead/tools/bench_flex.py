@@ -291,10 +291,13 @@ def _sparse_over_full(quick: bool, heads: int, head_dim: int, reps: int | None) 
     sparse, full = by_name["90% empty tiles"], by_name["every tile full"]
     gen = torch.Generator().manual_seed(sparse.seq)
     q, k, v = (torch.randn(1, heads, sparse.seq, head_dim, generator=gen) for _ in range(3))
-    blocks = {c.name: mh.BlockMask.from_mask_mod(c.mask_mod, None, None, c.seq, c.seq) for c in (sparse, full)}
+    def call(case: FlexCase) -> Fn:
+        assert case.mask_mod is not None  # both patterns are mask_mods
+        block = mh.BlockMask.from_mask_mod(case.mask_mod, None, None, case.seq, case.seq)
+        return lambda: mh.attention(q, k, v, block_mask=block)
+
     with torch.no_grad():
-        stats = time_interleaved({n: (lambda b=b: mh.attention(q, k, v, block_mask=b)) for n, b in blocks.items()},
-                                 reps=reps or (3 if quick else 11), warmup=1)
+        stats = time_interleaved({c.name: call(c) for c in (sparse, full)}, reps=reps or (3 if quick else 11), warmup=1)
     a, b = stats[sparse.name], stats[full.name]
     ratios = sorted(x / y for x, y in zip(a["times_s"], b["times_s"]))
     return {"ratio": ratios[len(ratios) // 2], "sparse": a, "full": b}
