@@ -252,7 +252,7 @@ def check_every_backend(case: Case) -> None:
 
 
 @given(cases())
-@profile(1000)
+@profile(700)
 def test_every_backend_agrees_with_the_float64_reference(case: Case) -> None:
     check_every_backend(case)
 
@@ -305,7 +305,7 @@ def test_cache_decoding_agrees_with_the_reference(params: tuple[Case, list[int],
 
 
 @given(cases(dtypes=(torch.float32,)))
-@profile(250)
+@profile(180)
 def test_float32_gradients_agree_with_float64_gradients(case: Case) -> None:
     """Gradients of x (and context) and of every parameter, every backend, vs float64 autograd."""
     x, context, mask, key_mask = case.inputs()
