@@ -306,12 +306,11 @@ def lower(features: Features, sq: int, sk: int, heads: int) -> Features:
     soft-capping, then ALiBi, then relative bias) and none of them would run before a feature the
     call already sets: :class:`HeadScale` becomes ``head_scale`` (each head's queries times its
     scale), :class:`SoftCap` becomes ``softcap`` and :func:`tanh` ``softcap=1``, :class:`Alibi`
-    ``alibi_slopes`` and
-    :class:`RelativeBias` gathered from its table (its gradient reaches the table) either one
-    value per head and distance, ``relative`` (1, H, Sq + Sk - 1), with T5's buckets, or an additive
-    ``bias`` (1, H, Sq, Sk) with others, so that the fast paths run it ("native" takes all of them,
-    forward and backward for the biases; "sdpa" the biases, as one dense bias). Anything else is
-    returned as given (``"explicit"`` runs the score_mod).
+    ``alibi_slopes``, and :class:`RelativeBias`, gathered from its table (its gradient reaches the
+    table), becomes ``relative`` (1, H, Sq + Sk - 1), one value per head and distance, with T5's
+    buckets, or an additive ``bias`` (1, H, Sq, Sk) with others. The fast paths run them ("native"
+    all of them, forward and backward for the biases; "sdpa" the biases, as one dense bias).
+    Anything else is returned as given (``"explicit"`` runs the score_mod).
     """
     mod = features.score_mod
     if mod is None:

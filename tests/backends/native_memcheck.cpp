@@ -119,6 +119,13 @@ static Bias random_bias(int64_t B, int64_t H, int64_t Sq, int64_t Sk) {
     return bias;
 }
 
+// Whether key j is in the span of the query at key position pos: causal and window (0 = none) as the kernels'.
+static bool in_span(bool causal, int64_t window, int64_t j, int64_t pos) {
+    bool ok = !causal || j <= pos;
+    if (window) ok = ok && j > pos - window && (causal || j < pos + window);
+    return ok;
+}
+
 static int fail(const char* what, double got, double want) {
     std::printf("FAIL %s: got %g want %g\n", what, got, want);
     return 1;
@@ -211,8 +218,8 @@ static int attention_case(bool decode, int kind) {
                 const int64_t g = h / G, pos = i + off;
                 double top = -INFINITY;
                 for (int64_t j = 0; j < Sk; ++j) {
-                    bool ok = (!causal || j <= pos) && (!masked || mask[i * Sk + j]) && (!tiled || blocks.allows(b, i, j));
-                    if (window) ok = ok && j > pos - window && (causal || j < pos + window);
+                    bool ok = in_span(causal, window, j, pos) && (!masked || mask[i * Sk + j]) &&
+                              (!tiled || blocks.allows(b, i, j));
                     if (packed) {
                         const int64_t* sg = seg.data() + (per_row ? b : 0) * 2 * Sk;
                         ok = ok && j >= sg[pos] && j < sg[Sk + pos];
@@ -318,8 +325,7 @@ static int backward_case() {
                 const int64_t g = h / G, pos = i + off;
                 double top = -INFINITY;
                 for (int64_t j = 0; j < Sk; ++j) {
-                    bool ok = (!causal || j <= pos) && (!tiled || blocks.allows(b, i, j));
-                    if (window) ok = ok && j > pos - window && (causal || j < pos + window);
+                    const bool ok = in_span(causal, window, j, pos) && (!tiled || blocks.allows(b, i, j));
                     double dot = 0;
                     for (int64_t t = 0; t < D; ++t) dot += double(q[((b * H + h) * Sq + i) * D + t]) * k[((b * Hkv + g) * Sk + j) * D + t];
                     dot = dot * scale + (biased ? bias.at(b, h, i, j) : 0.0);

@@ -296,8 +296,9 @@ def _check_logits(q: object, k: object, softcap: object, alibi_slopes: object, s
 
 
 #: The FlashAttention loop's features when none is given: softcap, slopes, sinks, segments, their
-#: batch stride, panel counter.
-_NO_LOGITS = (0.0, None, None, None, 0, None, None, (), None, None, ())  # (features, then tiles and bias)
+#: batch stride, panel counter, the block mask (tiles, their strides and sizes, partial bytes) and the
+#: bias (address, strides).
+_NO_LOGITS = (0.0, None, None, None, 0, None, None, (), None, None, ())
 _NO_MASK_STRIDES = (0, 0, 0, 0)
 _NO_LSE_STRIDES = (0, 0, 0)
 
