@@ -225,7 +225,9 @@ def _bench_embed(args: argparse.Namespace) -> int:
     """``bench --embed``: the embedding job against sentence-transformers."""
     from . import bench_embed
 
-    result = bench_embed.run_embed(quick=args.quick, progress=_say)
+    result = bench_embed.run_embed(quick=args.quick, reps=args.reps, batch_sizes=args.embed_batch_sizes or (32,),
+                                   texts=args.texts, peers_python=args.peers_python, peers_cache=args.peers_cache,
+                                   progress=_say)
     return _write_result(args, result, "embed.json", bench_embed.format_embed(result))
 
 
@@ -370,7 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --generate-jobs: tokens generated per call, at least 2 (default 128)")
     p.add_argument("--reps", type=_positive_int, default=None,
                    help="with --generate-jobs: timed calls of each way per job, after two untimed (one with "
-                        "--no-compile; default 3)")
+                        "--no-compile; default 3); with --embed: timed calls of each way per batch size, after "
+                        "one untimed (default 7)")
     p.add_argument("--competing", action="store_true",
                    help="with --generate-jobs: one CPU-bound process runs beside the timings (ended with them)")
     p.add_argument("--no-compile", action="store_true",
@@ -378,6 +381,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--embed", action="store_true",
                    help="instead of the suite: the embedding job, a corpus of 512 texts through the bundled model, "
                         "against sentence-transformers (a minute; --quick: seconds)")
+    p.add_argument("--texts", type=_positive_int, default=None, metavar="N",
+                   help="with --embed: the corpus's size (default 512; --quick: 24)")
+    p.add_argument("--batch-size", type=_positive_int, nargs="+", default=None, dest="embed_batch_sizes",
+                   metavar="B", help="with --embed: batch sizes, one timed round-robin each (default 32)")
+    p.add_argument("--peers-python", default=None, metavar="PATH",
+                   help="with --embed: the Python of the peers' environment, to time sentence-transformers' "
+                        "ONNX Runtime and OpenVINO backends too (docs: Performance, the peers' environment)")
+    p.add_argument("--peers-cache", default=None, metavar="DIR",
+                   help="with --peers-python: where the model exported to ONNX and OpenVINO is kept "
+                        "(default ~/.cache/multihead/embed-peers)")
     p.add_argument("--flex", action="store_true",
                    help="instead of the suite: mask_mods and score_mods (causal, window, documents, prefix-LM, "
                         "sparse tiles, T5 bias, soft-capping) against compiled FlexAttention and SDPA, forward "
@@ -433,6 +446,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _refuse(parser, "--compiled applies to --hf-generate only")
     if args.command == "bench" and not args.generate_jobs:
         _refuse_generate_options(parser, args)
+    if args.command == "bench" and not args.embed:
+        _refuse_embed_options(parser, args)
     if args.command == "explain" and args.seq > max_seq_len(args.config):  # before any work
         what = "a config is explained (shapes only)" if args.config else "the seed's example runs (for real)"
         _refuse(parser, f"--seq must be at most {max_seq_len(args.config)} when {what}, got {args.seq}")
@@ -448,8 +463,18 @@ def _refuse_generate_options(parser: argparse.ArgumentParser, args: argparse.Nam
     for flag, dest in (("--model", "gen_models"), ("--prompt", "gen_prompts"), ("--batch", "gen_batches"),
                        ("--new-tokens", "new_tokens"), ("--reps", "reps"), ("--competing", "competing"),
                        ("--no-compile", "no_compile")):
+        if dest == "reps" and args.embed:
+            continue
         if getattr(args, dest) not in (None, False):
-            _refuse(parser, f"{flag} applies to --generate-jobs only")
+            _refuse(parser, f"{flag} applies to --generate-jobs only" + (" (and to --embed)" if dest == "reps" else ""))
+
+
+def _refuse_embed_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse ``bench``'s options that apply to ``--embed`` only, by name."""
+    for flag, dest in (("--texts", "texts"), ("--batch-size", "embed_batch_sizes"),
+                       ("--peers-python", "peers_python"), ("--peers-cache", "peers_cache")):
+        if getattr(args, dest) is not None:
+            _refuse(parser, f"{flag} applies to --embed only")
 
 
 def _refuse(parser: argparse.ArgumentParser, message: str) -> None:

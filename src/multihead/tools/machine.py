@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import platform
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -93,24 +94,45 @@ def _cpu_seconds() -> float | None:
     return busy / os.sysconf("SC_CLK_TCK")
 
 
+def _helpers_cpu_seconds(pids: Sequence[int]) -> float:
+    """CPU time (user + system) of the processes ``pids`` so far (Linux's /proc/PID/stat; 0 for
+    one that is gone or where the machine does not tell)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    return total
+
+
 class OthersLoad:
     """How much of the machine other processes used while a block ran: their CPU time (the
-    machine's busy time less this process's) over the block's wall time × the cores.
+    machine's busy time less this process's and its ``helpers``') over the block's wall time ×
+    the cores.
 
     ``with OthersLoad() as load: ...`` then ``load.share`` (0 = nobody else; None where the
     machine does not tell, e.g. not Linux) and ``load.busy`` (over :data:`BUSY_SHARE`).
+
+    Args:
+        helpers: ids of processes that work for this one (e.g. the benchmark's peer workers):
+            their CPU time counts as this process's, not as others'.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, helpers: Sequence[int] = ()) -> None:
         self.share: float | None = None
+        self._helpers = tuple(helpers)
 
     def __enter__(self) -> "OthersLoad":
-        self._wall, self._mine, self._all = time.perf_counter(), time.process_time(), _cpu_seconds()
+        self._wall, self._all = time.perf_counter(), _cpu_seconds()
+        self._mine = time.process_time() + _helpers_cpu_seconds(self._helpers)
         return self
 
     def __exit__(self, *exc: object) -> None:
         wall = time.perf_counter() - self._wall
-        mine = time.process_time() - self._mine
+        mine = time.process_time() + _helpers_cpu_seconds(self._helpers) - self._mine
         end = _cpu_seconds()
         if self._all is None or end is None or wall <= 0:
             return
