@@ -142,6 +142,12 @@ class Worker:
         self.texts: list[str] = []
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
 
+    def close(self) -> None:
+        """Remove the temporary folder of exports, if one was made."""
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
     def load(self, request: dict[str, Any]) -> dict[str, Any]:
         """The ``load`` request (see the module's docstring)."""
         model, backend = _field(request, "model", str), _field(request, "backend", str)
@@ -218,8 +224,9 @@ def answer(worker: Worker, line: str) -> dict[str, Any]:
         return {"ok": False, "error": f"{type(e).__name__}: {e}"}
 
 
-def serve(requests: IO[str], answers: IO[str]) -> None:
-    """Answer each line of ``requests`` on ``answers`` until ``quit`` or the end of input."""
+def serve(requests: IO[str], answers: IO[str]) -> Worker:
+    """Answer each line of ``requests`` on ``answers`` until ``quit`` or the end of input; returns the
+    worker (to :meth:`Worker.close`)."""
     worker = Worker()
     for line in requests:
         if not line.strip():
@@ -228,14 +235,17 @@ def serve(requests: IO[str], answers: IO[str]) -> None:
         answers.write(json.dumps(reply) + "\n")
         answers.flush()
         if reply.get("quit"):
-            return
+            break
+    return worker
 
 
 def main() -> None:
     """Serve stdin, answering on the real stdout; whatever else writes to stdout goes to stderr."""
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    serve(sys.stdin, answers)
+    serve(sys.stdin, answers).close()
+    sys.stderr.flush()
+    os._exit(0)  # skips the interpreter's teardown of torch and the backends: seconds, nothing to keep
 
 
 if __name__ == "__main__":
