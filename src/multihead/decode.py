@@ -26,6 +26,7 @@ from torch import nn
 from .backends import native
 from .cache import KVCache
 from .mrope import MRoPE
+from .qk_norm import RMSNorm
 from .rope import RoPE
 
 __all__ = ["why_not_fused", "fused_for", "fused_step", "repeat_step", "FusedStep", "FUSED_CONDITIONS", "PROGRAMMABLE"]
@@ -128,6 +129,47 @@ def _plain_rope(layer: Layer, cache: KVCache) -> bool:
             and sin.is_contiguous())
 
 
+#: The kernel's QK-norm mode per ``qk_norm`` placement it runs: per head, before or after RoPE.
+_NORM_MODE = {"head": 1, "head_after_rope": 2}
+
+
+def _norm_modules(layer: Layer) -> tuple[RMSNorm, RMSNorm] | None:
+    """The layer's ``q_norm`` and ``k_norm`` where it has a QK-norm, else None."""
+    if layer.qk_norm is None:
+        return None
+    mods = layer._modules
+    return mods["q_norm"], mods["k_norm"]  # type: ignore[return-value]
+
+
+def _plain_norm(layer: Layer, x: torch.Tensor) -> bool:
+    """No QK-norm, or one the kernel computes as the layer would: per head over D (before or after
+    RoPE), both norms plain :class:`~multihead.RMSNorm` modules with no hooks, one eps and offset,
+    contiguous (D,) weights of x's dtype on the CPU."""
+    norms = _norm_modules(layer)
+    if norms is None:
+        return True
+    if layer.qk_norm not in _NORM_MODE:
+        return False
+    q_norm, k_norm = norms
+    weights = [m._parameters.get("weight") for m in norms]
+    return (all(type(m) is RMSNorm and "forward" not in m.__dict__ and not m._forward_hooks
+                and not m._forward_pre_hooks for m in norms)
+            and q_norm.eps == k_norm.eps and q_norm.offset == k_norm.offset
+            and all(w is not None and tuple(w.shape) == (layer.head_dim,) and w.is_contiguous()
+                    and w.dtype == x.dtype and w.is_cpu for w in weights))
+
+
+def _step_norm(layer: Layer) -> native.Norm | None:
+    """The kernel's QK-norm for a layer :func:`_plain_norm` accepts: (q weight, k weight, eps, mode)."""
+    norms = _norm_modules(layer)
+    if norms is None:
+        return None
+    q_norm, k_norm = norms
+    mode = _NORM_MODE[layer.qk_norm] | (4 if q_norm.offset else 0)  # type: ignore[index]
+    return (q_norm._parameters["weight"], k_norm._parameters["weight"],  # type: ignore[return-value]
+            float(q_norm.eps), mode)
+
+
 #: A fused step ready to run on x (B, 1, E): y (B, 1, E).
 Step = Callable[[torch.Tensor], torch.Tensor]
 
@@ -149,9 +191,10 @@ FUSED_CONDITIONS: tuple[tuple[str, Check], ...] = (
      lambda layer, x, c, kw: all(kw.get(name) is None for name in PROGRAMMABLE)),
     ("the layer is watched (multihead.trace or multihead.heads.capture)", lambda layer, x, c, kw: layer.watch is None),
     ("the layer has a sliding window", lambda layer, x, c, kw: layer.window is None),
-    ("the layer has QK-norm, soft-capping, ALiBi or sinks",
-     lambda layer, x, c, kw: layer.qk_norm is None and layer.softcap is None and layer.alibi_slopes is None
-     and layer.sinks is None),
+    ("the layer has soft-capping, ALiBi or sinks",
+     lambda layer, x, c, kw: layer.softcap is None and layer.alibi_slopes is None and layer.sinks is None),
+    ("the layer's QK-norm is not per head (qk_norm 'head' or 'head_after_rope') in plain RMSNorm modules with one "
+     "eps and contiguous (D,) weights of the input's dtype", lambda layer, x, c, kw: _plain_norm(layer, x)),
     ("a ring cache", lambda layer, x, c, kw: not c.ring),
     ("dropout in training mode", lambda layer, x, c, kw: not (layer.training and layer.dropout > 0)),
     ("a backend other than auto or native", lambda layer, x, c, kw: layer.backend in (None, "auto", "native")),
@@ -239,13 +282,19 @@ def fused_step(layer: Layer, x: torch.Tensor, cache: KVCache, *, checked: bool =
         y = torch.ops.multihead.decode_step(x2, [p.weight for p in projs], [p.bias for p in projs], cos, sin,
                                             rotary_dim, interleaved, cache.k, cache.v, cache.lengths,
                                             layer.num_heads, layer.num_kv_heads, layer.head_dim,
-                                            float(layer.scale))  # (B, E)
+                                            float(layer.scale), *_norm_operands(layer))  # (B, E)
         cache.commit([1] * b)
     except BaseException:
         cache.k[slots] = saved[0]
         cache.v[slots] = saved[1]
         raise
     return y.view(b, 1, e)
+
+
+def _norm_operands(layer: Layer) -> tuple[torch.Tensor | None, torch.Tensor | None, float, int]:
+    """The operator's QK-norm arguments (q weight, k weight, eps, mode), or (None, None, 0.0, 0)."""
+    norm = _step_norm(layer)
+    return (None, None, 0.0, 0) if norm is None else norm
 
 
 class FusedStep:
@@ -275,14 +324,15 @@ class FusedStep:
         tables = None if rope is None else (rope.cos, rope.sin, rope.rotary_dim, rope.interleaved)
         layers = [_weight_bias(p) for p in _projections(layer)]
         shape = (layer.num_heads, layer.num_kv_heads, layer.head_dim, float(layer.scale))
+        norm = _step_norm(layer)
         lengths, slot_pos = cache.native_counters()
         step = cache.fused
         if (isinstance(step, FusedStep) and step._layer() is layer and step.plan.key == native.StepPlan.key_of(
-                b, layers, tables, cache.k, cache.v, lengths, slot_pos, x.dtype, shape)):
+                b, layers, tables, cache.k, cache.v, lengths, slot_pos, x.dtype, shape, norm)):
             return step
         plan = native.StepPlan(b, layers, num_heads=shape[0], num_kv_heads=shape[1], head_dim=shape[2], rope=tables,
                                cache_k=cache.k, cache_v=cache.v, lengths=lengths, slot_pos=slot_pos, scale=shape[3],
-                               dtype=x.dtype)
+                               dtype=x.dtype, norm=norm)
         step = FusedStep(layer, cache, plan)
         cache.fused = step
         return step
@@ -365,6 +415,11 @@ def _snapshot(layer: Layer, x: torch.Tensor, cache: KVCache,
         refs.append(type(rope))
         refs.extend(rope.__dict__.values())
         refs.extend(rope._buffers.values())
+    for norm in _norm_modules(layer) or ():  # a QK-norm's eps, offset, weight and hooks (it is never called)
+        refs.append(type(norm))
+        refs.extend(norm.__dict__.values())
+        refs.extend(norm._parameters.values())
+        values += (len(norm._forward_hooks), len(norm._forward_pre_hooks))
     values.extend((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in plan.tensors)  # the pointer: the device too
     return refs, values
 

@@ -26,8 +26,8 @@ int mh_decode_f32(const float*, const float*, const float*, float*, float*, cons
 int mh_linear_few_rows_f32(const float*, int64_t, int64_t, int64_t, const float* const*, const int64_t*,
                            const float* const*, float* const*, int);
 int mh_decode_step_f32(const float*, int64_t, int64_t, const float* const*, const float* const*, int64_t, int64_t,
-                       int64_t, const float*, const float*, int64_t, int, float*, float*, const int64_t*,
-                       int64_t*, float, float*, float*, int, int64_t*, int64_t, int64_t);
+                       int64_t, const float*, const float*, int64_t, int, const float* const*, float, int, float*,
+                       float*, const int64_t*, int64_t*, float, float*, float*, int, int64_t*, int64_t, int64_t);
 #define MH_HALF(suffix)                                                                                          \
     int mh_attention_##suffix(const void*, const void*, const void*, void*, float*, const uint8_t*,              \
                               const int64_t*, const int64_t*, float, int, int64_t, float, const float*,          \
@@ -36,8 +36,9 @@ int mh_decode_step_f32(const float*, int64_t, int64_t, const float* const*, cons
     int mh_decode_##suffix(const void*, const void*, const void*, void*, float*, const uint8_t*, const int64_t*, \
                            const int64_t*, float, int, int64_t, int);                                            \
     int mh_decode_step_##suffix(const void*, int64_t, int64_t, const void* const*, const void* const*, int64_t,  \
-                                int64_t, int64_t, const float*, const float*, int64_t, int, void*, void*,        \
-                                const int64_t*, int64_t*, float, void*, void*, int, int64_t*, int64_t, int64_t);
+                                int64_t, int64_t, const float*, const float*, int64_t, int, const void* const*,  \
+                                float, int, void*, void*, const int64_t*, int64_t*, float, void*, void*, int,    \
+                                int64_t*, int64_t, int64_t);
 MH_HALF(bf16)
 MH_HALF(f16)
 int mh_convert_scalar(int, int, const void*, void*, int64_t);
@@ -413,6 +414,10 @@ static int step_case(int kind) {
     const float* cp = R ? cos.data() : nullptr;
     const float* sp = R ? sin.data() : nullptr;
     const int inter = int(next() % 2);
+    // QK-norm: none, before or after RoPE, its scale w or 1 + w; weights of exactly D
+    const int norm_mode = int(next() % 3) | (next() % 2 ? 4 : 0);
+    std::vector<float> qn = randoms(D), kn = randoms(D);
+    const float* norms[2] = {qn.data(), kn.data()};
     int code;
     std::vector<float> old_slots(B * 2 * Hkv * D), saved(B * 2 * Hkv * D, -1.f);  // (B, 2, Hkv, D)
     for (int64_t b = 0; b < B; ++b)
@@ -423,7 +428,8 @@ static int step_case(int kind) {
             }
     std::vector<int64_t> slot_pos(B * C, -1);  // (B, C): given (float32 here), the step advances the counters
     if (kind == F32) {
-        code = mh_decode_step_f32(x.data(), B, E, W, bias, H, Hkv, D, cp, sp, R, inter, ck.data(), cv.data(), cs,
+        code = mh_decode_step_f32(x.data(), B, E, W, bias, H, Hkv, D, cp, sp, R, inter, norm_mode & 3 ? norms : nullptr,
+                                  1e-6f, norm_mode & 3 ? norm_mode : 0, ck.data(), cv.data(), cs,
                                   lengths.data(), 0.3f, y.data(), saved.data(), 2, slot_pos.data(), C, C);
         for (size_t i = 0; code == 0 && i < saved.size(); ++i)  // the slots' old values, for a restore
             if (saved[i] != old_slots[i]) return fail("step saved slots", saved[i], old_slots[i]);
@@ -434,8 +440,11 @@ static int step_case(int kind) {
         std::vector<uint16_t> yh(y.size(), 0x7FFF);
         const void* Wh[4] = {wqh.data(), wkh.data(), wvh.data(), woh.data()};
         const void* bh[4] = {bqh.data(), nullptr, nullptr, boh.data()};
+        std::vector<uint16_t> qnh = to_kind(kind, qn), knh = to_kind(kind, kn);
+        const void* nh[2] = {qnh.data(), knh.data()};
         code = (kind == BF16 ? mh_decode_step_bf16 : mh_decode_step_f16)(
-            xh.data(), B, E, Wh, bh, H, Hkv, D, cp, sp, R, inter, ckh.data(), cvh.data(), cs, lengths.data(), 0.3f,
+            xh.data(), B, E, Wh, bh, H, Hkv, D, cp, sp, R, inter, norm_mode & 3 ? nh : nullptr, 1e-6f,
+            norm_mode & 3 ? norm_mode : 0, ckh.data(), cvh.data(), cs, lengths.data(), 0.3f,
             yh.data(), nullptr, 2, nullptr, 0, 0);
         from_kind(kind, yh, y);
     }

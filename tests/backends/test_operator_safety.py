@@ -32,11 +32,12 @@ def back(dout=(1, 2, 8, 16), lse=(1, 2, 8), delta=(1, 2, 8), k=(1, 2, 8, 16)):
 
 E, H, HKV, HD, C = 32, 2, 2, 16, 8
 
-def step(lengths=(3,), hkv_arg=HKV, rows=1, cache=(1, HKV, C, HD), table=16, wk=(HKV * HD, E), rotary=16):
+def step(lengths=(3,), hkv_arg=HKV, rows=1, cache=(1, HKV, C, HD), table=16, wk=(HKV * HD, E), rotary=16,
+         norm=()):
     weights = [r(H * HD, E), r(*wk), r(HKV * HD, E), r(E, H * HD)]
     cos, sin = r(table, rotary // 2), r(table, rotary // 2)
     return D(r(rows, E), weights, [None] * 4, cos, sin, rotary, False, torch.zeros(*cache), torch.zeros(*cache),
-             torch.tensor(lengths, dtype=torch.int64), H, hkv_arg, HD, 0.25)
+             torch.tensor(lengths, dtype=torch.int64), H, hkv_arg, HD, 0.25, *norm)
 
 CASES = {
     "valid attention": lambda: attn(),
@@ -65,6 +66,11 @@ CASES = {
     "a k weight of the wrong shape": lambda: step(wk=(HKV * HD + 1, E)),
     "rows of x and of the cache differ": lambda: step(lengths=(1, 1), rows=2),
     "a rotary dim past the head dim": lambda: step(rotary=2 * HD),
+    "valid decoding step with a QK-norm": lambda: step(norm=(r(HD), r(HD), 1e-6, 1)),
+    "a QK-norm weight shorter than the head dim": lambda: step(norm=(r(HD), r(HD // 2), 1e-6, 1)),
+    "a QK-norm with one weight missing": lambda: step(norm=(r(HD), None, 1e-6, 2)),
+    "a QK-norm of an unknown mode": lambda: step(norm=(r(HD), r(HD), 1e-6, 3)),
+    "a QK-norm weight of another dtype": lambda: step(norm=(r(HD), r(HD, dtype=torch.float64), 1e-6, 1)),
 }
 for name, call in CASES.items():
     try:
@@ -77,7 +83,7 @@ for name, call in CASES.items():
     print(json.dumps([name, outcome]), flush=True)
 """
 
-VALID = ("valid attention", "valid backward", "valid decoding step")
+VALID = ("valid attention", "valid backward", "valid decoding step", "valid decoding step with a QK-norm")
 REFUSED = ("k with fewer keys than v", "v with far more keys than k", "k of another head dim",
            "q heads not a multiple of k's", "k of another batch", "a mask that does not broadcast",
            "a mask of five dims", "ALiBi slopes of the wrong length", "sinks of the wrong length",
@@ -86,7 +92,8 @@ REFUSED = ("k with fewer keys than v", "v with far more keys than k", "k of anot
            "a length at the cache's capacity", "a length of 2**40", "a negative length",
            "more K/V heads than the cache holds", "a RoPE table shorter than the position",
            "more rows than the step takes", "a k weight of the wrong shape", "rows of x and of the cache differ",
-           "a rotary dim past the head dim")
+           "a rotary dim past the head dim", "a QK-norm weight shorter than the head dim",
+           "a QK-norm with one weight missing", "a QK-norm of an unknown mode", "a QK-norm weight of another dtype")
 
 
 @pytest.fixture(scope="module")

@@ -84,6 +84,8 @@ def test_opcheck_decode_step() -> None:
     args = (torch.randn(2, 64), [p.weight.detach() for p in projs], [p.bias.detach() for p in projs],
             layer.rope.cos, layer.rope.sin, 16, False, cache.k, cache.v, cache.lengths, 4, 2, 16, 0.25)
     torch.library.opcheck(torch.ops.multihead.decode_step.default, args)
+    norm = (torch.rand(16) + 0.5, torch.rand(16) + 0.5, 1e-6, 1)  # a QK-norm per head, before RoPE
+    torch.library.opcheck(torch.ops.multihead.decode_step.default, args + norm)
 
 
 def _layer(**kw: object) -> mh.MultiHeadAttention:

@@ -61,8 +61,10 @@ BREAKS: dict[str, Callable[[], tuple]] = {
         _watched(_layer())),
     "sliding window": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay, ring=False)[0], {}))(
         _layer(window=4)),
-    "QK-norm, soft-capping, ALiBi or sinks": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay)[0], {}))(
+    "soft-capping, ALiBi or sinks": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay)[0], {}))(
         _layer(softcap=30.0)),
+    "QK-norm is not per head": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay)[0], {}))(
+        _layer(qk_norm="proj")),
     "a ring cache": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _ring_cache_without_window(lay), {}))(_layer()),
     "dropout in training mode": lambda: (lambda lay: (lay.train(), torch.randn(2, 1, 64), _prefilled(lay)[0], {}))(
         _layer(dropout=0.1)),
@@ -145,6 +147,59 @@ def test_with_every_condition_met_the_step_runs_and_equals_the_step_by_step_path
     torch.testing.assert_close(cache.k, twin_cache.k, atol=1e-5, rtol=1e-5)
 
 
+#: QK-norms the fused step computes (per head, before or after RoPE, Gemma's 1 + w), each with weights
+#: far from one so that a norm skipped, misplaced or read as the other's fails.
+NORMS = {"head": {"qk_norm": "head"}, "head_after_rope": {"qk_norm": "head_after_rope"},
+         "head, offset": {"qk_norm": "head", "norm_offset": True, "norm_eps": 1e-5}}
+
+
+def _normed_layer(norm: str, dtype: torch.dtype = torch.float32) -> mh.MultiHeadAttention:
+    layer = _layer(**NORMS[norm], dtype=dtype)
+    with torch.no_grad():
+        layer.q_norm.weight.copy_(torch.rand(16) * 2 + 0.5)
+        layer.k_norm.weight.copy_(torch.rand(16) * 3 - 1)
+    return layer
+
+
+@pytest.mark.skipif(not FUSED, reason=f"no AVX-512 or AVX2 native kernel here ({native.status()})")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("norm", list(NORMS))
+def test_a_qk_norm_per_head_is_fused_and_equals_the_step_by_step_path(norm: str, dtype: torch.dtype) -> None:
+    """Qwen3's, Gemma 3's and HunYuan's QK-norm run inside the fused step: the outputs and the
+    cached (normed, rotated) keys equal the step-by-step path's; the norm changes the output."""
+    layer = _normed_layer(norm, dtype)
+    cache, token = _prefilled(layer)
+    assert decode.why_not_fused(layer, token, cache) is None
+    expected = _stepwise(layer, cache, token)
+    with torch.no_grad():
+        got = layer(token, cache=cache)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+    slot = cache.k[:, :, 8]  # (B, Hkv, D): the new token's key, normed then rotated (or the other way)
+    twin = _normed_layer(norm, dtype)
+    twin_cache, _ = _prefilled(twin)
+    with torch.no_grad():
+        twin(token, cache=twin_cache, positions=torch.tensor([8]))
+    torch.testing.assert_close(slot, twin_cache.k[:, :, 8], atol=tol, rtol=tol)
+    with torch.no_grad():  # a planted difference: the step must see the norm's weight
+        layer.k_norm.weight.neg_()  # every logit's sign flipped
+        cache.crop(8)
+        assert (layer(token, cache=cache) - got).abs().max() > 10 * tol
+
+
+@pytest.mark.skipif(not FUSED, reason=f"no AVX-512 or AVX2 native kernel here ({native.status()})")
+def test_a_qk_norm_the_kernel_cannot_run_as_it_is_is_not_fused() -> None:
+    """A hooked norm, norms of two eps, or a weight of another dtype: the step-by-step path, by name."""
+    cases = [lambda lay: lay.q_norm.register_forward_hook(lambda m, a, out: out),
+             lambda lay: setattr(lay.k_norm, "eps", 1e-3),
+             lambda lay: setattr(lay.q_norm, "weight", nn.Parameter(lay.q_norm.weight.detach().double()))]
+    for change in cases:
+        layer = _normed_layer("head")
+        cache, token = _prefilled(layer)
+        change(layer)
+        assert "QK-norm is not per head" in decode.why_not_fused(layer, token, cache)
+
+
 def _stepwise(layer: mh.MultiHeadAttention, cache: mh.KVCache, token: torch.Tensor) -> torch.Tensor:
     """The step by the step-by-step path (positions given: never fused), on a copy of the cache."""
     twin = mh.KVCache(cache.batch_size, cache.max_len, layer.num_kv_heads, layer.head_dim, dtype=cache.dtype)
@@ -158,9 +213,9 @@ def _stepwise(layer: mh.MultiHeadAttention, cache: mh.KVCache, token: torch.Tens
 def test_the_steps_marshalled_arguments_follow_every_tensor_they_point_into() -> None:
     """The eager step's plan (its C arguments, kept on the cache) is reused while nothing it
     points into changes, and remade when a weight is replaced or moved, the RoPE tables are
-    replaced, the thread count or the layer's scale changes: each step equals the
+    replaced, the thread count, the layer's scale or its QK-norm changes: each step equals the
     step-by-step path."""
-    layer = _layer()
+    layer = _normed_layer("head")
     cache, token = _prefilled(layer)
     # (change, whether the plan must be remade)
     changes: list[tuple[Callable[[], object], bool]] = [
@@ -174,6 +229,9 @@ def test_the_steps_marshalled_arguments_follow_every_tensor_they_point_into() ->
         (lambda: torch.set_num_threads(1), True),
         (lambda: setattr(layer, "scale", 0.2), True),  # the layer's logit scale reassigned
         (lambda: setattr(layer, "rope", mh.RoPE(16, max_positions=64)), True),  # new tables
+        (lambda: setattr(layer.k_norm, "weight", nn.Parameter(torch.rand(16) + 0.5)), True),  # the norm's weight
+        (lambda: layer.q_norm.weight.data.mul_(1.5), False),  # in place: new values
+        (lambda: [setattr(norm, "eps", 0.5) for norm in (layer.q_norm, layer.k_norm)], True),  # both norms' eps
     ]
     threads = torch.get_num_threads()
     try:

@@ -89,10 +89,19 @@ def test_decoding_with_a_cache_equals_the_full_pass() -> None:
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-10)
 
 
-def test_fused_decoding_step_routes_around_it_by_name() -> None:
+@pytest.mark.skipif(mh.backends.native.vector_bits() < 256, reason="no AVX-512 or AVX2 native kernel here")
+def test_the_fused_decoding_step_takes_the_norm_after_rope() -> None:
+    """HunYuan's order in the one-call step: the decoded token equals the full pass's."""
+    torch.random.default_generator.manual_seed(0)
     layer = mh.MultiHeadAttention(E, H, causal=True, rope=mh.RoPE(D), qk_norm="head_after_rope").eval()
-    reason = mh.decode.why_not_fused(layer, torch.randn(1, 1, E), layer.new_cache(1, 8))
-    assert reason == "the layer has QK-norm, soft-capping, ALiBi or sinks"
+    with torch.no_grad():
+        layer.k_norm.weight.copy_(torch.rand(D) * 3 - 1)
+        x = torch.randn(1, S, E)
+        cache = layer.new_cache(1, 8)
+        layer(x[:, :-1], cache=cache)
+        assert mh.decode.why_not_fused(layer, x[:, -1:], cache) is None
+        step = layer(x[:, -1:], cache=cache)
+        torch.testing.assert_close(step, layer(x)[:, -1:], atol=1e-5, rtol=1e-5)
 
 
 def test_trace_records_the_norm_after_the_rotation() -> None:

@@ -18,6 +18,7 @@ from torch import nn
 
 import multihead as mh
 from multihead import decode
+from multihead.backends import native
 
 transformers = pytest.importorskip("transformers")
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM  # noqa: E402
@@ -284,3 +285,14 @@ def test_an_adapter_for_fewer_layers_is_refused_and_no_layer_changes(patched: bo
         with pytest.raises(ValueError, match="built for 2 layers"):
             deep(input_ids=torch.full((2, 1), 5), cache=cache, use_cache=True)
     assert [s.kv.host_lengths() for s in cache.slots] == [[S, S]] * 2 and cache.slots[1].keys.shape[2] == S
+
+
+@pytest.mark.skipif(native.vector_bits() < 256, reason=f"no AVX-512 or AVX2 native kernel here ({native.status()})")
+@pytest.mark.parametrize("model_type, extra", [
+    ("qwen3", {}),
+    ("hunyuan_v1_dense", {"head_dim": 16, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                              "alpha": 50.0, "factor": 1.0}})])
+def test_families_with_a_qk_norm_per_head_take_the_fused_step_with_hf_tokens(model_type: str, extra: dict) -> None:
+    """Qwen3's q/k RMSNorm before RoPE and HunYuan's after it run inside the one-call step."""
+    cache = _same_tokens_as_hf(_model(model_type, **extra), _prompts(padded=False))
+    assert cache.paths == ["fused", "fused"]

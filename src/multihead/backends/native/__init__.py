@@ -53,12 +53,13 @@ from .counters import advance_counters
 from .cpu import amx_bf16, cpu_vendor
 from .loader import amx, amx_enabled, available, build, build_name, compile_for_machine, status, vector_bits
 from .ops import run
-from .step import StepPlan, decode_step, linear_few_rows
+from .step import NORM_MODES, Norm, StepPlan, decode_step, linear_few_rows
 
 __all__ = ["available", "status", "build", "build_name", "compile_for_machine", "vector_bits", "cpu_vendor",
            "amx_bf16", "amx", "amx_enabled",
            "advance_counters", "attention_f32", "decode_f32", "key_panels", "linear_few_rows", "decode_step",
-           "StepPlan", "MAX_STEP_ROWS", "DTYPES", "SUFFIX", "DECODE_ROWS", "Logits", "kernel", "rows_per_kv_head",
+           "StepPlan", "Norm", "NORM_MODES", "MAX_STEP_ROWS", "DTYPES", "SUFFIX", "DECODE_ROWS", "Logits", "kernel",
+           "rows_per_kv_head",
            "run", "native_backend", "ops"]
 
 #: Input dtypes of the native backend: each has its own kernels, which read and write that

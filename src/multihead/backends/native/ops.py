@@ -399,22 +399,30 @@ attention.register_autograd(_backward, setup_context=_setup_context)
 @torch.library.custom_op("multihead::decode_step", mutates_args=("cache_k", "cache_v"))
 def decode_step(x: Tensor, weights: list[Tensor], biases: list[Optional[Tensor]], cos: Optional[Tensor],
                 sin: Optional[Tensor], rotary_dim: int, interleaved: bool, cache_k: Tensor, cache_v: Tensor,
-                lengths: Tensor, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> Tensor:
+                lengths: Tensor, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                q_norm: Optional[Tensor] = None, k_norm: Optional[Tensor] = None, norm_eps: float = 0.0,
+                norm_mode: int = 0) -> Tensor:
     """A whole decoding step (:func:`multihead.backends.native.decode_step`): ``y (B, E)``.
 
     Writes each row's new K and V into ``cache_k``/``cache_v`` (B, Hkv, C, D) at slot
-    ``lengths[b]``; ``lengths`` is read, never written (the caller commits it).
+    ``lengths[b]``; ``lengths`` is read, never written (the caller commits it). A QK-norm per
+    head: its q and k weights (D,), eps and mode (:data:`.step.NORM_MODES`); ``norm_mode`` 0: none.
     """
     rope = None if cos is None or sin is None else (cos, sin, rotary_dim, interleaved)
+    norm = None
+    if norm_mode or q_norm is not None or k_norm is not None:  # all of them, or the check refuses them
+        norm = (q_norm, k_norm, norm_eps, norm_mode)
     return step.decode_step(x, list(zip(weights, biases)), num_heads=num_heads, num_kv_heads=num_kv_heads,
                             head_dim=head_dim, rope=rope, cache_k=cache_k, cache_v=cache_v, lengths=lengths,
-                            scale=scale)
+                            scale=scale, norm=norm)  # type: ignore[arg-type]
 
 
 @decode_step.register_fake
 def _decode_step_fake(x: Tensor, weights: list[Tensor], biases: list[Optional[Tensor]], cos: Optional[Tensor],
                       sin: Optional[Tensor], rotary_dim: int, interleaved: bool, cache_k: Tensor, cache_v: Tensor,
-                      lengths: Tensor, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> Tensor:
+                      lengths: Tensor, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                      q_norm: Optional[Tensor] = None, k_norm: Optional[Tensor] = None, norm_eps: float = 0.0,
+                      norm_mode: int = 0) -> Tensor:
     return x.new_empty(x.shape)
 
 

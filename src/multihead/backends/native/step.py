@@ -17,7 +17,14 @@ from ..._checks import check_tensor
 from ._ffi import MAX_STEP_ROWS, SUFFIX, kernel, pointers, ptr
 from .loader import require
 
-__all__ = ["MAX_STEP_ROWS", "linear_few_rows", "decode_step", "StepPlan"]
+__all__ = ["MAX_STEP_ROWS", "linear_few_rows", "decode_step", "StepPlan", "Norm", "NORM_MODES"]
+
+#: QK-norm per head in the step: (q weight (D,), k weight (D,), eps, mode), the weights of the
+#: step's dtype; mode (:data:`NORM_MODES`): 1 before RoPE, 2 after it, plus 4 where the scale is
+#: ``1 + weight`` (Gemma's offset).
+Norm = tuple[torch.Tensor, torch.Tensor, float, int]
+#: The modes the kernel takes.
+NORM_MODES = (1, 2, 5, 6)
 
 
 def linear_few_rows(
@@ -76,6 +83,7 @@ def decode_step(
     cache_v: torch.Tensor,
     lengths: torch.Tensor,
     scale: float,
+    norm: Norm | None = None,
 ) -> torch.Tensor:
     """A whole decoding step of a layer in one call (one token per row, B ≤ :data:`MAX_STEP_ROWS`).
 
@@ -94,19 +102,22 @@ def decode_step(
             row's position, or None.
         cache_k, cache_v: (B, Hkv, C, D) x's dtype, with contiguous rows. lengths: (B,)
             int64, contiguous (read only).
+        norm: QK-norm per head, ``(q weight (D,), k weight (D,), eps, mode)`` (:data:`Norm`),
+            as :class:`multihead.RMSNorm` computes it in float32, or None.
 
     Returns:
         y: (B, E) in x's dtype.
     """
     _check_step_dtypes(x, layers, rope, cache_k, cache_v)
     _check_step_shapes(x, layers, num_heads, num_kv_heads, head_dim, rope, cache_k, cache_v, lengths)
+    norm_args = _checked_norm(norm, x.dtype, head_dim)
     lib = require()
     b, e = x.shape
     y = torch.empty((b, e), dtype=x.dtype)
     cos, sin, rotary_dim, interleaved = rope if rope is not None else (None, None, 0, False)
     code = kernel(lib, "mh_decode_step_f32", x.dtype)(
         ptr(x), b, e, pointers([w for w, _ in layers]), pointers([bias for _, bias in layers]),
-        num_heads, num_kv_heads, head_dim, ptr(cos), ptr(sin), rotary_dim, int(interleaved),
+        num_heads, num_kv_heads, head_dim, ptr(cos), ptr(sin), rotary_dim, int(interleaved), *norm_args,
         ptr(cache_k), ptr(cache_v), tuple(cache_k.stride()[:3]), lengths.data_ptr(),
         float(scale), ptr(y), None, torch.get_num_threads(), None, 0, 0)
     if code == -1:
@@ -140,14 +151,14 @@ class StepPlan:
     def __init__(self, rows: int, layers: list[tuple[torch.Tensor, torch.Tensor | None]], *, num_heads: int,
                  num_kv_heads: int, head_dim: int, rope: tuple[torch.Tensor, torch.Tensor, int, bool] | None,
                  cache_k: torch.Tensor, cache_v: torch.Tensor, lengths: torch.Tensor, slot_pos: torch.Tensor,
-                 scale: float, dtype: torch.dtype) -> None:
+                 scale: float, dtype: torch.dtype, norm: Norm | None = None) -> None:
         self.key = StepPlan.key_of(rows, layers, rope, cache_k, cache_v, lengths, slot_pos, dtype,
-                                   (num_heads, num_kv_heads, head_dim, float(scale)))
+                                   (num_heads, num_kv_heads, head_dim, float(scale)), norm)
         #: Every tensor the plan points into, in a fixed order (the cache's four last), held so
         #: that their storage lives as long as the plan.
         self.tensors: tuple[torch.Tensor, ...] = tuple(t for t in (
-            *(t for pair in layers for t in pair), *(rope[:2] if rope is not None else ()), cache_k, cache_v, lengths,
-            slot_pos) if t is not None)
+            *(t for pair in layers for t in pair), *(rope[:2] if rope is not None else ()),
+            *(norm[:2] if norm is not None else ()), cache_k, cache_v, lengths, slot_pos) if t is not None)
         e = layers[0][0].shape[1]
         cos, sin, rotary_dim, interleaved = rope if rope is not None else (None, None, 0, False)
         #: (B, 2, Hkv, D): the slots the last step wrote, as they were before (the cache puts them
@@ -156,18 +167,21 @@ class StepPlan:
         self._fn = kernel(require(), "mh_decode_step_f32", dtype)
         self._shape, self._dtype = (rows, 1, e), dtype
         self._args = (rows, e, pointers([w for w, _ in layers]), pointers([b for _, b in layers]), num_heads,
-                      num_kv_heads, head_dim, ptr(cos), ptr(sin), rotary_dim, int(interleaved), ptr(cache_k),
-                      ptr(cache_v), tuple(cache_k.stride()[:3]), lengths.data_ptr(), float(scale))
+                      num_kv_heads, head_dim, ptr(cos), ptr(sin), rotary_dim, int(interleaved),
+                      *_norm_arguments(norm), ptr(cache_k), ptr(cache_v), tuple(cache_k.stride()[:3]),
+                      lengths.data_ptr(), float(scale))
         self._counters = (slot_pos.data_ptr(), slot_pos.stride(0), slot_pos.shape[1])
 
     @staticmethod
     def key_of(rows: int, layers: list[tuple[torch.Tensor, torch.Tensor | None]],
                rope: tuple[torch.Tensor, torch.Tensor, int, bool] | None, cache_k: torch.Tensor,
                cache_v: torch.Tensor, lengths: torch.Tensor, slot_pos: torch.Tensor, dtype: torch.dtype,
-               shape: tuple[int, int, int, float]) -> tuple[object, ...]:
-        """What a plan's arguments depend on: data pointers, strides, rows, dtype, threads, and
-        ``shape`` (H, Hkv, D, scale): the layer's, which a user may reassign (``layer.scale``)."""
-        return (rows, dtype, torch.get_num_threads(), shape, *(ptr(t) for pair in layers for t in pair),
+               shape: tuple[int, int, int, float], norm: Norm | None = None) -> tuple[object, ...]:
+        """What a plan's arguments depend on: data pointers, strides, rows, dtype, threads,
+        ``shape`` (H, Hkv, D, scale): the layer's, which a user may reassign (``layer.scale``),
+        and the QK-norm's weights' pointers, eps and mode."""
+        return (rows, dtype, torch.get_num_threads(), shape, _norm_arguments(norm),
+                *(ptr(t) for pair in layers for t in pair),
                 None if rope is None else (rope[0].data_ptr(), rope[1].data_ptr(), rope[2], rope[3]),
                 cache_k.data_ptr(), cache_v.data_ptr(), cache_k.stride(), lengths.data_ptr(), slot_pos.data_ptr(),
                 slot_pos.shape, slot_pos.stride())
@@ -254,3 +268,32 @@ def _check_step_dtypes(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.T
     for name, t in zip(("cos", "sin"), rope[:2] if rope is not None else ()):
         if t.dtype != torch.float32:
             raise TypeError(f"the RoPE table {name} must be float32, got {t.dtype}")
+
+
+def _norm_arguments(norm: Norm | None) -> tuple[tuple[int, int] | None, float, int]:
+    """The kernel's QK-norm arguments: the two weights' addresses, eps, mode (None, 0.0, 0: none)."""
+    if norm is None:
+        return None, 0.0, 0
+    q_weight, k_weight, eps, mode = norm
+    return (q_weight.data_ptr(), k_weight.data_ptr()), float(eps), int(mode)
+
+
+def _checked_norm(norm: Norm | None, dtype: torch.dtype, head_dim: int) -> tuple[tuple[int, int] | None, float, int]:
+    """:func:`_norm_arguments` of a QK-norm checked first: weights (D,) contiguous CPU tensors of the
+    step's dtype, eps a float in (0, 1], mode one of :data:`NORM_MODES`."""
+    if norm is None:
+        return _norm_arguments(None)
+    if not isinstance(norm, tuple) or len(norm) != 4:
+        raise TypeError(f"norm must be (q weight, k weight, eps, mode) or None, got {type(norm).__name__}")
+    q_weight, k_weight, eps, mode = norm
+    for name, w in (("q", q_weight), ("k", k_weight)):
+        if not isinstance(w, torch.Tensor) or w.dtype != dtype or w.device.type != "cpu":
+            raise TypeError(f"the {name} norm weight must be a CPU tensor of x's dtype {dtype}, got "
+                            f"{w.dtype if isinstance(w, torch.Tensor) else type(w).__name__}")
+        if tuple(w.shape) != (head_dim,) or not w.is_contiguous():
+            raise _shape_error(f"the {name} norm weight", w, f"({head_dim},) contiguous")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0.0 < float(eps) <= 1.0:
+        raise ValueError(f"the norm's eps must be a number in (0, 1], got {eps!r}")
+    if mode not in NORM_MODES or isinstance(mode, bool):
+        raise ValueError(f"the norm's mode must be one of {list(NORM_MODES)}, got {mode!r}")
+    return _norm_arguments(norm)

@@ -700,9 +700,10 @@ inline void row_update(const Problem& P, float* __restrict si, int64_t width, in
         sum += pj;
     }
     sum += sum1;
+    const bool first = m == NEG_INF;  // no allowed key before: o is still all zeros
     m = m_new;
     l = l * alpha + hsum(sum);
-    if (alpha != 1.f)
+    if (alpha != 1.f && !first)
         for (int64_t t = 0; t < P.Dv; ++t) orow[t] *= alpha;
 }
 

@@ -342,6 +342,11 @@ inline void pv_blocked(const float* p, int64_t ldp, int64_t rows, int64_t n, con
 #endif  // MH_VECTOR_FLOATS == 8
 #endif  // AVX2 or AVX-512
 
+// Row stride (floats) of decode_item's scores for a key range of `keys`: its chunk rounded up to
+// W, plus W. A stride of KD floats (8 KiB) put every row's start in one L1 set, so 16 rows (a
+// short prefill) thrashed its 12 ways.
+inline int64_t score_stride(int64_t keys) { return (std::clamp<int64_t>(keys, 1, KD) + W - 1) / W * W + W; }
+
 // Decoding: few query rows per K/V head (G heads × Sq queries), so K and V are streamed
 // once, in place, with no packing: scores are dot products along D. An item is
 // (b, K/V head, key split); with fewer heads than threads the keys are split and the
@@ -389,27 +394,28 @@ void decode_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t
     hi = std::min(hi, k1);
     const T* kb = reinterpret_cast<const T*>(P.k) + b * P.ks[0] + kvh * P.ks[1];
     const T* vb = reinterpret_cast<const T*>(P.v) + b * P.vs[0] + kvh * P.vs[1];
+    const int64_t lds = score_stride(hi - lo);
     for (int64_t c0 = lo; c0 < hi; c0 += KD) {
         const int64_t n = std::min(KD, hi - c0), width = (n + W - 1) / W * W;
 #if MH_VECTOR_FLOATS == 8 && defined(__AVX2__)
         if (qk_block) {
-            qk_blocked(buf.qbuf, rows, D, kb + c0 * P.ks[2], P.ks[2], n, buf.s, KD);
+            qk_blocked(buf.qbuf, rows, D, kb + c0 * P.ks[2], P.ks[2], n, buf.s, lds);
             for (int64_t r = 0; r < rows; ++r) {
                 const int64_t g = r / Sq, i = r % Sq;
                 const uint8_t* mrow = P.mask ? P.mask + b * P.ms[0] + (kvh * G + g) * P.ms[1] + i * P.ms[2] : nullptr;
-                row_update(P, buf.s + r * KD, width, n, c0, i + off, mrow, buf.m[r], buf.l[r], buf.o + r * Dv);
+                row_update(P, buf.s + r * lds, width, n, c0, i + off, mrow, buf.m[r], buf.l[r], buf.o + r * Dv);
             }
             if (blocked)
-                pv_blocked(buf.s, KD, rows, n, vb + c0 * P.vs[2], P.vs[2], buf.o, Dv, Dv);
+                pv_blocked(buf.s, lds, rows, n, vb + c0 * P.vs[2], P.vs[2], buf.o, Dv, Dv);
             else
-                pv_stream(buf.s, KD, rows, n, vb + c0 * P.vs[2], P.vs[2], buf.o, Dv, Dv, buf.kt);
+                pv_stream(buf.s, lds, rows, n, vb + c0 * P.vs[2], P.vs[2], buf.o, Dv, Dv, buf.kt);
             continue;
         }
 #endif
         int64_t j = 0;
 #if MH_VECTOR_FLOATS == 16
         if (qk_block) {
-            qk_blocked(buf.qbuf, rows, D, kb + c0 * P.ks[2], P.ks[2], n, buf.s, KD, vb + c0 * P.vs[2], P.vs[2]);
+            qk_blocked(buf.qbuf, rows, D, kb + c0 * P.ks[2], P.ks[2], n, buf.s, lds, vb + c0 * P.vs[2], P.vs[2]);
             j = n;
         }
 #endif
@@ -421,28 +427,28 @@ void decode_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t
                         for (int64_t s = 0; s < W; ++s)
                             for (int64_t t = 0; t < D; t += W) store(buf.kt + s * D + t, load_f(kj + s * P.ks[2] + t));
                         for (int64_t r = 0; r < rows; ++r)
-                            store(buf.s + r * KD + j, dot_w(buf.qbuf + r * D, buf.kt, D, D));
+                            store(buf.s + r * lds + j, dot_w(buf.qbuf + r * D, buf.kt, D, D));
                         continue;
                     }
                 }
                 for (int64_t r = 0; r < rows; ++r)
-                    store(buf.s + r * KD + j, dot_w(buf.qbuf + r * D, kj, P.ks[2], D));
+                    store(buf.s + r * lds + j, dot_w(buf.qbuf + r * D, kj, P.ks[2], D));
             }
         for (; j < n; ++j) {
             const T* kr = kb + (c0 + j) * P.ks[2];
-            for (int64_t r = 0; r < rows; ++r) buf.s[r * KD + j] = dot(buf.qbuf + r * D, kr, D);
+            for (int64_t r = 0; r < rows; ++r) buf.s[r * lds + j] = dot(buf.qbuf + r * D, kr, D);
         }
         for (int64_t r = 0; r < rows; ++r) {
             const int64_t g = r / Sq, i = r % Sq;
             const uint8_t* mrow = P.mask ? P.mask + b * P.ms[0] + (kvh * G + g) * P.ms[1] + i * P.ms[2] : nullptr;
-            row_update(P, buf.s + r * KD, width, n, c0, i + off, mrow, buf.m[r], buf.l[r], buf.o + r * Dv);
+            row_update(P, buf.s + r * lds, width, n, c0, i + off, mrow, buf.m[r], buf.l[r], buf.o + r * Dv);
         }
 #if MH_VECTOR_FLOATS == 16
         for (int64_t r0 = 0; r0 < rows; r0 += MR)
-            pv(buf.s + r0 * KD, KD, std::min<int64_t>(MR, rows - r0), n, vb + c0 * P.vs[2], P.vs[2],
+            pv(buf.s + r0 * lds, lds, std::min<int64_t>(MR, rows - r0), n, vb + c0 * P.vs[2], P.vs[2],
                buf.o + r0 * Dv, Dv, Dv);
 #else
-        pv_stream(buf.s, KD, rows, n, vb + c0 * P.vs[2], P.vs[2], buf.o, Dv, Dv, buf.kt);
+        pv_stream(buf.s, lds, rows, n, vb + c0 * P.vs[2], P.vs[2], buf.o, Dv, Dv, buf.kt);
 #endif
     }
 #if MH_VECTOR_FLOATS == 8 && defined(__AVX2__)
@@ -533,7 +539,7 @@ int decode_attention(const void* q, const void* k, const void* v, void* out, flo
 #pragma omp parallel num_threads(threads)
     {
         const FlushToZero ftz;  // this thread, for the loop (restored as it ends)
-        Buffers buf{alloc(rows * P.D), alloc(wide_floats(P.D, P.Dv)), alloc(rows * KD), alloc(rows), alloc(rows),
+        Buffers buf{alloc(rows * P.D), alloc(wide_floats(P.D, P.Dv)), alloc(rows * score_stride(KD)), alloc(rows), alloc(rows),
                     alloc(rows * P.Dv)};
         if (!buf.ok()) {
 #pragma omp atomic write
@@ -825,6 +831,19 @@ extern "C" int mh_linear_few_rows_f32(const float* x, int64_t M, int64_t K, int6
 
 namespace {
 
+// QK-norm of one head's vector v (D floats), in place, as multihead.RMSNorm computes it in float32:
+// v · (1 / sqrt(mean(v²) + eps)) · w, with w = 1 + weight where `offset` (Gemma), weight (D) of T.
+template <class T>
+void rms_norm(float* v, int64_t D, const T* weight, float eps, bool offset) {
+    float squares = 0.f;
+    for (int64_t i = 0; i < D; ++i) squares += v[i] * v[i];
+    const float inv = 1.f / std::sqrt(squares / static_cast<float>(D) + eps);
+    for (int64_t i = 0; i < D; ++i) {
+        const float w = to_f32(weight[i]);
+        v[i] = v[i] * inv * (offset ? 1.f + w : w);
+    }
+}
+
 // The body of mh_decode_step_f32 (_bf16, _f16): x, the weights and biases, the cache and y of
 // type T; RoPE tables float32. In half precision x is widened once (B·E values), the weights
 // and the cache are widened as loaded, and q, k, v, the heads and y are float32 until y is
@@ -832,9 +851,12 @@ namespace {
 template <class T>
 int decode_step(const T* x, int64_t B, int64_t E, const T* const* W, const T* const* bias, int64_t H, int64_t Hkv,
                 int64_t D, const float* rope_cos, const float* rope_sin, int64_t rotary_dim, int interleaved,
-                T* cache_k, T* cache_v, const int64_t* cache_strides, int64_t* lengths, float scale, T* y,
+                const T* const* norms, float norm_eps, int norm_mode, T* cache_k, T* cache_v, const int64_t* cache_strides, int64_t* lengths, float scale, T* y,
                 T* saved, int threads, int64_t* slot_pos, int64_t slot_ld, int64_t capacity) {
     if (B < 1 || B > MAX_STEP_ROWS || Hkv < 1 || H % Hkv != 0 || D < 1 || rotary_dim % 2 != 0 || rotary_dim > D) return -2;
+    const int norm_at = norm_mode & 3;  // 0: no QK-norm, 1: before RoPE, 2: after it
+    if (norm_at == 3 || (norm_mode & ~7) || (norm_at && (!norms || !norms[0] || !norms[1] || !(norm_eps > 0.f))))
+        return -2;
     if (slot_pos && !rows_have_room(lengths, B, capacity)) return -2;
     constexpr bool wide = std::is_same_v<T, float>;
     const int64_t G = H / Hkv, width = (H + 2 * Hkv) * D, half = rotary_dim / 2;
@@ -891,7 +913,7 @@ int decode_step(const T* x, int64_t B, int64_t E, const T* const* W, const T* co
         const FlushToZero ftz;  // this thread, for the step (restored as it ends)
         const int64_t id = omp_get_thread_num(), nt = omp_get_num_threads();
         // Every buffer first: nothing is written to the cache unless the whole step can run.
-        Buffers buf{alloc(rows * D), alloc(wide_floats(D, D)), alloc(rows * KD), alloc(rows), alloc(rows),
+        Buffers buf{alloc(rows * D), alloc(wide_floats(D, D)), alloc(rows * score_stride(KD)), alloc(rows), alloc(rows),
                     alloc(rows * D)};
         if (!buf.ok()) {
 #pragma omp atomic write
@@ -911,6 +933,8 @@ int decode_step(const T* x, int64_t B, int64_t E, const T* const* W, const T* co
             for (int64_t t = 0; t < B * (H + Hkv); ++t) {  // rotate q and k heads, store k and v
                 const int64_t b = t / (H + Hkv), head = t % (H + Hkv), pos = lengths[b];
                 float* vec = qkv + b * width + head * D;
+                const T* norm_w = norm_at ? norms[head < H ? 0 : 1] : nullptr;
+                if (norm_at == 1) rms_norm(vec, D, norm_w, norm_eps, norm_mode & 4);
                 if (rope_cos) {
                     const float* c = rope_cos + pos * half;
                     const float* s = rope_sin + pos * half;
@@ -921,6 +945,7 @@ int decode_step(const T* x, int64_t B, int64_t E, const T* const* W, const T* co
                         vec[i2] = x2 * c[i] + x1 * s[i];
                     }
                 }
+                if (norm_at == 2) rms_norm(vec, D, norm_w, norm_eps, norm_mode & 4);
                 if (head >= H) {
                     const int64_t kvh = head - H;
                     const int64_t at = b * cache_strides[0] + kvh * cache_strides[1] + pos * cache_strides[2];
@@ -977,9 +1002,10 @@ int decode_step(const T* x, int64_t B, int64_t E, const T* const* W, const T* co
 extern "C" int mh_decode_step_f32(
     const float* x, int64_t B, int64_t E, const float* const* W, const float* const* bias, int64_t H,
     int64_t Hkv, int64_t D, const float* rope_cos, const float* rope_sin, int64_t rotary_dim, int interleaved,
-    float* cache_k, float* cache_v, const int64_t* cache_strides, int64_t* lengths, float scale, float* y,
+    const float* const* norms, float norm_eps, int norm_mode, float* cache_k, float* cache_v, const int64_t* cache_strides, int64_t* lengths, float scale, float* y,
     float* saved, int threads, int64_t* slot_pos, int64_t slot_ld, int64_t capacity) {
-    return decode_step<float>(x, B, E, W, bias, H, Hkv, D, rope_cos, rope_sin, rotary_dim, interleaved, cache_k,
+    return decode_step<float>(x, B, E, W, bias, H, Hkv, D, rope_cos, rope_sin, rotary_dim, interleaved, norms,
+                              norm_eps, norm_mode, cache_k,
                               cache_v, cache_strides, lengths, scale, y, saved, threads, slot_pos, slot_ld,
                               capacity);
 }
@@ -988,11 +1014,12 @@ extern "C" int mh_decode_step_f32(
 extern "C" int mh_decode_step_bf16(
     const void* x, int64_t B, int64_t E, const void* const* W, const void* const* bias, int64_t H,
     int64_t Hkv, int64_t D, const float* rope_cos, const float* rope_sin, int64_t rotary_dim, int interleaved,
-    void* cache_k, void* cache_v, const int64_t* cache_strides, int64_t* lengths, float scale, void* y,
+    const void* const* norms, float norm_eps, int norm_mode, void* cache_k, void* cache_v, const int64_t* cache_strides, int64_t* lengths, float scale, void* y,
     void* saved, int threads, int64_t* slot_pos, int64_t slot_ld, int64_t capacity) {
     return decode_step<bf16>(static_cast<const bf16*>(x), B, E, reinterpret_cast<const bf16* const*>(W),
                              reinterpret_cast<const bf16* const*>(bias), H, Hkv, D, rope_cos, rope_sin, rotary_dim,
-                             interleaved, static_cast<bf16*>(cache_k), static_cast<bf16*>(cache_v), cache_strides,
+                             interleaved, reinterpret_cast<const bf16* const*>(norms), norm_eps, norm_mode,
+                             static_cast<bf16*>(cache_k), static_cast<bf16*>(cache_v), cache_strides,
                              lengths, scale, static_cast<bf16*>(y), static_cast<bf16*>(saved), threads, slot_pos,
                              slot_ld, capacity);
 }
@@ -1001,11 +1028,12 @@ extern "C" int mh_decode_step_bf16(
 extern "C" int mh_decode_step_f16(
     const void* x, int64_t B, int64_t E, const void* const* W, const void* const* bias, int64_t H,
     int64_t Hkv, int64_t D, const float* rope_cos, const float* rope_sin, int64_t rotary_dim, int interleaved,
-    void* cache_k, void* cache_v, const int64_t* cache_strides, int64_t* lengths, float scale, void* y,
+    const void* const* norms, float norm_eps, int norm_mode, void* cache_k, void* cache_v, const int64_t* cache_strides, int64_t* lengths, float scale, void* y,
     void* saved, int threads, int64_t* slot_pos, int64_t slot_ld, int64_t capacity) {
     return decode_step<f16>(static_cast<const f16*>(x), B, E, reinterpret_cast<const f16* const*>(W),
                             reinterpret_cast<const f16* const*>(bias), H, Hkv, D, rope_cos, rope_sin, rotary_dim,
-                            interleaved, static_cast<f16*>(cache_k), static_cast<f16*>(cache_v), cache_strides,
+                            interleaved, reinterpret_cast<const f16* const*>(norms), norm_eps, norm_mode,
+                             static_cast<f16*>(cache_k), static_cast<f16*>(cache_v), cache_strides,
                             lengths, scale, static_cast<f16*>(y), static_cast<f16*>(saved), threads, slot_pos,
                             slot_ld, capacity);
 }

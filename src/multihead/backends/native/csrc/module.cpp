@@ -121,7 +121,12 @@ struct Arg<T* const*, std::enable_if_t<!std::is_pointer_v<std::remove_cv_t<T>>>>
     T* buf[CAP];
     T* const* value = nullptr;
     bool set(PyObject* o, const char* fn, size_t i) {
-        if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) > CAP) return fail(fn, i, "a tuple of at most 16 addresses");
+        if (o == Py_None) {  // no array: a null
+            value = nullptr;
+            return true;
+        }
+        if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) > CAP)
+            return fail(fn, i, "a tuple of at most 16 addresses or None");
         for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(o); ++j) {
             void* p;
             if (!address(PyTuple_GET_ITEM(o, j), &p, fn, i)) return false;
