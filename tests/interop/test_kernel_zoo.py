@@ -12,12 +12,18 @@ same tokens). ``mh.hf.routes`` must name the kernel route for each of its attent
 ``unpatch`` must give the model its implementation back. A planted kernel that ignores the padding
 mask must fail the comparison.
 
-Runtime: about 15 s on 2 shared cores.
+:data:`NESTED_ZOO`'s composite, encoder-decoder, vision and audio types are built with every
+sub-config tiny and compared the same way on their own inputs (images, patch grids, log-mel
+features); the planted mistakes (a dropped mask, a wrong scale) fail there too. Every other type
+on the kernel route is in :data:`UNCOMPARED` with the reason.
+
+Runtime: about 50 s on 2 shared cores.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -28,9 +34,9 @@ import multihead as mh
 from multihead.interop import hf_kernel
 
 pytest.importorskip("transformers")
-from transformers import AutoModel, AutoModelForCausalLM  # noqa: E402
+from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM  # noqa: E402
 
-from test_zoo import RTOL, TINY, _inputs, _outs, build, compare_patched, sharpen, tiny_config  # noqa: E402
+from test_zoo import RTOL, TINY, _inputs, _outs, _padding_mask, build, compare_patched, sharpen, tiny_config  # noqa: E402
 
 _MOE = {"num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32}
@@ -45,12 +51,13 @@ _MLA = {"num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_nop
 #: tiny recipe leaves a large default (experts, state-space widths, per-layer embeddings).
 KERNEL_ZOO: dict[str, tuple[dict[str, Any], bool]] = {
     # decoders
-    "afmoe": ({}, True), "beam": ({}, True), "bitnet": ({}, True), "ctrl": ({}, True), "diffllama": ({}, True),
+    "afmoe": (_MOE, True), "beam": ({}, True), "bitnet": ({}, True), "ctrl": ({}, True), "diffllama": ({}, True),
     "doge": ({}, True), "flint": ({}, True), "gpt_bigcode": ({}, True), "granite_swa": ({}, True),
-    "granitemoe_swa": ({}, True), "hrm_text": ({}, True), "jetmoe": ({}, True), "laguna": ({}, True),
-    "lara_mini": ({}, True), "lfm2": ({}, True), "minimax_m2": ({}, True),
+    "granitemoe_swa": ({}, True), "hrm_text": ({}, True), "jetmoe": (_MOE, True), "laguna": (_MOE, True),
+    "lara_mini": (_MOE, True), "lfm2": ({}, True), "minimax_m2": (_MOE, True),
     "ministral3": ({}, True), "modernbert-decoder": ({}, True), "nanochat": ({}, True), "nemotron": ({}, True),
-    "olmoe": ({}, True), "qwen2_moe": ({}, True), "zaya": ({}, True), "gemma4_unified_text": ({}, True),
+    "olmoe": (_MOE, True), "qwen2_moe": (_MOE, True), "gemma4_unified_text": ({}, True),
+    "zaya": ({"num_experts": 4, "moe_intermediate_size": 32}, True),  # (one expert a token only)
     "roberta-prelayernorm": ({}, True), "xlm-roberta-xl": ({}, True),
     "falcon_h1": ({"mamba_d_ssm": 64, "mamba_d_state": 16, "mamba_chunk_size": 16, "mamba_n_heads": 4,
                    "mamba_d_head": 16, "mamba_expand": 1}, True),
@@ -62,6 +69,12 @@ KERNEL_ZOO: dict[str, tuple[dict[str, Any], bool]] = {
     "mobilebert": ({}, False), "molmo2_text": ({}, False), "muse_glimmer_text": ({}, False),
     "nomic_bert": ({}, False),
     "tipsv2_text_model": ({}, False), "ultrabert": ({}, False),
+    # latent attention (its heads equal), a looped decoder (1 input, 1 recurrent, 1 output layer), M-RoPE
+    "axk1": (_MLA, True), "longcat_flash": (_MLA, True),
+    "dory": ({"num_hidden_layers": 3, "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1,
+              "head_dim": 16}, True),
+    "glm4v_moe_text": ({**_MOE, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                    "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1]}}, False),
 }
 
 
@@ -148,16 +161,173 @@ PIXELS = {"beit", "dinov3_vit", "dpt", "internvl_vision", "mlcd", "mlcd_vision_m
 #: (:func:`test_recurrent_gemma_eager_and_sdpa_differ_with_left_padding`).
 SDPA_ORACLE = {"recurrent_gemma"}
 
+#: The tiny sizes under other configs' names (towers, encoder-decoders, experts, query tokens), for the types
+#: of :data:`SHRUNK`: applied at every level of the config where the class has the field.
+SHRINK = {"depth": 2, "num_heads": 4, "num_layers": 2, "num_decoder_layers": 2, "d_model": 64, "d_ff": 128, "d_kv": 16,
+          "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4, "decoder_attention_heads": 4,
+          "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "out_hidden_size": 64, "projection_dim": 64,
+          "num_query_tokens": 4, **_MOE}
+#: Qwen2.5-VL's windows: 2 × 2 merged patches, the last of 2 blocks attending the whole image.
+_WINDOWED = {"window_size": 32, "fullatt_block_indexes": [1]}
+#: Whisper-style audio encoders: 8 mel bins, 32 frames (2 · max_source_positions).
+_MELS = {"num_mel_bins": 8, "max_source_positions": 16}
+#: Conformer audio encoders: 8 mel bins, small subsampling convolutions and depthwise kernels.
+_CONFORMER = {"num_mel_bins": 8, "subsampling_conv_channels": 16, "conv_kernel_size": 3}
+NESTED_ZOO.update({
+    # composites on token ids
+    "inkling_mm_model": ({}, False), "muse_glimmer": ({}, False), "muse_spark_text": ({}, False),
+    "qwen3_vl_moe": ({}, False), "qwen2_5_vl": ({"text_config": _MROPE}, False),
+    "glm4v_moe": ({"text_config": KERNEL_ZOO["glm4v_moe_text"][0]}, False),
+    # encoder-decoders (relative position biases: T5's, UMT5's per layer), padded encoder and decoder batches
+    "t5": ({"decoder_start_token_id": 0}, True), "umt5": ({}, True), "t5gemma": ({}, True),
+    "seamless_m4t": ({}, True), "seamless_m4t_v2": ({}, True),
+    # vision towers on flattened patches and each image's (t, h, w) grid (:func:`_grid`)
+    **dict.fromkeys(("glm4v_vision", "glm4v_moe_vision", "glm_ocr_vision", "glm5_next_vision", "cohere_compass_vision",
+                     "qwen3_vl_vision", "qwen3_5_vision", "qwen3_5_moe_vision", "qwen3_vl_moe_vision",
+                     "qwen4_exp_vision", "glm_image_vision"), ({}, False)),
+    "qwen2_5_vl_vision": (_WINDOWED, False), "exaone4_5_vision": (_WINDOWED, False),
+    **dict.fromkeys(("hunyuan_vl_vision", "hy_v4_vl_vision", "video_llama_3_vision", "cosmos3_edge_vision",
+                     "kimi_k25_vision", "muse_glimmer_vision", "muse_spark_vision"), ({}, False)),
+    # audio encoders on log-mel features (:func:`_features`)
+    **dict.fromkeys(("qwen2_audio_encoder", "voxtral_encoder", "moss_transcribe_diarize_audio", "glmasr_encoder",
+                     "voxtral_realtime_encoder"), (_MELS, False)),
+    "fun_asr_nano_encoder": ({**_MELS, "num_stacked_frames": 1}, False),
+    "parakeet_encoder": (_CONFORMER, False), "lasr_encoder": (_CONFORMER, False),
+    "wav2vec2-bert": ({"feature_projection_input_dim": 16, "conv_depthwise_kernel_size": 3, "output_hidden_size": 64},
+                      False),
+})
+#: The types added to :data:`NESTED_ZOO` above, built with :data:`SHRINK` too.
+SHRUNK = set(list(NESTED_ZOO)[list(NESTED_ZOO).index("inkling_mm_model"):])
+#: Encoder-decoders of :data:`NESTED_ZOO`: built for generation, on test_zoo's BART batches.
+SEQ2SEQ = {"t5", "umt5", "t5gemma", "seamless_m4t", "seamless_m4t_v2"}
+Inputs = Callable[[str, str], dict[str, torch.Tensor]]
 
-def tiny_nested(cls: Any, extra: dict[str, Any]) -> Any:
+
+def _large(millions: int) -> str:
+    return f"not tiny: {millions}M parameters with every sub-config at the tiny sizes (a part left at its default)"
+
+
+_NEEDS = "needs inputs of its own: "
+#: The kernel-route model types not compared numerically, each with why (the zoo's meta pass requires every
+#: kernel-route type of the pinned transformers to be compared or listed here).
+UNCOMPARED: dict[str, str] = {
+    **{t: _large(n) for t, n in {
+        "blip-2": 125, "blt": 193, "cohere_asr": 1896, "cosmos3_omni": 11994, "csm": 95, "exaone4_5": 9010,
+        "fuyu": 9398, "gemma4": 137, "glm46v": 9672, "glm_image": 40, "glmasr": 2258, "glmga": 9672,
+        "hyperclovax_vision_v2": 9705, "idefics2": 7818, "instructblip": 125, "instructblipvideo": 125,
+        "internvl": 11445, "kimi_k25": 30000, "lfm2_vl": 2813, "lfm3_vl": 1738, "lighton_ocr": 1006,
+        "minicpm_ocr": 7938, "minicpmv4_6": 7938, "minicpmv4_7": 7938, "mistral3": 23340,
+        "moss_transcribe_diarize": 753, "nemotron3_5_asr": 620, "neucodec": 435, "ovis2": 11428, "pe_audio": 350,
+        "qianfan_ocr": 11445, "qwen2_audio": 12692, "qwen2_vl": 66, "qwen3_asr": 2351, "sam3": 808,
+        "sam3_lite_text": 455, "sam3_tracker": 455, "sam3_tracker_video": 462, "sam3_video": 860,
+        "sam3_vision_model": 454, "t5gemma2": 94, "ultravbert": 6743, "video_llama_3": 11445, "voxtral": 4676,
+        "voxtral_realtime": 4832, "xcodec2": 435}.items()},
+    # inputs of their own not made here
+    "blip_2_qformer": _NEEDS + "query_embeds", "muse_glimmer_assistant": _NEEDS + "noise_embeds, context states",
+    "edgetam_video": _NEEDS + "a video inference session", "sam2_video": _NEEDS + "a video inference session",
+    "gemma4_vision": _NEEDS + "pixel_position_ids", "inkling2_vision": _NEEDS + "image_grid_thw patches",
+    "idefics": _NEEDS + "images per text and their perceiver", "kosmos-2": _NEEDS + "images with their token mask",
+    "lasr_ctc": _NEEDS + "input_features (its encoder: lasr_encoder)",
+    "parakeet_ctc": _NEEDS + "input_features (its encoder: parakeet_encoder)",
+    "parakeet_rnnt": _NEEDS + "input_features and a transducer's decoder",
+    "parakeet_tdt": _NEEDS + "input_features and a transducer's decoder",
+    "nemotron_asr_streaming": _NEEDS + "input_features and a transducer's decoder",
+    "moonshine": _NEEDS + "raw audio and decoder ids", "layoutlmv3": _NEEDS + "bbox and pixel_values",
+    "udop": _NEEDS + "bbox", "lightglue": _NEEDS + "image pairs and keypoints",
+    "llama4": _NEEDS + "pixel_values (its text model takes the wrappers, its vision model the kernel)",
+    "mimi_encoder": _NEEDS + "raw audio", "pocket_tts_audio_tokenizer_encoder": _NEEDS + "raw audio",
+    "pe_audio_encoder": _NEEDS + "raw audio", "wav2vec2-conformer": _NEEDS + "raw audio",
+    "minicpm_ocr_vision": _NEEDS + "pixel_values with target_sizes",
+    "minicpmv4_7_vision": _NEEDS + "pixel_values with target_sizes",
+    "owlv2": _NEEDS + "pixel_values with input_ids", "owlvit": _NEEDS + "pixel_values with input_ids",
+    "xclip": _NEEDS + "videos with input_ids", "tipsv2": _NEEDS + "pixel_values with input_ids",
+    "qwen3_asr_encoder": _NEEDS + "features in n_window chunks", "sam2": _NEEDS + "1024-pixel images",
+    "sam2_hiera_det_model": _NEEDS + "pixel_values at its window sizes",
+    "timesfm": _NEEDS + "past_values, their padding and freq", "timesfm2_5": _NEEDS + "past_values",
+    "videomae": _NEEDS + "videos", "vjepa2": _NEEDS + "videos", "xmod": _NEEDS + "a language (lang_ids)",
+    "nemotron3_5_transcribe_asr_audio": _NEEDS + "input_features (its heads at the tiny sizes unresolved)",
+    "nemotron3_diarization_audio": _NEEDS + "input_features (its heads at the tiny sizes unresolved)",
+    # the tiny config is refused, or transformers' own eager model fails on it
+    "dia": "its config refuses the tiny recipe (channels must match the delay pattern)",
+    "embedding_gemma2": "per-layer attributes: the tiny recipe's num_key_value_heads is refused",
+    "ernie4_5_vl_moe": "its config takes moe_intermediate_size as a list (text and vision experts)",
+    "florence2": "its vision config takes per-stage lists (patch_size, ...)",
+    "molmo2": "its config takes image_size as a list", "muse_spark": "its config takes per-layer lists",
+    "moshi": "its config refuses the tiny recipe (audio_vocab_size None)",
+    "fun_asr_nano": "its config refuses the tiny recipe (adaptor and text hidden sizes differ)",
+    "nemo_speechlm": "its config refuses the tiny recipe (hidden_size has no setter)",
+    "nemotron3_diarization": "its config refuses the tiny recipe (head and audio hidden sizes differ)",
+    "mistral4": "its latent attention's partial rotary width disagrees with the tiny head sizes",
+    "qwen2_5_omni_thinker": "transformers' own model fails: its config lacks vision_start_token_id",
+    "qwen3_omni_moe_thinker": "transformers' own model fails: its config lacks vision_start_token_id",
+    "nemotron_asr_streaming_encoder": "transformers' own eager model gives NaN on the tiny config",
+    "mt5": "float32 rounding: its tiny gated-GELU logits sit 1.4e-5 from eager's (transformers' SDPA model's 8e-6); "
+           "in float64 2.6e-14",
+}
+
+
+def _grid(key: str = "hidden_states", per_patch: Callable[[Any], tuple[int, ...]] | None = None,
+          **more: torch.Tensor) -> Callable[[Any], Inputs]:
+    """Two images of 2 × 4 and 4 × 4 patches for a vision tower of config ``cfg``: their flattened patches
+    (24, C · T · P²) under ``key`` (or ``per_patch(cfg)``'s shape) and their ``grid_thw`` (no padding)."""
+    grid = torch.tensor([[1, 2, 4], [1, 4, 4]])
+
+    def make(cfg: Any) -> Inputs:
+        channels = getattr(cfg, "in_channels", None) or getattr(cfg, "num_channels", 3)
+        flat = channels * getattr(cfg, "temporal_patch_size", 1) * cfg.patch_size ** 2  # C · T · P²
+        shape = per_patch(cfg) if per_patch else (flat,)
+        return lambda model_type, side: {key: torch.randn(24, *shape, generator=torch.Generator().manual_seed(1)),
+                                         "grid_thw": grid, **more}
+    return make
+
+
+def _features(shape: Callable[[Any], tuple[int, int]], mask: str | None = None,
+              frames: int = 1) -> Callable[[Any], Inputs]:
+    """Log-mel features (2, ``*shape(cfg)``); with ``mask``, the second row's last or first quarter is padding
+    (a (2, n) mask under that name, n the size of the ``frames`` dimension)."""
+    def make(cfg: Any) -> Inputs:
+        def inputs(model_type: str, side: str) -> dict[str, torch.Tensor]:
+            features = torch.randn(2, *shape(cfg), generator=torch.Generator().manual_seed(1))
+            n = features.shape[frames]
+            return {"input_features": features, **({mask: _padding_mask(n, side, n // 4)} if mask else {})}
+        return inputs
+    return make
+
+
+_WHISPER_LIKE = _features(lambda cfg: (cfg.num_mel_bins, 2 * cfg.max_source_positions))
+#: The inputs of :data:`NESTED_ZOO`'s types that run on neither token ids nor (B, 3, 32, 32) images, from their config.
+OWN_INPUTS: dict[str, Callable[[Any], Inputs]] = {
+    **dict.fromkeys(("glm4v_vision", "glm4v_moe_vision", "glm_ocr_vision", "glm5_next_vision", "cohere_compass_vision",
+                     "exaone4_5_vision", "qwen2_5_vl_vision", "qwen3_vl_vision", "qwen3_5_vision", "qwen3_5_moe_vision",
+                     "qwen3_vl_moe_vision", "qwen4_exp_vision"), _grid()),
+    **dict.fromkeys(("cosmos3_edge_vision", "glm_image_vision", "hunyuan_vl_vision", "hy_v4_vl_vision"),
+                    _grid("pixel_values")),
+    "video_llama_3_vision": _grid("pixel_values", merge_sizes=torch.tensor([2, 2])),
+    "kimi_k25_vision": _grid("pixel_values", lambda cfg: (3, cfg.patch_size, cfg.patch_size)),
+    **dict.fromkeys(("muse_glimmer_vision", "muse_spark_vision"),  # (2 frames a patch, not in the config)
+                    _grid("pixel_values", lambda cfg: (3 * 2 * cfg.patch_size ** 2,))),
+    **dict.fromkeys(("qwen2_audio_encoder", "voxtral_encoder", "moss_transcribe_diarize_audio"), _WHISPER_LIKE),
+    "glmasr_encoder": _features(lambda cfg: (cfg.num_mel_bins, 32)),
+    "voxtral_realtime_encoder": _features(lambda cfg: (cfg.num_mel_bins, 32)),
+    "fun_asr_nano_encoder": _features(lambda cfg: (32, cfg.num_mel_bins), "input_features_mask"),
+    # 64 frames, 8 after subsampling: the real ones are those of the mask the model returns
+    **dict.fromkeys(("parakeet_encoder", "lasr_encoder"),
+                    _features(lambda cfg: (64, cfg.num_mel_bins), "attention_mask")),
+    "wav2vec2-bert": _features(lambda cfg: (16, 16), "attention_mask"),
+    **dict.fromkeys(SEQ2SEQ, lambda cfg: lambda model_type, side: _inputs("bart", side)),
+}
+
+
+def tiny_nested(cls: Any, extra: dict[str, Any], shrink: dict[str, Any] | None = None) -> Any:
     """Config class ``cls`` at test_zoo's tiny sizes, each of its sub-configs too (``extra[name]``
-    holds a sub-config's own fields)."""
+    holds a sub-config's own fields); ``shrink``'s fields too, at every level, where the class has them."""
     default = cls()
-    fields = {k: v for k, v in {**TINY, **extra}.items()
+    tiny = {**TINY, **(shrink or {})}
+    fields = {k: v for k, v in {**tiny, **extra}.items()
               if (hasattr(default, k) or k in extra) and k not in getattr(cls, "sub_configs", {})}
     for name, sub in getattr(cls, "sub_configs", {}).items():
         if isinstance(sub, type) and sub.__name__ != "AutoConfig":  # (AutoConfig: a backbone left as it is)
-            fields[name] = tiny_nested(sub, extra.get(name, {})).to_dict()
+            fields[name] = tiny_nested(sub, extra.get(name, {}), shrink).to_dict()
     return cls(**fields)
 
 
@@ -174,14 +344,16 @@ def _nested(model_type: str, impl: str) -> nn.Module:
     torch.random.default_generator.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = build(model_type, tiny_nested(CONFIG_MAPPING[model_type], extra),
-                      AutoModelForCausalLM if generator else AutoModel, impl).eval()
+        auto = AutoModelForSeq2SeqLM if model_type in SEQ2SEQ else AutoModelForCausalLM if generator else AutoModel
+        config = tiny_nested(CONFIG_MAPPING[model_type], extra, SHRINK if model_type in SHRUNK else None)
+        model = build(model_type, config, auto, impl).eval()
     assert sum(p.numel() for p in model.parameters()) < 30_000_000  # tiny
     return sharpen(model)
 
 
-@pytest.mark.parametrize("model_type", list(NESTED_ZOO))
-def test_composite_kernel_route_type_is_exact(model_type: str) -> None:
+def compare_nested(model_type: str) -> str:
+    """``"exact"`` or what differs after ``mh.hf.patch`` in :data:`NESTED_ZOO`'s tiny model of ``model_type``,
+    on its inputs (token ids, :func:`_pixels` or :data:`OWN_INPUTS`'); the kernel route must be taken."""
     generator = NESTED_ZOO[model_type][1]
     model = _nested(model_type, "sdpa" if model_type in SDPA_ORACLE else "eager")
     routes: set[str] = set()
@@ -189,9 +361,45 @@ def test_composite_kernel_route_type_is_exact(model_type: str) -> None:
     def patching(m: nn.Module) -> None:
         routes.update(r.route for r in mh.hf.patch(m, report=True))
 
-    inputs = _pixels if model_type in PIXELS else None
-    assert compare_patched(model, model_type, generator, patching, inputs) == "exact"
+    own = OWN_INPUTS.get(model_type)
+    inputs = _pixels if model_type in PIXELS else own(model.config) if own else None
+    found = compare_patched(model, model_type, generator, patching, inputs)
     assert "kernel" in routes and "refused" not in routes, routes
+    return found
+
+
+@pytest.mark.parametrize("model_type", list(NESTED_ZOO))
+def test_composite_kernel_route_type_is_exact(model_type: str) -> None:
+    assert compare_nested(model_type) == "exact"
+
+
+@pytest.mark.parametrize("model_type", ["t5", "parakeet_encoder"])
+def test_own_inputs_comparison_catches_a_kernel_that_ignores_the_mask(model_type: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planted mistake on the types with inputs of their own: the kernel drops HF's mask (the padding, a
+    tower's images and windows) and keeps a bias's values unmasked. The comparison must report it."""
+    real = hf_kernel._mask_and_bias
+
+    def planted(mask: torch.Tensor | None, bias: torch.Tensor | None, sk: int) -> tuple[None, torch.Tensor | None]:
+        kept = real(mask, bias, sk)[1]
+        return None, None if kept is None else kept.masked_fill(kept <= torch.finfo(kept.dtype).min / 2, 0.0)
+
+    monkeypatch.setattr(hf_kernel, "_mask_and_bias", planted)
+    assert compare_nested(model_type).startswith("wrong")
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl_vision"])
+def test_own_inputs_comparison_catches_a_kernel_with_a_wrong_scale(model_type: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planted mistake on types without padding (HF's towers split their images and windows themselves):
+    the kernel scales the logits 10% off. The comparison must report it."""
+    real = hf_kernel.attention
+
+    def planted(query: torch.Tensor, *args: Any, scale: float | None = None, **kwargs: Any) -> Any:
+        return real(query, *args, scale=1.1 * (scale or query.shape[-1] ** -0.5), **kwargs)
+
+    monkeypatch.setattr(hf_kernel, "attention", planted)
+    assert compare_nested(model_type).startswith("wrong")
 
 
 def test_recurrent_gemma_eager_and_sdpa_differ_with_left_padding() -> None:

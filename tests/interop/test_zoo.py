@@ -400,7 +400,10 @@ def _outs(model: nn.Module, inputs: dict[str, torch.Tensor]) -> list[tuple[torch
         if getattr(out, name, None) is not None:
             want = out[name]
             real = (inputs["attention_mask"].bool() if want.dim() == 3 and "attention_mask" in inputs
-                    and "input_values" not in inputs else ...)
+                    and not {"input_values", "input_features"} & set(inputs) else ...)  # (audio: frames subsampled)
+            frames = getattr(out, "attention_mask", None)  # an audio encoder's real frames after subsampling
+            if isinstance(frames, torch.Tensor) and frames.shape == want.shape[:2]:
+                real = frames.bool()
             if "returns_to_go" in inputs:  # DecisionTransformer: (return, state, action) tokens per step
                 real = inputs["attention_mask"].bool().repeat_interleave(3, dim=1)
             return [(want, real)]
@@ -573,6 +576,10 @@ def test_every_model_type_is_exact_or_refused(capsys: pytest.CaptureFixture) -> 
 
     if f"transformers {tf.__version__}," in stated:  # the guide and README state the pinned version's counts
         assert stated == routes_sentence(outcome, len(CONFIG_MAPPING_NAMES))
+        from test_kernel_zoo import NESTED_ZOO, UNCOMPARED  # every kernel-route type compared, or listed with why
+        compared = set(KERNEL_ZOO) | set(NESTED_ZOO)
+        assert not compared & set(UNCOMPARED)
+        assert compared | set(UNCOMPARED) == set(outcome.get("kernel", [])) | set(outcome.get("wrapper+kernel", []))
         readme = " ".join((GUIDE.parents[2] / "README.md").read_text(encoding="utf-8").split())
         wrapped, kernel = len(wrapped), len(outcome.get("kernel", [])) + len(outcome.get("wrapper+kernel", []))
         assert (f"Of transformers {tf.__version__.rsplit('.', 1)[0]}'s {len(CONFIG_MAPPING_NAMES)} model types, "
