@@ -195,6 +195,19 @@ NESTED_ZOO.update({
     "parakeet_encoder": (_CONFORMER, False), "lasr_encoder": (_CONFORMER, False),
     "wav2vec2-bert": ({"feature_projection_input_dim": 16, "conv_depthwise_kernel_size": 3, "output_hidden_size": 64},
                       False),
+    "lasr_ctc": ({"encoder_config": _CONFORMER}, False),
+    **dict.fromkeys(("nemotron3_5_transcribe_asr_audio", "nemotron3_diarization_audio"),
+                    ({"num_mel_bins": 8, "num_key_value_heads": 4}, False)),
+    # raw samples (test_zoo's speech batches), videos, time series, a language adapter
+    "wav2vec2-conformer": ({"conv_dim": [32] * 7, "num_conv_pos_embeddings": 16, "num_conv_pos_embedding_groups": 4,
+                            "conv_depthwise_kernel_size": 3, "output_hidden_size": 64}, False),
+    "videomae": ({"num_frames": 4, "tubelet_size": 2}, False),
+    "vjepa2": ({"crop_size": 32, "frames_per_clip": 4, "pred_hidden_size": 32, "pred_num_attention_heads": 4,
+                "pred_num_hidden_layers": 1, "num_pooler_layers": 1}, False),
+    "timesfm": ({"patch_length": 8, "context_length": 64, "horizon_length": 8, "head_dim": 16}, False),
+    "timesfm2_5": ({"patch_length": 8, "context_length": 64, "horizon_length": 8, "head_dim": 16,
+                    "output_quantile_len": 16}, False),
+    "xmod": ({"default_language": "en_XX"}, True),
 })
 #: The types added to :data:`NESTED_ZOO` above, built with :data:`SHRINK` too.
 SHRUNK = set(list(NESTED_ZOO)[list(NESTED_ZOO).index("inkling_mm_model"):])
@@ -227,8 +240,8 @@ UNCOMPARED: dict[str, str] = {
     "edgetam_video": _NEEDS + "a video inference session", "sam2_video": _NEEDS + "a video inference session",
     "gemma4_vision": _NEEDS + "pixel_position_ids", "inkling2_vision": _NEEDS + "image_grid_thw patches",
     "idefics": _NEEDS + "images per text and their perceiver", "kosmos-2": _NEEDS + "images with their token mask",
-    "lasr_ctc": _NEEDS + "input_features (its encoder: lasr_encoder)",
-    "parakeet_ctc": _NEEDS + "input_features (its encoder: parakeet_encoder)",
+    "parakeet_ctc": "its CTC logits carry no mask of the real frames, and its padded frames' rows are fully masked "
+                    "(eager's softmax averages the values there, the kernel's differs); parakeet_encoder is compared",
     "parakeet_rnnt": _NEEDS + "input_features and a transducer's decoder",
     "parakeet_tdt": _NEEDS + "input_features and a transducer's decoder",
     "nemotron_asr_streaming": _NEEDS + "input_features and a transducer's decoder",
@@ -236,17 +249,12 @@ UNCOMPARED: dict[str, str] = {
     "udop": _NEEDS + "bbox", "lightglue": _NEEDS + "image pairs and keypoints",
     "llama4": _NEEDS + "pixel_values (its text model takes the wrappers, its vision model the kernel)",
     "mimi_encoder": _NEEDS + "raw audio", "pocket_tts_audio_tokenizer_encoder": _NEEDS + "raw audio",
-    "pe_audio_encoder": _NEEDS + "raw audio", "wav2vec2-conformer": _NEEDS + "raw audio",
-    "minicpm_ocr_vision": _NEEDS + "pixel_values with target_sizes",
+    "pe_audio_encoder": _NEEDS + "raw audio", "minicpm_ocr_vision": _NEEDS + "pixel_values with target_sizes",
     "minicpmv4_7_vision": _NEEDS + "pixel_values with target_sizes",
     "owlv2": _NEEDS + "pixel_values with input_ids", "owlvit": _NEEDS + "pixel_values with input_ids",
     "xclip": _NEEDS + "videos with input_ids", "tipsv2": _NEEDS + "pixel_values with input_ids",
     "qwen3_asr_encoder": _NEEDS + "features in n_window chunks", "sam2": _NEEDS + "1024-pixel images",
     "sam2_hiera_det_model": _NEEDS + "pixel_values at its window sizes",
-    "timesfm": _NEEDS + "past_values, their padding and freq", "timesfm2_5": _NEEDS + "past_values",
-    "videomae": _NEEDS + "videos", "vjepa2": _NEEDS + "videos", "xmod": _NEEDS + "a language (lang_ids)",
-    "nemotron3_5_transcribe_asr_audio": _NEEDS + "input_features (its heads at the tiny sizes unresolved)",
-    "nemotron3_diarization_audio": _NEEDS + "input_features (its heads at the tiny sizes unresolved)",
     # the tiny config is refused, or transformers' own eager model fails on it
     "dia": "its config refuses the tiny recipe (channels must match the delay pattern)",
     "embedding_gemma2": "per-layer attributes: the tiny recipe's num_key_value_heads is refused",
@@ -314,8 +322,22 @@ OWN_INPUTS: dict[str, Callable[[Any], Inputs]] = {
     **dict.fromkeys(("parakeet_encoder", "lasr_encoder"),
                     _features(lambda cfg: (64, cfg.num_mel_bins), "attention_mask")),
     "wav2vec2-bert": _features(lambda cfg: (16, 16), "attention_mask"),
+    "lasr_ctc": _features(lambda cfg: (64, cfg.encoder_config.num_mel_bins), "attention_mask"),
+    **dict.fromkeys(("nemotron3_5_transcribe_asr_audio", "nemotron3_diarization_audio"),
+                    _features(lambda cfg: (64, cfg.num_mel_bins), "attention_mask")),
     **dict.fromkeys(SEQ2SEQ, lambda cfg: lambda model_type, side: _inputs("bart", side)),
+    "wav2vec2-conformer": lambda cfg: lambda model_type, side: _inputs("wav2vec2", side),  # 1600 samples, padded
+    "videomae": lambda cfg: lambda model_type, side: _inputs("vivit", side),  # (B, 4 frames, 3, 32, 32)
+    "vjepa2": lambda cfg: lambda model_type, side: {"pixel_values_videos": _inputs("vivit", side)["pixel_values"]},
+    "timesfm": lambda cfg: lambda model_type, side: {**_series(), "past_values_padding": torch.zeros(2, 32),
+                                                     "freq": torch.tensor([[0], [1]])},
+    "timesfm2_5": lambda cfg: lambda model_type, side: _series(),
 }
+
+
+def _series() -> dict[str, torch.Tensor]:
+    """Two series of 32 past values (4 patches of 8)."""
+    return {"past_values": torch.randn(2, 32, generator=torch.Generator().manual_seed(1))}
 
 
 def tiny_nested(cls: Any, extra: dict[str, Any], shrink: dict[str, Any] | None = None) -> Any:
