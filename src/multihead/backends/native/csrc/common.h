@@ -653,9 +653,19 @@ inline void mask_row(const Problem& P, float* __restrict si, int64_t width, int6
     if (P.bias) add_bias(P, si, a, e, j0, pos, b, h);
     for (int64_t j = 0; j < a; ++j) si[j] = NEG_INF;
     for (int64_t j = e; j < width; ++j) si[j] = NEG_INF;
-    if (mrow)
-        for (int64_t j = a; j < e; ++j)
-            if (!mrow[(j0 + j - mcol0) * P.ms[3]]) si[j] = NEG_INF;
+    if (!mrow) return;
+    int64_t j = a;
+    if (P.ms[3] == 1) {  // contiguous bytes (a key padding mask): W at a time
+        const uint8_t* mj = mrow + j0 - mcol0;
+        const vf ninf = splat(NEG_INF);
+        for (; j + W <= e; j += W) {
+            vi keep;
+            for (int t = 0; t < W; ++t) keep[t] = mj[j + t];
+            store(si + j, keep != 0 ? load(si + j) : ninf);
+        }
+    }
+    for (; j < e; ++j)
+        if (!mrow[(j0 + j - mcol0) * P.ms[3]]) si[j] = NEG_INF;
 }
 
 // The largest of si[0, width), width a multiple of W, with four running maxima: one chain of
