@@ -208,6 +208,7 @@ NESTED_ZOO.update({
     "timesfm2_5": ({"patch_length": 8, "context_length": 64, "horizon_length": 8, "head_dim": 16,
                     "output_quantile_len": 16}, False),
     "xmod": ({"default_language": "en_XX"}, True),
+    "gemma4_vision": ({"position_embedding_size": 16, "head_dim": 16}, False),  # padded patches: _gemma4_patches
 })
 #: The types added to :data:`NESTED_ZOO` above, built with :data:`SHRINK` too.
 SHRUNK = set(list(NESTED_ZOO)[list(NESTED_ZOO).index("inkling_mm_model"):])
@@ -238,7 +239,7 @@ UNCOMPARED: dict[str, str] = {
     # inputs of their own not made here
     "blip_2_qformer": _NEEDS + "query_embeds", "muse_glimmer_assistant": _NEEDS + "noise_embeds, context states",
     "edgetam_video": _NEEDS + "a video inference session", "sam2_video": _NEEDS + "a video inference session",
-    "gemma4_vision": _NEEDS + "pixel_position_ids", "inkling2_vision": _NEEDS + "image_grid_thw patches",
+"inkling2_vision": _NEEDS + "image_grid_thw patches",
     "idefics": _NEEDS + "images per text and their perceiver", "kosmos-2": _NEEDS + "images with their token mask",
     "parakeet_ctc": "its CTC logits carry no mask of the real frames, and its padded frames' rows are fully masked "
                     "(eager's softmax averages the values there, the kernel's differs); parakeet_encoder is compared",
@@ -332,7 +333,21 @@ OWN_INPUTS: dict[str, Callable[[Any], Inputs]] = {
     "timesfm": lambda cfg: lambda model_type, side: {**_series(), "past_values_padding": torch.zeros(2, 32),
                                                      "freq": torch.tensor([[0], [1]])},
     "timesfm2_5": lambda cfg: lambda model_type, side: _series(),
+    "gemma4_vision": lambda cfg: lambda model_type, side: _gemma4_patches(cfg.patch_size, side),
 }
+
+
+def _gemma4_patches(p: int, side: str) -> dict[str, torch.Tensor]:
+    """Gemma 4's vision batch: 18 patch slots (3 · p² values each) and their (x, y) positions; the first image
+    6 × 3 patches, the second 3 × 3 with 9 padding slots ((-1, -1)) on ``side``."""
+    def grid(w: int, h: int) -> torch.Tensor:
+        return torch.stack(torch.meshgrid(torch.arange(w), torch.arange(h), indexing="xy"), -1).reshape(-1, 2)
+
+    positions = torch.full((2, 18, 2), -1)
+    positions[0] = grid(6, 3)
+    positions[1, slice(0, 9) if side == "right" else slice(9, 18)] = grid(3, 3)
+    return {"pixel_values": torch.rand(2, 18, 3 * p * p, generator=torch.Generator().manual_seed(1)),
+            "pixel_position_ids": positions}
 
 
 def _series() -> dict[str, torch.Tensor]:
@@ -395,7 +410,7 @@ def test_composite_kernel_route_type_is_exact(model_type: str) -> None:
     assert compare_nested(model_type) == "exact"
 
 
-@pytest.mark.parametrize("model_type", ["t5", "parakeet_encoder"])
+@pytest.mark.parametrize("model_type", ["t5", "parakeet_encoder", "gemma4_vision"])
 def test_own_inputs_comparison_catches_a_kernel_that_ignores_the_mask(model_type: str,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The planted mistake on the types with inputs of their own: the kernel drops HF's mask (the padding, a
