@@ -140,7 +140,7 @@ NESTED_ZOO: dict[str, tuple[dict[str, Any], bool]] = {
     "mllama": ({}, True), "gemma4_unified": ({}, True),
     "glm4v_text": (_MROPE, False), "glm_ocr_text": (_MROPE, False), "glm_image_text": (_MROPE, False),
     "glm4v": ({"text_config": _MROPE}, False), "glm_ocr": ({"text_config": _MROPE}, False),
-    "esm": ({}, False), "kosmos-2.5": ({}, False), "paddleocr_vl": ({}, False),
+    "cosmos3_edge": ({}, False), "esm": ({}, False), "kosmos-2.5": ({}, False), "paddleocr_vl": ({}, False),
     "qwen3_vl": ({**_VL_IDS, "vision_config": {"out_hidden_size": 64}}, False),  # with an image: _with_image
     # hybrids: attention layers among recurrent, state-space or convolution layers
     "jamba": ({"num_hidden_layers": 8, **_MOE}, True), "lfm3": ({"num_hidden_layers": 8}, True),
@@ -272,9 +272,6 @@ UNCOMPARED: dict[str, str] = {
     "qwen2_5_omni_thinker": "transformers' own model fails: its config lacks vision_start_token_id",
     "qwen3_omni_moe_thinker": "transformers' own model fails: its config lacks vision_start_token_id",
     "nemotron_asr_streaming_encoder": "transformers' own eager model gives NaN on the tiny config",
-    "cosmos3_edge": "its kernel-route modules (the vision tower: cosmos3_edge_vision, compared) run only with an "
-                    "image, and then its text model's registered wrapper differs from eager (6.6e-2): "
-                    "Cosmos3EdgeTextAttention is described as Llama's copy (1-D RoPE), its model rotates by M-RoPE",
     "mt5": "float32 rounding: its tiny gated-GELU logits sit 1.4e-5 from eager's (transformers' SDPA model's 8e-6); "
            "in float64 2.6e-14",
 }
@@ -340,7 +337,7 @@ OWN_INPUTS: dict[str, Callable[[Any], Inputs]] = {
     "timesfm2_5": lambda cfg: lambda model_type, side: _series(),
     "gemma4_vision": lambda cfg: lambda model_type, side: _gemma4_patches(cfg.patch_size, side),
     "qwen2_5_vl": lambda cfg: lambda model_type, side: _with_image(cfg, side),
-    "qwen3_vl": lambda cfg: lambda model_type, side: _with_image(cfg, side, token_types=True),
+    **dict.fromkeys(("qwen3_vl", "cosmos3_edge"), lambda cfg: lambda model_type, side: _with_image(cfg, side, True)),
 }
 
 
@@ -353,7 +350,8 @@ def _with_image(cfg: Any, side: str, token_types: bool = False) -> dict[str, tor
     body = [5, 6, *image, 7, 8]
     ids = torch.tensor([body + [9, 10, 11], [0] * 3 + body if side == "left" else body + [0] * 3])
     vision = cfg.vision_config
-    flat = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2  # C · T · P²
+    channels = getattr(vision, "in_channels", None) or vision.num_channels
+    flat = channels * getattr(vision, "temporal_patch_size", 1) * vision.patch_size ** 2  # C · T · P²
     return {"input_ids": ids, "attention_mask": _padding_mask(ids.shape[1], side),
             "pixel_values": torch.randn(32, flat, generator=torch.Generator().manual_seed(1)),
             "image_grid_thw": torch.tensor([[1, 4, 4], [1, 4, 4]]),

@@ -181,7 +181,7 @@ ZOO: dict[str, tuple[dict[str, Any], bool]] = {
     "clipseg_text_model": ({}, False), "clipseg_vision_model": ({}, False),
     "siglip2_text_model": ({}, False), "siglip2_vision_model": ({"num_patches": 16}, False),
     "aria_text": ({"moe_num_experts": 4, "moe_topk": 2, "moe_intermediate_size": 32}, True),
-    "cosmos3_edge_text": ({}, False),
+    "cosmos3_edge_text": ({"head_dim": 16, "rope_parameters": QWEN3_VL_ROPE}, False),  # Qwen3-VL's M-RoPE
     "granite_docling_text": ({"attention_multiplier": 0.3}, False),
     "apertus1p5_text": ({}, True),
     # near copies (hf_copies.COPIES, the lines that differ named there)

@@ -143,7 +143,6 @@ COPIES: tuple[Copy, ...] = (
     Copy("siglip2.modeling_siglip2", "Siglip2Attention", ("siglip2_text_model", "siglip2_vision_model"), _SIGLIP),
     # ---- Llama's and its verified copies' ----
     Copy("aria.modeling_aria", "AriaTextAttention", ("aria_text",), _LLAMA),
-    Copy("cosmos3_edge.modeling_cosmos3_edge", "Cosmos3EdgeTextAttention", ("cosmos3_edge_text",), _LLAMA),
     Copy("granite_docling.modeling_granite_docling", "GraniteDoclingTextAttention", ("granite_docling_text",),
          "granite.modeling_granite.GraniteAttention"),
     Copy("apertus1p5.modeling_apertus1p5", "Apertus1p5TextAttention", ("apertus1p5_text",),

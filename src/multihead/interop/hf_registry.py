@@ -753,6 +753,11 @@ _QWEN_VL = [
     *(_q_proj(t, f"{c}TextAttention", module=t[:-5], rope="mrope_interleaved", extra_attrs=frozenset({"layer_type"}),
               call="mrope", norm=f"{c}TextRMSNorm", qk_norm="head", check=_check_mrope)
       for t, c in (("qwen3_vl_text", "Qwen3VL"), ("qwen3_vl_moe_text", "Qwen3VLMoe"))),
+    # Cosmos3-Edge's text attention: Llama's verbatim, its model's rotary embedding Qwen3-VL's
+    # interleaved M-RoPE (the same source); described as Llama's copy, it rotated an image's
+    # batch by 1-D positions (tests/interop/test_kernel_zoo.py compares it with an image)
+    _q_proj("cosmos3_edge_text", "Cosmos3EdgeTextAttention", module="cosmos3_edge", rope="mrope_interleaved",
+            call="mrope", check=_check_mrope),
 ]
 
 
