@@ -612,3 +612,18 @@ def test_the_keywords_a_class_passes_are_read_from_its_call_of_the_attention_fun
     assert hf_routes.dispatches_class(planted.Planted) and hf_routes.dispatches_class(planted.Known)
     assert hf_routes.unimplemented_keywords(planted.Planted) == {"top_k_blocks"}
     assert hf_routes.unimplemented_keywords(planted.Known) == frozenset()
+
+
+def test_cosmos3_edge_with_an_image_catches_its_text_attention_described_as_llamas(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cosmos3-Edge's text attention described as it was, Llama's copy with 1-D RoPE: exact on text
+    alone, it differs once an image gives the tokens M-RoPE positions. The comparison must report it."""
+    import dataclasses
+
+    from multihead.interop import hf_registry
+
+    key = "transformers.models.cosmos3_edge.modeling_cosmos3_edge.Cosmos3EdgeTextAttention"
+    llama = hf_registry.REGISTRY["transformers.models.llama.modeling_llama.LlamaAttention"]
+    monkeypatch.setitem(hf_registry.REGISTRY, key, dataclasses.replace(
+        hf_registry.REGISTRY[key], rope=llama.rope, call=llama.call, check=llama.check))
+    assert compare_nested("cosmos3_edge").startswith("wrong")
