@@ -124,7 +124,9 @@ def test_others_load_counts_helpers_as_its_own() -> None:
 
 
 def test_an_earlier_single_batch_result_still_formats() -> None:
-    result = json.loads((DOCS / "results/embed/intel-xeon-amx.json").read_text(encoding="utf-8"))
+    """A result file of the earlier format (one batch size, no peers) still formats."""
+    result = json.loads((DOCS.parent / "tests/data/results/embed-single-batch.json").read_text(encoding="utf-8"))
+    assert "runs" not in result
     text = bench_embed.format_embed(result)
     assert "batches of 32:" in text and "multihead embed, bfloat16" in text
 
