@@ -147,3 +147,40 @@ def test_modernbert_out_drop_is_dropout_or_identity_and_nothing_else() -> None:
     assert type(module.out_drop).__name__ == "Dropout" and hf_registry.why_not(module) is None
     module.out_drop = nn.Linear(4, 4)
     assert "out_drop (Linear)" in str(hf_registry.why_not(module))
+
+
+#: What a modeling file of a model rotating by multimodal positions (M-RoPE) holds: its section
+#: sizes or its 3-row position builder.
+_MROPE_MARKS = ("mrope_section", "get_rope_index")
+
+
+def _mrope_mismatches(registry: dict[str, Any]) -> list[str]:
+    """Registered classes whose modeling file rotates by M-RoPE while their description does not:
+    a wrapper that would rotate an image's batch by 1-D positions (as Cosmos3-Edge's, described as
+    Llama's copy, once did)."""
+    import importlib
+    import inspect
+
+    sources: dict[str, str] = {}
+    found = []
+    for name, spec in registry.items():
+        module = name.rsplit(".", 1)[0]
+        if module not in sources:
+            sources[module] = inspect.getsource(importlib.import_module(module))
+        if any(mark in sources[module] for mark in _MROPE_MARKS) and "mrope" not in str(spec.rope):
+            found.append(f"{name} (rope={spec.rope!r})")
+    return found
+
+
+def test_no_registered_class_of_an_mrope_model_is_described_with_plain_rope() -> None:
+    """The whole registry: a class in a modeling file with M-RoPE is described with M-RoPE."""
+    assert _mrope_mismatches(hf_registry.REGISTRY) == []
+
+
+def test_the_mrope_sweep_reports_a_class_described_with_plain_rope() -> None:
+    """Planted: Qwen3-VL's text attention described with 1-D RoPE is reported by name."""
+    import dataclasses
+
+    name = "transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLTextAttention"
+    planted = {name: dataclasses.replace(hf_registry.REGISTRY[name], rope="rope")}
+    assert _mrope_mismatches(planted) == [f"{name} (rope='rope')"]
