@@ -81,8 +81,13 @@ def plain_linear(linear: nn.Module) -> bool:
     with its own ``forward`` assigned on the instance) is called as a module, so its own
     behaviour is kept.
     """
-    return (type(linear) is nn.Linear and "forward" not in linear.__dict__ and not linear._forward_hooks
-            and not linear._forward_pre_hooks and not _GLOBAL_HOOKS[0] and not _GLOBAL_HOOKS[1])
+    return type(linear) is nn.Linear and _unhooked(linear)
+
+
+def _unhooked(module: nn.Module) -> bool:
+    """No hook of its own or global, no ``forward`` assigned on the instance: its forward is its class's."""
+    return ("forward" not in module.__dict__ and not module._forward_hooks and not module._forward_pre_hooks
+            and not _GLOBAL_HOOKS[0] and not _GLOBAL_HOOKS[1])
 
 
 #: ``nn.Module``'s global forward (pre-)hook registries, which every module call runs.
@@ -152,8 +157,7 @@ def _plain_norm(layer: Layer, x: torch.Tensor) -> bool:
         return False
     q_norm, k_norm = norms
     weights = [m._parameters.get("weight") for m in norms]
-    return (all(type(m) is RMSNorm and "forward" not in m.__dict__ and not m._forward_hooks
-                and not m._forward_pre_hooks for m in norms)
+    return (all(type(m) is RMSNorm and _unhooked(m) for m in norms)
             and q_norm.eps == k_norm.eps and q_norm.offset == k_norm.offset
             and all(w is not None and tuple(w.shape) == (layer.head_dim,) and w.is_contiguous()
                     and w.dtype == x.dtype and w.is_cpu for w in weights))

@@ -539,8 +539,8 @@ int decode_attention(const void* q, const void* k, const void* v, void* out, flo
 #pragma omp parallel num_threads(threads)
     {
         const FlushToZero ftz;  // this thread, for the loop (restored as it ends)
-        Buffers buf{alloc(rows * P.D), alloc(wide_floats(P.D, P.Dv)), alloc(rows * score_stride(KD)), alloc(rows), alloc(rows),
-                    alloc(rows * P.Dv)};
+        Buffers buf{alloc(rows * P.D), alloc(wide_floats(P.D, P.Dv)), alloc(rows * score_stride(KD)), alloc(rows),
+                    alloc(rows), alloc(rows * P.Dv)};
         if (!buf.ok()) {
 #pragma omp atomic write
             failed = 1;
@@ -851,8 +851,9 @@ void rms_norm(float* v, int64_t D, const T* weight, float eps, bool offset) {
 template <class T>
 int decode_step(const T* x, int64_t B, int64_t E, const T* const* W, const T* const* bias, int64_t H, int64_t Hkv,
                 int64_t D, const float* rope_cos, const float* rope_sin, int64_t rotary_dim, int interleaved,
-                const T* const* norms, float norm_eps, int norm_mode, T* cache_k, T* cache_v, const int64_t* cache_strides, int64_t* lengths, float scale, T* y,
-                T* saved, int threads, int64_t* slot_pos, int64_t slot_ld, int64_t capacity) {
+                const T* const* norms, float norm_eps, int norm_mode, T* cache_k, T* cache_v,
+                const int64_t* cache_strides, int64_t* lengths, float scale, T* y, T* saved, int threads,
+                int64_t* slot_pos, int64_t slot_ld, int64_t capacity) {
     if (B < 1 || B > MAX_STEP_ROWS || Hkv < 1 || H % Hkv != 0 || D < 1 || rotary_dim % 2 != 0 || rotary_dim > D) return -2;
     const int norm_at = norm_mode & 3;  // 0: no QK-norm, 1: before RoPE, 2: after it
     if (norm_at == 3 || (norm_mode & ~7) || (norm_at && (!norms || !norms[0] || !norms[1] || !(norm_eps > 0.f))))
@@ -913,8 +914,8 @@ int decode_step(const T* x, int64_t B, int64_t E, const T* const* W, const T* co
         const FlushToZero ftz;  // this thread, for the step (restored as it ends)
         const int64_t id = omp_get_thread_num(), nt = omp_get_num_threads();
         // Every buffer first: nothing is written to the cache unless the whole step can run.
-        Buffers buf{alloc(rows * D), alloc(wide_floats(D, D)), alloc(rows * score_stride(KD)), alloc(rows), alloc(rows),
-                    alloc(rows * D)};
+        Buffers buf{alloc(rows * D), alloc(wide_floats(D, D)), alloc(rows * score_stride(KD)), alloc(rows),
+                    alloc(rows), alloc(rows * D)};
         if (!buf.ok()) {
 #pragma omp atomic write
             failed = 1;
@@ -1002,20 +1003,21 @@ int decode_step(const T* x, int64_t B, int64_t E, const T* const* W, const T* co
 extern "C" int mh_decode_step_f32(
     const float* x, int64_t B, int64_t E, const float* const* W, const float* const* bias, int64_t H,
     int64_t Hkv, int64_t D, const float* rope_cos, const float* rope_sin, int64_t rotary_dim, int interleaved,
-    const float* const* norms, float norm_eps, int norm_mode, float* cache_k, float* cache_v, const int64_t* cache_strides, int64_t* lengths, float scale, float* y,
-    float* saved, int threads, int64_t* slot_pos, int64_t slot_ld, int64_t capacity) {
+    const float* const* norms, float norm_eps, int norm_mode, float* cache_k, float* cache_v,
+    const int64_t* cache_strides, int64_t* lengths, float scale, float* y, float* saved, int threads,
+    int64_t* slot_pos, int64_t slot_ld, int64_t capacity) {
     return decode_step<float>(x, B, E, W, bias, H, Hkv, D, rope_cos, rope_sin, rotary_dim, interleaved, norms,
-                              norm_eps, norm_mode, cache_k,
-                              cache_v, cache_strides, lengths, scale, y, saved, threads, slot_pos, slot_ld,
-                              capacity);
+                              norm_eps, norm_mode, cache_k, cache_v, cache_strides, lengths, scale, y, saved,
+                              threads, slot_pos, slot_ld, capacity);
 }
 
 // As mh_decode_step_f32 with x, weights, biases, cache and y bfloat16 (uint16 bits); RoPE float32.
 extern "C" int mh_decode_step_bf16(
     const void* x, int64_t B, int64_t E, const void* const* W, const void* const* bias, int64_t H,
     int64_t Hkv, int64_t D, const float* rope_cos, const float* rope_sin, int64_t rotary_dim, int interleaved,
-    const void* const* norms, float norm_eps, int norm_mode, void* cache_k, void* cache_v, const int64_t* cache_strides, int64_t* lengths, float scale, void* y,
-    void* saved, int threads, int64_t* slot_pos, int64_t slot_ld, int64_t capacity) {
+    const void* const* norms, float norm_eps, int norm_mode, void* cache_k, void* cache_v,
+    const int64_t* cache_strides, int64_t* lengths, float scale, void* y, void* saved, int threads,
+    int64_t* slot_pos, int64_t slot_ld, int64_t capacity) {
     return decode_step<bf16>(static_cast<const bf16*>(x), B, E, reinterpret_cast<const bf16* const*>(W),
                              reinterpret_cast<const bf16* const*>(bias), H, Hkv, D, rope_cos, rope_sin, rotary_dim,
                              interleaved, reinterpret_cast<const bf16* const*>(norms), norm_eps, norm_mode,
@@ -1028,12 +1030,13 @@ extern "C" int mh_decode_step_bf16(
 extern "C" int mh_decode_step_f16(
     const void* x, int64_t B, int64_t E, const void* const* W, const void* const* bias, int64_t H,
     int64_t Hkv, int64_t D, const float* rope_cos, const float* rope_sin, int64_t rotary_dim, int interleaved,
-    const void* const* norms, float norm_eps, int norm_mode, void* cache_k, void* cache_v, const int64_t* cache_strides, int64_t* lengths, float scale, void* y,
-    void* saved, int threads, int64_t* slot_pos, int64_t slot_ld, int64_t capacity) {
+    const void* const* norms, float norm_eps, int norm_mode, void* cache_k, void* cache_v,
+    const int64_t* cache_strides, int64_t* lengths, float scale, void* y, void* saved, int threads,
+    int64_t* slot_pos, int64_t slot_ld, int64_t capacity) {
     return decode_step<f16>(static_cast<const f16*>(x), B, E, reinterpret_cast<const f16* const*>(W),
                             reinterpret_cast<const f16* const*>(bias), H, Hkv, D, rope_cos, rope_sin, rotary_dim,
                             interleaved, reinterpret_cast<const f16* const*>(norms), norm_eps, norm_mode,
-                             static_cast<f16*>(cache_k), static_cast<f16*>(cache_v), cache_strides,
+                            static_cast<f16*>(cache_k), static_cast<f16*>(cache_v), cache_strides,
                             lengths, scale, static_cast<f16*>(y), static_cast<f16*>(saved), threads, slot_pos,
                             slot_ld, capacity);
 }
