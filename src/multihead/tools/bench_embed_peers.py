@@ -49,10 +49,12 @@ class PeerError(RuntimeError):
 
 
 def default_cache_dir() -> Path:
-    """Where the peers keep the model exported to ONNX and OpenVINO: ``$XDG_CACHE_HOME`` (or
-    ``~/.cache``) ``/multihead/embed-peers``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "multihead" / "embed-peers"
+    """Where the peers keep the model exported to ONNX and OpenVINO: ``embed-peers`` in multihead's
+    cache folder (``$MULTIHEAD_CACHE_DIR``, else ``$XDG_CACHE_HOME`` or ``~/.cache``, ``/multihead``),
+    the folder the kernels' builds use first."""
+    from ..backends.native.files import cache_dirs
+
+    return cache_dirs()[0] / "embed-peers"
 
 
 class Peer:
