@@ -189,10 +189,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_hf_generate(args: argparse.Namespace) -> int:
-    """``bench --hf-generate``: a whole transformers model, unpatched vs patched vs KVCacheAdapter."""
+    """``bench --hf-generate``: a whole transformers model, unpatched vs patched vs KVCacheAdapter; with
+    ``--families``, each family's decoding step (exit 1 when one's logits differ from HF's or it failed)."""
+    from . import bench_hf, bench_hf_families
 
-    from . import bench_hf
-
+    if args.families is not None:
+        fam = bench_hf_families.run_hf_families(args.families, quick=args.quick, reps=args.reps, progress=_say)
+        _write_result(args, fam, "hf_generate_families.json", bench_hf_families.format_hf_families(fam))
+        return 1 if fam["mismatches"] or fam["failed"] else 0
     result = bench_hf.run_hf_generate(quick=args.quick, compiled=args.compiled, progress=_say)
     return _write_result(args, result, "hf_generate.json", bench_hf.format_hf_generate(result))
 
@@ -354,6 +358,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-generate", action="store_true",
                    help="instead of the suite: a transformers Llama's prefill and decoding step, unpatched vs "
                         "patched vs patched + mh.hf.KVCacheAdapter (minutes; --quick: seconds)")
+    p.add_argument("--families", nargs="*", default=None, metavar="TYPE",
+                   help="with --hf-generate: instead of the Llama, one decoding step of each model type named "
+                        "(default: every family of multihead.tools.bench_hf_families.FAMILIES transformers has), "
+                        "HF against patched + mh.hf.KVCacheAdapter, logits checked (a few minutes; --quick: seconds)")
     p.add_argument("--compiled", action="store_true",
                    help="with --hf-generate: also the decoding step compiled, HF's StaticCache against "
                         "mh.hf.KVCacheAdapter (each model's forward under torch.compile)")
@@ -373,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=_positive_int, default=None,
                    help="with --generate-jobs: timed calls of each way per job, after two untimed (one with "
                         "--no-compile; default 3); with --embed: timed calls of each way per batch size, after "
-                        "one untimed (default 7)")
+                        "one untimed (default 7); with --families: timed steps of each way per family (default 15)")
     p.add_argument("--competing", action="store_true",
                    help="with --generate-jobs: one CPU-bound process runs beside the timings (ended with them)")
     p.add_argument("--no-compile", action="store_true",
@@ -444,6 +452,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _refuse(parser, f"--{flag} must be a positive integer, got {getattr(args, flag)}")
     if args.command == "bench" and args.compiled and not args.hf_generate:
         _refuse(parser, "--compiled applies to --hf-generate only")
+    if args.command == "bench" and args.families is not None and (not args.hf_generate or args.compiled):
+        _refuse(parser, "--families applies to --hf-generate only, without --compiled")
     if args.command == "bench" and not args.generate_jobs:
         _refuse_generate_options(parser, args)
     if args.command == "bench" and not args.embed:
@@ -463,10 +473,11 @@ def _refuse_generate_options(parser: argparse.ArgumentParser, args: argparse.Nam
     for flag, dest in (("--model", "gen_models"), ("--prompt", "gen_prompts"), ("--batch", "gen_batches"),
                        ("--new-tokens", "new_tokens"), ("--reps", "reps"), ("--competing", "competing"),
                        ("--no-compile", "no_compile")):
-        if dest == "reps" and args.embed:
+        if dest == "reps" and (args.embed or args.families is not None):
             continue
         if getattr(args, dest) not in (None, False):
-            _refuse(parser, f"{flag} applies to --generate-jobs only" + (" (and to --embed)" if dest == "reps" else ""))
+            _refuse(parser, f"{flag} applies to --generate-jobs only"
+                    + (" (and to --embed and --families)" if dest == "reps" else ""))
 
 
 def _refuse_embed_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
