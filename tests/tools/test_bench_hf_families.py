@@ -1,7 +1,7 @@
 """``multihead bench --hf-generate --families`` at tiny sizes: each family's decoding step, HF against ours.
 
-Times are not checked (the machine is shared); the structure, the logits' agreement with HF's,
-the adapter's reported paths, and the loud report of a family that differs or fails are.
+Times are not checked (the machine is shared); the structure, the logits' and greedy tokens'
+agreement with HF's, the adapter's reported paths, and the loud report of a family that differs or fails are.
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ def test_quick_sweep_times_each_family_with_hf_logits_and_real_paths() -> None:
         assert entry["decode"]["HF"]["paired_vs_hf"] == 1.0 and entry["paired_speedup"] > 0
         assert entry["shape"] == {"layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 16}
         assert len(entry["paths"]) == fam.QUICK["layers"] and all(map(_real_path, entry["paths"])), entry["paths"]
+        greedy = entry["greedy"]
+        assert greedy["tokens_equal"] is True and greedy["differing_tokens"] == 0
+        assert greedy["rows"][0] == fam.QUICK["prompt"] and greedy["rows"][1] < fam.QUICK["prompt"]  # left-padded
     assert result["families"]["cohere2"]["paths"][0] == "update (not fused: the layer has a sliding window)"
     assert result["families"]["modernbert"] == {"status": "not timed", "reason": fam.NOT_TIMED["modernbert"]}
     text = fam.format_hf_families(result)
@@ -54,8 +57,9 @@ def test_quick_sweep_times_each_family_with_hf_logits_and_real_paths() -> None:
 
 def test_a_family_whose_logits_differ_or_that_raises_is_listed_and_the_command_exits_1(
         tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
-    """A patched model planted wrong (its head's weights changed) is a mismatch; a family whose
-    build raises is a failure; the sweep goes on, writes its JSON, and the command exits with 1."""
+    """A patched model planted wrong (noise in its head's weights) is a mismatch, of the logits and of the
+    greedy tokens; a family whose build raises is a failure; the sweep goes on, writes its JSON, and the
+    command exits with 1."""
     import torch
 
     built = fam._models
@@ -65,7 +69,8 @@ def test_a_family_whose_logits_differ_or_that_raises_is_listed_and_the_command_e
             raise RuntimeError("planted failure")
         hf, patched = built(model_type, sizes)
         with torch.no_grad():
-            patched.lm_head.weight.mul_(1.01)
+            noise = torch.randn(patched.lm_head.weight.shape, generator=torch.Generator().manual_seed(0))
+            patched.lm_head.weight.add_(noise)
         return hf, patched
 
     monkeypatch.setattr(fam, "_models", planted)
@@ -75,9 +80,11 @@ def test_a_family_whose_logits_differ_or_that_raises_is_listed_and_the_command_e
     written = json.loads((tmp_path / "hf_generate_families.json").read_text(encoding="utf-8"))
     assert written["mismatches"] == ["arcee"] and written["failed"] == ["granite"]
     assert written["families"]["arcee"]["same_logits"] is False
+    assert written["families"]["arcee"]["greedy"]["tokens_equal"] is False
     assert written["families"]["granite"]["error"] == "RuntimeError: planted failure"
     out = capsys.readouterr().out
-    assert "MISMATCH arcee: logits differ from HF's" in out and "FAILED granite: RuntimeError: planted failure" in out
+    assert "MISMATCH arcee: logits differ from HF's" in out and "greedy tokens of the left-padded batch" in out
+    assert "FAILED granite: RuntimeError: planted failure" in out
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -17,11 +17,12 @@ decoding step is timed two ways, interleaved round-robin with
   :func:`multihead.decode.why_not_fused` gives).
 
 Reported per family: the medians, ``paired_speedup`` (HF's time / ours, the median of the
-per-round ratios: above 1 is faster than HF), the adapter's paths, and whether the prompt's
-and the step's logits equal HF's (a mismatch is listed under ``MISMATCHES`` and the command
-exits with 1). Config fields that differ per family are set in :data:`FAMILIES`, one entry
-each; a family that cannot be timed says why (:data:`NOT_TIMED`) rather than being faked.
-``quick`` runs tiny sizes in seconds.
+per-round ratios: above 1 is faster than HF), the adapter's paths, whether the prompt's and
+the step's logits equal HF's, and whether greedy ``generate`` on a left-padded batch of 2
+(:func:`multihead.tools.bench_generate.make_prompts`, N=8 new tokens) gives HF's tokens (a
+mismatch is listed under ``MISMATCHES`` and the command exits with 1). Config fields that
+differ per family are set in :data:`FAMILIES`, one entry each; a family that cannot be timed
+says why (:data:`NOT_TIMED`) rather than being faked. ``quick`` runs tiny sizes in seconds.
 """
 
 from __future__ import annotations
@@ -40,11 +41,11 @@ from .bench_hf import WAYS, _rated, _roll_back
 __all__ = ["run_hf_families", "format_hf_families", "FAMILIES", "NOT_TIMED", "FULL", "QUICK", "TIMED_WAYS"]
 
 #: Sizes every family is built at: (layers, embed_dim, heads, kv_heads, head_dim, vocab, intermediate,
-#: experts, top_k, expert_intermediate, prompt).
+#: experts, top_k, expert_intermediate, prompt, new_tokens of the greedy check).
 FULL = {"layers": 4, "embed_dim": 512, "heads": 8, "kv_heads": 4, "head_dim": 64, "vocab": 8000,
-        "intermediate": 1024, "experts": 4, "top_k": 2, "expert_intermediate": 256, "prompt": 256}
+        "intermediate": 1024, "experts": 4, "top_k": 2, "expert_intermediate": 256, "prompt": 256, "new_tokens": 8}
 QUICK = {"layers": 2, "embed_dim": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "vocab": 128,
-         "intermediate": 128, "experts": 4, "top_k": 2, "expert_intermediate": 32, "prompt": 32}
+         "intermediate": 128, "experts": 4, "top_k": 2, "expert_intermediate": 32, "prompt": 32, "new_tokens": 4}
 #: The two ways timed (names as in :data:`multihead.tools.bench_hf.WAYS`).
 TIMED_WAYS = (WAYS[0], WAYS[2])
 #: The tolerance of "logits equal HF's", as :func:`~multihead.tools.bench_hf.run_hf_generate`'s.
@@ -161,9 +162,11 @@ def run_hf_families(families: Sequence[str] | None = None, *, quick: bool = Fals
     Returns:
         ``{"sizes", "threads", "reps", "families": {type: entry}, "mismatches", "failed"}``; an entry is
         ``{"status": "timed", "model_class", "shape", "paths", "same_logits", "max_abs_diff",
-        "decode": {way: stats}, "paired_speedup"}`` (stats as :func:`~multihead.tools.bench_hf.run_hf_generate`'s),
+        "decode": {way: stats}, "paired_speedup", "greedy"}`` (stats as
+        :func:`~multihead.tools.bench_hf.run_hf_generate`'s; ``greedy``: ``rows`` (the batch's real
+        tokens) and :mod:`~multihead.tools.bench_generate`'s agreement, ``tokens_equal`` first),
         ``{"status": "not timed", "reason"}`` or ``{"status": "failed", "error"}``; ``mismatches``
-        and ``failed`` list the types whose logits differ from HF's and that raised.
+        and ``failed`` list the types whose logits or greedy tokens differ from HF's and that raised.
 
     Raises:
         ValueError: a type not in :data:`FAMILIES`, or one the installed transformers lacks (before any work).
@@ -188,7 +191,8 @@ def run_hf_families(families: Sequence[str] | None = None, *, quick: bool = Fals
             out[model_type] = {"status": "failed", "error": f"{type(e).__name__}: {e}",
                                "traceback": traceback.format_exc(limit=-3)}
     return {"sizes": dict(sizes), "threads": torch.get_num_threads(), "reps": reps, "families": out,
-            "mismatches": [t for t, r in out.items() if r.get("same_logits") is False],
+            "mismatches": [t for t, r in out.items()
+                           if r["status"] == "timed" and not (r["same_logits"] and r["greedy"]["tokens_equal"])],
             "failed": [t for t, r in out.items() if r["status"] == "failed"]}
 
 
@@ -224,7 +228,23 @@ def _time_family(model_type: str, sizes: Sizes, reps: int) -> dict[str, Any]:
              "head_dim": getattr(attn, "head_dim", None)}
     return {"status": "timed", "model_class": type(hf).__name__, "shape": shape, "paths": caches[ours].paths,
             "same_logits": same, "max_abs_diff": diff, "decode": _rated(stats, 1),
-            "paired_speedup": paired_speedup(stats[ours], stats[hf_way])}
+            "paired_speedup": paired_speedup(stats[ours], stats[hf_way]), "greedy": _greedy(hf, patched, sizes)}
+
+
+def _greedy(hf: Any, patched: Any, sizes: Sizes) -> dict[str, Any]:
+    """Greedy ``generate`` of ``new_tokens`` on a left-padded batch of 2: the patched model with a
+    KVCacheAdapter against HF's default (DynamicCache); the rows' real tokens and the agreement."""
+    from ..interop import hf_cache
+    from .bench_generate import _agreement, make_prompts
+
+    p, n = sizes["prompt"], sizes["new_tokens"]
+    ids, mask = make_prompts(sizes["vocab"] - 3, p, 2)  # (2, P): below the WHOLE_MODEL's image and video tokens
+    greedy = {"attention_mask": mask, "max_new_tokens": n, "min_new_tokens": n, "do_sample": False, "num_beams": 1,
+              "pad_token_id": 0}
+    with torch.no_grad():
+        want = hf.generate(input_ids=ids, **greedy)
+        got = patched.generate(input_ids=ids, cache=hf_cache.KVCacheAdapter(patched, max_len=p + n), **greedy)
+    return {"rows": mask.sum(dim=1).tolist(), **_agreement(got, want)}
 
 
 def format_hf_families(result: dict[str, Any]) -> str:
@@ -232,16 +252,17 @@ def format_hf_families(result: dict[str, Any]) -> str:
     s = result["sizes"]
     hf_way, ours = TIMED_WAYS
     lines = [f"decoding step after a {s['prompt']}-token prompt, batch 1, float32, {result['threads']} threads, "
-             f"{result['reps']} steps each way; random weights: L={s['layers']} E={s['embed_dim']} H={s['heads']} "
-             f"Hkv={s['kv_heads']} D={s['head_dim']} vocab={s['vocab']} MLP={s['intermediate']}, experts "
-             f"{s['experts']} top-{s['top_k']} MLP={s['expert_intermediate']}",
+             f"{result['reps']} steps each way; greedy: {s['new_tokens']} tokens of a left-padded batch of 2",
+             f"random weights: L={s['layers']} E={s['embed_dim']} H={s['heads']} Hkv={s['kv_heads']} D={s['head_dim']} "
+             f"vocab={s['vocab']} MLP={s['intermediate']}, experts {s['experts']} top-{s['top_k']} "
+             f"MLP={s['expert_intermediate']}",
              f"HF: {hf_way} (DynamicCache); ours: {ours}; HF/ours > 1: ours is faster", ""]
-    bad = [*(f"MISMATCH {t}: logits differ from HF's (max |diff| {result['families'][t]['max_abs_diff']:.2e})"
-             for t in result["mismatches"]),
+    bad = [*(f"MISMATCH {t}: {_mismatch(result['families'][t])}" for t in result["mismatches"]),
            *(f"FAILED {t}: {result['families'][t]['error']}" for t in result["failed"])]
     if bad:
         lines += ["MISMATCHES / FAILURES:", *(f"  {line}" for line in bad), ""]
-    lines.append(f"  {'model type':<18}{'HF ms':>9}{'ours ms':>9}{'HF/ours':>9}  {'logits':<8}adapter's path per layer")
+    lines.append(f"  {'model type':<18}{'HF ms':>9}{'ours ms':>9}{'HF/ours':>9}  {'logits':<8}{'greedy':<8}"
+                 "adapter's path per layer")
     others = []
     for t, r in result["families"].items():
         if r["status"] != "timed":
@@ -250,12 +271,23 @@ def format_hf_families(result: dict[str, Any]) -> str:
         dec = r["decode"]
         paths = ", ".join(f"{n}x {p}" for p, n in _counted(r["paths"]))
         lines.append(f"  {t:<18}{dec[hf_way]['median_s'] * 1e3:>9.2f}{dec[ours]['median_s'] * 1e3:>9.2f}"
-                     f"{r['paired_speedup']:>9.3f}  {'equal' if r['same_logits'] else 'DIFFER':<8}{paths}")
+                     f"{r['paired_speedup']:>9.3f}  {'equal' if r['same_logits'] else 'DIFFER':<8}"
+                     f"{'equal' if r['greedy']['tokens_equal'] else 'DIFFER':<8}{paths}")
     whole = [t for t in result["families"] if t in WHOLE_MODEL and result["families"][t]["status"] == "timed"]
     if whole:
         others.append(f"  {', '.join(whole)}: built as the whole image-text-to-text model (its text model takes "
                       "(3, B, S) M-RoPE positions, which the whole model computes), fed text only")
     return "\n".join(lines + ([""] + others if others else []))
+
+
+def _mismatch(entry: dict[str, Any]) -> str:
+    """What differs from HF's in a timed family: the logits, the greedy tokens, or both."""
+    said = [] if entry["same_logits"] else [f"logits differ from HF's (max |diff| {entry['max_abs_diff']:.2e})"]
+    g = entry["greedy"]
+    if not g["tokens_equal"]:
+        said.append(f"greedy tokens of the left-padded batch (rows {g['rows']}) differ from HF's: "
+                    f"{g['differing_tokens']} tokens, the first at (row, column) {g['first_difference']}")
+    return "; ".join(said)
 
 
 def _counted(paths: list[str | None]) -> list[tuple[str, int]]:
