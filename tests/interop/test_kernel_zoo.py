@@ -210,6 +210,8 @@ NESTED_ZOO.update({
     "timesfm2_5": ({"patch_length": 8, "context_length": 64, "horizon_length": 8, "head_dim": 16,
                     "output_quantile_len": 16}, False),
     "xmod": ({"default_language": "en_XX"}, True),
+    # dual encoders on padded token ids and images (test_zoo's DUAL_ENCODERS): each tower's states
+    **dict.fromkeys(("owlv2", "owlvit", "tipsv2"), ({}, False)),
     "gemma4_vision": ({"position_embedding_size": 16, "head_dim": 16}, False),  # padded patches: _gemma4_patches
 })
 #: The types added to :data:`NESTED_ZOO` above, built with :data:`SHRINK` too.
@@ -254,8 +256,7 @@ UNCOMPARED: dict[str, str] = {
     "mimi_encoder": _NEEDS + "raw audio", "pocket_tts_audio_tokenizer_encoder": _NEEDS + "raw audio",
     "pe_audio_encoder": _NEEDS + "raw audio", "minicpm_ocr_vision": _NEEDS + "pixel_values with target_sizes",
     "minicpmv4_7_vision": _NEEDS + "pixel_values with target_sizes",
-    "owlv2": _NEEDS + "pixel_values with input_ids", "owlvit": _NEEDS + "pixel_values with input_ids",
-    "xclip": _NEEDS + "videos with input_ids", "tipsv2": _NEEDS + "pixel_values with input_ids",
+    "xclip": _NEEDS + "videos with input_ids",
     "qwen3_asr_encoder": _NEEDS + "features in n_window chunks", "sam2": _NEEDS + "1024-pixel images",
     "sam2_hiera_det_model": _NEEDS + "pixel_values at its window sizes",
     # the tiny config is refused, or transformers' own eager model fails on it

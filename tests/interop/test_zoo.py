@@ -6,8 +6,10 @@ Two passes, because patching decides by class (``hf_registry.REGISTRY``):
   it could hold a registered class or a module that dispatches through transformers'
   ``AttentionInterface``, its model is built on ``meta`` and patched: each type's routes
   (``"wrapper"``, ``"kernel"``, both), ``"refused"``, ``"no attention"`` or ``"unbuildable"``.
-  A type holding a registered class must be in ``ZOO`` below, so that it is compared; the
-  kernel route's types are compared in test_kernel_zoo.py; the HF guide's counts are these.
+  A type holding a registered class must be in ``ZOO`` below, so that it is compared; a
+  composite whose attention modules are all registered classes in ``COMPOSITES`` (or, with why,
+  ``COMPOSITES_UNCOMPARED``); the kernel route's types are compared in test_kernel_zoo.py; the HF
+  guide's counts are these, the count of types compared exact on the patch route among them.
   Types whose modeling module does not import are counted and listed.
 * **every accepted type** (``ZOO``): built from a tiny config (E=64, H=4, Hkv=2 where the
   class has GQA, 2 layers, windows shrunk to 6 with 9 tokens, every 2-D weight ×4 so that
@@ -262,6 +264,9 @@ VISION = {"vit", "clip_vision_model", "siglip_vision_model", "deit", "vit_mae", 
           "git_vision_model", "idefics3_vision", "smolvlm_vision", "tipsv2_vision_model",
           "granite_docling_vision", "altclip_vision_model"}
 TIME_SERIES = {"time_series_transformer", "informer"}
+#: Dual encoders (a text tower and an image tower, run together): padded token ids and two 32 × 32 images.
+DUAL_ENCODERS = {"align", "altclip", "chinese_clip", "clip", "clipseg", "metaclip_2", "siglip", "siglip2",
+                 "vision-text-dual-encoder", "owlv2", "owlvit", "tipsv2"}
 #: Decoders compared by their hidden states (no causal-LM class): their forward caches by default.
 DECODER_STATES = {"cosmos3_edge_text", "granite_docling_text", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text",
                   "qwen3_vl_moe_text"}
@@ -345,7 +350,7 @@ def _inputs(model_type: str, side: str = "right") -> dict[str, torch.Tensor]:
         return {"pixel_values": torch.randn(B, 4, 3, 32, 32, generator=g)}
     if model_type in AUDIO:  # raw samples, the second row's last (right) or first (left) quarter padding
         return {"input_values": torch.randn(B, 1600, generator=g), "attention_mask": _padding_mask(1600, side, 400)}
-    if model_type == "omniasr_audio":  # raw samples (B, 1, T) and their padding mask (True: a real sample)
+    if model_type in ("omniasr_audio", "omniasr_ctc"):  # raw samples (B, 1, T), their padding mask (True: real)
         return {"input_values": torch.randn(B, 1, 1600, generator=g),
                 "padding_mask": _padding_mask(1600, side, 400).bool()}
     if model_type == "patchtst":  # (B, context, channels): 4 patches a channel, no padding
@@ -372,6 +377,8 @@ def _inputs(model_type: str, side: str = "right") -> dict[str, torch.Tensor]:
     if model_type == "speech_to_text":  # (B, 4·S frames, 8 features), 4× fewer after its two stride-2 convolutions
         inputs = {"input_features": torch.randn(B, 4 * S, 8, generator=g),
                   "attention_mask": _padding_mask(4 * S, side, 12)}
+    if model_type in DUAL_ENCODERS:  # and the image tower's batch (SigLIP 2's: padded patches)
+        inputs.update(_inputs("siglip2_vision_model" if model_type == "siglip2" else "vit", side))
     if model_type in SEQ2SEQ:  # the decoder's own padded batch (S - 2 tokens)
         inputs.update(decoder_input_ids=torch.randint(3, VOCAB, (B, S - 2), generator=g),
                       decoder_attention_mask=_padding_mask(S - 2, side))
@@ -396,6 +403,9 @@ def _outs(model: nn.Module, inputs: dict[str, torch.Tensor]) -> list[tuple[torch
             return [(out.last_hidden_state, ...), (out.encoder_last_hidden_state, ...)]
         return [(out.logits, inputs["decoder_attention_mask"].bool()),
                 (out.encoder_last_hidden_state, inputs["attention_mask"].bool() if tokens else ...)]
+    if getattr(out, "text_model_output", None) is not None:  # a dual encoder: each tower's states
+        return [(out.text_model_output.last_hidden_state, inputs["attention_mask"].bool()),
+                (out.vision_model_output.last_hidden_state, ...)]
     for name in ("logits", "last_hidden_state", "pooler_output"):
         if getattr(out, name, None) is not None:
             want = out[name]
@@ -456,6 +466,82 @@ def compare_patched(model: nn.Module, model_type: str, generator: bool, patching
 @pytest.mark.parametrize("model_type", list(ZOO))
 def test_accepted_model_type_is_exact(model_type: str) -> None:
     assert compare(model_type) == "exact"
+
+
+#: Model types whose every attention module is a registered class of :data:`ZOO`'s types, inside a
+#: composite or under another config name: (extra fields, a sub-config's under its name; generator?).
+#: Built with every sub-config tiny (:func:`tiny_composite`) and compared whole on the wrapper route:
+#: dual encoders on token ids and images (both towers run); the language models with an image or
+#: audio tower on token ids (their towers run alone as :data:`ZOO`'s ``*_vision_model`` / ``*_encoder``
+#: types); OmniASR's CTC model on raw samples.
+COMPOSITES: dict[str, tuple[dict[str, Any], bool]] = {
+    "gpt-sw3": ({}, True),  # GPT-2's config and classes
+    # dual encoders; ALIGN's image tower is an EfficientNet (no attention), narrowed and shallowed
+    "align": ({"projection_dim": 160, "vision_config": {"width_coefficient": 0.5, "depth_coefficient": 0.25,
+                                                          "hidden_dim": 128}}, False),
+    **dict.fromkeys(("altclip", "chinese_clip", "clip", "clipseg", "metaclip_2", "siglip", "vision-text-dual-encoder"),
+                    ({}, False)),
+    "siglip2": ({"vision_config": {"num_patches": 16}}, False),
+    # language models with an image tower
+    "cohere2_vision": ({"alignment_intermediate_size": 128}, False),
+    **dict.fromkeys(("deepseek_vl", "gemma3", "idefics3", "llava", "llava_next", "llava_next_video",
+                     "llava_onevision", "modernvbert", "paligemma", "smolvlm", "video_llava", "vipllava"), ({}, False)),
+    "granite_docling": ({"vision_config": {"out_hidden_size": 64}}, False),  # its tower's width is the text's
+    # language models with an audio tower, and an audio encoder's CTC head
+    **dict.fromkeys(("audioflamingo3", "musicflamingo", "omniasr", "omniasr_ctc"), ({}, False)),
+}
+#: The other types whose attention modules are all registered classes, each with why it is not compared
+#: (the meta pass requires every wrapper-route type to be in :data:`ZOO`, :data:`COMPOSITES` or here).
+COMPOSITES_UNCOMPARED = {
+    "pi0": "needs inputs of its own: action_embeds with the images and text of its PaliGemma",
+    "vibevoice": "not tiny: 1031M parameters with every sub-config at the tiny sizes (its diffusion head and "
+                 "acoustic tokenizer left at their defaults)",
+    "vibevoice_asr": "not tiny: 687M parameters with every sub-config at the tiny sizes (its acoustic and semantic "
+                     "tokenizers left at their defaults)",
+}
+
+
+def tiny_composite(cls: Any, extra: dict[str, Any]) -> Any:
+    """Config class ``cls`` at the tiny sizes, each sub-config too, a backbone typed ``AutoConfig``
+    included (its default's own class), with :data:`ZOO`'s fields for the sub-config's model type;
+    ``extra[name]`` holds a sub-config's own fields."""
+    from transformers import PretrainedConfig
+
+    default = cls()
+    subs = getattr(cls, "sub_configs", {})
+    fields = {k: v for k, v in {**TINY, **extra}.items() if (hasattr(default, k) or k in extra) and k not in subs}
+    for name in subs:
+        sub = getattr(default, name, None)
+        if isinstance(sub, PretrainedConfig):
+            fields[name] = tiny_composite(type(sub), {**ZOO.get(sub.model_type, ({}, False))[0], **extra.get(name, {})})
+    return cls(**fields)
+
+
+def compare_composite(model_type: str) -> str:
+    """``"exact"`` or what differs after ``mh.hf.patch`` (registered wrappers only) in :data:`COMPOSITES`'
+    tiny model of ``model_type``; a patched module must run on the compared batches."""
+    extra, generator = COMPOSITES[model_type]
+    torch.random.default_generator.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = tiny_composite(CONFIG_MAPPING[model_type], extra)
+        model = build(model_type, config, AutoModelForCausalLM if generator else AutoModel, "eager").eval()
+    assert sum(p.numel() for p in model.parameters()) < 2_000_000  # tiny
+    sharpen(model)
+    ran: set[str] = set()
+
+    def patching(m: nn.Module) -> None:
+        for r in mh.hf.patch(m, kernel=False, report=True):
+            m.get_submodule(r.name).register_forward_hook(lambda *_, name=r.name: ran.add(name))
+
+    found = compare_patched(model, model_type, generator, patching)
+    assert ran, f"{model_type}: no patched module ran on its inputs"
+    return found
+
+
+@pytest.mark.parametrize("model_type", list(COMPOSITES))
+def test_composite_of_accepted_classes_is_exact(model_type: str) -> None:
+    assert compare_composite(model_type) == "exact"
 
 
 def _modeling_modules(model_type: str) -> list[Any]:
@@ -568,6 +654,8 @@ def test_every_model_type_is_exact_or_refused(capsys: pytest.CaptureFixture) -> 
     assert len(CONFIG_MAPPING_NAMES) > 800  # the whole zoo was enumerated
     wrapped = set(outcome.get("wrapper", [])) | set(outcome.get("wrapper+kernel", []))
     assert set(ZOO) <= wrapped  # every verified type is found and patched with its wrappers
+    # every other wrapper-route type (a composite of verified classes) compared, or listed with why
+    assert set(outcome.get("wrapper", [])) - set(ZOO) == set(COMPOSITES) | set(COMPOSITES_UNCOMPARED)
     assert set(KERNEL_ZOO) <= set(outcome.get("kernel", []))  # every kernel-route type compared is found so
     guide = GUIDE.read_text(encoding="utf-8")
     start, end = "<!-- zoo-routes -->\n", "\n<!-- /zoo-routes -->"
@@ -584,6 +672,25 @@ def test_every_model_type_is_exact_or_refused(capsys: pytest.CaptureFixture) -> 
         wrapped, kernel = len(wrapped), len(outcome.get("kernel", [])) + len(outcome.get("wrapper+kernel", []))
         assert (f"Of transformers {tf.__version__.rsplit('.', 1)[0]}'s {len(CONFIG_MAPPING_NAMES)} model types, "
                 f"{wrapped} patch with wrappers and {kernel} through the kernel") in readme
+
+
+def test_guide_states_how_many_model_types_are_compared_exact() -> None:
+    """The HF guide's counts of the model types compared exact after ``mh.hf.patch`` are the zoo's lists:
+    :data:`ZOO`, :data:`COMPOSITES` and test_kernel_zoo.py's kernel-route types, each type counted once."""
+    from test_kernel_zoo import KERNEL_ZOO, NESTED_ZOO, UNCOMPARED
+
+    kernel = set(KERNEL_ZOO) | set(NESTED_ZOO)
+    compared = set(ZOO) | set(COMPOSITES) | kernel
+    guide = " ".join(GUIDE.read_text(encoding="utf-8").split())
+    assert f"The kernel route is compared on {len(kernel)} model types: the {len(KERNEL_ZOO)} " in guide
+    assert f"The other {len(UNCOMPARED)} kernel-route types are listed" in guide
+    large = sum(why.startswith("not tiny") for why in UNCOMPARED.values())
+    needs = sum(why.startswith("needs inputs of its own") for why in UNCOMPARED.values())
+    assert (f"{large} are not tiny even with every sub-config shrunk (a part left at its default), {needs} need "
+            f"inputs of their own") in guide
+    assert f"and on {len(UNCOMPARED) - large - needs} the tiny config is refused" in guide
+    assert (f"{len(compared)} model types are compared exact on the patch route: the {len(ZOO)} of the registered "
+            f"classes, {len(COMPOSITES)} composites of them and {len(kernel)} on the kernel route.") in guide
 
 
 def _dispatches_in(module: Any) -> bool:
