@@ -114,6 +114,38 @@ def test_decode_splits_long_caches_across_threads(b: int, hkv: int, g: int, sq: 
                                     mask=mask))
 
 
+@pytest.mark.parametrize("g, sq, sk", [(1, 24, 24), (1, 8, 8), (2, 4, 9), (1, 17, 128), (4, 8, 129), (1, 32, 61),
+                                       (8, 1, 100)])
+@pytest.mark.parametrize("mask_kind", ["key padding", "per row", "none"])
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (False, 3)])
+def test_decode_loop_with_rows_in_lanes_at_short_lengths(g: int, sq: int, sk: int, mask_kind: str, causal: bool,
+                                                         window: int | None) -> None:
+    """The decoding loop's few-key path (rows in the vector lanes, up to 128 keys: an encoder's short
+    sentences, the bundled model's (3, 12, 24, 32)) in the module's (B, S, H, D) layout, around its lane
+    and key edges (half a lane block, 17 rows, 128 and 129 keys), with key padding that leaves a row
+    of the batch no key, per-row masks, causal and a window: within the criterion."""
+    gen = torch.Generator().manual_seed(g * 1000 + sq * 10 + sk)
+    b, hkv, d, dv = 3, 2, 32, 40
+
+    def heads(s: int, n: int, width: int) -> torch.Tensor:  # (B, S, n·width) seen as (B, n, S, width)
+        return (torch.randn(b, s, n, width, generator=gen, dtype=torch.float64) * 2).transpose(1, 2)
+
+    q, k, v = heads(sq, hkv * g, d), heads(sk, hkv, d), heads(sk, hkv, dv)
+    mask = None
+    if mask_kind == "key padding":
+        mask = torch.ones(b, 1, 1, sk, dtype=torch.bool)
+        mask[1, ..., sk // 2:] = False
+        mask[2] = False  # no key at all: zeros
+    elif mask_kind == "per row":
+        mask = torch.rand(b, hkv * g, sq, sk, generator=gen) < 0.7
+    p = {"q": q, "k": k, "v": v, "causal": causal, "window": window, "mask": mask, "scale": None}
+    kw = dict(scale=d ** -0.5, causal=causal, window=window, mask=mask)
+    ours = native.decode_f32(q.float(), k.float(), v.float(), **kw)
+    _criterion(p, ours)
+    if mask_kind == "key padding":
+        assert (ours[2] == 0).all()
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("k_in", [1, 16, 37, 300])
 def test_few_row_linear_matches_float64(m: int, k_in: int) -> None:

@@ -280,8 +280,8 @@ inline void qk_tile(const float* __restrict a, int64_t lda, int64_t d, const flo
 }
 
 #if MH_VECTOR_FLOATS == 8 && defined(__AVX__)
-// dst[t·NR + c] = rows[c][t] for t, c < 8: an 8 × 8 transpose in registers.
-inline void transpose8(const float* const* rows, float* dst) {
+// dst[t·ld + c] = rows[c][t] for t, c < 8: an 8 × 8 transpose in registers.
+inline void transpose8(const float* const* rows, float* dst, int64_t ld = NR) {
     __m256 r[8], u[8], w[8];
     for (int c = 0; c < 8; ++c) r[c] = _mm256_loadu_ps(rows[c]);
     for (int c = 0; c < 8; c += 2) {
@@ -295,8 +295,8 @@ inline void transpose8(const float* const* rows, float* dst) {
         w[c + 3] = _mm256_shuffle_ps(u[c + 1], u[c + 3], 0xEE);
     }
     for (int t = 0; t < 4; ++t) {
-        _mm256_storeu_ps(dst + t * NR, _mm256_permute2f128_ps(w[t], w[t + 4], 0x20));
-        _mm256_storeu_ps(dst + (t + 4) * NR, _mm256_permute2f128_ps(w[t], w[t + 4], 0x31));
+        _mm256_storeu_ps(dst + t * ld, _mm256_permute2f128_ps(w[t], w[t + 4], 0x20));
+        _mm256_storeu_ps(dst + (t + 4) * ld, _mm256_permute2f128_ps(w[t], w[t + 4], 0x31));
     }
 }
 #endif

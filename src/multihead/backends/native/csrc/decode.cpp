@@ -347,6 +347,158 @@ inline void pv_blocked(const float* p, int64_t ldp, int64_t rows, int64_t n, con
 // short prefill) thrashed its 12 ways.
 inline int64_t score_stride(int64_t keys) { return (std::clamp<int64_t>(keys, 1, KD) + W - 1) / W * W + W; }
 
+// Keys at most (after the rows' key range) for small_item; its scores (SMALL_KEYS · W floats)
+// and two W × W tiles fit decode_item's score buffer for any row count it takes.
+constexpr int64_t SMALL_KEYS = 128;
+
+// Whether small_item takes decode_item's (b, kvh) item: float32, every key in one piece (no
+// split), a plain problem (no logit feature, packing or block mask: the decoding loop never has
+// them), at least W/2 rows (its lanes) and at most SMALL_KEYS keys.
+inline bool small_item_fits(const Problem& P, int64_t rows, int64_t keys, const float* part) {
+    return !part && P.softcap == 0.f && !P.alibi && !P.sinks && !P.seg && !P.tiles && !P.bias && 2 * rows >= W &&
+           keys <= SMALL_KEYS;
+}
+
+// dst[t·ld + c] = rows[c][t] for t, c < W: a W × W transpose (in registers with AVX2 and AVX-512).
+inline void transpose_w(const float* const* rows, float* dst, int64_t ld) {
+#if MH_VECTOR_FLOATS == 16
+    transpose16(rows, dst, ld);
+#elif MH_VECTOR_FLOATS == 8 && defined(__AVX__)
+    transpose8(rows, dst, ld);
+#else
+    for (int t = 0; t < W; ++t)
+        for (int c = 0; c < W; ++c) dst[t * ld + c] = rows[c][t];
+#endif
+}
+
+// qt (D × W) = the rows at `rows` (W pointers to D floats) transposed, times scale.
+inline void transposed_scaled(const float* const* rows, int64_t D, float scale, float* qt) {
+    int64_t t0 = 0;
+    for (; t0 + W <= D; t0 += W) {
+        const float* at[W];
+        for (int c = 0; c < W; ++c) at[c] = rows[c] + t0;
+        transpose_w(at, qt + t0 * W, W);
+        for (int64_t t = t0; t < t0 + W; ++t) store(qt + t * W, load(qt + t * W) * scale);
+    }
+    for (int64_t t = t0; t < D; ++t)
+        for (int c = 0; c < W; ++c) qt[t * W + c] = rows[c][t] * scale;
+}
+
+// The scores of keys [j, j + NK) (K rows at k, row stride ldk) for the W rows of qt (D × W): NK
+// independent FMA chains along D, each FMA a broadcast K value times the rows' q.
+template <int NK>
+inline void lane_scores(const float* qt, int64_t D, const float* k, int64_t ldk, vf* acc) {
+    for (int u = 0; u < NK; ++u) acc[u] = (vf){};
+    for (int64_t t = 0; t < D; ++t) {
+        const vf qv = load(qt + t * W);
+        for (int u = 0; u < NK; ++u) acc[u] += k[u * ldk + t] * qv;
+    }
+}
+
+// Columns [t0, t0 + NT) of o = p · v for the W rows of pt (n × W), each times inv: acc[u] is
+// column t0 + u across the rows.
+template <int NT>
+inline void lane_outputs(const float* pt, int64_t n, const float* v, int64_t ldv, vf inv, vf* acc) {
+    for (int u = 0; u < NT; ++u) acc[u] = (vf){};
+    for (int64_t j = 0; j < n; ++j) {
+        const vf p = load(pt + j * W);
+        const float* vj = v + j * ldv;
+        for (int u = 0; u < NT; ++u) acc[u] += vj[u] * p;
+    }
+    for (int u = 0; u < NT; ++u) acc[u] *= inv;
+}
+
+// decode_item for few keys (a short prefill: the layer at an encoder's sentence lengths), with
+// the rows in the vector lanes: a block of up to W rows (row g·Sq + i: head kvh·G + g, query
+// i) is computed at once, its scores held transposed (key-major, s[j·W + lane]), so the softmax's
+// maxima and sums are vertical (no reduction across lanes per row, no per-row call), K and V are
+// read once per block, and each product is an FMA of a broadcast K or V value with a vector of
+// the rows' q or p; q and o cross between rows and lanes by W × W transposes. The same arithmetic
+// as decode_item's one chunk: q · scale, scores in base 2, -inf where masked, m = the row's
+// maximum (0 where none), p = 2^(s - m), o = Σ p·v / Σ p.
+template <class TQ, class T>
+void small_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t lo, int64_t hi) {
+    static_assert(std::is_same_v<TQ, float> && std::is_same_v<T, float>, "float32 only");
+    const int64_t G = P.H / P.Hkv, D = P.D, Dv = P.Dv, Sq = P.Sq, rows = G * Sq, off = P.Sk - P.Sq, n = hi - lo;
+    const float* kb = P.k + b * P.ks[0] + kvh * P.ks[1] + lo * P.ks[2];
+    const float* vb = P.v + b * P.vs[0] + kvh * P.vs[1] + lo * P.vs[2];
+    float* qt = buf.kt;  // (D, W): the block's q, transposed and scaled (wide_floats >= W·D)
+    float* st = buf.s;  // (n, W): the block's scores, then probabilities (n·W <= SMALL_KEYS·W)
+    float* ot = st + SMALL_KEYS * W;  // (W, W): W columns of o across the rows, then transposed
+    float* orows = ot + W * W;
+    const bool shared_mask = P.mask && P.ms[1] == 0 && P.ms[2] == 0;  // one byte a key (key padding)
+    const uint8_t* mrows[W];
+    const float* qrows[W];
+    float* outs[W];
+    for (int64_t r0 = 0; r0 < rows; r0 += W) {
+        const int64_t R = std::min<int64_t>(W, rows - r0);
+        vi klo, khi;  // each lane's keys [klo, khi): its span
+        for (int64_t u = 0; u < W; ++u) {  // lanes past R repeat the last row (finite, never stored)
+            const int64_t r = r0 + std::min(u, R - 1), g = r / Sq, i = r % Sq;
+            int64_t a, e;
+            span(P, i + off, a, e);
+            klo[u] = int32_t(a);
+            khi[u] = int32_t(e);
+            mrows[u] = P.mask ? P.mask + b * P.ms[0] + (kvh * G + g) * P.ms[1] + i * P.ms[2] : nullptr;
+            qrows[u] = P.q + b * P.qs[0] + (kvh * G + g) * P.qs[1] + i * P.qs[2];
+            outs[u] = P.out + b * P.os[0] + (kvh * G + g) * P.os[1] + i * P.os[2];
+        }
+        transposed_scaled(qrows, D, P.scale, qt);
+        vf mx = splat(NEG_INF);
+        auto finish = [&](int64_t j, vf s) {  // the structure and the mask, then s stored
+            const int32_t c = int32_t(lo + j);
+            vi keep = (klo <= c) & (khi > c);
+            if (shared_mask) {
+                if (!mrows[0][c * P.ms[3]]) keep = keep & 0;
+            } else if (P.mask) {
+                vi bytes;
+                for (int u = 0; u < W; ++u) bytes[u] = mrows[u][c * P.ms[3]];
+                keep = keep & (bytes != 0);
+            }
+            s = keep ? s : splat(NEG_INF);
+            store(st + j * W, s);
+            mx = vmax(mx, s);
+        };
+        vf acc[W];
+        int64_t j = 0;
+        for (; j + 8 <= n; j += 8) {
+            lane_scores<8>(qt, D, kb + j * P.ks[2], P.ks[2], acc);
+            for (int u = 0; u < 8; ++u) finish(j + u, acc[u]);
+        }
+        for (; j < n; ++j) {
+            lane_scores<1>(qt, D, kb + j * P.ks[2], P.ks[2], acc);
+            finish(j, acc[0]);
+        }
+        const vf m_use = mx == splat(NEG_INF) ? splat(0.f) : mx;  // no allowed key: p = 0, no NaN
+        vf l = (vf){};
+        for (j = 0; j < n; ++j) {
+            const vf p = exp2v(load(st + j * W) - m_use);
+            store(st + j * W, p);
+            l += p;
+        }
+        const vf inv = l > 0.f ? 1.f / l : splat(0.f);
+        int64_t t0 = 0;
+        for (; t0 + W <= Dv; t0 += W) {  // W columns: across the lanes, then transposed into rows
+            lane_outputs<W>(st, n, vb + t0, P.vs[2], inv, acc);
+            const float* cols[W];
+            for (int u = 0; u < W; ++u) {
+                store(ot + u * W, acc[u]);
+                cols[u] = ot + u * W;
+            }
+            transpose_w(cols, orows, W);
+            for (int64_t w = 0; w < R; ++w) store(outs[w] + t0, load(orows + w * W));
+        }
+        for (; t0 < Dv; ++t0) {
+            lane_outputs<1>(st, n, vb + t0, P.vs[2], inv, acc);
+            for (int64_t w = 0; w < R; ++w) outs[w][t0] = acc[0][w];
+        }
+        for (int64_t w = 0; w < R; ++w) {
+            const int64_t r = r0 + w;
+            store_lse(P, b, kvh * G + r / Sq, r % Sq, mx[w], l[w]);
+        }
+    }
+}
+
 // Decoding: few query rows per K/V head (G heads × Sq queries), so K and V are streamed
 // once, in place, with no packing: scores are dot products along D. An item is
 // (b, K/V head, key split); with fewer heads than threads the keys are split and the
@@ -356,6 +508,13 @@ template <class TQ, class T>
 void decode_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t k0, int64_t k1, float* part) {
     const int64_t G = P.H / P.Hkv, D = P.D, Dv = P.Dv, Sq = P.Sq, rows = G * Sq;
     const int64_t off = P.Sk - P.Sq;
+    if constexpr (std::is_same_v<TQ, float> && std::is_same_v<T, float>) {
+        int64_t lo, hi;
+        key_range(P, 0, Sq, lo, hi);
+        lo = std::max(lo, k0);
+        hi = std::max(std::min(hi, k1), lo);
+        if (small_item_fits(P, rows, hi - lo, part)) return small_item<TQ, T>(P, buf, b, kvh, lo, hi);
+    }
     for (int64_t g = 0; g < G; ++g) {  // row g·Sq + i: head kvh·G + g, query i
         const TQ* src = reinterpret_cast<const TQ*>(P.q) + b * P.qs[0] + (kvh * G + g) * P.qs[1];
         for (int64_t i = 0; i < Sq; ++i)
