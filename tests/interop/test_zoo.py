@@ -264,6 +264,9 @@ VISION = {"vit", "clip_vision_model", "siglip_vision_model", "deit", "vit_mae", 
           "git_vision_model", "idefics3_vision", "smolvlm_vision", "tipsv2_vision_model",
           "granite_docling_vision", "altclip_vision_model"}
 TIME_SERIES = {"time_series_transformer", "informer"}
+#: Language models with an image tower, compared with an image in each row: how many tokens an image
+#: of 32 × 32 pixels (16 patches) gives.
+IMAGE_TOKENS = {"llava": 16, "vipllava": 16, "paligemma": 16, "deepseek_vl": 16, "gemma3": 4, "cohere2_vision": 4}
 #: Dual encoders (a text tower and an image tower, run together): padded token ids and two 32 × 32 images.
 DUAL_ENCODERS = {"align", "altclip", "chinese_clip", "clip", "clipseg", "metaclip_2", "siglip", "siglip2",
                  "vision-text-dual-encoder", "owlv2", "owlvit", "tipsv2"}
@@ -377,6 +380,12 @@ def _inputs(model_type: str, side: str = "right") -> dict[str, torch.Tensor]:
     if model_type == "speech_to_text":  # (B, 4·S frames, 8 features), 4× fewer after its two stride-2 convolutions
         inputs = {"input_features": torch.randn(B, 4 * S, 8, generator=g),
                   "attention_mask": _padding_mask(4 * S, side, 12)}
+    if model_type in IMAGE_TOKENS:  # an image's tokens (id 90) among 5 text tokens in each row, and the two images
+        body = [5, 6, *[90] * IMAGE_TOKENS[model_type], 7, 8]
+        ids = torch.tensor([body + [9, 10, 11], [0] * 3 + body if side == "left" else body + [0] * 3])
+        inputs = {"input_ids": ids, "attention_mask": _padding_mask(ids.shape[1], side), **_inputs("vit", side)}
+        if model_type == "gemma3":  # its image tokens attend to each other both ways
+            inputs["token_type_ids"] = (ids == 90).long()
     if model_type in DUAL_ENCODERS:  # and the image tower's batch (SigLIP 2's: padded patches)
         inputs.update(_inputs("siglip2_vision_model" if model_type == "siglip2" else "vit", side))
     if model_type in SEQ2SEQ:  # the decoder's own padded batch (S - 2 tokens)
@@ -471,21 +480,26 @@ def test_accepted_model_type_is_exact(model_type: str) -> None:
 #: Model types whose every attention module is a registered class of :data:`ZOO`'s types, inside a
 #: composite or under another config name: (extra fields, a sub-config's under its name; generator?).
 #: Built with every sub-config tiny (:func:`tiny_composite`) and compared whole on the wrapper route:
-#: dual encoders on token ids and images (both towers run); the language models with an image or
-#: audio tower on token ids (their towers run alone as :data:`ZOO`'s ``*_vision_model`` / ``*_encoder``
-#: types); OmniASR's CTC model on raw samples.
+#: dual encoders on token ids and images (both towers run); the language models with an image tower
+#: with an image in each row (:data:`IMAGE_TOKENS`) or, like those with an audio tower, on token ids
+#: (their towers run alone as :data:`ZOO`'s ``*_vision_model`` / ``*_encoder`` types); OmniASR's CTC
+#: model on raw samples.
 COMPOSITES: dict[str, tuple[dict[str, Any], bool]] = {
     "gpt-sw3": ({}, True),  # GPT-2's config and classes
-    # dual encoders; ALIGN's image tower is an EfficientNet (no attention), narrowed and shallowed
-    "align": ({"projection_dim": 160, "vision_config": {"width_coefficient": 0.5, "depth_coefficient": 0.25,
-                                                          "hidden_dim": 128}}, False),
+    # dual encoders; ALIGN's image tower is an EfficientNet (no attention), cut to one block of 24 channels
+    "align": ({"projection_dim": 24, "vision_config": {
+        "width_coefficient": 1.0, "depth_coefficient": 1.0, "hidden_dim": 64, "kernel_sizes": [3], "in_channels": [32],
+        "out_channels": [24], "strides": [2], "num_block_repeats": [1], "expand_ratios": [1]}}, False),
     **dict.fromkeys(("altclip", "chinese_clip", "clip", "clipseg", "metaclip_2", "siglip", "vision-text-dual-encoder"),
                     ({}, False)),
     "siglip2": ({"vision_config": {"num_patches": 16}}, False),
-    # language models with an image tower
-    "cohere2_vision": ({"alignment_intermediate_size": 128}, False),
-    **dict.fromkeys(("deepseek_vl", "gemma3", "idefics3", "llava", "llava_next", "llava_next_video",
-                     "llava_onevision", "modernvbert", "paligemma", "smolvlm", "video_llava", "vipllava"), ({}, False)),
+    # language models with an image tower: with an image (IMAGE_TOKENS, the image token's id 90), or on text
+    **dict.fromkeys(("llava", "deepseek_vl"), ({"image_token_id": 90}, False)),
+    "vipllava": ({"image_token_id": 90, "vision_feature_layers": [-2, -1]}, False),
+    "paligemma": ({"image_token_id": 90, "projection_dim": 64}, False),
+    "cohere2_vision": ({"image_token_id": 90, "alignment_intermediate_size": 128}, False),
+    **dict.fromkeys(("idefics3", "llava_next", "llava_next_video", "llava_onevision", "modernvbert", "smolvlm",
+                     "video_llava"), ({}, False)),
     "granite_docling": ({"vision_config": {"out_hidden_size": 64}}, False),  # its tower's width is the text's
     # language models with an audio tower, and an audio encoder's CTC head
     **dict.fromkeys(("audioflamingo3", "musicflamingo", "omniasr", "omniasr_ctc"), ({}, False)),
@@ -493,6 +507,9 @@ COMPOSITES: dict[str, tuple[dict[str, Any], bool]] = {
 #: The other types whose attention modules are all registered classes, each with why it is not compared
 #: (the meta pass requires every wrapper-route type to be in :data:`ZOO`, :data:`COMPOSITES` or here).
 COMPOSITES_UNCOMPARED = {
+    "gemma3": "patched differs from eager by 9.3e-2 (relative, real tokens) with an image: its mask lets an image's "
+              "tokens attend to each other both ways (token_type_ids), and the wrappers keep their own causal rule "
+              "on top of HF's mask (test_gemma3_with_an_image_is_not_exact); exact on text alone",
     "pi0": "needs inputs of its own: action_embeds with the images and text of its PaliGemma",
     "vibevoice": "not tiny: 1031M parameters with every sub-config at the tiny sizes (its diffusion head and "
                  "acoustic tokenizer left at their defaults)",
@@ -517,10 +534,11 @@ def tiny_composite(cls: Any, extra: dict[str, Any]) -> Any:
     return cls(**fields)
 
 
-def compare_composite(model_type: str) -> str:
+def compare_composite(model_type: str, extra: dict[str, Any] | None = None, inputs: Any = None) -> str:
     """``"exact"`` or what differs after ``mh.hf.patch`` (registered wrappers only) in :data:`COMPOSITES`'
-    tiny model of ``model_type``; a patched module must run on the compared batches."""
-    extra, generator = COMPOSITES[model_type]
+    tiny model of ``model_type`` (or one with ``extra`` fields, not a generator), on :func:`_inputs`' batches
+    (or ``inputs(model_type, side)``'s); a patched module must run on them."""
+    extra, generator = COMPOSITES[model_type] if extra is None else (extra, False)
     torch.random.default_generator.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -528,20 +546,33 @@ def compare_composite(model_type: str) -> str:
         model = build(model_type, config, AutoModelForCausalLM if generator else AutoModel, "eager").eval()
     assert sum(p.numel() for p in model.parameters()) < 2_000_000  # tiny
     sharpen(model)
+    patched: set[str] = set()
     ran: set[str] = set()
 
     def patching(m: nn.Module) -> None:
         for r in mh.hf.patch(m, kernel=False, report=True):
+            patched.add(r.name)
             m.get_submodule(r.name).register_forward_hook(lambda *_, name=r.name: ran.add(name))
 
-    found = compare_patched(model, model_type, generator, patching)
+    found = compare_patched(model, model_type, generator, patching, inputs)
     assert ran, f"{model_type}: no patched module ran on its inputs"
+    if inputs is None and model_type in {*IMAGE_TOKENS, *DUAL_ENCODERS}:  # the towers too
+        assert ran == patched, f"{model_type}: {sorted(patched - ran)} did not run"
     return found
 
 
 @pytest.mark.parametrize("model_type", list(COMPOSITES))
 def test_composite_of_accepted_classes_is_exact(model_type: str) -> None:
     assert compare_composite(model_type) == "exact"
+
+
+def test_gemma3_with_an_image_is_not_exact() -> None:
+    """Why :data:`COMPOSITES_UNCOMPARED` holds Gemma 3: with an image, HF's mask lets the image's tokens
+    attend to each other both ways (``token_type_ids``), and the wrappers still apply their own causal
+    rule on top of it; on text alone it is exact. When this fails, move Gemma 3 into :data:`COMPOSITES`."""
+    extra = {"image_token_id": 90, "mm_tokens_per_image": 4}  # 4 × 4 patches pooled to 2 × 2 tokens
+    assert compare_composite("gemma3", extra).startswith("wrong")
+    assert compare_composite("gemma3", extra, lambda model_type, side: _inputs("llama", side)) == "exact"  # text
 
 
 def _modeling_modules(model_type: str) -> list[Any]:
