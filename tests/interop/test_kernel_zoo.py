@@ -203,6 +203,9 @@ NESTED_ZOO.update({
     # raw samples (test_zoo's speech batches), videos, time series, a language adapter
     "wav2vec2-conformer": ({"conv_dim": [32] * 7, "num_conv_pos_embeddings": 16, "num_conv_pos_embedding_groups": 4,
                             "conv_depthwise_kernel_size": 3, "output_hidden_size": 64}, False),
+    # audio tokenizers' encoders (convolutions, then a windowed transformer): 16× fewer frames, 8 filters
+    **dict.fromkeys(("mimi_encoder", "pocket_tts_audio_tokenizer_encoder"),
+                    ({"num_filters": 8, "upsampling_ratios": [4, 4]}, False)),
     "videomae": ({"num_frames": 4, "tubelet_size": 2}, False),
     "vjepa2": ({"crop_size": 32, "frames_per_clip": 4, "pred_hidden_size": 32, "pred_num_attention_heads": 4,
                 "pred_num_hidden_layers": 1, "num_pooler_layers": 1}, False),
@@ -253,7 +256,6 @@ UNCOMPARED: dict[str, str] = {
     "moonshine": _NEEDS + "raw audio and decoder ids", "layoutlmv3": _NEEDS + "bbox and pixel_values",
     "udop": _NEEDS + "bbox", "lightglue": _NEEDS + "image pairs and keypoints",
     "llama4": _NEEDS + "pixel_values (its text model takes the wrappers, its vision model the kernel)",
-    "mimi_encoder": _NEEDS + "raw audio", "pocket_tts_audio_tokenizer_encoder": _NEEDS + "raw audio",
     "pe_audio_encoder": _NEEDS + "raw audio", "minicpm_ocr_vision": _NEEDS + "pixel_values with target_sizes",
     "minicpmv4_7_vision": _NEEDS + "pixel_values with target_sizes",
     "xclip": _NEEDS + "videos with input_ids",
@@ -331,6 +333,8 @@ OWN_INPUTS: dict[str, Callable[[Any], Inputs]] = {
                     _features(lambda cfg: (64, cfg.num_mel_bins), "attention_mask")),
     **dict.fromkeys(SEQ2SEQ, lambda cfg: lambda model_type, side: _inputs("bart", side)),
     "wav2vec2-conformer": lambda cfg: lambda model_type, side: _inputs("wav2vec2", side),  # 1600 samples, padded
+    **dict.fromkeys(("mimi_encoder", "pocket_tts_audio_tokenizer_encoder"),  # (B, 1, 1600) samples, padded
+                    lambda cfg: lambda model_type, side: _inputs("omniasr_audio", side)),
     "videomae": lambda cfg: lambda model_type, side: _inputs("vivit", side),  # (B, 4 frames, 3, 32, 32)
     "vjepa2": lambda cfg: lambda model_type, side: {"pixel_values_videos": _inputs("vivit", side)["pixel_values"]},
     "timesfm": lambda cfg: lambda model_type, side: {**_series(), "past_values_padding": torch.zeros(2, 32),

@@ -415,7 +415,7 @@ def _outs(model: nn.Module, inputs: dict[str, torch.Tensor]) -> list[tuple[torch
     if getattr(out, "text_model_output", None) is not None:  # a dual encoder: each tower's states
         return [(out.text_model_output.last_hidden_state, inputs["attention_mask"].bool()),
                 (out.vision_model_output.last_hidden_state, ...)]
-    for name in ("logits", "last_hidden_state", "pooler_output"):
+    for name in ("logits", "last_hidden_state", "pooler_output", "latents"):  # (latents: an audio tokenizer's)
         if getattr(out, name, None) is not None:
             want = out[name]
             real = (inputs["attention_mask"].bool() if want.dim() == 3 and "attention_mask" in inputs
