@@ -51,13 +51,18 @@ def test_native_rules_per_vector_width(monkeypatch, amd_cpu, bits: int) -> None:
     monkeypatch.setattr(native, "vector_bits", lambda: bits)
     least, decode_least = auto.NATIVE_MIN_SCORES[bits], auto.NATIVE_MIN_DECODE_SCORES[bits]
     assert (least, decode_least) == {512: (1 << 8, 1 << 8), 256: (1 << 8, 1 << 8)}[bits]
+    # float32 with few keys takes the decoding loop's rows-in-lanes path with the AVX-512 build
+    few_keys = "native few keys" if bits == 512 else "native"
     rows = auto.DECODE_ROWS + 1  # (1, 1, 1, rows, keys): more rows than decoding, exactly `least` scores
     keys = -(-least // rows)
-    assert auto.auto_path(*_qkv(1, 1, 1, rows, keys)) == "native"
+    assert auto.auto_path(*_qkv(1, 1, 1, rows, keys)) == few_keys
     assert rows * (keys - 1) < least and auto.auto_path(*_qkv(1, 1, 1, rows, keys - 1)) == "sdpa"
     assert auto.auto_path(*_qkv(1, 1, 1, 8, 8)) == "sdpa"  # 64 scores: below both widths' thresholds
     s = 64  # (1, 4, 4, 64, 64): 2^14 scores
-    assert auto.auto_path(*_qkv(1, 4, 4, s, s)) == "native"
+    assert auto.auto_path(*_qkv(1, 4, 4, s, s)) == few_keys
+    assert auto.auto_path(*_qkv(1, 4, 4, native.LANE_ROWS, native.LANE_KEYS)) == few_keys  # its edges
+    assert auto.auto_path(*_qkv(1, 4, 4, native.LANE_ROWS + 1, native.LANE_KEYS)) == "native"
+    assert auto.auto_path(*_qkv(1, 4, 4, s, native.LANE_KEYS + 1)) == "native"
     assert auto.auto_path(*_qkv(1, 4, 4, s, s, d=40)) != "native"  # Dv not a multiple of 16
     assert auto.auto_path(*_qkv(1, 4, 4, s, s, dtype=torch.bfloat16)) == "native"
     assert auto.auto_path(*_qkv(1, 4, 4, s, s, dtype=torch.float64)) == "sdpa"
@@ -129,7 +134,8 @@ def test_intel_avx512_and_amx_rules(monkeypatch, bits: int, vendor: str, amx: bo
     s = 64  # (1, 4, 4, s, s): 2^14 scores, above the width's threshold
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         path = auto.auto_path(*_qkv(1, 4, 4, s, s, dtype=dtype))
-        assert path == ("sdpa" if dtype == torch.bfloat16 and amx else "native"), (dtype, path)
+        few_keys = "native few keys" if dtype == torch.float32 and bits == 512 else "native"
+        assert path == ("sdpa" if dtype == torch.bfloat16 and amx else few_keys), (dtype, path)
     half = _qkv(1, 8, 8, 512, 512, dtype=torch.bfloat16)  # 2^21 scores
     assert auto.auto_path(*half) == ("sdpa" if amx and not tiles else "native")
     assert auto.auto_path(*_qkv(1, 8, 8, 511, 512, dtype=torch.bfloat16)) == (
@@ -208,7 +214,7 @@ def _run_named(path: str, q, k, v, causal: bool):
     scale = q.shape[-1] ** -0.5
     if path == "decode":
         return blocked.decode_attention(q, k, v, scale=scale, causal=causal)
-    if path == "native decode":
+    if path in ("native decode", "native few keys"):
         return native.run(q, k, v, scale=scale, causal=causal, window=None, mask=None, decode=True)[0]
     if path == "native":
         return native.run(q, k, v, scale=scale, causal=causal, window=None, mask=None, decode=False)[0]
@@ -297,7 +303,7 @@ def test_auto_takes_native_for_features_where_native_runs_without_them(monkeypat
     q, kv = torch.randn(1, 4, rows, 16), torch.randn(1, 4, keys, 16)
     if "cu_seqlens" in kw:  # packed: as many keys as queries
         kw, kv = dict(cu_seqlens=torch.tensor([0, 3, rows - 5, rows])), q
-    assert auto.auto_path(q, kv, kv) == "native"
+    assert auto.auto_path(q, kv, kv) == ("native few keys" if bits == 512 else "native")
     assert auto.auto_path(q, kv, kv, **kw) == "native (features)"
     small = kv[:, :, : keys - 1]
     assert 4 * rows * (keys - 1) < least and auto.auto_path(q, small, small) != "native"

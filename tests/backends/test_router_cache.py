@@ -346,7 +346,7 @@ def test_the_rules_read_of_a_call_only_what_its_signature_holds(monkeypatch: pyt
                    (True, False, False, False, False, False, False))
     assert set(auto.Call.__slots__) == {"q", "k", "v", "dropout_p", "return_weights", "return_lse", "softcap",
                                         "alibi", "sinks", "varlen", "learned_grad", "bias", "score_mod",
-                                        "differentiable", "logits", "few_rows", "scores", "asked",
+                                        "differentiable", "logits", "few_rows", "few_keys", "scores", "asked",
                                         "symbolic"}  # a new field: extend auto.signature
 
 

@@ -149,8 +149,8 @@ class Call:
     decision remembered under a signature is the one the rules give (:func:`decision`)."""
 
     __slots__ = ("q", "k", "v", "dropout_p", "return_weights", "return_lse", "softcap", "alibi", "sinks",
-                 "varlen", "learned_grad", "bias", "score_mod", "differentiable", "logits", "few_rows", "scores",
-                 "asked", "symbolic")
+                 "varlen", "learned_grad", "bias", "score_mod", "differentiable", "logits", "few_rows", "few_keys",
+                 "scores", "asked", "symbolic")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                  return_weights: bool = False, return_lse: bool = False, softcap: bool = False,
@@ -169,6 +169,9 @@ class Call:
         #: A size is symbolic (a graph traced for a range of sizes): no rule may compare one.
         self.symbolic = native.ops.symbolic(q, k, v)
         self.few_rows = False if self.symbolic else native.rows_per_kv_head(q, k) <= DECODE_ROWS
+        #: float32 with few keys and rows per K/V head: the decoding loop's rows-in-lanes path (AVX-512).
+        self.few_keys = not self.symbolic and q.dtype == torch.float32 and k.shape[2] <= native.LANE_KEYS and (
+            native.rows_per_kv_head(q, k) <= native.LANE_ROWS)
         self.scores = 0 if self.symbolic else q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
         #: The machine facts asked so far, in order, with their answers (:data:`FACTS`).
         self.asked: list[Asked] = []
@@ -307,6 +310,14 @@ def _native_prefill_fits(c: Call) -> bool:
     return c.scores >= AMX_MIN_SCORES and bool(c.ask("amx"))
 
 
+def _native_lanes_fit(c: Call) -> bool:
+    """A plain float32 forward with few keys and rows per K/V head (:attr:`Call.few_keys`), at the
+    FlashAttention loop's threshold, with the AVX-512 build: the decoding loop's rows-in-lanes path
+    (:data:`multihead.backends.native.attention.LANE_KEYS` says what was measured)."""
+    return (c.few_keys and not (c.logits or c.varlen or c.bias or c.score_mod) and c.native_fits(NATIVE_MIN_SCORES)
+            and c.ask("vector_bits") == 512)
+
+
 def _blocked_fits(c: Call) -> bool:
     """float32, long enough and wide enough (asked first: a small problem never asks the machine
     for its GEMM), oneDNN's GEMM here, and not an Intel CPU with AVX-512 unless with the lse."""
@@ -400,6 +411,10 @@ AUTO_RULES: tuple[Rule, ...] = (
          "decoding threshold (or no native kernel): batched matmuls per K/V head",
          lambda c: c.few_rows and c.q.shape[1] > c.k.shape[1] and c.k.shape[2] >= DECODE_MIN_KEYS,
          _torch_kernel(decode_attention)),
+    Rule("native few keys", f"float32, at most {native.LANE_KEYS} keys and {native.LANE_ROWS} query rows per K/V "
+         f"head, from {_widths(NATIVE_MIN_SCORES)} scores, with the AVX-512 build: the native decoding loop, its "
+         "rows in the vector lanes (0.61-0.95× the FlashAttention loop's time there)",
+         _native_lanes_fit, _native(decode=True), prepare=_prepared(decode=True)),
     Rule("native", f"from {_widths(NATIVE_MIN_SCORES)} scores: the native FlashAttention loop (compiled here "
          "for AVX-512 or AVX2; float32, and bfloat16/float16 read as such and computed in float32); without the "
          f"log-sum-exp, bfloat16 on a CPU with AMX from "

@@ -47,8 +47,8 @@ from ...logits import NO_FEATURES, Features
 from ..registry import register_backend
 from . import ops  # registers torch.ops.multihead.*: cheap, builds nothing
 from ._ffi import MAX_STEP_ROWS, SUFFIX, kernel
-from .attention import (DECODE_ROWS, MAX_BLOCK_KEYS, Logits, Tiles, attention_f32, decode_f32, key_panels,
-                        rows_per_kv_head)
+from .attention import (DECODE_ROWS, LANE_KEYS, LANE_ROWS, MAX_BLOCK_KEYS, Logits, Tiles, attention_f32, decode_f32,
+                        key_panels, rows_per_kv_head)
 from .counters import advance_counters
 from .cpu import amx_bf16, cpu_vendor
 from .loader import amx, amx_enabled, available, build, build_name, compile_for_machine, status, vector_bits
@@ -59,7 +59,7 @@ __all__ = ["available", "status", "build", "build_name", "compile_for_machine", 
            "amx_bf16", "amx", "amx_enabled",
            "advance_counters", "attention_f32", "decode_f32", "key_panels", "linear_few_rows", "decode_step",
            "StepPlan", "Norm", "NORM_MODES", "MAX_STEP_ROWS", "DTYPES", "SUFFIX", "DECODE_ROWS", "Logits", "kernel",
-           "rows_per_kv_head",
+           "rows_per_kv_head", "LANE_KEYS", "LANE_ROWS",
            "run", "native_backend", "ops"]
 
 #: Input dtypes of the native backend: each has its own kernels, which read and write that

@@ -27,7 +27,8 @@ from .loader import require
 
 __all__ = ["attention_f32", "check_operator_inputs", "key_panels", "decode_f32", "Logits", "Tiles", "MAX_BLOCK_KEYS",
            "run_kernel", "PlainCall",
-           "query_tile", "QUERY_TILE", "rows_per_kv_head", "DECODE_ROWS"]
+           "query_tile", "QUERY_TILE", "rows_per_kv_head", "DECODE_ROWS", "LANE_KEYS", "LANE_ROWS",
+           "decoding_loop_fits"]
 
 
 #: Query positions per work item of the FlashAttention loop (items are (batch, K/V head, query
@@ -499,4 +500,22 @@ def rows_per_kv_head(q: torch.Tensor, k: torch.Tensor) -> int:
 
 #: At most this many query rows per K/V head (Sq·G) take the decoding loop.
 DECODE_ROWS = 32
+#: With the AVX-512 build, float32 calls with at most LANE_KEYS keys (csrc/decode.cpp's SMALL_KEYS)
+#: and LANE_ROWS query rows per K/V head take the decoding loop too: its few-key path holds a block
+#: of 16 rows in the vector lanes (the softmax vertical, K and V read once per block). Measured
+#: (Intel Xeon, 1 thread, key padding, best of 3 × 5 timings; its time / the FlashAttention loop's):
+#: H=12, D=32, B=32: S=48 0.63×, 96 0.93×, 128 0.93×; D=64, causal, B=8: S=64 0.75×, 128 0.82×;
+#: GQA 32/8, D=128, causal: S=64 0.61×, 32 queries on 128 keys 0.89×; B=1, S=128 0.95×; 256
+#: queries on 128 keys 0.94×. (The AVX2 build keeps the FlashAttention loop: not measured ahead.)
+LANE_KEYS = 128
+LANE_ROWS = 256
+
+
+def decoding_loop_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether a plain call (no logit feature, packing, bias or block mask) runs faster in the
+    decoding loop than in the FlashAttention loop: few query rows per K/V head (:data:`DECODE_ROWS`),
+    or, with the AVX-512 build, float32 with few keys (:data:`LANE_KEYS`, :data:`LANE_ROWS`)."""
+    rows = rows_per_kv_head(q, k)
+    return rows <= DECODE_ROWS or (rows <= LANE_ROWS and k.shape[2] <= LANE_KEYS and q.dtype == torch.float32
+                                   and loader.vector_bits() == 512)
 

@@ -193,7 +193,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: floa
     plain = (softcap is None and alibi_slopes is None and sinks is None and cu_seqlens is None and tiles is None
              and bias is None and relative is None)
     if decode is None:  # the loop for these sizes, chosen where no tracer sees the sizes
-        decode = plain and loops.rows_per_kv_head(q, k) <= loops.DECODE_ROWS
+        decode = plain and loops.decoding_loop_fits(q, k)
     logits = None if plain else loops.Logits(softcap, alibi_slopes, sinks, cu_seqlens, tiles=tiles, bias=bias,
                                              relative=relative)
     if logits is not None and (decode or q.dtype == torch.float64):
@@ -430,11 +430,11 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, decode: bool | None = None) -> Prep
     """The native loop for one call signature (these shapes and dtype; no mask, logit feature, lse,
     gradient or dropout), made once (:class:`.attention.PlainCall`): what :func:`run` would run for
     such a call, without its per-call choices. ``decode``: the decoding loop, the FlashAttention
-    loop, or None: by the rows per K/V head (:data:`.attention.DECODE_ROWS`). The function it
+    loop, or None: :func:`.attention.decoding_loop_fits`. The function it
     returns gives None (the caller then runs the general path) where :func:`direct` says the
     operator must be seen (a compiler, a dispatch mode, the profiler) or a last dimension is strided."""
     if decode is None:
-        decode = loops.rows_per_kv_head(q, k) <= loops.DECODE_ROWS
+        decode = loops.decoding_loop_fits(q, k)
     call = loops.PlainCall(q, k, v, decode)
 
     def run_prepared(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
@@ -465,7 +465,7 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, caus
     if not plain:
         decode = False  # the decoding loop takes none of them (nor a block mask, nor a bias)
     elif decode is None and not symbolic(q, k):
-        decode = q.shape[2] * (q.shape[1] // k.shape[1]) <= loops.DECODE_ROWS  # rows per K/V head
+        decode = loops.decoding_loop_fits(q, k)
     # symbolic sizes (torch.export with a Dim, torch.compile(dynamic=True)): None, the operator chooses
     if not direct(q, k, v, mask, alibi_slopes, sinks, cu_seqlens, bias, relative):
         blocks = (None, None, 0, 0) if tiles is None else tiles

@@ -351,12 +351,16 @@ inline int64_t score_stride(int64_t keys) { return (std::clamp<int64_t>(keys, 1,
 // and two W × W tiles fit decode_item's score buffer for any row count it takes.
 constexpr int64_t SMALL_KEYS = 128;
 
-// Whether small_item takes decode_item's (b, kvh) item: float32, every key in one piece (no
-// split), a plain problem (no logit feature, packing or block mask: the decoding loop never has
-// them), at least W/2 rows (its lanes) and at most SMALL_KEYS keys.
+// Whether small_item takes decode_item's (b, kvh) item: AVX-512, float32, every key in one piece
+// (no split), a plain problem (no logit feature, packing or block mask: the decoding loop never has
+// them), at least W/2 rows (its lanes) and at most SMALL_KEYS keys. Measured (Intel Xeon, 1 thread,
+// its time / decode_item's): the bundled model's (3, 12, 24, 32) 0.70×, (1, 12, 16, 64) 0.53×,
+// (1, 12, 8, 64) 0.65×, a GQA 32/4 step on 64 keys 0.88×, on 128 keys 0.96×. The AVX2 build (8
+// lanes, the same CPU) was slower on decoding steps (G = 4 and 8 rows on 64-128 keys: 1.0-2.2×)
+// and mixed on short prefills (0.77-1.11×), so it keeps decode_item there.
 inline bool small_item_fits(const Problem& P, int64_t rows, int64_t keys, const float* part) {
-    return !part && P.softcap == 0.f && !P.alibi && !P.sinks && !P.seg && !P.tiles && !P.bias && 2 * rows >= W &&
-           keys <= SMALL_KEYS;
+    return W == 16 && !part && P.softcap == 0.f && !P.alibi && !P.sinks && !P.seg && !P.tiles && !P.bias &&
+           2 * rows >= W && keys <= SMALL_KEYS;
 }
 
 // dst[t·ld + c] = rows[c][t] for t, c < W: a W × W transpose (in registers with AVX2 and AVX-512).
@@ -415,13 +419,12 @@ inline void lane_outputs(const float* pt, int64_t n, const float* v, int64_t ldv
 // read once per block, and each product is an FMA of a broadcast K or V value with a vector of
 // the rows' q or p; q and o cross between rows and lanes by W × W transposes. The same arithmetic
 // as decode_item's one chunk: q · scale, scores in base 2, -inf where masked, m = the row's
-// maximum (0 where none), p = 2^(s - m), o = Σ p·v / Σ p.
+// maximum (0 where none), p = 2^(s - m), o = Σ p·v / Σ p. Keys [k0, k1) of the item; a block
+// reads only those its rows' spans reach (a causal prefill's first rows, the first keys).
 template <class TQ, class T>
-void small_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t lo, int64_t hi) {
+void small_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t k0, int64_t k1) {
     static_assert(std::is_same_v<TQ, float> && std::is_same_v<T, float>, "float32 only");
-    const int64_t G = P.H / P.Hkv, D = P.D, Dv = P.Dv, Sq = P.Sq, rows = G * Sq, off = P.Sk - P.Sq, n = hi - lo;
-    const float* kb = P.k + b * P.ks[0] + kvh * P.ks[1] + lo * P.ks[2];
-    const float* vb = P.v + b * P.vs[0] + kvh * P.vs[1] + lo * P.vs[2];
+    const int64_t G = P.H / P.Hkv, D = P.D, Dv = P.Dv, Sq = P.Sq, rows = G * Sq, off = P.Sk - P.Sq;
     float* qt = buf.kt;  // (D, W): the block's q, transposed and scaled (wide_floats >= W·D)
     float* st = buf.s;  // (n, W): the block's scores, then probabilities (n·W <= SMALL_KEYS·W)
     float* ot = st + SMALL_KEYS * W;  // (W, W): W columns of o across the rows, then transposed
@@ -433,17 +436,23 @@ void small_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t 
     for (int64_t r0 = 0; r0 < rows; r0 += W) {
         const int64_t R = std::min<int64_t>(W, rows - r0);
         vi klo, khi;  // each lane's keys [klo, khi): its span
+        int64_t lo = k1, hi = k0;  // the block's keys: the hull of its rows' spans within [k0, k1)
         for (int64_t u = 0; u < W; ++u) {  // lanes past R repeat the last row (finite, never stored)
             const int64_t r = r0 + std::min(u, R - 1), g = r / Sq, i = r % Sq;
             int64_t a, e;
             span(P, i + off, a, e);
             klo[u] = int32_t(a);
             khi[u] = int32_t(e);
+            lo = std::min(lo, std::max(a, k0));
+            hi = std::max(hi, std::min(e, k1));
             mrows[u] = P.mask ? P.mask + b * P.ms[0] + (kvh * G + g) * P.ms[1] + i * P.ms[2] : nullptr;
             qrows[u] = P.q + b * P.qs[0] + (kvh * G + g) * P.qs[1] + i * P.qs[2];
             outs[u] = P.out + b * P.os[0] + (kvh * G + g) * P.os[1] + i * P.os[2];
         }
         transposed_scaled(qrows, D, P.scale, qt);
+        const int64_t n = std::max<int64_t>(hi - lo, 0);
+        const float* kb = P.k + b * P.ks[0] + kvh * P.ks[1] + lo * P.ks[2];
+        const float* vb = P.v + b * P.vs[0] + kvh * P.vs[1] + lo * P.vs[2];
         vf mx = splat(NEG_INF);
         auto finish = [&](int64_t j, vf s) {  // the structure and the mask, then s stored
             const int32_t c = int32_t(lo + j);
