@@ -8,12 +8,14 @@ Notation: B batch, S tokens.
 Oracle: the same tiny model run eagerly by transformers: logits of a left-padded batch with an
 image per row, and greedy tokens through ``generate``. The prefix must matter: the same model
 with every token of type 1 (causal everywhere) gives other logits, so a route that ignored the
-prefix would fail.
+prefix would fail. Compared with the text layers bidirectional (PaliGemma's default) and causal.
 
 Runtime: about 3 s on 2 shared cores.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -26,12 +28,13 @@ IMAGE_TOKEN = 299
 PATCHES = 4  # (28 / 14)² image tokens per row
 
 
-def _model() -> torch.nn.Module:
+def _model(**text_fields: Any) -> torch.nn.Module:
+    """Tiny PaliGemma; ``text_fields`` set on its Gemma config."""
     torch.manual_seed(0)
     vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                                    image_size=28, patch_size=14, projection_dim=32)
     text = tf.GemmaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, head_dim=8, vocab_size=300)
+                          num_key_value_heads=2, head_dim=8, vocab_size=300, **text_fields)
     config = tf.PaliGemmaConfig(vision_config=vision.to_dict(), text_config=text.to_dict(),
                                 image_token_index=IMAGE_TOKEN, projection_dim=32)
     config.text_config.vocab_size = 300
@@ -52,8 +55,14 @@ def _inputs() -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types, "pixel_values": pixels}
 
 
-def test_paligemma_prefix_lm_patched_equals_eager() -> None:
-    model, inputs = _model(), _inputs()
+@pytest.mark.parametrize("causal_layers", [False, True], ids=["bidirectional layers", "causal layers"])
+def test_paligemma_prefix_lm_patched_equals_eager(causal_layers: bool) -> None:
+    """By default PaliGemma's text layers are bidirectional (``use_bidirectional_attention`` unset reads
+    True: ``is_causal`` False) and HF's mask is their whole rule; set False, they are causal and the
+    prefix's mask lets queries see later keys, which the wrappers then attend with HF's mask alone."""
+    model, inputs = _model(use_bidirectional_attention=False) if causal_layers else _model(), _inputs()
+    layers = [m for name, m in model.named_modules() if name.endswith("language_model.layers.0.self_attn")]
+    assert [m.is_causal for m in layers] == [causal_layers]
     real = inputs["attention_mask"].bool()
     with torch.no_grad():
         want = model(**inputs).logits

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 import multihead as mh
-from multihead.interop import hf_registry
+from multihead.interop import hf_registry, hf_wrappers
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModel, AutoModelForCausalLM  # noqa: E402
@@ -266,6 +266,8 @@ VISION = {"vit", "clip_vision_model", "siglip_vision_model", "deit", "vit_mae", 
 TIME_SERIES = {"time_series_transformer", "informer"}
 #: Language models with an image tower, compared with an image in each row: how many tokens an image
 #: of 32 × 32 pixels (16 patches) gives.
+#: Gemma 3 with an image: 4 × 4 patches pooled to 2 × 2 tokens (the image token's id 90).
+GEMMA3_IMAGE = {"image_token_id": 90, "mm_tokens_per_image": 4}
 IMAGE_TOKENS = {"llava": 16, "vipllava": 16, "paligemma": 16, "deepseek_vl": 16, "gemma3": 4, "cohere2_vision": 4}
 #: Dual encoders (a text tower and an image tower, run together): padded token ids and two 32 × 32 images.
 DUAL_ENCODERS = {"align", "altclip", "chinese_clip", "clip", "clipseg", "metaclip_2", "siglip", "siglip2",
@@ -498,6 +500,8 @@ COMPOSITES: dict[str, tuple[dict[str, Any], bool]] = {
     "vipllava": ({"image_token_id": 90, "vision_feature_layers": [-2, -1]}, False),
     "paligemma": ({"image_token_id": 90, "projection_dim": 64}, False),
     "cohere2_vision": ({"image_token_id": 90, "alignment_intermediate_size": 128}, False),
+    # its image's tokens attend to each other both ways (token_type_ids): HF's mask alone there (hf_structure)
+    "gemma3": (GEMMA3_IMAGE, False),
     **dict.fromkeys(("idefics3", "llava_next", "llava_next_video", "llava_onevision", "modernvbert", "smolvlm",
                      "video_llava"), ({}, False)),
     "granite_docling": ({"vision_config": {"out_hidden_size": 64}}, False),  # its tower's width is the text's
@@ -507,9 +511,6 @@ COMPOSITES: dict[str, tuple[dict[str, Any], bool]] = {
 #: The other types whose attention modules are all registered classes, each with why it is not compared
 #: (the meta pass requires every wrapper-route type to be in :data:`ZOO`, :data:`COMPOSITES` or here).
 COMPOSITES_UNCOMPARED = {
-    "gemma3": "patched differs from eager by 9.3e-2 (relative, real tokens) with an image: its mask lets an image's "
-              "tokens attend to each other both ways (token_type_ids), and the wrappers keep their own causal rule "
-              "on top of HF's mask (test_gemma3_with_an_image_is_not_exact); exact on text alone",
     "pi0": "needs inputs of its own: action_embeds with the images and text of its PaliGemma",
     "vibevoice": "not tiny: 1031M parameters with every sub-config at the tiny sizes (its diffusion head and "
                  "acoustic tokenizer left at their defaults)",
@@ -566,13 +567,51 @@ def test_composite_of_accepted_classes_is_exact(model_type: str) -> None:
     assert compare_composite(model_type) == "exact"
 
 
-def test_gemma3_with_an_image_is_not_exact() -> None:
-    """Why :data:`COMPOSITES_UNCOMPARED` holds Gemma 3: with an image, HF's mask lets the image's tokens
-    attend to each other both ways (``token_type_ids``), and the wrappers still apply their own causal
-    rule on top of it; on text alone it is exact. When this fails, move Gemma 3 into :data:`COMPOSITES`."""
-    extra = {"image_token_id": 90, "mm_tokens_per_image": 4}  # 4 × 4 patches pooled to 2 × 2 tokens
-    assert compare_composite("gemma3", extra).startswith("wrong")
-    assert compare_composite("gemma3", extra, lambda model_type, side: _inputs("llama", side)) == "exact"  # text
+def test_gemma3_with_an_image_is_exact_with_and_without_token_types() -> None:
+    """Gemma 3's mask with ``token_type_ids`` lets an image's tokens attend to each other both ways (the
+    wrappers attend with HF's mask alone there: multihead.interop.hf_structure); without them, causally."""
+    assert compare_composite("gemma3") == "exact"
+    assert compare_composite("gemma3", GEMMA3_IMAGE, lambda model_type, side: {
+        k: v for k, v in _inputs(model_type, side).items() if k != "token_type_ids"}) == "exact"
+
+
+def test_the_layers_causal_rule_on_top_of_gemma3s_image_mask_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted: the wrappers' old reading, the layer's causal rule and-ed with HF's mask, removes the
+    image's forward links; the comparison reports it."""
+    monkeypatch.setattr(hf_wrappers, "attend_structure", lambda structure, *_: structure)
+    assert compare_composite("gemma3").startswith("wrong")
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_gemma3_greedy_tokens_with_an_image_equal_unpatched(impl: str) -> None:
+    """``generate`` with an image and ``token_type_ids`` on HF's DynamicCache and on KVCacheAdapter:
+    the unpatched model's tokens, which differ from those of the image attended causally. With SDPA
+    (no mask for a decoded token) the adapter's full-attention layers take the fused step after the
+    image's prefill: a text token decoded after the image is plain causal."""
+    from transformers import AutoModelForCausalLM
+
+    extra = {**GEMMA3_IMAGE, "text_config": {"num_hidden_layers": 4,  # deep enough for the image to choose tokens
+                                             "layer_types": ["sliding_attention", "full_attention"] * 2}}
+    torch.random.default_generator.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build("gemma3", tiny_composite(CONFIG_MAPPING["gemma3"], extra), AutoModelForCausalLM, impl).eval()
+    sharpen(model)
+    ids = torch.tensor([[27, 54, *[90] * 4, 47, 78, 38, 24, 21]])
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": (ids == 90).long(),
+             "pixel_values": _inputs("vit")["pixel_values"][:1]}
+    greedy = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        want = model.generate(**batch, **greedy)
+        causal = model.generate(**{k: v for k, v in batch.items() if k != "token_type_ids"}, **greedy)
+        mh.hf.patch(model, kernel=False)
+        got = model.generate(**batch, **greedy)
+        adapter = mh.hf.KVCacheAdapter(model, max_len=ids.shape[1] + 8)
+        got_adapter = model.generate(**batch, **greedy, cache=adapter)
+    assert not torch.equal(causal, want)  # the image's tokens attending both ways choose other tokens
+    assert torch.equal(got, want)
+    assert torch.equal(got_adapter, want)
+    assert ("fused" in adapter.paths) == (impl == "sdpa"), adapter.paths
 
 
 def _modeling_modules(model_type: str) -> list[Any]:

@@ -26,6 +26,7 @@ from torch import nn
 from ..module import MultiHeadAttention
 from . import hf_cache, hf_mrope, hf_registry
 from .hf_kernel import bool_mask, hf_recording, written_keys
+from .hf_structure import attend_structure
 from .hf_weights import to_hf
 
 __all__ = ["PatchedAttention", "MRopeWrapper", "WRAPPERS", "cache_argument", "self_attention_cache",
@@ -119,8 +120,15 @@ class PatchedAttention(nn.Module):
         if self.packing is not None:  # the real tokens of a padded batch, one text per sequence
             return layer(x, positions=self.packing, packed=True), None
         if cache is None:
-            result = layer(x, mask=mask, positions=at, return_weights=want)
-            return result if isinstance(result, tuple) else (result, None)
+            structure = attend_structure(layer.structure, attention_mask, mask, x.shape[1])
+            if structure == layer.structure:
+                result = layer(x, mask=mask, positions=at, return_weights=want)
+                return result if isinstance(result, tuple) else (result, None)
+            # HF's mask allows what the layer's rule hides (an image's tokens both ways): the mask alone
+            q, k, v = layer.split(*layer.project(x))  # (B, H, S, D), (B, Hkv, S, D) ×2
+            q, k = layer.rotate(q, k, at)
+            heads, weights = layer.attend(q, k, v, mask=mask, structure=structure, return_weights=want)
+            return layer.output(heads), weights  # (B, S, E)
         if hf_cache.is_adapter(cache) and not want:  # our own cached call (fused when it can) where HF's allows
             y = hf_cache.own_step(layer, self.layer_idx, cache, x, mask, positions)
             if y is not None:
@@ -130,7 +138,9 @@ class PatchedAttention(nn.Module):
         # The HF cache stores (B, Hkv, Sk, D) keys after RoPE, as our KVCache does.
         k, v = self._from_cache(*cache.update(*self._to_cache(k, v), self.layer_idx, kwargs=kwargs))  # (B, Hkv, Sk, D)
         mask, n = written_keys(mask, q.shape[2], k.shape[2], layer.causal)
-        heads, weights = layer.attend(q, k[:, :, :n], v[:, :, :n], mask=mask, return_weights=want, cached=True)
+        structure = attend_structure(layer.structure, attention_mask, mask, q.shape[2])
+        heads, weights = layer.attend(q, k[:, :, :n], v[:, :, :n], mask=mask, structure=structure,
+                                      return_weights=want, cached=True)
         return layer.output(heads), weights  # (B, S, E)
 
     def wants_weights(self, output_attentions: bool | None, kwargs: dict[str, Any]) -> bool:
@@ -243,11 +253,14 @@ class MRopeWrapper(PatchedAttention):
         q, k, v = layer.split(*layer.project(x))  # (B, H, S, D), (B, Hkv, S, D) ×2
         q, k = layer.rotate(q, k, rows)  # M-RoPE: each frequency slot at its section's row
         if cache is None:
-            heads, weights = layer.attend(q, k, v, mask=mask, return_weights=want)
+            structure = attend_structure(layer.structure, attention_mask, mask, q.shape[2])
+            heads, weights = layer.attend(q, k, v, mask=mask, structure=structure, return_weights=want)
         else:
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)  # (B, Hkv, Sk, D), in place on ours
             mask, n = written_keys(mask, q.shape[2], k.shape[2], layer.causal)
-            heads, weights = layer.attend(q, k[:, :, :n], v[:, :, :n], mask=mask, return_weights=want, cached=True)
+            structure = attend_structure(layer.structure, attention_mask, mask, q.shape[2])
+            heads, weights = layer.attend(q, k[:, :, :n], v[:, :, :n], mask=mask, structure=structure,
+                                          return_weights=want, cached=True)
         return layer.output(heads), weights  # (B, S, E)
 
 
@@ -304,10 +317,11 @@ class _Llama4Wrapper(_LlamaWrapper):
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)  # (B, Hkv, Sk, D)
         mask, n = written_keys(mask, s, k.shape[2], layer.causal)
+        structure = attend_structure(layer.structure, attention_mask, mask, s)
         if mask is None and self.chunk is not None:
             mask = self._chunks(past, s, n, x.device)
-        heads, weights = layer.attend(q, k[:, :, :n], v[:, :, :n], mask=mask, return_weights=want,
-                                      cached=cache is not None)
+        heads, weights = layer.attend(q, k[:, :, :n], v[:, :, :n], mask=mask, structure=structure,
+                                      return_weights=want, cached=cache is not None)
         return layer.output(heads), weights  # (B, S, E)
 
     def _plain(self, past: Any, s: int) -> bool:

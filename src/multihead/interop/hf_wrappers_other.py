@@ -26,6 +26,7 @@ from ..latent import MultiHeadLatentAttention
 from ..masks import Structure
 from ..module import MultiHeadAttention
 from .hf_kernel import bool_mask, written_keys
+from .hf_structure import attend_structure, exceeds, hides_keys
 from .hf_wrappers import PatchedAttention, cache_argument, call_positions, self_attention_cache
 
 __all__ = ["LatentWrapper", "WRAPPERS"]
@@ -335,13 +336,29 @@ class LatentWrapper(PatchedAttention):
         q_nope, q_rot, entries = layer.project(hidden_states, positions)  # entries (B, S, r + dr)
         if cache is None:
             mask = bool_mask(attention_mask, hidden_states.shape[1])
+            self._check_causal(attention_mask, mask, hidden_states.shape[1])
             return layer.output(layer.attend_decompressed(q_nope, q_rot, entries, mask)), None
         r = layer.kv_lora_rank
         latent, k_rot = cache.update(entries[:, None, :, :r], entries[:, None, :, r:], self.layer_idx,
                                      kwargs=kwargs)  # (B, 1, Sk, r), (B, 1, Sk, dr)
         held = torch.cat((latent, k_rot), dim=-1)[:, 0]  # (B, Sk, r + dr)
         mask, n = written_keys(bool_mask(attention_mask), hidden_states.shape[1], held.shape[1], True)
+        self._check_causal(attention_mask, mask, hidden_states.shape[1])  # (the call's keys are written by then)
         return layer.output(layer.attend_absorbed(q_nope, q_rot, held[:, :n], mask)), None
+
+    def _check_causal(self, attention_mask: torch.Tensor | None, mask: torch.Tensor | None, sq: int) -> None:
+        """Refuse, by name, HF's mask ``mask`` (B|1, 1|H, S, Sk) where it lets a query see a later key:
+        the latent layer always applies its causal rule (:func:`~multihead.interop.hf_structure.attend_structure`)."""
+        causal = Structure(causal=True)
+        if mask is None or not hides_keys(causal, sq, mask.shape[-1]):
+            return
+        why = (f"a patched {type(self.original).__name__} (multi-head latent attention) always attends causally, "
+               "and HF's attention_mask lets a query attend to later keys (bidirectional tokens, as Gemma 3's "
+               "images are): not supported; run the model unpatched or with a causal mask")
+        if torch.compiler.is_compiling():  # traced: a device assertion, no value read back
+            torch._assert_async(~exceeds(mask, causal, sq), why)
+        elif attend_structure(causal, attention_mask, mask, sq) != causal:
+            raise ValueError(why)
 # ---- end DeepSeek ------------------------------------------------------------------------------
 
 
