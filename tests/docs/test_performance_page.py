@@ -84,3 +84,17 @@ def test_the_readme_flex_table_is_its_results_file() -> None:
         assert row in readme, row
         shown += 1
     assert shown == 6
+
+
+def test_the_performance_page_families_block_is_its_results_file() -> None:
+    """The per-family decoding table on the performance page: its JSON as ``multihead bench --hf-generate
+    --families`` prints it, every family's logits and greedy tokens equal to Hugging Face's."""
+    import json
+
+    from multihead.tools.bench_hf_families import format_hf_families
+
+    result = json.loads((ROOT / "docs" / "results" / "hf_generate_families" / "intel-xeon-amx.json")
+                        .read_text("utf-8"))
+    page = (ROOT / "docs" / "performance.md").read_text("utf-8")
+    assert f"```text\n{format_hf_families(result)}\n```" in page
+    assert not result["mismatches"] and not result["failed"]
