@@ -194,7 +194,6 @@ FUSED_CONDITIONS: tuple[tuple[str, Check], ...] = (
     ("a mask_mod, block_mask, bias or score_mod given (the core attention step takes them)",
      lambda layer, x, c, kw: all(kw.get(name) is None for name in PROGRAMMABLE)),
     ("the layer is watched (multihead.trace or multihead.heads.capture)", lambda layer, x, c, kw: layer.watch is None),
-    ("the layer has a sliding window", lambda layer, x, c, kw: layer.window is None),
     ("the layer has soft-capping, ALiBi or sinks",
      lambda layer, x, c, kw: layer.softcap is None and layer.alibi_slopes is None and layer.sinks is None),
     ("the layer's QK-norm is not per head (qk_norm 'head' or 'head_after_rope') in plain RMSNorm modules with one "
@@ -286,7 +285,8 @@ def fused_step(layer: Layer, x: torch.Tensor, cache: KVCache, *, checked: bool =
         y = torch.ops.multihead.decode_step(x2, [p.weight for p in projs], [p.bias for p in projs], cos, sin,
                                             rotary_dim, interleaved, cache.k, cache.v, cache.lengths,
                                             layer.num_heads, layer.num_kv_heads, layer.head_dim,
-                                            float(layer.scale), *_norm_operands(layer))  # (B, E)
+                                            float(layer.scale), *_norm_operands(layer),
+                                            window=layer.window)  # (B, E)
         cache.commit([1] * b)
     except BaseException:
         cache.k[slots] = saved[0]
@@ -332,11 +332,11 @@ class FusedStep:
         lengths, slot_pos = cache.native_counters()
         step = cache.fused
         if (isinstance(step, FusedStep) and step._layer() is layer and step.plan.key == native.StepPlan.key_of(
-                b, layers, tables, cache.k, cache.v, lengths, slot_pos, x.dtype, shape, norm)):
+                b, layers, tables, cache.k, cache.v, lengths, slot_pos, x.dtype, shape, norm, layer.window)):
             return step
         plan = native.StepPlan(b, layers, num_heads=shape[0], num_kv_heads=shape[1], head_dim=shape[2], rope=tables,
                                cache_k=cache.k, cache_v=cache.v, lengths=lengths, slot_pos=slot_pos, scale=shape[3],
-                               dtype=x.dtype, norm=norm)
+                               dtype=x.dtype, norm=norm, window=layer.window)
         step = FusedStep(layer, cache, plan)
         cache.fused = step
         return step

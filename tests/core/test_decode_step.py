@@ -59,8 +59,6 @@ BREAKS: dict[str, Callable[[], tuple]] = {
         lay, torch.randn(2, 1, 64), _prefilled(lay)[0], {"mask_mod": lambda b, h, q, kv: kv >= 0}))(_layer()),
     "the layer is watched": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay)[0], {}))(
         _watched(_layer())),
-    "sliding window": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay, ring=False)[0], {}))(
-        _layer(window=4)),
     "soft-capping, ALiBi or sinks": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay)[0], {}))(
         _layer(softcap=30.0)),
     "QK-norm is not per head": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay)[0], {}))(
@@ -145,6 +143,35 @@ def test_with_every_condition_met_the_step_runs_and_equals_the_step_by_step_path
     assert cache.host_lengths() == twin_cache.host_lengths() == [9, 9]
     assert torch.equal(cache.lengths, twin_cache.lengths) and torch.equal(cache.slot_pos, twin_cache.slot_pos)
     torch.testing.assert_close(cache.k, twin_cache.k, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not FUSED, reason=f"no AVX-512 or AVX2 native kernel here ({native.status()})")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window", [1, 3, 9, 40])
+def test_a_sliding_window_is_fused_on_a_linear_cache_and_equals_the_step_by_step_path(window: int,
+                                                                                     dtype: torch.dtype) -> None:
+    """A windowed layer (Mistral, Gemma 2/3, Cohere 2, EXAONE 4) on a linear cache: the fused step
+    attends to each row's last ``window`` keys, as the step-by-step path does, over several steps
+    that carry the cache past the window; a ring cache stays refused by name."""
+    layer = _layer(window=window, dtype=dtype)
+    cache, _ = _prefilled(layer, ring=False)
+    twin = _layer(window=window, dtype=dtype)  # the same weights and prompt (the seed is set again)
+    twin_cache, _ = _prefilled(twin, ring=False)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for step in range(4):
+        token = torch.randn(2, 1, 64, dtype=dtype)
+        assert decode.why_not_fused(layer, token, cache) is None
+        with torch.no_grad():
+            got = layer(token, cache=cache)
+            want = twin(token, cache=twin_cache, positions=torch.tensor([8 + step]))  # positions: not fused
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    if window < 12 and dtype == torch.float32:  # a planted difference: the step must see the window (12 keys held)
+        layer.window = None
+        cache.crop(11)
+        with torch.no_grad():
+            assert (layer(token, cache=cache) - got).abs().max() > 10 * tol
+    ring_layer = _layer(window=4)
+    assert "a ring cache" in decode.why_not_fused(ring_layer, torch.randn(2, 1, 64), _prefilled(ring_layer)[0])
 
 
 #: QK-norms the fused step computes (per head, before or after RoPE, Gemma's 1 + w), each with weights

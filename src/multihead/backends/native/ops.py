@@ -401,12 +401,13 @@ def decode_step(x: Tensor, weights: list[Tensor], biases: list[Optional[Tensor]]
                 sin: Optional[Tensor], rotary_dim: int, interleaved: bool, cache_k: Tensor, cache_v: Tensor,
                 lengths: Tensor, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                 q_norm: Optional[Tensor] = None, k_norm: Optional[Tensor] = None, norm_eps: float = 0.0,
-                norm_mode: int = 0) -> Tensor:
+                norm_mode: int = 0, window: Optional[int] = None) -> Tensor:
     """A whole decoding step (:func:`multihead.backends.native.decode_step`): ``y (B, E)``.
 
     Writes each row's new K and V into ``cache_k``/``cache_v`` (B, Hkv, C, D) at slot
     ``lengths[b]``; ``lengths`` is read, never written (the caller commits it). A QK-norm per
     head: its q and k weights (D,), eps and mode (:data:`.step.NORM_MODES`); ``norm_mode`` 0: none.
+    ``window``: a sliding window (a linear cache's keys), or None.
     """
     rope = None if cos is None or sin is None else (cos, sin, rotary_dim, interleaved)
     norm = None
@@ -414,7 +415,7 @@ def decode_step(x: Tensor, weights: list[Tensor], biases: list[Optional[Tensor]]
         norm = (q_norm, k_norm, norm_eps, norm_mode)
     return step.decode_step(x, list(zip(weights, biases)), num_heads=num_heads, num_kv_heads=num_kv_heads,
                             head_dim=head_dim, rope=rope, cache_k=cache_k, cache_v=cache_v, lengths=lengths,
-                            scale=scale, norm=norm)  # type: ignore[arg-type]
+                            scale=scale, norm=norm, window=window)  # type: ignore[arg-type]
 
 
 @decode_step.register_fake
@@ -422,7 +423,7 @@ def _decode_step_fake(x: Tensor, weights: list[Tensor], biases: list[Optional[Te
                       sin: Optional[Tensor], rotary_dim: int, interleaved: bool, cache_k: Tensor, cache_v: Tensor,
                       lengths: Tensor, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                       q_norm: Optional[Tensor] = None, k_norm: Optional[Tensor] = None, norm_eps: float = 0.0,
-                      norm_mode: int = 0) -> Tensor:
+                      norm_mode: int = 0, window: Optional[int] = None) -> Tensor:
     return x.new_empty(x.shape)
 
 

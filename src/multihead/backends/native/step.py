@@ -84,6 +84,7 @@ def decode_step(
     lengths: torch.Tensor,
     scale: float,
     norm: Norm | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """A whole decoding step of a layer in one call (one token per row, B ≤ :data:`MAX_STEP_ROWS`).
 
@@ -104,6 +105,9 @@ def decode_step(
             int64, contiguous (read only).
         norm: QK-norm per head, ``(q weight (D,), k weight (D,), eps, mode)`` (:data:`Norm`),
             as :class:`multihead.RMSNorm` computes it in float32, or None.
+        window: a sliding window (each row's query sees its last ``window`` keys, itself
+            included, as :class:`multihead.masks.Structure`), or None. The cache's slots must
+            hold positions 0 .. lengths[b] (a linear cache, not a ring).
 
     Returns:
         y: (B, E) in x's dtype.
@@ -111,6 +115,7 @@ def decode_step(
     _check_step_dtypes(x, layers, rope, cache_k, cache_v)
     _check_step_shapes(x, layers, num_heads, num_kv_heads, head_dim, rope, cache_k, cache_v, lengths)
     norm_args = _checked_norm(norm, x.dtype, head_dim)
+    win = _window_argument(window)
     lib = require()
     b, e = x.shape
     y = torch.empty((b, e), dtype=x.dtype)
@@ -119,7 +124,7 @@ def decode_step(
         ptr(x), b, e, pointers([w for w, _ in layers]), pointers([bias for _, bias in layers]),
         num_heads, num_kv_heads, head_dim, ptr(cos), ptr(sin), rotary_dim, int(interleaved), *norm_args,
         ptr(cache_k), ptr(cache_v), tuple(cache_k.stride()[:3]), lengths.data_ptr(),
-        float(scale), ptr(y), None, torch.get_num_threads(), None, 0, 0)
+        float(scale), win, ptr(y), None, torch.get_num_threads(), None, 0, 0)
     if code == -1:
         raise MemoryError("the native decoding step could not allocate its buffers")
     if code != 0:
@@ -151,9 +156,9 @@ class StepPlan:
     def __init__(self, rows: int, layers: list[tuple[torch.Tensor, torch.Tensor | None]], *, num_heads: int,
                  num_kv_heads: int, head_dim: int, rope: tuple[torch.Tensor, torch.Tensor, int, bool] | None,
                  cache_k: torch.Tensor, cache_v: torch.Tensor, lengths: torch.Tensor, slot_pos: torch.Tensor,
-                 scale: float, dtype: torch.dtype, norm: Norm | None = None) -> None:
+                 scale: float, dtype: torch.dtype, norm: Norm | None = None, window: int | None = None) -> None:
         self.key = StepPlan.key_of(rows, layers, rope, cache_k, cache_v, lengths, slot_pos, dtype,
-                                   (num_heads, num_kv_heads, head_dim, float(scale)), norm)
+                                   (num_heads, num_kv_heads, head_dim, float(scale)), norm, window)
         #: Every tensor the plan points into, in a fixed order (the cache's four last), held so
         #: that their storage lives as long as the plan.
         self.tensors: tuple[torch.Tensor, ...] = tuple(t for t in (
@@ -169,18 +174,19 @@ class StepPlan:
         self._args = (rows, e, pointers([w for w, _ in layers]), pointers([b for _, b in layers]), num_heads,
                       num_kv_heads, head_dim, ptr(cos), ptr(sin), rotary_dim, int(interleaved),
                       *_norm_arguments(norm), ptr(cache_k), ptr(cache_v), tuple(cache_k.stride()[:3]),
-                      lengths.data_ptr(), float(scale))
+                      lengths.data_ptr(), float(scale), _window_argument(window))
         self._counters = (slot_pos.data_ptr(), slot_pos.stride(0), slot_pos.shape[1])
 
     @staticmethod
     def key_of(rows: int, layers: list[tuple[torch.Tensor, torch.Tensor | None]],
                rope: tuple[torch.Tensor, torch.Tensor, int, bool] | None, cache_k: torch.Tensor,
                cache_v: torch.Tensor, lengths: torch.Tensor, slot_pos: torch.Tensor, dtype: torch.dtype,
-               shape: tuple[int, int, int, float], norm: Norm | None = None) -> tuple[object, ...]:
+               shape: tuple[int, int, int, float], norm: Norm | None = None,
+               window: int | None = None) -> tuple[object, ...]:
         """What a plan's arguments depend on: data pointers, strides, rows, dtype, threads,
-        ``shape`` (H, Hkv, D, scale): the layer's, which a user may reassign (``layer.scale``),
-        and the QK-norm's weights' pointers, eps and mode."""
-        return (rows, dtype, torch.get_num_threads(), shape, _norm_arguments(norm),
+        ``shape`` (H, Hkv, D, scale) and ``window``: the layer's, which a user may reassign
+        (``layer.scale``), and the QK-norm's weights' pointers, eps and mode."""
+        return (rows, dtype, torch.get_num_threads(), shape, window, _norm_arguments(norm),
                 *(ptr(t) for pair in layers for t in pair),
                 None if rope is None else (rope[0].data_ptr(), rope[1].data_ptr(), rope[2], rope[3]),
                 cache_k.data_ptr(), cache_v.data_ptr(), cache_k.stride(), lengths.data_ptr(), slot_pos.data_ptr(),
@@ -268,6 +274,15 @@ def _check_step_dtypes(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.T
     for name, t in zip(("cos", "sin"), rope[:2] if rope is not None else ()):
         if t.dtype != torch.float32:
             raise TypeError(f"the RoPE table {name} must be float32, got {t.dtype}")
+
+
+def _window_argument(window: int | None) -> int:
+    """The kernel's window argument (0: none), a window checked first: None or an int >= 1."""
+    if window is None:
+        return 0
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be None or an int >= 1, got {window!r}")
+    return window
 
 
 def _norm_arguments(norm: Norm | None) -> tuple[tuple[int, int] | None, float, int]:

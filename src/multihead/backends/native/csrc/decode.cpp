@@ -1020,9 +1020,11 @@ template <class T>
 int decode_step(const T* x, int64_t B, int64_t E, const T* const* W, const T* const* bias, int64_t H, int64_t Hkv,
                 int64_t D, const float* rope_cos, const float* rope_sin, int64_t rotary_dim, int interleaved,
                 const T* const* norms, float norm_eps, int norm_mode, T* cache_k, T* cache_v,
-                const int64_t* cache_strides, int64_t* lengths, float scale, T* y, T* saved, int threads,
-                int64_t* slot_pos, int64_t slot_ld, int64_t capacity) {
-    if (B < 1 || B > MAX_STEP_ROWS || Hkv < 1 || H % Hkv != 0 || D < 1 || rotary_dim % 2 != 0 || rotary_dim > D) return -2;
+                const int64_t* cache_strides, int64_t* lengths, float scale, int64_t window, T* y, T* saved,
+                int threads, int64_t* slot_pos, int64_t slot_ld, int64_t capacity) {
+    if (B < 1 || B > MAX_STEP_ROWS || Hkv < 1 || H % Hkv != 0 || D < 1 || rotary_dim % 2 != 0 || rotary_dim > D ||
+        window < 0)
+        return -2;
     const int norm_at = norm_mode & 3;  // 0: no QK-norm, 1: before RoPE, 2: after it
     if (norm_at == 3 || (norm_mode & ~7) || (norm_at && (!norms || !norms[0] || !norms[1] || !(norm_eps > 0.f))))
         return -2;
@@ -1074,7 +1076,7 @@ int decode_step(const T* x, int64_t B, int64_t E, const T* const* W, const T* co
         P.os[0] = H * D; P.os[1] = D; P.os[2] = H * D;
         P.scale = scale * 1.4426950408889634f;
         P.causal = true;
-        P.window = 0;
+        P.window = window;  // 0: none; else keys [position - window + 1, position] (span)
     }
     int failed = 0;
 #pragma omp parallel num_threads(threads)
@@ -1172,10 +1174,10 @@ extern "C" int mh_decode_step_f32(
     const float* x, int64_t B, int64_t E, const float* const* W, const float* const* bias, int64_t H,
     int64_t Hkv, int64_t D, const float* rope_cos, const float* rope_sin, int64_t rotary_dim, int interleaved,
     const float* const* norms, float norm_eps, int norm_mode, float* cache_k, float* cache_v,
-    const int64_t* cache_strides, int64_t* lengths, float scale, float* y, float* saved, int threads,
+    const int64_t* cache_strides, int64_t* lengths, float scale, int64_t window, float* y, float* saved, int threads,
     int64_t* slot_pos, int64_t slot_ld, int64_t capacity) {
     return decode_step<float>(x, B, E, W, bias, H, Hkv, D, rope_cos, rope_sin, rotary_dim, interleaved, norms,
-                              norm_eps, norm_mode, cache_k, cache_v, cache_strides, lengths, scale, y, saved,
+                              norm_eps, norm_mode, cache_k, cache_v, cache_strides, lengths, scale, window, y, saved,
                               threads, slot_pos, slot_ld, capacity);
 }
 
@@ -1184,14 +1186,14 @@ extern "C" int mh_decode_step_bf16(
     const void* x, int64_t B, int64_t E, const void* const* W, const void* const* bias, int64_t H,
     int64_t Hkv, int64_t D, const float* rope_cos, const float* rope_sin, int64_t rotary_dim, int interleaved,
     const void* const* norms, float norm_eps, int norm_mode, void* cache_k, void* cache_v,
-    const int64_t* cache_strides, int64_t* lengths, float scale, void* y, void* saved, int threads,
+    const int64_t* cache_strides, int64_t* lengths, float scale, int64_t window, void* y, void* saved, int threads,
     int64_t* slot_pos, int64_t slot_ld, int64_t capacity) {
     return decode_step<bf16>(static_cast<const bf16*>(x), B, E, reinterpret_cast<const bf16* const*>(W),
                              reinterpret_cast<const bf16* const*>(bias), H, Hkv, D, rope_cos, rope_sin, rotary_dim,
                              interleaved, reinterpret_cast<const bf16* const*>(norms), norm_eps, norm_mode,
                              static_cast<bf16*>(cache_k), static_cast<bf16*>(cache_v), cache_strides,
-                             lengths, scale, static_cast<bf16*>(y), static_cast<bf16*>(saved), threads, slot_pos,
-                             slot_ld, capacity);
+                             lengths, scale, window, static_cast<bf16*>(y), static_cast<bf16*>(saved), threads,
+                             slot_pos, slot_ld, capacity);
 }
 
 // As mh_decode_step_f32 with x, weights, biases, cache and y float16 (uint16 bits); RoPE float32.
@@ -1199,12 +1201,12 @@ extern "C" int mh_decode_step_f16(
     const void* x, int64_t B, int64_t E, const void* const* W, const void* const* bias, int64_t H,
     int64_t Hkv, int64_t D, const float* rope_cos, const float* rope_sin, int64_t rotary_dim, int interleaved,
     const void* const* norms, float norm_eps, int norm_mode, void* cache_k, void* cache_v,
-    const int64_t* cache_strides, int64_t* lengths, float scale, void* y, void* saved, int threads,
+    const int64_t* cache_strides, int64_t* lengths, float scale, int64_t window, void* y, void* saved, int threads,
     int64_t* slot_pos, int64_t slot_ld, int64_t capacity) {
     return decode_step<f16>(static_cast<const f16*>(x), B, E, reinterpret_cast<const f16* const*>(W),
                             reinterpret_cast<const f16* const*>(bias), H, Hkv, D, rope_cos, rope_sin, rotary_dim,
                             interleaved, reinterpret_cast<const f16* const*>(norms), norm_eps, norm_mode,
                             static_cast<f16*>(cache_k), static_cast<f16*>(cache_v), cache_strides,
-                            lengths, scale, static_cast<f16*>(y), static_cast<f16*>(saved), threads, slot_pos,
+                            lengths, scale, window, static_cast<f16*>(y), static_cast<f16*>(saved), threads, slot_pos,
                             slot_ld, capacity);
 }
