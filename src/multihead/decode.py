@@ -146,6 +146,13 @@ def _norm_modules(layer: Layer) -> tuple[RMSNorm, RMSNorm] | None:
     return mods["q_norm"], mods["k_norm"]  # type: ignore[return-value]
 
 
+def _norm_weight(norm: RMSNorm) -> torch.Tensor | None:
+    """A QK-norm's weight: its parameter, or the ones buffer of a weightless norm (Llama 4's L2 norm,
+    :func:`multihead.interop.hf_weights.convert`), or None."""
+    weight = norm._parameters.get("weight")
+    return weight if weight is not None else norm._buffers.get("weight")
+
+
 def _plain_norm(layer: Layer, x: torch.Tensor) -> bool:
     """No QK-norm, or one the kernel computes as the layer would: per head over D (before or after
     RoPE), both norms plain :class:`~multihead.RMSNorm` modules with no hooks, one eps and offset,
@@ -156,7 +163,7 @@ def _plain_norm(layer: Layer, x: torch.Tensor) -> bool:
     if layer.qk_norm not in _NORM_MODE:
         return False
     q_norm, k_norm = norms
-    weights = [m._parameters.get("weight") for m in norms]
+    weights = [_norm_weight(m) for m in norms]
     return (all(type(m) is RMSNorm and _unhooked(m) for m in norms)
             and q_norm.eps == k_norm.eps and q_norm.offset == k_norm.offset
             and all(w is not None and tuple(w.shape) == (layer.head_dim,) and w.is_contiguous()
@@ -170,8 +177,7 @@ def _step_norm(layer: Layer) -> native.Norm | None:
         return None
     q_norm, k_norm = norms
     mode = _NORM_MODE[layer.qk_norm] | (4 if q_norm.offset else 0)  # type: ignore[index]
-    return (q_norm._parameters["weight"], k_norm._parameters["weight"],  # type: ignore[return-value]
-            float(q_norm.eps), mode)
+    return (_norm_weight(q_norm), _norm_weight(k_norm), float(q_norm.eps), mode)  # type: ignore[return-value]
 
 
 #: A fused step ready to run on x (B, 1, E): y (B, 1, E).

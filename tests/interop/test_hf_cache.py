@@ -291,8 +291,11 @@ def test_an_adapter_for_fewer_layers_is_refused_and_no_layer_changes(patched: bo
 @pytest.mark.parametrize("model_type, extra", [
     ("qwen3", {}),
     ("hunyuan_v1_dense", {"head_dim": 16, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0,
-                                                              "alpha": 50.0, "factor": 1.0}})])
+                                                              "alpha": 50.0, "factor": 1.0}}),
+    ("llama4_text", {"head_dim": 16, "num_local_experts": 2, "intermediate_size_mlp": 32, "no_rope_layers": [1, 1],
+                     "use_qk_norm": True})])
 def test_families_with_a_qk_norm_per_head_take_the_fused_step_with_hf_tokens(model_type: str, extra: dict) -> None:
-    """Qwen3's q/k RMSNorm before RoPE and HunYuan's after it run inside the one-call step."""
+    """Qwen3's q/k RMSNorm before RoPE, HunYuan's after it and Llama 4's weightless L2 norm (our weight
+    ones, a buffer) run inside the one-call step."""
     cache = _same_tokens_as_hf(_model(model_type, **extra), _prompts(padded=False))
     assert cache.paths == ["fused", "fused"]
