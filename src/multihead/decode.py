@@ -135,7 +135,7 @@ def _plain_rope(layer: Layer, cache: KVCache) -> bool:
 
 
 #: The kernel's QK-norm mode per ``qk_norm`` placement it runs: per head, before or after RoPE.
-_NORM_MODE = {"head": 1, "head_after_rope": 2}
+_NORM_MODE = {"head": 1, "head_after_rope": 2, "proj": 3}
 
 
 def _norm_modules(layer: Layer) -> tuple[RMSNorm, RMSNorm] | None:
@@ -163,11 +163,12 @@ def _plain_norm(layer: Layer, x: torch.Tensor) -> bool:
     if layer.qk_norm not in _NORM_MODE:
         return False
     q_norm, k_norm = norms
-    weights = [_norm_weight(m) for m in norms]
+    d = layer.head_dim
+    sizes = (layer.num_heads * d, layer.num_kv_heads * d) if layer.qk_norm == "proj" else (d, d)
     return (all(type(m) is RMSNorm and _unhooked(m) for m in norms)
             and q_norm.eps == k_norm.eps and q_norm.offset == k_norm.offset
-            and all(w is not None and tuple(w.shape) == (layer.head_dim,) and w.is_contiguous()
-                    and w.dtype == x.dtype and w.is_cpu for w in weights))
+            and all(w is not None and tuple(w.shape) == (n,) and w.is_contiguous() and w.dtype == x.dtype
+                    and w.is_cpu for w, n in zip(map(_norm_weight, norms), sizes)))
 
 
 def _step_norm(layer: Layer) -> native.Norm | None:
@@ -202,8 +203,9 @@ FUSED_CONDITIONS: tuple[tuple[str, Check], ...] = (
     ("the layer is watched (multihead.trace or multihead.heads.capture)", lambda layer, x, c, kw: layer.watch is None),
     ("the layer has soft-capping, ALiBi or sinks",
      lambda layer, x, c, kw: layer.softcap is None and layer.alibi_slopes is None and layer.sinks is None),
-    ("the layer's QK-norm is not per head (qk_norm 'head' or 'head_after_rope') in plain RMSNorm modules with one "
-     "eps and contiguous (D,) weights of the input's dtype", lambda layer, x, c, kw: _plain_norm(layer, x)),
+    ("the layer's QK-norm is not one the step computes (qk_norm 'head', 'head_after_rope' or 'proj', in plain "
+     "RMSNorm modules with one eps and contiguous weights of the input's dtype)",
+     lambda layer, x, c, kw: _plain_norm(layer, x)),
     ("a ring cache", lambda layer, x, c, kw: not c.ring),
     ("dropout in training mode", lambda layer, x, c, kw: not (layer.training and layer.dropout > 0)),
     ("a backend other than auto or native", lambda layer, x, c, kw: layer.backend in (None, "auto", "native")),

@@ -415,9 +415,10 @@ static int step_case(int kind) {
     const float* cp = R ? cos.data() : nullptr;
     const float* sp = R ? sin.data() : nullptr;
     const int inter = int(next() % 2);
-    // QK-norm: none, before or after RoPE, its scale w or 1 + w; weights of exactly D
-    const int norm_mode = int(next() % 3) | (next() % 2 ? 4 : 0);
-    std::vector<float> qn = randoms(D), kn = randoms(D);
+    // QK-norm: none, per head before or after RoPE (weights of exactly D), or across the projection
+    // before it (weights of exactly H·D and Hkv·D); its scale w or 1 + w
+    const int norm_mode = int(next() % 4) | (next() % 2 ? 4 : 0);
+    std::vector<float> qn = randoms((norm_mode & 3) == 3 ? H * D : D), kn = randoms((norm_mode & 3) == 3 ? Hkv * D : D);
     const float* norms[2] = {qn.data(), kn.data()};
     const int64_t window = next() % 2 ? 0 : pick(1, C);  // none, or a sliding window of 1 .. C keys
     int code;

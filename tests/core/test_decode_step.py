@@ -61,8 +61,8 @@ BREAKS: dict[str, Callable[[], tuple]] = {
         _watched(_layer())),
     "soft-capping, ALiBi or sinks": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay)[0], {}))(
         _layer(softcap=30.0)),
-    "QK-norm is not per head": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay)[0], {}))(
-        _layer(qk_norm="proj")),
+    "QK-norm is not one the step computes": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _prefilled(lay)[0], {}))(
+        (lambda lay: (setattr(lay.k_norm, "eps", 1e-3), lay)[1])(_layer(qk_norm="head"))),
     "a ring cache": lambda: (lambda lay: (lay, torch.randn(2, 1, 64), _ring_cache_without_window(lay), {}))(_layer()),
     "dropout in training mode": lambda: (lambda lay: (lay.train(), torch.randn(2, 1, 64), _prefilled(lay)[0], {}))(
         _layer(dropout=0.1)),
@@ -177,14 +177,15 @@ def test_a_sliding_window_is_fused_on_a_linear_cache_and_equals_the_step_by_step
 #: QK-norms the fused step computes (per head, before or after RoPE, Gemma's 1 + w), each with weights
 #: far from one so that a norm skipped, misplaced or read as the other's fails.
 NORMS = {"head": {"qk_norm": "head"}, "head_after_rope": {"qk_norm": "head_after_rope"},
-         "head, offset": {"qk_norm": "head", "norm_offset": True, "norm_eps": 1e-5}}
+         "head, offset": {"qk_norm": "head", "norm_offset": True, "norm_eps": 1e-5},
+         "proj": {"qk_norm": "proj"}, "proj, offset": {"qk_norm": "proj", "norm_offset": True}}
 
 
 def _normed_layer(norm: str, dtype: torch.dtype = torch.float32) -> mh.MultiHeadAttention:
     layer = _layer(**NORMS[norm], dtype=dtype)
     with torch.no_grad():
-        layer.q_norm.weight.copy_(torch.rand(16) * 2 + 0.5)
-        layer.k_norm.weight.copy_(torch.rand(16) * 3 - 1)
+        layer.q_norm.weight.copy_(torch.rand(layer.q_norm.weight.numel()) * 2 + 0.5)  # D, or H·D across heads
+        layer.k_norm.weight.copy_(torch.rand(layer.k_norm.weight.numel()) * 3 - 1)
     return layer
 
 
@@ -209,7 +210,8 @@ def test_a_qk_norm_per_head_is_fused_and_equals_the_step_by_step_path(norm: str,
         twin(token, cache=twin_cache, positions=torch.tensor([8]))
     torch.testing.assert_close(slot, twin_cache.k[:, :, 8], atol=tol, rtol=tol)
     with torch.no_grad():  # a planted difference: the step must see the norm's weight
-        layer.k_norm.weight.neg_()  # every logit's sign flipped
+        layer.k_norm.weight.copy_(-layer.k_norm.weight - (2 if layer.k_norm.offset else 0))  # k's scale negated:
+        # every logit's sign flipped
         cache.crop(8)
         assert (layer(token, cache=cache) - got).abs().max() > 10 * tol
 
@@ -224,7 +226,7 @@ def test_a_qk_norm_the_kernel_cannot_run_as_it_is_is_not_fused() -> None:
         layer = _normed_layer("head")
         cache, token = _prefilled(layer)
         change(layer)
-        assert "QK-norm is not per head" in decode.why_not_fused(layer, token, cache)
+        assert "QK-norm is not one the step computes" in decode.why_not_fused(layer, token, cache)
 
 
 def _stepwise(layer: mh.MultiHeadAttention, cache: mh.KVCache, token: torch.Tensor) -> torch.Tensor:

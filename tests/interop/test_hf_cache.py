@@ -293,9 +293,12 @@ def test_an_adapter_for_fewer_layers_is_refused_and_no_layer_changes(patched: bo
     ("hunyuan_v1_dense", {"head_dim": 16, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0,
                                                               "alpha": 50.0, "factor": 1.0}}),
     ("llama4_text", {"head_dim": 16, "num_local_experts": 2, "intermediate_size_mlp": 32, "no_rope_layers": [1, 1],
-                     "use_qk_norm": True})])
+                     "use_qk_norm": True}),
+    ("olmo2", {}), ("olmo3", {"sliding_window": 40})])
 def test_families_with_a_qk_norm_per_head_take_the_fused_step_with_hf_tokens(model_type: str, extra: dict) -> None:
-    """Qwen3's q/k RMSNorm before RoPE, HunYuan's after it and Llama 4's weightless L2 norm (our weight
-    ones, a buffer) run inside the one-call step."""
+    """Qwen3's q/k RMSNorm before RoPE, HunYuan's after it, Llama 4's weightless L2 norm (our weight
+    ones, a buffer) and OLMo 2's and 3's norm across the whole projection run inside the one-call step
+    (OLMo 3's sliding layers too: transformers passes them no mask while the cache is shorter than the
+    window; past it, its mask sends them the step-by-step way)."""
     cache = _same_tokens_as_hf(_model(model_type, **extra), _prompts(padded=False))
     assert cache.paths == ["fused", "fused"]

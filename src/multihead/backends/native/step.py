@@ -19,12 +19,13 @@ from .loader import require
 
 __all__ = ["MAX_STEP_ROWS", "linear_few_rows", "decode_step", "StepPlan", "Norm", "NORM_MODES"]
 
-#: QK-norm per head in the step: (q weight (D,), k weight (D,), eps, mode), the weights of the
-#: step's dtype; mode (:data:`NORM_MODES`): 1 before RoPE, 2 after it, plus 4 where the scale is
-#: ``1 + weight`` (Gemma's offset).
+#: QK-norm in the step: (q weight, k weight, eps, mode), the weights of the step's dtype; mode
+#: (:data:`NORM_MODES`): 1 per head before RoPE, 2 per head after it (weights (D,) each), 3 across
+#: the whole projection before RoPE (OLMo 2 and 3: weights (H·D,) and (Hkv·D,)), plus 4 where
+#: the scale is ``1 + weight`` (Gemma's offset).
 Norm = tuple[torch.Tensor, torch.Tensor, float, int]
 #: The modes the kernel takes.
-NORM_MODES = (1, 2, 5, 6)
+NORM_MODES = (1, 2, 3, 5, 6, 7)
 
 
 def linear_few_rows(
@@ -114,7 +115,7 @@ def decode_step(
     """
     _check_step_dtypes(x, layers, rope, cache_k, cache_v)
     _check_step_shapes(x, layers, num_heads, num_kv_heads, head_dim, rope, cache_k, cache_v, lengths)
-    norm_args = _checked_norm(norm, x.dtype, head_dim)
+    norm_args = _checked_norm(norm, x.dtype, (num_heads, num_kv_heads, head_dim))
     win = _window_argument(window)
     lib = require()
     b, e = x.shape
@@ -293,20 +294,24 @@ def _norm_arguments(norm: Norm | None) -> tuple[tuple[int, int] | None, float, i
     return (q_weight.data_ptr(), k_weight.data_ptr()), float(eps), int(mode)
 
 
-def _checked_norm(norm: Norm | None, dtype: torch.dtype, head_dim: int) -> tuple[tuple[int, int] | None, float, int]:
-    """:func:`_norm_arguments` of a QK-norm checked first: weights (D,) contiguous CPU tensors of the
-    step's dtype, eps a float in (0, 1], mode one of :data:`NORM_MODES`."""
+def _checked_norm(norm: Norm | None, dtype: torch.dtype, heads: tuple[int, int, int]
+                  ) -> tuple[tuple[int, int] | None, float, int]:
+    """:func:`_norm_arguments` of a QK-norm checked first: weights contiguous CPU tensors of the
+    step's dtype, (D,) per head or (H·D,) and (Hkv·D,) across the projection (``heads``: H, Hkv,
+    D), eps a float in (0, 1], mode one of :data:`NORM_MODES`."""
     if norm is None:
         return _norm_arguments(None)
     if not isinstance(norm, tuple) or len(norm) != 4:
         raise TypeError(f"norm must be (q weight, k weight, eps, mode) or None, got {type(norm).__name__}")
     q_weight, k_weight, eps, mode = norm
-    for name, w in (("q", q_weight), ("k", k_weight)):
+    h, hkv, d = heads
+    across = mode in (3, 7)  # the whole projection (checked below to be a mode at all)
+    for name, w, n in (("q", q_weight, h * d if across else d), ("k", k_weight, hkv * d if across else d)):
         if not isinstance(w, torch.Tensor) or w.dtype != dtype or w.device.type != "cpu":
             raise TypeError(f"the {name} norm weight must be a CPU tensor of x's dtype {dtype}, got "
                             f"{w.dtype if isinstance(w, torch.Tensor) else type(w).__name__}")
-        if tuple(w.shape) != (head_dim,) or not w.is_contiguous():
-            raise _shape_error(f"the {name} norm weight", w, f"({head_dim},) contiguous")
+        if tuple(w.shape) != (n,) or not w.is_contiguous():
+            raise _shape_error(f"the {name} norm weight", w, f"({n},) contiguous")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0.0 < float(eps) <= 1.0:
         raise ValueError(f"the norm's eps must be a number in (0, 1], got {eps!r}")
     if mode not in NORM_MODES or isinstance(mode, bool):

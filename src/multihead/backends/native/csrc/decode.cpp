@@ -375,17 +375,16 @@ inline void transpose_w(const float* const* rows, float* dst, int64_t ld) {
 #endif
 }
 
-// qt (D × W) = the rows at `rows` (W pointers to D floats) transposed, times scale.
-inline void transposed_scaled(const float* const* rows, int64_t D, float scale, float* qt) {
+// qt (D × W) = the rows at `rows` (W pointers to D floats) transposed.
+inline void transposed(const float* const* rows, int64_t D, float* qt) {
     int64_t t0 = 0;
     for (; t0 + W <= D; t0 += W) {
         const float* at[W];
         for (int c = 0; c < W; ++c) at[c] = rows[c] + t0;
         transpose_w(at, qt + t0 * W, W);
-        for (int64_t t = t0; t < t0 + W; ++t) store(qt + t * W, load(qt + t * W) * scale);
     }
     for (int64_t t = t0; t < D; ++t)
-        for (int c = 0; c < W; ++c) qt[t * W + c] = rows[c][t] * scale;
+        for (int c = 0; c < W; ++c) qt[t * W + c] = rows[c][t];
 }
 
 // The scores of keys [j, j + NK) (K rows at k, row stride ldk) for the W rows of qt (D × W): NK
@@ -417,15 +416,17 @@ inline void lane_outputs(const float* pt, int64_t n, const float* v, int64_t ldv
 // i) is computed at once, its scores held transposed (key-major, s[j·W + lane]), so the softmax's
 // maxima and sums are vertical (no reduction across lanes per row, no per-row call), K and V are
 // read once per block, and each product is an FMA of a broadcast K or V value with a vector of
-// the rows' q or p; q and o cross between rows and lanes by W × W transposes. The same arithmetic
-// as decode_item's one chunk: q · scale, scores in base 2, -inf where masked, m = the row's
-// maximum (0 where none), p = 2^(s - m), o = Σ p·v / Σ p. Keys [k0, k1) of the item; a block
-// reads only those its rows' spans reach (a causal prefill's first rows, the first keys).
+// the rows' q or p; q and o cross between rows and lanes by W × W transposes. The arithmetic of
+// decode_item's one chunk, but for the scale, applied to each score as it is stored (one rounding
+// a score, as the FlashAttention loop's, not one per element of q): scores in base 2, -inf where
+// masked, m = the row's maximum (0 where none), p = 2^(s - m), o = Σ p·v / Σ p. Keys [k0, k1)
+// of the item; a block reads only those its rows' spans reach (a causal prefill's first rows,
+// the first keys).
 template <class TQ, class T>
 void small_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t k0, int64_t k1) {
     static_assert(std::is_same_v<TQ, float> && std::is_same_v<T, float>, "float32 only");
     const int64_t G = P.H / P.Hkv, D = P.D, Dv = P.Dv, Sq = P.Sq, rows = G * Sq, off = P.Sk - P.Sq;
-    float* qt = buf.kt;  // (D, W): the block's q, transposed and scaled (wide_floats >= W·D)
+    float* qt = buf.kt;  // (D, W): the block's q, transposed (wide_floats >= W·D)
     float* st = buf.s;  // (n, W): the block's scores, then probabilities (n·W <= SMALL_KEYS·W)
     float* ot = st + SMALL_KEYS * W;  // (W, W): W columns of o across the rows, then transposed
     float* orows = ot + W * W;
@@ -449,7 +450,7 @@ void small_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t 
             qrows[u] = P.q + b * P.qs[0] + (kvh * G + g) * P.qs[1] + i * P.qs[2];
             outs[u] = P.out + b * P.os[0] + (kvh * G + g) * P.os[1] + i * P.os[2];
         }
-        transposed_scaled(qrows, D, P.scale, qt);
+        transposed(qrows, D, qt);
         const int64_t n = std::max<int64_t>(hi - lo, 0);
         const float* kb = P.k + b * P.ks[0] + kvh * P.ks[1] + lo * P.ks[2];
         const float* vb = P.v + b * P.vs[0] + kvh * P.vs[1] + lo * P.vs[2];
@@ -464,7 +465,7 @@ void small_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t 
                 for (int u = 0; u < W; ++u) bytes[u] = mrows[u][c * P.ms[3]];
                 keep = keep & (bytes != 0);
             }
-            s = keep ? s : splat(NEG_INF);
+            s = keep ? s * P.scale : splat(NEG_INF);  // scaled as stored: one rounding a score
             store(st + j * W, s);
             mx = vmax(mx, s);
         };
@@ -1025,9 +1026,9 @@ int decode_step(const T* x, int64_t B, int64_t E, const T* const* W, const T* co
     if (B < 1 || B > MAX_STEP_ROWS || Hkv < 1 || H % Hkv != 0 || D < 1 || rotary_dim % 2 != 0 || rotary_dim > D ||
         window < 0)
         return -2;
-    const int norm_at = norm_mode & 3;  // 0: no QK-norm, 1: before RoPE, 2: after it
-    if (norm_at == 3 || (norm_mode & ~7) || (norm_at && (!norms || !norms[0] || !norms[1] || !(norm_eps > 0.f))))
-        return -2;
+    // 0: no QK-norm, 1: per head before RoPE, 2: per head after it, 3: across the projection before it
+    const int norm_at = norm_mode & 3;
+    if ((norm_mode & ~7) || (norm_at && (!norms || !norms[0] || !norms[1] || !(norm_eps > 0.f)))) return -2;
     if (slot_pos && !rows_have_room(lengths, B, capacity)) return -2;
     constexpr bool wide = std::is_same_v<T, float>;
     const int64_t G = H / Hkv, width = (H + 2 * Hkv) * D, half = rotary_dim / 2;
@@ -1076,7 +1077,7 @@ int decode_step(const T* x, int64_t B, int64_t E, const T* const* W, const T* co
         P.os[0] = H * D; P.os[1] = D; P.os[2] = H * D;
         P.scale = scale * 1.4426950408889634f;
         P.causal = true;
-        P.window = window;  // 0: none; else keys [position - window + 1, position] (span)
+        P.window = window;  // 0: none; else the span() of a sliding window
     }
     int failed = 0;
 #pragma omp parallel num_threads(threads)
@@ -1100,11 +1101,19 @@ int decode_step(const T* x, int64_t B, int64_t E, const T* const* W, const T* co
                 gemv_share(id, nt, B, xw, xs, E, 3, Wqkv, N, bqkv, out, ld);
             }
 #pragma omp barrier
+            if (norm_at == 3) {  // q (H·D) and k (Hkv·D) of each row normed across the projection (OLMo 2, 3)
+#pragma omp for schedule(static)
+                for (int64_t t = 0; t < 2 * B; ++t) {
+                    const int64_t b = t / 2, part = t % 2;
+                    rms_norm(qkv + b * width + part * H * D, (part ? Hkv : H) * D, norms[part], norm_eps,
+                             norm_mode & 4);
+                }
+            }
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < B * (H + Hkv); ++t) {  // rotate q and k heads, store k and v
                 const int64_t b = t / (H + Hkv), head = t % (H + Hkv), pos = lengths[b];
                 float* vec = qkv + b * width + head * D;
-                const T* norm_w = norm_at ? norms[head < H ? 0 : 1] : nullptr;
+                const T* norm_w = norm_at == 1 || norm_at == 2 ? norms[head < H ? 0 : 1] : nullptr;
                 if (norm_at == 1) rms_norm(vec, D, norm_w, norm_eps, norm_mode & 4);
                 if (rope_cos) {
                     const float* c = rope_cos + pos * half;
