@@ -129,3 +129,28 @@ def test_latent_attention_refuses_a_mask_with_later_keys_by_name(use_cache: bool
                                          r"causally, and HF's attention_mask lets a query attend to later keys"):
         _hidden(model, _block_mask(), use_cache)
     assert _hidden(model, _causal_part(_block_mask()), use_cache).isfinite().all()  # the same call, causal: runs
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_latent_attention_refuses_before_hfs_cache_is_written(kind: str) -> None:
+    """A refused call leaves HF's cache as it was: its length and every tensor it holds, bitwise."""
+    from transformers import DynamicCache, StaticCache
+    from test_deepseek import _config, _model as deepseek
+
+    model = deepseek(_config("deepseek_v3"))
+    mh.hf.patch(model, kernel=False)
+    cache = DynamicCache(config=model.config) if kind == "dynamic" else StaticCache(model.config, max_cache_len=2 * S)
+    past = torch.zeros(B, 1, S, S)  # (B, 1, S, S) additive: the prefill's keys, all seen
+    prefill = _causal_part(_block_mask())  # (B, 1, S, S)
+    if kind == "static":  # HF's mask covers the whole buffer: its unwritten half hidden
+        prefill = torch.cat((prefill, torch.full_like(prefill, torch.finfo(torch.float32).min)), dim=-1)
+    with torch.no_grad():
+        model.model(input_ids=_ids(), attention_mask=prefill, cache=cache, use_cache=True)
+        before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+        length = cache.get_seq_length()
+        with pytest.raises(ValueError, match=r"\(multi-head latent attention\) always attends causally"):
+            model.model(input_ids=_ids(), attention_mask=torch.cat((past, _block_mask()), dim=-1),
+                        cache=cache, use_cache=True)  # (B, 1, S, 2S): the past, then the block
+    assert length == S and cache.get_seq_length() == length
+    for layer, (keys, values) in zip(cache.layers, before, strict=True):
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)

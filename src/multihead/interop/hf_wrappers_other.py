@@ -304,7 +304,9 @@ class LatentWrapper(PatchedAttention):
     are decompressed, as transformers computes them. With HF's cache the layer writes what
     transformers' class writes, the normalised latent (B, 1, S, r) and the rotated shared
     key (B, 1, S, dr) (in our RoPE pairing: only this layer reads them), and the heads
-    attend through the absorbed up-projections: nothing held is decompressed.
+    attend through the absorbed up-projections: nothing held is decompressed. A call it refuses
+    (weights asked for, HF's mask letting a query see a later key) is refused before HF's cache
+    holds any of its entries.
     """
 
     def __init__(self, original: nn.Module, mla: MultiHeadLatentAttention) -> None:
@@ -338,12 +340,19 @@ class LatentWrapper(PatchedAttention):
             mask = bool_mask(attention_mask, hidden_states.shape[1])
             self._check_causal(attention_mask, mask, hidden_states.shape[1])
             return layer.output(layer.attend_decompressed(q_nope, q_rot, entries, mask)), None
+        # Refused before HF's cache holds the call's entries: HF's mask covers the keys the update
+        # returns (DynamicCache: past + S; StaticCache: its capacity, the whole buffer returned).
+        given = bool_mask(attention_mask)  # (B|1, 1|H, S, Sk') or None
+        self._check_causal(attention_mask, given, hidden_states.shape[1])
         r = layer.kv_lora_rank
         latent, k_rot = cache.update(entries[:, None, :, :r], entries[:, None, :, r:], self.layer_idx,
                                      kwargs=kwargs)  # (B, 1, Sk, r), (B, 1, Sk, dr)
         held = torch.cat((latent, k_rot), dim=-1)[:, 0]  # (B, Sk, r + dr)
-        mask, n = written_keys(bool_mask(attention_mask), hidden_states.shape[1], held.shape[1], True)
-        self._check_causal(attention_mask, mask, hidden_states.shape[1])  # (the call's keys are written by then)
+        mask, n = written_keys(given, hidden_states.shape[1], held.shape[1], True)
+        if mask is not None and given is not None and mask.shape[-1] != given.shape[-1]:
+            # Only where HF's mask is wider than the keys returned (Sk' > Sk): its queries align
+            # bottom-right on Sk, known after the update alone, so the cut mask is checked there too.
+            self._check_causal(attention_mask, mask, hidden_states.shape[1])
         return layer.output(layer.attend_absorbed(q_nope, q_rot, held[:, :n], mask)), None
 
     def _check_causal(self, attention_mask: torch.Tensor | None, mask: torch.Tensor | None, sq: int) -> None:
