@@ -202,6 +202,22 @@ def test_opcheck_decode_step_half(dtype: torch.dtype) -> None:
     torch.library.opcheck(torch.ops.multihead.decode_step.default, args)
 
 
+@pytest.mark.parametrize("window", [3, 40], ids=["window 3 of 7 keys", "window 40 over 16 slots"])
+@pytest.mark.parametrize("dtype", HALF)
+def test_opcheck_decode_step_half_with_a_window(dtype: torch.dtype, window: int) -> None:
+    """The window as the traced fused step passes it (a keyword), on a half cache whose rows hold
+    7 and 2 keys: a window shorter than the first row, and one longer than the whole cache."""
+    layer, _ = _layers(dtype)
+    cache = layer.new_cache(2, 16)
+    with torch.no_grad():
+        layer(torch.randn(2, 7, 128, dtype=dtype), cache=cache)
+    cache.crop([7, 2])
+    projs = [layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj]
+    args = (torch.randn(2, 128, dtype=dtype), [p.weight.detach() for p in projs], [p.bias.detach() for p in projs],
+            layer.rope.cos, layer.rope.sin, 16, False, cache.k, cache.v, cache.lengths, 8, 2, 16, 0.25)
+    torch.library.opcheck(torch.ops.multihead.decode_step.default, args, {"window": window})
+
+
 @pytest.mark.parametrize("dtype", HALF)
 def test_half_cache_decoding_fused_equals_unfused_prefill_and_float64(dtype: torch.dtype) -> None:
     """A bf16 / f16 layer and cache: the fused step (half weights and cache read in place),

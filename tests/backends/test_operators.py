@@ -88,6 +88,21 @@ def test_opcheck_decode_step() -> None:
     torch.library.opcheck(torch.ops.multihead.decode_step.default, args + norm)
 
 
+@pytest.mark.parametrize("window", [3, 40], ids=["window 3 of 7 keys", "window 40 over 16 slots"])
+def test_opcheck_decode_step_with_a_window(window: int) -> None:
+    """The window as the traced fused step passes it (a keyword), on rows holding 7 and 2 keys:
+    a window shorter than the first row, and one longer than the whole cache."""
+    layer = mh.MultiHeadAttention(64, 4, num_kv_heads=2, rope=mh.RoPE(16, 10000.0), causal=True, window=window)
+    cache = layer.new_cache(2, 16, ring=False)
+    with torch.no_grad():
+        layer(torch.randn(2, 7, 64), cache=cache)
+    cache.crop([7, 2])
+    projs = [layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj]
+    args = (torch.randn(2, 64), [p.weight.detach() for p in projs], [p.bias.detach() for p in projs],
+            layer.rope.cos, layer.rope.sin, 16, False, cache.k, cache.v, cache.lengths, 4, 2, 16, 0.25)
+    torch.library.opcheck(torch.ops.multihead.decode_step.default, args, {"window": window})
+
+
 def _layer(**kw: object) -> mh.MultiHeadAttention:
     return mh.MultiHeadAttention(128, 8, num_kv_heads=2, causal=True, rope=mh.RoPE(16, 10000.0), **kw).eval()
 
@@ -229,6 +244,40 @@ def test_compiled_cached_decoding_matches_eager_and_compiles_twice() -> None:
     assert mh.decode.why_not_fused(layer, steps[0], compiled_cache) is None  # the fused step is what ran
     with torch.no_grad():
         _no_breaks(layer, steps[0], cache=compiled_cache)
+
+
+def test_compiled_fused_step_with_a_sliding_window_equals_the_step_by_step_path(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer with window=3 on a linear cache, its step compiled with fullgraph=True: the traced
+    fused step (``multihead::decode_step``, given the layer's window) over steps that carry each
+    row past the window, one graph at every length, equals the eager step-by-step path."""
+    layer = _layer(window=3)
+    prompt, steps = torch.randn(2, 5, 128), [torch.randn(2, 1, 128) for _ in range(3)]
+    windows: list[int | None] = []
+    real = native.step.decode_step  # the operator's body (what the compiled graph calls)
+    monkeypatch.setattr(native.step, "decode_step", lambda *a, **kw: windows.append(kw["window"]) or real(*a, **kw))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        cache, plain = layer.new_cache(2, 16, ring=False), layer.new_cache(2, 16, ring=False)
+        for c in (cache, plain):
+            layer(prompt, cache=c)
+        assert mh.decode.why_not_fused(layer, steps[0], cache) is None
+        # dynamic: the cache's length symbolic from the first step (else a second graph at the second)
+        compiled = torch.compile(layer, fullgraph=True, dynamic=True)
+        from torch._dynamo.utils import counters
+        counters.clear()
+        got = [compiled(s, cache=cache) for s in steps]
+        assert counters["stats"]["unique_graphs"] == 1
+        want = [layer(s, cache=plain, positions=torch.tensor([5 + i])) for i, s in enumerate(steps)]  # not fused
+        layer.window = None  # planted: the last step without its window differs
+        plain.crop(7)
+        unwindowed = layer(steps[-1], cache=plain, positions=torch.tensor([7]))
+    assert windows == [3] * len(steps)
+    assert cache.host_lengths() == plain.host_lengths() == [8, 8]
+    assert (cache.k[:, :, :8] - plain.k[:, :, :8]).abs().max() <= ATOL
+    for g, w in zip(got, want, strict=True):
+        assert (g - w).abs().max() <= ATOL
+    assert (unwindowed - want[-1]).abs().max() > 100 * ATOL
 
 
 @pytest.mark.parametrize("padded", [False, True])
