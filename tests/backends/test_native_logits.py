@@ -256,6 +256,59 @@ def test_module_packed_path_gives_the_native_backend_structure_not_a_dense_mask(
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
+SHORT = [11, 0, 30, 1, 17]  # S = 59: at most 128 keys, the rows-in-lanes path where the build is AVX-512
+SHORT_CU = torch.tensor([0, *torch.tensor(SHORT).cumsum(0).tolist()])
+
+
+def _flash_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: object) -> torch.Tensor:
+    """The FlashAttention loop's own result: asking for its panel count keeps the call there."""
+    counter = torch.zeros(1, dtype=torch.int64)
+    mask = kw.pop("mask", None)
+    out = native.attention.run_kernel("mh_attention_f32", q, k, v, q.shape[-1] ** -0.5, bool(kw.pop("causal", False)),
+                                      kw.pop("window", None), mask, False, native.attention.query_tile(),
+                                      logits=native.attention.Logits(cu_seqlens=SHORT_CU, panels=counter))
+    assert not kw and int(counter) > 0
+    return out
+
+
+@pytest.mark.parametrize("structure", list(STRUCTURES))
+def test_short_packed_sequences_in_the_lanes_within_twice_naive(structure: str) -> None:
+    """Packed sequences of at most 128 keys take the rows-in-lanes path (AVX-512; the
+    FlashAttention loop elsewhere): each query's keys are limited to its own sequence lane by
+    lane. Within the accuracy criterion of float64, and a different summation than the
+    FlashAttention loop's on that build (so the lanes path is what ran)."""
+    q, k, v = _qkv(b=2, h=6, hkv=2, sq=59, sk=59)
+    kw = {"cu_seqlens": SHORT_CU, **_structure(structure, 2, 59)}
+    truth = mh.attention(q, k, v, backend="explicit", **kw)
+    q32, k32, v32 = q.float(), k.float(), v.float()
+    with torch.no_grad():
+        ours = mh.attention(q32, k32, v32, backend="native", **kw)
+        naive = mh.attention(q32, k32, v32, backend="explicit", **kw)
+        flash = _flash_loop(q32, k32, v32, **{n: t for n, t in kw.items() if n != "cu_seqlens"})
+    naive_err = (naive.double() - truth).abs().max().item()
+    for got in (ours, flash):
+        assert (got.double() - truth).abs().max().item() <= 2 * naive_err + ULPS
+    assert torch.equal(ours, flash) == (native.vector_bits() != 512)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_short_packed_sequences_in_the_lanes_read_no_other_sequence(causal: bool) -> None:
+    """Sequences aligned to the lanes' blocks of 16 rows (S = 96 ≤ 128 keys): poisoning every
+    key and value outside a sequence with NaN changes none of its outputs, bit for bit."""
+    lengths = [32, 0, 48, 16]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    q, k, v = (t.float() for t in _qkv(b=1, h=4, hkv=2, sq=96, sk=96))
+    with torch.no_grad():
+        clean = mh.attention(q, k, v, causal=causal, cu_seqlens=cu, backend="native")
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            if a == b:
+                continue
+            kp, vp = torch.full_like(k, math.nan), torch.full_like(v, math.nan)
+            kp[:, :, a:b], vp[:, :, a:b] = k[:, :, a:b], v[:, :, a:b]
+            poisoned = mh.attention(q, kp, vp, causal=causal, cu_seqlens=cu, backend="native")
+            assert torch.equal(poisoned[:, :, a:b], clean[:, :, a:b]), (a, b)
+
+
 # -- the operator, the registry and "auto" ---------------------------------------------------------
 
 

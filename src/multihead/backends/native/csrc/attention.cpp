@@ -307,6 +307,8 @@ int attention(const void* q, const void* k, const void* v, void* out, float* lse
         P.ms[3] = 1;  // a tile's row of bytes is contiguous
     }
     if (!valid(P) || query_tile <= 0) return -2;
+    if constexpr (std::is_same_v<T, float>)
+        if (lanes_take(P)) return lanes_attention(P, threads);  // few keys: the rows in the vector lanes
     if constexpr (std::is_same_v<T, bf16>)
         if (!P.tiles && !P.bias && amx_takes(P)) return attention_amx(P, query_tile, threads);
     const int64_t G = P.H / P.Hkv;

@@ -757,6 +757,13 @@ inline bool whole_pairs(int64_t heads, int threads) { return heads % threads == 
 bool amx_takes(const Problem& P);
 int attention_amx(const Problem& P, int64_t query_tile, int threads);
 
+// The float32 FlashAttention loop's problems of few keys, run with the rows in the vector lanes
+// (decode.cpp's small_item, packed sequences too): whether it takes P (AVX-512, at most 128
+// keys, at least W/2 rows per K/V head, no logit feature, bias, block mask or panel count), and
+// the loop itself (mh_attention_f32's return codes).
+bool lanes_take(const Problem& P);
+int lanes_attention(const Problem& P, int threads);
+
 // The natural log-sum-exp of a row from its base-2 running max m and sum l; -inf for none.
 inline float row_lse(float m, float l) {
     return l > 0.f ? (m + std::log2(l)) * 0.6931471805599453f : NEG_INF;

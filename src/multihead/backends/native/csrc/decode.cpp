@@ -352,14 +352,15 @@ inline int64_t score_stride(int64_t keys) { return (std::clamp<int64_t>(keys, 1,
 constexpr int64_t SMALL_KEYS = 128;
 
 // Whether small_item takes decode_item's (b, kvh) item: AVX-512, float32, every key in one piece
-// (no split), a plain problem (no logit feature, packing or block mask: the decoding loop never has
-// them), at least W/2 rows (its lanes) and at most SMALL_KEYS keys. Measured (Intel Xeon, 1 thread,
-// its time / decode_item's): the bundled model's (3, 12, 24, 32) 0.70×, (1, 12, 16, 64) 0.53×,
-// (1, 12, 8, 64) 0.65×, a GQA 32/4 step on 64 keys 0.88×, on 128 keys 0.96×. The AVX2 build (8
-// lanes, the same CPU) was slower on decoding steps (G = 4 and 8 rows on 64-128 keys: 1.0-2.2×)
-// and mixed on short prefills (0.77-1.11×), so it keeps decode_item there.
+// (no split), no logit feature, bias or block mask (packed sequences only as the FlashAttention
+// loop hands them over: lanes_attention), at least W/2 rows (its lanes) and at most SMALL_KEYS
+// keys. Measured (Intel Xeon, 1 thread, its time / decode_item's): the bundled model's
+// (3, 12, 24, 32) 0.70×, (1, 12, 16, 64) 0.53×, (1, 12, 8, 64) 0.65×, a GQA 32/4 step on 64
+// keys 0.88×, on 128 keys 0.96×. The AVX2 build (8 lanes, the same CPU) was slower on decoding
+// steps (G = 4 and 8 rows on 64-128 keys: 1.0-2.2×) and mixed on short prefills (0.77-1.11×),
+// so it keeps decode_item there.
 inline bool small_item_fits(const Problem& P, int64_t rows, int64_t keys, const float* part) {
-    return W == 16 && !part && P.softcap == 0.f && !P.alibi && !P.sinks && !P.seg && !P.tiles && !P.bias &&
+    return W == 16 && !part && P.softcap == 0.f && !P.alibi && !P.sinks && !P.tiles && !P.bias &&
            2 * rows >= W && keys <= SMALL_KEYS;
 }
 
@@ -441,7 +442,7 @@ void small_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t 
         for (int64_t u = 0; u < W; ++u) {  // lanes past R repeat the last row (finite, never stored)
             const int64_t r = r0 + std::min(u, R - 1), g = r / Sq, i = r % Sq;
             int64_t a, e;
-            span(P, i + off, a, e);
+            span(P, b, i + off, a, e);  // packed: also within the row's own sequence
             klo[u] = int32_t(a);
             khi[u] = int32_t(e);
             lo = std::min(lo, std::max(a, k0));
@@ -735,6 +736,46 @@ int decode_attention(const void* q, const void* k, const void* v, void* out, flo
 }
 
 }  // namespace
+
+namespace mh {
+
+// The FlashAttention loop's float32 problems that small_item computes whole (see attention()):
+// every (b, K/V head) pair is one item of at most SMALL_KEYS keys and at least W/2 rows, with
+// no logit feature, bias or block mask, and at most LANE_ROWS rows unless packed (the rows the
+// decoding loop takes from multihead.attention: LANE_ROWS in attention.py, measured there);
+// packed sequences (P.seg) are limited by span() lane by lane, so a block reads only its rows'
+// sequences. Short packed sentences (an encoder's batch without padding) run there: the
+// bundled model's 3 sentences of 24, 18 and 10 tokens packed into 52, (1, 12, 52, 32), took
+// 0.50-0.57x the FlashAttention loop's time (Intel Xeon, 1 thread, paired, two runs).
+constexpr int64_t LANE_ROWS = 256;
+bool lanes_take(const Problem& P) {
+    const int64_t rows = P.H / P.Hkv * P.Sq;
+    return !P.panels && P.Sk <= SMALL_KEYS && (P.seg || rows <= LANE_ROWS) && small_item_fits(P, rows, P.Sk, nullptr);
+}
+
+int lanes_attention(const Problem& P, int threads) {
+    const int64_t rows = P.H / P.Hkv * P.Sq, items = P.B * P.Hkv;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        const FlushToZero ftz;  // this thread, for the loop (restored as it ends)
+        Buffers buf{alloc(rows * P.D), alloc(wide_floats(P.D, P.Dv)), alloc(rows * score_stride(KD)), alloc(rows),
+                    alloc(rows), alloc(rows * P.Dv)};
+        if (!buf.ok()) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (int64_t it = 0; it < items; ++it) small_item<float, float>(P, buf, it / P.Hkv, it % P.Hkv, 0, P.Sk);
+        }
+        buf.release();
+    }
+    return failed ? -1 : 0;
+}
+
+}  // namespace mh
 
 // As mh_attention_f32, for few query rows per K/V head (G·Sq): see decode_item.
 extern "C" int mh_decode_f32(const float* q, const float* k, const float* v, float* out, float* lse,
