@@ -74,10 +74,15 @@ def call_cases(quick: bool = False) -> list[tuple[dict[str, Any], dict[str, Fn]]
     return cases
 
 
+#: The bundled layer case's row of the same layer on the batch's real tokens, packed.
+PACKED = "multihead, packed (52 real tokens)"
+
+
 def bundled_layer_case(quick: bool = False) -> tuple[dict[str, Any], dict[str, Fn]] | None:
     """The layer at the bundled MiniLM's shapes (B=3, S=24, E=384, 12 heads, key padding)
-    against Hugging Face's ``BertAttention`` (sdpa and eager) on the same tokens; None
-    without transformers."""
+    against Hugging Face's ``BertAttention`` (sdpa and eager) on the same tokens, and the same
+    layer on the batch's 52 real tokens packed into one row (:data:`PACKED`: what the patched
+    model runs); None without transformers."""
     try:
         import transformers as tf
         from transformers.models.bert.modeling_bert import BertAttention
@@ -92,7 +97,11 @@ def bundled_layer_case(quick: bool = False) -> tuple[dict[str, Any], dict[str, F
     keep[1, 18:], keep[2, 10:] = False, False  # three sentences of 24, 18 and 10 tokens
     additive = (1.0 - keep[:, None, None, :].float()) * torch.finfo(torch.float32).min  # HF's (B, 1, 1, S)
     layer = mh.MultiHeadAttention(e, h).eval()
-    fns: dict[str, Fn] = {"multihead": _repeat(functools.partial(layer, x, mask=keep[:, None, None, :]), calls)}
+    # the real tokens packed into one row once, as mh.hf.pack_padding does once per model call
+    packed = x[keep][None]  # (1, 52, E)
+    positions = torch.cat([torch.arange(int(n)) for n in keep.sum(1)])[None]  # (1, 52): each sentence from 0
+    fns: dict[str, Fn] = {"multihead": _repeat(functools.partial(layer, x, mask=keep[:, None, None, :]), calls),
+                          PACKED: _repeat(functools.partial(layer, packed, positions=positions, packed=True), calls)}
     for impl in ("sdpa", "eager"):
         cfg = tf.BertConfig(hidden_size=e, num_attention_heads=h, attention_probs_dropout_prob=0.0,
                             hidden_dropout_prob=0.0)
