@@ -78,6 +78,20 @@ def test_unpadded_batch_takes_the_fused_step_or_says_why_not() -> None:
         assert layer.kv.host_lengths() == [S + NEW - 1] * 2
 
 
+@pytest.mark.skipif(native.vector_bits() < 256, reason=f"no AVX-512 or AVX2 native kernel here ({native.status()})")
+@pytest.mark.parametrize("model_type, impl, extra", [("mistral", "sdpa", {"sliding_window": 4}),
+                                                     ("llama", "eager", {})])
+def test_a_mask_that_is_the_layers_own_rule_takes_the_fused_step(model_type: str, impl: str, extra: dict) -> None:
+    """Decoding, HF passes a mask that says nothing beyond the layer's own rule: a sliding layer's
+    once the cache passes its window (4 keys; the prompt alone holds 9), an eager model's all-True
+    one. The fused step applies that rule itself: it runs, with HF's tokens. With padding in the
+    batch the mask hides more than the rule, and the layers take update."""
+    cache = _same_tokens_as_hf(_model(model_type, impl, **extra), _prompts(padded=False))
+    assert cache.paths == ["fused", "fused"] and cache.get_seq_length() == S + NEW - 1
+    cache = _same_tokens_as_hf(_model(model_type, impl, **extra), _prompts(padded=True))
+    assert cache.paths == ["update", "update"]
+
+
 def test_the_layers_own_cached_call_generates_hf_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """The branch a layer with hooks takes (``layer(x, cache=kv)``), forced here for every call:
     where the fused step cannot run, the module's own cached call runs it, in place, and must agree."""
@@ -299,6 +313,6 @@ def test_families_with_a_qk_norm_per_head_take_the_fused_step_with_hf_tokens(mod
     """Qwen3's q/k RMSNorm before RoPE, HunYuan's after it, Llama 4's weightless L2 norm (our weight
     ones, a buffer) and OLMo 2's and 3's norm across the whole projection run inside the one-call step
     (OLMo 3's sliding layers too: transformers passes them no mask while the cache is shorter than the
-    window; past it, its mask sends them the step-by-step way)."""
+    window, and past it a mask that is their own rule)."""
     cache = _same_tokens_as_hf(_model(model_type, **extra), _prompts(padded=False))
     assert cache.paths == ["fused", "fused"]

@@ -15,7 +15,8 @@ Pass it to ``generate`` (``cache=``, or the older ``past_key_values=``)::
 Each layer call takes one of two paths, recorded in :attr:`KVCacheAdapter.paths`:
 
 * **fused**: a patched layer (:func:`multihead.hf.patch`) whose call HF makes with no mask
-  (``attn_implementation="sdpa"``, the default, and no padding in the batch), at the
+  (``attn_implementation="sdpa"``, the default, and no padding in the batch) or, decoding,
+  with a mask that is exactly the layer's own rule (a sliding layer past its window), at the
   cache's own positions, runs ``layer(x, cache=kv)`` when that takes the fused native
   decode step (:func:`multihead.decode.why_not_fused`: one token per row, B ≤ 4, float32,
   bfloat16 or float16 on a CPU with AVX-512 or AVX2, ...); the step writes K/V into the
@@ -65,6 +66,7 @@ import torch
 
 from ..decode import fused_for, repeat_step
 from ..module import MultiHeadAttention
+from .hf_structure import is_own_rule
 
 __all__ = ["KVCacheAdapter", "is_adapter", "own_step"]  # noqa: F822 - KVCacheAdapter: module __getattr__
 
@@ -74,28 +76,37 @@ def is_adapter(cache: object) -> bool:
 
 
 def own_step(layer: MultiHeadAttention, layer_idx: int | None, cache: Any, x: torch.Tensor, mask: torch.Tensor | None,
-             positions: torch.Tensor | None) -> torch.Tensor | None:
+             positions: torch.Tensor | None, attention_mask: torch.Tensor | None = None) -> torch.Tensor | None:
     """The fused native step ``layer(x, cache=kv)`` on the adapter's KVCache of ``layer_idx``, or None.
 
-    Taken when HF gives no mask (purely causal, no padding), ``positions`` are the cache's
-    own (each row's length onwards) — then our module's cached call computes what HF's
-    would — and :func:`~multihead.decode.fused_for` (the question the layer's ``forward``
-    asks too) gives the fused step. Otherwise the caller goes through ``cache.update`` (in
-    place too; the reason is recorded in :attr:`KVCacheAdapter.paths`): unfused, the
-    wrapper composes the layer's steps around ``update``.
+    Taken when HF's mask says nothing beyond the layer's own rule — none (purely causal, no
+    padding), or, for one new token per row, a mask equal to the layer's rule over the cache's
+    keys (:func:`~multihead.interop.hf_structure.is_own_rule`: a sliding layer's mask once the
+    cache passes its window, an eager model's all-True one) — ``positions`` are the cache's own
+    (each row's length onwards) — then our module's cached call computes what HF's would —
+    and :func:`~multihead.decode.fused_for` (the question the layer's ``forward`` asks too)
+    gives the fused step. Otherwise the caller goes through ``cache.update`` (in place too;
+    the reason is recorded in :attr:`KVCacheAdapter.paths`): unfused, the wrapper composes
+    the layer's steps around ``update``.
 
     Args:
         layer: the patched layer's :class:`~multihead.MultiHeadAttention`.
-        x: (B, S, E); mask: HF's mask as ours, or None; positions: (S,) or (B|1, S) or None.
+        x: (B, S, E); mask: HF's mask as ours (B|1, 1|H, S, Sk), or None; positions: (S,) or
+            (B|1, S) or None; attention_mask: the mask as HF handed it (its answer is
+            remembered for that tensor, which HF shares among a call's layers).
 
     Returns:
         y (B, S, E), or None.
     """
-    if mask is not None or layer_idx is None or torch.is_grad_enabled() or torch.compiler.is_compiling():
+    if layer_idx is None or torch.is_grad_enabled() or torch.compiler.is_compiling() or (
+            mask is not None and x.shape[1] != 1):
         return None  # traced: update's static write (the adapter's shapes do not follow the lengths there)
     slot = cache.slot(layer_idx, positions)  # checked: a layer the adapter has, a new generate at 0
-    if not cache.at_own_positions(positions, slot.get_seq_length(), x.shape[1]):
+    held = slot.get_seq_length()
+    if not cache.at_own_positions(positions, held, x.shape[1]):
         return None
+    if mask is not None and not (mask.shape[-1] == held + 1 and is_own_rule(layer.structure, attention_mask, mask, 1)):
+        return None  # padding, or a mask of HF's own: the step-by-step way with it
     slot.begin_write()
     kv = slot.kv_for(layer, x)
     slot.check_room(x.shape[1])

@@ -25,6 +25,7 @@ which a model shares among its layers: once per mask and model call, not once pe
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,13 +33,15 @@ import torch
 from .._memo import remember
 from ..masks import Structure
 
-__all__ = ["attend_structure", "hides_keys", "exceeds"]
+__all__ = ["attend_structure", "is_own_rule", "hides_keys", "exceeds"]
 
 #: HF masks whose answer is remembered: the model's full and sliding masks of a call, and a few more.
 SEEN_SIZE = 8
 #: id of HF's mask -> (a weak reference to it, its version, (S, Sk), the answer). Weak: a
 #: remembered mask is freed with the model call that made it (a prefill's masks are S × Sk).
-_seen: dict[int, tuple[Any, int, tuple[int, int], bool]] = {}
+_seen: dict[int, tuple[Any, int, Any, bool]] = {}
+#: The same for :func:`is_own_rule`'s answers.
+_own: dict[int, tuple[Any, int, Any, bool]] = {}
 
 
 def hides_keys(structure: Structure, sq: int, sk: int) -> bool:
@@ -75,13 +78,36 @@ def attend_structure(structure: Structure, attention_mask: torch.Tensor | None, 
         return structure
     if torch.compiler.is_compiling():
         return Structure()  # no data-dependent branch in a graph; the mask alone is HF's own reading
-    what = (sq, mask.shape[-1])
-    version = None if attention_mask.is_inference() else attention_mask._version  # (inference: not counted)
-    found = _seen.get(id(attention_mask))
-    if version is not None and found is not None and found[0]() is attention_mask and found[1:3] == (version, what):
-        beyond = found[3]
-    else:
-        beyond = bool(exceeds(mask, causal, sq))  # the one value read back
-        if version is not None:
-            remember(_seen, id(attention_mask), (weakref.ref(attention_mask), version, what, beyond), SEEN_SIZE)
+    beyond = _answer(_seen, attention_mask, (sq, mask.shape[-1]), lambda: bool(exceeds(mask, causal, sq)))
     return Structure() if beyond else structure
+
+
+def is_own_rule(structure: Structure, attention_mask: torch.Tensor | None, mask: torch.Tensor | None,
+                sq: int) -> bool:
+    """Whether HF's mask is exactly the layer's own rule over the call's keys, for every row: no
+    padding, nothing hidden or shown beyond ``structure`` (a sliding layer's mask once the cache
+    passes its window, an eager model's all-True decoding mask). The layer's cached call then
+    computes what HF's would without the mask (:func:`multihead.interop.hf_cache.own_step`).
+
+    Args: as :func:`attend_structure`'s, ``mask`` (B|1, 1|H, S, Sk) with Sk the keys after the
+    call's write. False while a compiler traces (no value read back) or without a mask.
+    """
+    if mask is None or attention_mask is None or torch.compiler.is_compiling():
+        return False
+    what = ("own", sq, mask.shape[-1], structure.causal, structure.window)
+    return _answer(_own, attention_mask, what, lambda: bool(
+        (mask == structure.dense(sq, mask.shape[-1], device=mask.device)).all()))
+
+
+def _answer(table: dict[int, tuple[Any, int, Any, bool]], attention_mask: torch.Tensor, what: Any,
+            ask: Callable[[], bool]) -> bool:
+    """``ask()`` (one value read back), remembered in ``table`` for HF's mask tensor while it is
+    unchanged (the same object at the same version) and asked about the same ``what``."""
+    version = None if attention_mask.is_inference() else attention_mask._version  # (inference: not counted)
+    found = table.get(id(attention_mask))
+    if version is not None and found is not None and found[0]() is attention_mask and found[1:3] == (version, what):
+        return found[3]
+    answer = ask()
+    if version is not None:
+        remember(table, id(attention_mask), (weakref.ref(attention_mask), version, what, answer), SEEN_SIZE)
+    return answer

@@ -130,7 +130,7 @@ class PatchedAttention(nn.Module):
             heads, weights = layer.attend(q, k, v, mask=mask, structure=structure, return_weights=want)
             return layer.output(heads), weights  # (B, S, E)
         if hf_cache.is_adapter(cache) and not want:  # our own cached call (fused when it can) where HF's allows
-            y = hf_cache.own_step(layer, self.layer_idx, cache, x, mask, positions)
+            y = hf_cache.own_step(layer, self.layer_idx, cache, x, mask, positions, attention_mask)
             if y is not None:
                 return y, None
         q, k, v = layer.split(*layer.project(x))  # (B, H, S, D), (B, Hkv, S, D) ×2
