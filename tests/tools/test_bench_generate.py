@@ -120,6 +120,7 @@ def test_cli_runs_the_chosen_subset_and_writes_json(tmp_path: Path, capsys: pyte
 
 
 @pytest.mark.parametrize("flag", [["--prompt", "8"], ["--batch", "2"], ["--competing"], ["--model", "llama"],
+                                  ["--curve"],
                                   ["--no-compile"], ["--new-tokens", "4"], ["--reps", "2"]])
 def test_cli_refuses_generate_options_without_generate_jobs(flag: list[str],
                                                              capsys: pytest.CaptureFixture[str]) -> None:
@@ -132,3 +133,60 @@ def test_cli_refuses_an_unknown_model(capsys: pytest.CaptureFixture[str]) -> Non
     with pytest.raises(SystemExit):
         main(["bench", "--generate-jobs", "--model", "gpt2"])
     assert "invalid choice: 'gpt2'" in capsys.readouterr().err
+
+
+# -- --curve: one row's decode rate against the prompt's length ---------------------------------------
+
+
+def test_quick_curve_times_each_way_at_each_length_with_hf_tokens(tmp_path: Path) -> None:
+    """Per prompt length (shortest first) every way's step times, tokens/s and speed-ups, the
+    same greedy tokens as HF's DynamicCache, the adapter on its fused step; the table and the picture."""
+    from multihead.tools import bench_decode_curve as curve
+
+    result = curve.run_decode_curve(quick=True, lengths=[16, 8])
+    assert [p["prompt"] for p in result["lengths"]] == [8, 16] and result["steps"] == 2
+    for point in result["lengths"]:
+        assert list(point["ways"]) == list(curve.WAYS) and point["adapter_paths"] == ["fused"]
+        for row in point["ways"].values():
+            assert row["tokens_equal"] is True and len(row["times_s"]) == 2
+            assert row["min_s"] <= row["median_s"] <= row["max_s"] and row["tokens_per_s"] > 0
+        assert point["ways"][curve.BASE]["speedup"] == 1.0
+    text = curve.format_decode_curve(result)
+    assert "decode rate against the prompt's length" in text and "DIFFER" not in text
+    assert curve.plot(result, tmp_path / "curve.png").stat().st_size > 0
+
+
+def test_a_curve_way_whose_tokens_differ_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A planted adapter way whose greedy token differs from HF's is reported, in the row and the table."""
+    from multihead.tools import bench_decode_curve as curve
+
+    step = curve._Way.step
+
+    def planted(self: Any, token: torch.Tensor) -> torch.Tensor:
+        logits = step(self, token)
+        if type(self.cache).__name__ == "KVCacheAdapter":
+            logits = logits.clone()
+            logits[:, 0] = logits.max() + 1  # token 0 wins
+        return logits
+
+    monkeypatch.setattr(curve._Way, "step", planted)
+    result = curve.run_decode_curve(quick=True, lengths=[8])
+    rows = result["lengths"][0]["ways"]
+    assert rows[curve.WAYS[2]]["tokens_equal"] is False and rows[curve.BASE]["tokens_equal"] is True
+    assert "DIFFER" in curve.format_decode_curve(result)
+
+
+def test_cli_curve_writes_json_and_refuses_whole_call_options(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "--generate-jobs", "--curve", "--quick", "--prompt", "6", "--reps", "1", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    written = json.loads((tmp_path / "decode_curve.json").read_text(encoding="utf-8"))
+    assert [p["prompt"] for p in written["lengths"]] == [6] and written["steps"] == 1
+    assert (tmp_path / "decode_curve.png").exists()
+    for flag in (["--batch", "2"], ["--new-tokens", "3"], ["--competing"], ["--no-compile"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(["bench", "--generate-jobs", "--curve", "--quick", *flag])
+        assert exit_.value.code == 2 and f"{flag[0]} does not apply to --curve" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--quick", "--curve"])
+    assert "--curve applies to --generate-jobs only" in capsys.readouterr().err

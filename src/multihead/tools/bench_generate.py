@@ -53,7 +53,7 @@ import torch
 
 from .bench import paired_speedup, time_interleaved
 
-__all__ = ["run_generate_jobs", "make_prompts", "format_generate_jobs", "MODELS", "QUICK_MODELS", "WAYS",
+__all__ = ["run_generate_jobs", "make_prompts", "make_models", "format_generate_jobs", "MODELS", "QUICK_MODELS", "WAYS",
            "PROMPTS", "BATCHES", "NEW_TOKENS", "FULL", "QUICK", "COMPETING_MAX_S"]
 
 #: The models' sizes: about 0.5B parameters each (Llama-3's vocabulary untied; Qwen3-0.6B's widths, tied).
@@ -99,7 +99,7 @@ def _config(sizes: dict[str, Any]) -> Any:
                pad_token_id=_PAD, bos_token_id=1, eos_token_id=2)
 
 
-def _models(sizes: dict[str, Any]) -> tuple[Any, Any]:
+def make_models(sizes: dict[str, Any]) -> tuple[Any, Any]:
     """(unpatched, patched) causal LMs of ``sizes`` with the same random weights (seed 0)."""
     import copy
 
@@ -344,7 +344,7 @@ def _run_model(name: str, sizes: dict[str, Any], lengths: list[int], batches: li
                reps: int, competing: bool, compiled: bool, say: Callable[[str], None], result: dict[str, Any]) -> None:
     """Every job of one model, appended to ``result``."""
     say(f"building two {sizes['arch']} models ({sizes['layers']} layers, E={sizes['embed_dim']})")
-    hf, patched = _models(sizes)
+    hf, patched = make_models(sizes)
     result["models"][name] = {"sizes": dict(sizes), "parameters": sum(p.numel() for p in hf.parameters())}
     forwards = {"hf": torch.compile(hf.forward), "patched": torch.compile(patched.forward)} if compiled else None
     with torch.inference_mode():

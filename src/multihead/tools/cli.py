@@ -205,10 +205,28 @@ def _bench_generate_jobs(args: argparse.Namespace) -> int:
     """``bench --generate-jobs``: whole generate calls, HF's caches against mh.hf.patch + KVCacheAdapter."""
     from . import bench_generate
 
+    if args.curve:
+        return _bench_decode_curve(args)
     result = bench_generate.run_generate_jobs(
         models=args.gen_models, prompts=args.gen_prompts, batches=args.gen_batches, new_tokens=args.new_tokens,
         reps=args.reps, competing=args.competing, compiled=not args.no_compile, quick=args.quick, progress=_say)
     return _write_result(args, result, "generate_jobs.json", bench_generate.format_generate_jobs(result))
+
+
+def _bench_decode_curve(args: argparse.Namespace) -> int:
+    """``bench --generate-jobs --curve``: one row's decode rate against the prompt's length, and its picture."""
+    from . import bench_decode_curve as curve
+
+    if args.gen_models is not None and len(args.gen_models) > 1:
+        raise ValueError("--curve takes one --model")
+    result = curve.run_decode_curve(model=(args.gen_models or ["llama"])[0], lengths=args.gen_prompts,
+                                    steps=args.reps, quick=args.quick, progress=_say)
+    code = _write_result(args, result, "decode_curve.json", curve.format_decode_curve(result))
+    try:
+        print(f"wrote {curve.plot(result, Path(args.out) / 'decode_curve.png')}", file=sys.stderr)
+    except ImportError:  # matplotlib is the optional [bench] extra
+        pass
+    return code
 
 
 def _say(line: str) -> None:
@@ -370,8 +388,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "weights), time to first token and decode tokens/s, HF's DynamicCache and StaticCache "
                         "(eager and compiled) against mh.hf.patch + KVCacheAdapter (eager and compiled), "
                         "tokens checked equal (the full matrix: hours on 2 cores; --quick: tiny sizes)")
+    p.add_argument("--curve", action="store_true",
+                   help="with --generate-jobs: instead of whole calls, the decode rate of one row against the "
+                        "prompt's length (--prompt; default 256 512 1024 2048 4096), HF's DynamicCache and "
+                        "StaticCache against patched + KVCacheAdapter, --reps timed steps each (default 16), "
+                        "with decode_curve.png (a few minutes)")
     p.add_argument("--model", choices=("llama", "qwen3"), action="append", default=None, dest="gen_models",
-                   help="with --generate-jobs: this model only (repeatable; default both)")
+                   help="with --generate-jobs: this model only (repeatable; default both; with --curve one, "
+                        "default llama)")
     p.add_argument("--prompt", type=_positive_int, nargs="+", default=None, dest="gen_prompts", metavar="P",
                    help="with --generate-jobs: prompt lengths (default 512 2048)")
     p.add_argument("--batch", type=_positive_int, nargs="+", default=None, dest="gen_batches", metavar="B",
@@ -456,6 +480,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _refuse(parser, "--families applies to --hf-generate only, without --compiled")
     if args.command == "bench" and not args.generate_jobs:
         _refuse_generate_options(parser, args)
+    if args.command == "bench" and args.curve:
+        _refuse_curve_options(parser, args)
     if args.command == "bench" and not args.embed:
         _refuse_embed_options(parser, args)
     if args.command == "explain" and args.seq > max_seq_len(args.config):  # before any work
@@ -472,12 +498,20 @@ def _refuse_generate_options(parser: argparse.ArgumentParser, args: argparse.Nam
     """Refuse ``bench``'s options that apply to ``--generate-jobs`` only, by name."""
     for flag, dest in (("--model", "gen_models"), ("--prompt", "gen_prompts"), ("--batch", "gen_batches"),
                        ("--new-tokens", "new_tokens"), ("--reps", "reps"), ("--competing", "competing"),
-                       ("--no-compile", "no_compile")):
+                       ("--no-compile", "no_compile"), ("--curve", "curve")):
         if dest == "reps" and (args.embed or args.families is not None):
             continue
         if getattr(args, dest) not in (None, False):
             _refuse(parser, f"{flag} applies to --generate-jobs only"
                     + (" (and to --embed and --families)" if dest == "reps" else ""))
+
+
+def _refuse_curve_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, by name, the ``--generate-jobs`` options a ``--curve`` run does not take."""
+    for flag, dest in (("--batch", "gen_batches"), ("--new-tokens", "new_tokens"), ("--competing", "competing"),
+                       ("--no-compile", "no_compile")):
+        if getattr(args, dest) not in (None, False):
+            _refuse(parser, f"{flag} does not apply to --curve (one row, eager ways, --reps timed steps)")
 
 
 def _refuse_embed_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
