@@ -98,3 +98,17 @@ def test_the_performance_page_families_block_is_its_results_file() -> None:
     page = (ROOT / "docs" / "performance.md").read_text("utf-8")
     assert f"```text\n{format_hf_families(result)}\n```" in page
     assert not result["mismatches"] and not result["failed"]
+
+
+def test_the_readme_decode_curve_is_its_results_file() -> None:
+    """The README's ratios of one row's decode rate against the prompt's length: the paired speed-ups
+    of the file whose picture it shows."""
+    import json
+
+    readme = (ROOT / "README.md").read_text("utf-8")
+    name = "docs/results/generate_jobs/intel-xeon-amx-llama-curve"
+    result = json.loads((ROOT / f"{name}.json").read_text("utf-8"))
+    paired = {p["prompt"]: p["ways"]["patched + KVCacheAdapter"]["paired_speedup"] for p in result["lengths"]}
+    words = (f"{paired[256]:.2f}× HF's\n`DynamicCache` at 256 tokens, {paired[2048]:.2f}× at 2,048, "
+             f"{paired[4096]:.2f}× at 4,096 (paired per step)")
+    assert words in readme and f"]({name}.png)" in readme and (ROOT / f"{name}.png").exists()

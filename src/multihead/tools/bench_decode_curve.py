@@ -62,7 +62,7 @@ class _Way:
     def _forward(self, ids: torch.Tensor) -> torch.Tensor:
         at = torch.arange(self.length, self.length + ids.shape[1])
         with torch.no_grad():
-            out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, cache_position=at,
+            out = self.model(input_ids=ids, cache=self.cache, use_cache=True, cache_position=at,
                              position_ids=at[None], logits_to_keep=1)
         self.length += ids.shape[1]
         return out.logits[:, -1]
@@ -173,26 +173,31 @@ def _share(share: float | None) -> str:
 
 
 def plot(result: dict[str, Any], path: str | os.PathLike[str]) -> Path:
-    """PNG: decode tokens/s against the prompt's length (log scale), one line per way."""
+    """PNG: decode tokens/s against the prompt's length (log scale), one line per way, and beside it
+    each way's speed-up over ``HF, DynamicCache``, paired per step (steady where the machine drifts)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never a window
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    fig, (rate, ratio) = plt.subplots(1, 2, figsize=(11, 4.2))
     for name in WAYS:
-        points = [(p["prompt"], p["ways"][name]["tokens_per_s"]) for p in result["lengths"]]
-        ax.plot(*zip(*points), marker="o", label=name, linewidth=2.5 if name == WAYS[2] else 1.5)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("prompt length (tokens held when decoding starts)")
-    ax.set_ylabel("decode tokens/s (one row)")
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+        wide = 2.5 if name == WAYS[2] else 1.5
+        for ax, key in ((rate, "tokens_per_s"), (ratio, "paired_speedup")):
+            points = [(p["prompt"], p["ways"][name][key]) for p in result["lengths"]]
+            ax.plot(*zip(*points), marker="o", label=name, linewidth=wide)
+    rate.set_ylabel("decode tokens/s (one row)")
+    ratio.set_ylabel("speed-up over HF, DynamicCache (paired)")
+    for ax in (rate, ratio):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt length (tokens held when decoding starts)")
+        ax.grid(alpha=0.3)
+    rate.set_ylim(bottom=0)
+    rate.legend(fontsize=8)
     m, s = result["machine"], result["sizes"]
-    title = (f"{s['arch']} 0.5B ({s['layers']} layers, d={s['embed_dim']}), float32 — {m.get('cpu', 'CPU')}, "
-             f"{result['threads']} threads")
-    ax.set_title(textwrap.fill(title, 80), fontsize=9)
+    title = (f"{s['arch']} ({s['layers']} layers, d={s['embed_dim']}, {s['heads']}/{s['kv_heads']} heads), float32, "
+             f"one row — {m.get('cpu', 'CPU')}, {result['threads']} threads")
+    fig.suptitle(textwrap.fill(title, 110), fontsize=10)
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
