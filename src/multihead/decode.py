@@ -4,7 +4,7 @@ Notation: B batch, E embed_dim, H query heads, Hkv key/value heads, D head_dim, 
 capacity.
 
 ``layer(x, cache=cache)`` with one new token per row is, in the seed's terms, the whole
-pipeline (project, split, RoPE, cache write, attention, concat, W_o) for B ≤ 4 vectors.
+pipeline (project, split, RoPE, cache write, attention, concat, W_o) for B ≤ 8 vectors.
 :func:`fused_step` runs it in one call of the native kernel; :func:`why_not_fused` says
 whether it applies to a call and, if not, the first reason — the counterpart of
 :func:`multihead.backends.auto.auto_path` for the layer. The layer asks it in one line,

@@ -366,7 +366,7 @@ static int backward_case() {
 }
 
 static int linear_case() {
-    const int64_t M = pick(1, 4), K = pick(1, 70), count = pick(1, 3);
+    const int64_t M = pick(1, 8), K = pick(1, 70), count = pick(1, 3);
     std::vector<float> x = randoms(M * K);
     std::vector<std::vector<float>> w, bias, out;
     std::vector<int64_t> N;
@@ -399,7 +399,7 @@ static int linear_case() {
 // values are compared with the step-by-step path in tests/test_native.py).
 static int step_case(int kind) {
     // E and H·D multiples of 16 half the time: the bf16 projections' de-interleaved x and heads.
-    const int64_t B = pick(1, 4), Hkv = pick(1, 3), H = Hkv * pick(1, 3);
+    const int64_t B = pick(1, 8), Hkv = pick(1, 3), H = Hkv * pick(1, 3);
     const int64_t D = next() % 2 ? 16 * pick(1, 3) : 2 * pick(1, 20), E = next() % 2 ? 16 * pick(1, 4) : pick(1, 50);
     const int64_t C = pick(2, 700), R = 2 * pick(0, D / 2), P = C + 1;
     std::vector<float> x = randoms(B * E), wq = randoms(H * D * E), wk = randoms(Hkv * D * E), wv = randoms(Hkv * D * E);

@@ -146,7 +146,7 @@ def test_decode_loop_with_rows_in_lanes_at_short_lengths(g: int, sq: int, sk: in
         assert (ours[2] == 0).all()
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8])
 @pytest.mark.parametrize("k_in", [1, 16, 37, 300])
 def test_few_row_linear_matches_float64(m: int, k_in: int) -> None:
     """Several layers in one call (rows split across threads over all of them), row
@@ -173,7 +173,7 @@ def test_linear_uses_the_few_row_kernel_only_without_autograd(monkeypatch: pytes
     assert calls == [] and y.requires_grad
     with torch.no_grad():
         torch.testing.assert_close(layer(x), y.detach(), atol=1e-6, rtol=1e-6)
-        layer(torch.randn(1, 5, 64))  # 5 rows: oneDNN
+        layer(torch.randn(1, native.MAX_STEP_ROWS + 1, 64))  # 9 rows: oneDNN
     assert calls == [3, 1]  # q, k, v in one call, then o_proj
 
 
@@ -373,7 +373,7 @@ def test_fused_step_is_skipped_where_it_does_not_apply_and_results_agree(case: s
     the same result as the fused one on the nearest call it does take."""
     steps = _spy_steps(monkeypatch)
     torch.random.default_generator.manual_seed(0)
-    b = 5 if case == "rows" else 2
+    b = native.MAX_STEP_ROWS + 1 if case == "rows" else 2
     dtype = torch.float64 if case == "float64" else torch.float32
     layer = mh.MultiHeadAttention(64, 4, num_kv_heads=2, causal=True, window=8 if case == "ring" else None,
                                   rope=mh.RoPE(16, max_positions=20 if case == "rope table" else 4096),
@@ -433,7 +433,7 @@ def _f(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
                                   mask=torch.ones(2, 3, dtype=torch.bool)), ValueError, "mask must broadcast"),
     (lambda: native.attention_f32(_f(1, 2, 3, 4), _f(1, 2, 3, 4), _f(1, 2, 3, 4), scale=1.0, window=0),
      ValueError, "window must be in"),
-    (lambda: native.linear_few_rows(_f(5, 4), [(_f(3, 4), None)]), ValueError, "1 to 4 rows"),
+    (lambda: native.linear_few_rows(_f(9, 4), [(_f(3, 4), None)]), ValueError, "1 to 8 rows"),
     (lambda: native.linear_few_rows(_f(1, 4), [(_f(4, 3).t(), None)]), TypeError, "not contiguous"),
     (lambda: native.linear_few_rows(_f(1, 4), [(_f(3, 5), None)]), ValueError, r"weight must be \(N, 4\)"),
     (lambda: native.linear_few_rows(_f(1, 4), [(_f(3, 4), _f(4))]), ValueError, r"bias must be \(3,\)"),

@@ -327,13 +327,14 @@ def test_the_decoding_step_refuses_mixed_dtypes_by_name() -> None:
 # (E, H, Hkv, rows B): E a multiple of 16 (the AVX2 bf16 GEMV's even/odd widening) with odd
 # weight-row counts (Hkv·D = 3: the row loop's tails), and E = 40 (its plain fallback).
 GEMV_SHAPES = {"even-odd, odd rows, B=1": (48, 16, 1, 1), "even-odd, B=3": (48, 16, 1, 3),
-               "even-odd, B=4, GQA": (96, 6, 2, 4), "fallback E=40, B=2": (40, 5, 1, 2)}
+               "even-odd, B=4, GQA": (96, 6, 2, 4), "fallback E=40, B=2": (40, 5, 1, 2),
+               "even-odd, B=7": (48, 16, 1, 7), "even-odd, B=8, GQA": (96, 6, 2, 8)}
 
 
 @pytest.mark.parametrize("shape", list(GEMV_SHAPES))
 def test_half_fused_step_projections_at_every_tail(shape: str) -> None:
     """The bf16 step's projections (widened 16 at a time into even and odd halves against a
-    de-interleaved x where E allows, plainly elsewhere) at row tails and 1–4 rows: within the
+    de-interleaved x where E allows, plainly elsewhere) at row tails and 1–8 rows: within the
     criterion of the float64 layer (the naive error: the unfused bf16 step's)."""
     e, h, hkv, b = GEMV_SHAPES[shape]
     torch.random.default_generator.manual_seed(e + b)

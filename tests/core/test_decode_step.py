@@ -130,17 +130,20 @@ def test_each_condition_alone_makes_it_say_why_not(reason: str) -> None:
 
 
 @pytest.mark.skipif(not FUSED, reason=f"no AVX-512 or AVX2 native kernel here ({native.status()})")
-def test_with_every_condition_met_the_step_runs_and_equals_the_step_by_step_path() -> None:
+@pytest.mark.parametrize("rows", [2, 5, native.MAX_STEP_ROWS])
+def test_with_every_condition_met_the_step_runs_and_equals_the_step_by_step_path(rows: int) -> None:
+    """From 1 to MAX_STEP_ROWS (8) rows: the GEMV's row counts as constants, 5 to 8 in fewer weight
+    rows a pass."""
     layer = _layer()
-    cache, token = _prefilled(layer)
+    cache, token = _prefilled(layer, rows)
     twin = _layer()
-    twin_cache, _ = _prefilled(twin)
+    twin_cache, _ = _prefilled(twin, rows)
     assert decode.why_not_fused(layer, token, cache) is None
     with torch.no_grad():
         fused = layer(token, cache=cache)
         stepwise = twin(token, cache=twin_cache, positions=torch.tensor([8]))  # positions: not fused
     torch.testing.assert_close(fused, stepwise, atol=1e-5, rtol=1e-5)
-    assert cache.host_lengths() == twin_cache.host_lengths() == [9, 9]
+    assert cache.host_lengths() == twin_cache.host_lengths() == [9] * rows
     assert torch.equal(cache.lengths, twin_cache.lengths) and torch.equal(cache.slot_pos, twin_cache.slot_pos)
     torch.testing.assert_close(cache.k, twin_cache.k, atol=1e-5, rtol=1e-5)
 

@@ -18,7 +18,7 @@ Each layer call takes one of two paths, recorded in :attr:`KVCacheAdapter.paths`
   (``attn_implementation="sdpa"``, the default, and no padding in the batch) or, decoding,
   with a mask that is exactly the layer's own rule (a sliding layer past its window), at the
   cache's own positions, runs ``layer(x, cache=kv)`` when that takes the fused native
-  decode step (:func:`multihead.decode.why_not_fused`: one token per row, B ≤ 4, float32,
+  decode step (:func:`multihead.decode.why_not_fused`: one token per row, B ≤ 8, float32,
   bfloat16 or float16 on a CPU with AVX-512 or AVX2, ...); the step writes K/V into the
   cache itself.
 * **update**: anything else (a mask — padding, eager attention — other positions, an

@@ -18,7 +18,7 @@ __all__ = ["MAX_STEP_ROWS", "SUFFIX", "kernel", "ptr", "pointers"]
 
 #: Most rows of x that :func:`.step.linear_few_rows` and :func:`.step.decode_step` take (the C++
 #: ``MAX_STEP_ROWS``, checked against the loaded build).
-MAX_STEP_ROWS = 4
+MAX_STEP_ROWS = 8
 #: The kernels' name suffix per dtype (``mh_attention_f32``, ``mh_attention_bf16``, ...).
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 

@@ -53,7 +53,7 @@ constexpr int MR_PV = 6;     // query rows of a p·v tile
 constexpr int64_t KC = 512;  // keys per chunk (a packed chunk of D = 64 is 128 KiB, L2)
 constexpr int64_t KD = 2048;  // keys per chunk of the decoding loop (one long K stream, then V)
 constexpr float NEG_INF = -__builtin_inff();
-constexpr int64_t MAX_STEP_ROWS = 4;  // most rows of x for the few-row GEMV and the decoding step
+constexpr int64_t MAX_STEP_ROWS = 8;  // most rows of x for the few-row GEMV and the decoding step
 
 inline vf load(const float* p) { return *(const vfu*)p; }
 inline void store(float* p, vf x) { *(vfu*)p = x; }

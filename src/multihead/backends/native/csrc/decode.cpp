@@ -800,7 +800,7 @@ extern "C" int mh_decode_f16(const void* q, const void* k, const void* v, void* 
 
 // ---------------------------------------------------------------------------------------
 // Few-row linear layers (decoding): out_i (M, N_i) = x (M, K) · W_iᵀ (+ b_i) for `count`
-// weights at once (q, k and v projections share x), M <= 4. The weights' rows, all
+// weights at once (q, k and v projections share x), M <= MAX_STEP_ROWS (8). The weights' rows, all
 // weights together, are split evenly across threads; each weight row is read once and
 // multiplied with the M rows of x held in L1. Bandwidth-bound: this streams the weights.
 
@@ -810,13 +810,16 @@ namespace {
 // AVX2: at most 8 of 16).
 
 template <int M>
-constexpr int gemv_block() { return W == 16 || M <= 2 ? 4 : 2; }
+constexpr int gemv_block() {
+    if constexpr (W == 16) return M <= 4 ? 4 : 2;
+    return M <= 2 ? 4 : M <= 4 ? 2 : 1;
+}
 
 template <int R, int M>
 inline void zero(vf (&acc)[R][M]) {
 #pragma GCC unroll 4
     for (int i = 0; i < R; ++i)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int m = 0; m < M; ++m) acc[i][m] = (vf){};
 }
 
@@ -849,7 +852,7 @@ void gemv_rows(const float* __restrict x, int64_t K, const TW* __restrict w, int
 #endif
 #pragma GCC unroll 4
             for (int i = 0; i < R; ++i) wv[i] = load_f(w0 + i * K + t);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
             for (int m = 0; m < M; ++m) {
                 vf xm = load(x + m * K + t);
 #pragma GCC unroll 4
@@ -902,7 +905,7 @@ void gemv_rows_bf16(const float* __restrict xs, int64_t K, const bf16* __restric
                 even[i] = (vf)_mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
                 odd[i] = (vf)_mm256_castsi256_ps(_mm256_and_si256(bits, high));
             }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
             for (int m = 0; m < M; ++m) {
                 const vf xe = load(xs + m * K + t), xo = load(xs + m * K + t + W);
 #pragma GCC unroll 4
@@ -927,6 +930,22 @@ void gemv_rows_bf16(const float* __restrict xs, int64_t K, const bf16* __restric
 
 #endif
 
+// f(std::integral_constant<int, M>) for 1 <= M <= MAX_STEP_ROWS (8): the GEMV's row count as a constant.
+template <class F>
+inline void by_rows(int64_t M, F&& f) {
+    switch (M) {
+        case 1: f(std::integral_constant<int, 1>{}); break;
+        case 2: f(std::integral_constant<int, 2>{}); break;
+        case 3: f(std::integral_constant<int, 3>{}); break;
+        case 4: f(std::integral_constant<int, 4>{}); break;
+        case 5: f(std::integral_constant<int, 5>{}); break;
+        case 6: f(std::integral_constant<int, 6>{}); break;
+        case 7: f(std::integral_constant<int, 7>{}); break;
+        default: f(std::integral_constant<int, 8>{}); break;
+    }
+}
+static_assert(MAX_STEP_ROWS == 8, "by_rows covers 1 to MAX_STEP_ROWS rows");
+
 // xs: x de-interleaved by split_even_odd where splits_x<TW>(K) (gemv_rows_bf16), else null.
 template <class TW>
 void gemv_any(int64_t M, const float* x, const float* xs, int64_t K, const TW* w, int64_t rows, const TW* bias,
@@ -934,21 +953,12 @@ void gemv_any(int64_t M, const float* x, const float* xs, int64_t K, const TW* w
 #if MH_VECTOR_FLOATS == 8 && defined(__AVX2__)
     if constexpr (std::is_same_v<TW, bf16>) {
         if (xs) {
-            switch (M) {
-                case 1: gemv_rows_bf16<1>(xs, K, w, rows, bias, out, ldo); return;
-                case 2: gemv_rows_bf16<2>(xs, K, w, rows, bias, out, ldo); return;
-                case 3: gemv_rows_bf16<3>(xs, K, w, rows, bias, out, ldo); return;
-                default: gemv_rows_bf16<4>(xs, K, w, rows, bias, out, ldo); return;
-            }
+            by_rows(M, [&](auto m) { gemv_rows_bf16<decltype(m)::value>(xs, K, w, rows, bias, out, ldo); });
+            return;
         }
     }
 #endif
-    switch (M) {
-        case 1: gemv_rows<1>(x, K, w, rows, bias, out, ldo); break;
-        case 2: gemv_rows<2>(x, K, w, rows, bias, out, ldo); break;
-        case 3: gemv_rows<3>(x, K, w, rows, bias, out, ldo); break;
-        default: gemv_rows<4>(x, K, w, rows, bias, out, ldo); break;
-    }
+    by_rows(M, [&](auto m) { gemv_rows<decltype(m)::value>(x, K, w, rows, bias, out, ldo); });
 }
 
 // Whether the GEMV of TW weights with rows of K values reads x de-interleaved (gemv_rows_bf16).
