@@ -349,18 +349,21 @@ class FusedStep:
         cache.fused = step
         return step
 
-    def __call__(self, x: torch.Tensor, *, checked: bool = True) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, *, checked: bool = True, starts: torch.Tensor | None = None) -> torch.Tensor:
         """The step on x (B, 1, E): y (B, 1, E). ``checked``: the call passed every check of the
-        layer's ``forward``, so what they read is remembered for :meth:`repeat`."""
+        layer's ``forward``, so what they read is remembered for :meth:`repeat`. ``starts``: each
+        row's first slot, (B,) int64 (left padding before it; :func:`.backends.native.decode_step`),
+        given by a caller that checked it (:func:`multihead.interop.hf_cache.own_step`), or None."""
         layer, cache = self._layer(), self._cache()
         if layer is None or cache is None:
             raise ValueError("this fused step's layer or cache no longer exists")
         guard = _Guard(*_snapshot(layer, x, cache, self.plan), _limit(layer, cache)) if checked else None
-        y = self._run(x, cache)
+        y = self._run(x, cache, starts)
         self.guard = guard
         return y
 
-    def repeat(self, layer: Layer, x: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
+    def repeat(self, layer: Layer, x: torch.Tensor, cache: KVCache,
+               starts: torch.Tensor | None = None) -> torch.Tensor | None:
         """The step without asking the checks again, when everything they read is as it was at the
         last checked step (:func:`_snapshot`): y (B, 1, E); else None, and nothing was done."""
         guard = self.guard
@@ -371,15 +374,15 @@ class FusedStep:
                 or cache.owner() is not layer or self._layer() is not layer
                 or max(cache.host_lengths()) >= guard.limit):
             return None
-        return self._run(x, cache)
+        return self._run(x, cache, starts)
 
-    def _run(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, cache: KVCache, starts: torch.Tensor | None = None) -> torch.Tensor:
         """The plan's kernel (K and V written, the counters advanced; nothing written if it fails),
         then the counters' host mirror: y (B, 1, E). Anything failing after the kernel (an
         interrupt as it returns) has its writes undone: the cache is then bitwise as it was."""
         held = cache.host_lengths()
         try:
-            y = self.plan.run(x if x.is_contiguous() else x.contiguous())  # (B, 1, E): B rows of E
+            y = self.plan.run(x if x.is_contiguous() else x.contiguous(), starts)  # (B, 1, E): B rows of E
             cache.mirror_step(held)
         except BaseException:
             cache.undo_native_step(held, self.plan.saved)
@@ -441,7 +444,8 @@ def _limit(layer: Layer, cache: KVCache) -> int:
     return cache.max_len if layer.rope is None else min(cache.max_len, layer.rope.table_limit)
 
 
-def repeat_step(layer: Layer, x: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
+def repeat_step(layer: Layer, x: torch.Tensor, cache: KVCache, starts: torch.Tensor | None = None
+                ) -> torch.Tensor | None:
     """``layer(x, cache=cache)`` as the fused step without asking its checks again, when
     everything they read is as it was at the last step that asked them all: y (B, 1, E);
     else None, and nothing has been done (the caller asks them all).
@@ -454,12 +458,12 @@ def repeat_step(layer: Layer, x: torch.Tensor, cache: KVCache) -> torch.Tensor |
     gradients (:func:`.backends.native.ops.direct`), for a cache bound to this layer whose
     rows are all shorter than the limits (``max_len``, the RoPE table) the checks compared.
 
-    Args: as :func:`fused_step`'s.
+    Args: as :func:`fused_step`'s; ``starts``: as :meth:`FusedStep.__call__`'s.
     """
     step = cache.fused if type(cache) is KVCache else None  # anything else: the checks say what is wrong
     if type(step) is not FusedStep:
         return None
-    return step.repeat(layer, x, cache)
+    return step.repeat(layer, x, cache, starts)
 
 
 def _traced() -> bool:

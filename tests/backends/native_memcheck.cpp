@@ -27,8 +27,8 @@ int mh_linear_few_rows_f32(const float*, int64_t, int64_t, int64_t, const float*
                            const float* const*, float* const*, int);
 int mh_decode_step_f32(const float*, int64_t, int64_t, const float* const*, const float* const*, int64_t, int64_t,
                        int64_t, const float*, const float*, int64_t, int, const float* const*, float, int, float*,
-                       float*, const int64_t*, int64_t*, float, int64_t, float*, float*, int, int64_t*, int64_t,
-                       int64_t);
+                       float*, const int64_t*, int64_t*, float, int64_t, const int64_t*, float*, float*, int,
+                       int64_t*, int64_t, int64_t);
 #define MH_HALF(suffix)                                                                                          \
     int mh_attention_##suffix(const void*, const void*, const void*, void*, float*, const uint8_t*,              \
                               const int64_t*, const int64_t*, float, int, int64_t, float, const float*,          \
@@ -38,8 +38,8 @@ int mh_decode_step_f32(const float*, int64_t, int64_t, const float* const*, cons
                            const int64_t*, float, int, int64_t, int);                                            \
     int mh_decode_step_##suffix(const void*, int64_t, int64_t, const void* const*, const void* const*, int64_t,  \
                                 int64_t, int64_t, const float*, const float*, int64_t, int, const void* const*,  \
-                                float, int, void*, void*, const int64_t*, int64_t*, float, int64_t, void*,       \
-                                void*, int, int64_t*, int64_t, int64_t);
+                                float, int, void*, void*, const int64_t*, int64_t*, float, int64_t,             \
+                                const int64_t*, void*, void*, int, int64_t*, int64_t, int64_t);
 MH_HALF(bf16)
 MH_HALF(f16)
 int mh_convert_scalar(int, int, const void*, void*, int64_t);
@@ -421,6 +421,9 @@ static int step_case(int kind) {
     std::vector<float> qn = randoms((norm_mode & 3) == 3 ? H * D : D), kn = randoms((norm_mode & 3) == 3 ? Hkv * D : D);
     const float* norms[2] = {qn.data(), kn.data()};
     const int64_t window = next() % 2 ? 0 : pick(1, C);  // none, or a sliding window of 1 .. C keys
+    const bool with_starts = next() % 2;  // left padding: each row's first slot, 0 .. its new token's
+    std::vector<int64_t> starts(B);
+    for (int64_t b = 0; b < B; ++b) starts[b] = pick(0, lengths[b]);
     int code;
     std::vector<float> old_slots(B * 2 * Hkv * D), saved(B * 2 * Hkv * D, -1.f);  // (B, 2, Hkv, D)
     for (int64_t b = 0; b < B; ++b)
@@ -433,7 +436,8 @@ static int step_case(int kind) {
     if (kind == F32) {
         code = mh_decode_step_f32(x.data(), B, E, W, bias, H, Hkv, D, cp, sp, R, inter, norm_mode & 3 ? norms : nullptr,
                                   1e-6f, norm_mode & 3 ? norm_mode : 0, ck.data(), cv.data(), cs,
-                                  lengths.data(), 0.3f, window, y.data(), saved.data(), 2, slot_pos.data(), C, C);
+                                  lengths.data(), 0.3f, window, with_starts ? starts.data() : nullptr, y.data(),
+                                  saved.data(), 2, slot_pos.data(), C, C);
         for (size_t i = 0; code == 0 && i < saved.size(); ++i)  // the slots' old values, for a restore
             if (saved[i] != old_slots[i]) return fail("step saved slots", saved[i], old_slots[i]);
     } else {
@@ -448,7 +452,7 @@ static int step_case(int kind) {
         code = (kind == BF16 ? mh_decode_step_bf16 : mh_decode_step_f16)(
             xh.data(), B, E, Wh, bh, H, Hkv, D, cp, sp, R, inter, norm_mode & 3 ? nh : nullptr, 1e-6f,
             norm_mode & 3 ? norm_mode : 0, ckh.data(), cvh.data(), cs, lengths.data(), 0.3f, window,
-            yh.data(), nullptr, 2, nullptr, 0, 0);
+            with_starts ? starts.data() : nullptr, yh.data(), nullptr, 2, nullptr, 0, 0);
         from_kind(kind, yh, y);
     }
     if (code != 0) return fail("step return code", 1, 0);

@@ -327,7 +327,8 @@ def _spy_steps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     monkeypatch.setattr(native.step, "decode_step",
                         lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
     # eager steps call the kernel through their marshalled arguments (decode._eager_step)
-    monkeypatch.setattr(native.StepPlan, "run", lambda plan, x: calls.append(x.shape[0]) or real_run(plan, x))
+    monkeypatch.setattr(native.StepPlan, "run",
+                        lambda plan, x, starts=None: calls.append(x.shape[0]) or real_run(plan, x, starts))
     return calls
 
 

@@ -448,3 +448,40 @@ def test_a_copied_cache_decodes_into_its_own_buffers() -> None:
         torch.testing.assert_close(got, layer(nxt, cache=cache), atol=0, rtol=0)
     assert twin.fused is not cache.fused
     assert torch.equal(cache.lengths, twin.lengths) and torch.equal(cache.slot_pos, twin.slot_pos)
+
+
+def _step_arguments(layer: mh.MultiHeadAttention) -> dict:
+    projs = [layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj]
+    return dict(num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim,
+                rope=(layer.rope.cos, layer.rope.sin, layer.rope.rotary_dim, layer.rope.interleaved),
+                scale=float(layer.scale), layers=[(p.weight.detach(), p.bias.detach()) for p in projs])
+
+
+@pytest.mark.skipif(not FUSED, reason=f"no AVX-512 or AVX2 native kernel here ({native.status()})")
+@pytest.mark.parametrize("window", [None, 6])
+def test_row_starts_give_the_step_of_the_rows_held_from_slot_0(window: int | None) -> None:
+    """Left padding: row b's tokens in slots starts[b] .. lengths[b] - 1, NaN in the slots before
+    (never read), positions counted from the start; the step equals that of the same tokens held
+    from slot 0 (rows 0, 7 and 12 slots of padding, one of them 1 real token; with a window of 6
+    too). Starts past a row's new token are refused before anything is written."""
+    torch.random.default_generator.manual_seed(3)
+    layer = mh.MultiHeadAttention(64, 4, num_kv_heads=2, causal=True, rope=mh.RoPE(16), window=window).eval()
+    starts, real = torch.tensor([0, 7, 12]), torch.tensor([20, 18, 1])
+    lengths = starts + real
+    k, v = (torch.randn(3, 2, 40, 16) for _ in range(2))
+    padded_k, padded_v = (torch.full_like(t, float("nan")) for t in (k, v))
+    for b in range(3):
+        padded_k[b, :, starts[b]:lengths[b]] = k[b, :, :real[b]]
+        padded_v[b, :, starts[b]:lengths[b]] = v[b, :, :real[b]]
+    x, kw = torch.randn(3, 64), _step_arguments(layer)
+    with torch.no_grad():
+        got = native.decode_step(x, cache_k=padded_k, cache_v=padded_v, lengths=lengths, starts=starts,
+                                 window=window, **kw)
+        want = native.decode_step(x, cache_k=k, cache_v=v, lengths=real, window=window, **kw)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for b in range(3):  # the new token's K and V written at the row's slot lengths[b]
+        torch.testing.assert_close(padded_k[b, :, lengths[b]], k[b, :, real[b]], atol=0, rtol=0)
+    before = padded_k.clone()
+    with pytest.raises(ValueError, match=r"starts must lie in \[0, lengths\[b\]\]"):
+        native.decode_step(x, cache_k=padded_k, cache_v=padded_v, lengths=lengths, starts=lengths + 1, **kw)
+    assert torch.equal(padded_k.nan_to_num(), before.nan_to_num())

@@ -65,8 +65,13 @@ def _same_tokens_as_hf(model: nn.Module, prompts: dict[str, torch.Tensor], **kw:
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_llama_gqa_left_padded_batch_generates_hf_tokens(impl: str) -> None:
+    """The padding slots are held (and written in place) as HF's caches hold them; decoding takes
+    the fused step from each row's first real slot where the kernel runs here, else update."""
     cache = _same_tokens_as_hf(_model(impl=impl), _prompts(padded=True))
-    assert cache.paths == ["update", "update"]  # HF's mask covers the padding: written in place by update
+    if native.vector_bits() >= 256:
+        assert cache.paths == ["fused", "fused"]
+    else:
+        assert all(path.startswith("update") for path in cache.paths)
     assert cache.get_seq_length() == S + NEW - 1  # the last token is never fed back
 
 
@@ -84,12 +89,38 @@ def test_unpadded_batch_takes_the_fused_step_or_says_why_not() -> None:
 def test_a_mask_that_is_the_layers_own_rule_takes_the_fused_step(model_type: str, impl: str, extra: dict) -> None:
     """Decoding, HF passes a mask that says nothing beyond the layer's own rule: a sliding layer's
     once the cache passes its window (4 keys; the prompt alone holds 9), an eager model's all-True
-    one. The fused step applies that rule itself: it runs, with HF's tokens. With padding in the
-    batch the mask hides more than the rule, and the layers take update."""
-    cache = _same_tokens_as_hf(_model(model_type, impl, **extra), _prompts(padded=False))
-    assert cache.paths == ["fused", "fused"] and cache.get_seq_length() == S + NEW - 1
-    cache = _same_tokens_as_hf(_model(model_type, impl, **extra), _prompts(padded=True))
-    assert cache.paths == ["update", "update"]
+    one. The fused step applies that rule itself: it runs, with HF's tokens; with left padding in
+    the batch too (the rule over each row's keys from its first real one)."""
+    for padded in (False, True):
+        cache = _same_tokens_as_hf(_model(model_type, impl, **extra), _prompts(padded=padded))
+        assert cache.paths == ["fused", "fused"] and cache.get_seq_length() == S + NEW - 1
+
+
+def _ragged_prompts(pads: list[int]) -> dict[str, torch.Tensor]:
+    """One prompt per row of S tokens, row b left-padded with ``pads[b]`` pad tokens (as HF pads)."""
+    g = torch.Generator().manual_seed(2)
+    mask = (torch.arange(S)[None, :] >= torch.tensor(pads)[:, None]).long()  # (B, S)
+    return {"input_ids": torch.randint(3, VOCAB, (len(pads), S), generator=g) * mask, "attention_mask": mask}
+
+
+@pytest.mark.skipif(native.vector_bits() < 256, reason=f"no AVX-512 or AVX2 native kernel here ({native.status()})")
+@pytest.mark.parametrize("model_type, extra", [("llama", {}), ("qwen3", {}), ("mistral", {"sliding_window": 5})])
+def test_a_left_padded_batch_of_8_takes_the_fused_step_with_hf_tokens(model_type: str, extra: dict) -> None:
+    """Eight rows padded by 0 to 7 tokens: each row's keys from its first real slot, its RoPE
+    positions counted from there, in the one-call step of every layer (Qwen3: its q/k norm too;
+    Mistral: a window of 5 keys); HF's greedy tokens."""
+    cache = _same_tokens_as_hf(_model(model_type, **extra), _ragged_prompts([0, 3, 7, 1, 5, 2, 6, 4]))
+    assert cache.paths == ["fused", "fused"]
+
+
+@pytest.mark.skipif(native.vector_bits() < 256, reason=f"no AVX-512 or AVX2 native kernel here ({native.status()})")
+def test_the_fused_step_of_a_padded_batch_reads_each_rows_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted: the rows' first slots dropped on the way to the kernel (padding attended, positions
+    counted from slot 0): HF's tokens are not reproduced, so the starts are what makes it exact."""
+    call = decode.FusedStep.__call__
+    monkeypatch.setattr(decode.FusedStep, "__call__", lambda self, x, **kw: call(self, x, **{**kw, "starts": None}))
+    with pytest.raises(AssertionError):
+        _same_tokens_as_hf(_model(), _ragged_prompts([0, 3, 7, 1, 5, 2, 6, 4]))
 
 
 def test_the_layers_own_cached_call_generates_hf_tokens(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 import multihead as mh
+from multihead.backends import native
 from multihead.interop import hf_config, hf_mrope, hf_registry
 
 pytest.importorskip("transformers")
@@ -191,14 +192,18 @@ def test_vision_language_model_with_an_image_is_exact(family: str) -> None:
         assert _same_cache(held, want.past_key_values, inputs["attention_mask"], holds_all=True) == "exact"
         cache = mh.hf.KVCacheAdapter(model, max_len=S + 4)
         assert torch.equal(model.generate(**inputs, **GREEDY, cache=cache), adapted)
-    assert cache.paths == ["update", "update"]  # the image's rows shift every later position: no own step
+    # The image shifts every later position below its slot: the full layer's mask shows the slots
+    # before the shift, so it takes update; the sliding layer's window hides them, so its positions
+    # count from slot held - position (as a left-padded row's) and it takes the fused step.
+    windows = [m.mh.window for n, m in model.named_modules() if isinstance(m, mh.hf.PatchedAttention)
+               and "language_model" in n]
+    assert cache.paths == ["fused" if native.vector_bits() >= 256 and w is not None else "update" for w in windows]
     assert family == "qwen3_vl_moe" or torch.equal(adapted, tokens)
 
 
 def test_text_generation_takes_the_fused_step_at_its_own_positions() -> None:
     """Text only, one row, sdpa (no mask): every position row equal and the cache's own, so the full
     layer 0 decodes with the fused native step where the machine has it; the same greedy tokens as HF."""
-    from multihead.backends import native
 
     model = _vl_model("qwen2_vl")
     model.model.language_model.config._attn_implementation = "sdpa"  # HF passes no mask then

@@ -15,13 +15,15 @@ Pass it to ``generate`` (``cache=``, or the older ``past_key_values=``)::
 Each layer call takes one of two paths, recorded in :attr:`KVCacheAdapter.paths`:
 
 * **fused**: a patched layer (:func:`multihead.hf.patch`) whose call HF makes with no mask
-  (``attn_implementation="sdpa"``, the default, and no padding in the batch) or, decoding,
-  with a mask that is exactly the layer's own rule (a sliding layer past its window), at the
-  cache's own positions, runs ``layer(x, cache=kv)`` when that takes the fused native
-  decode step (:func:`multihead.decode.why_not_fused`: one token per row, B ≤ 8, float32,
-  bfloat16 or float16 on a CPU with AVX-512 or AVX2, ...); the step writes K/V into the
-  cache itself.
-* **update**: anything else (a mask — padding, eager attention — other positions, an
+  (``attn_implementation="sdpa"``, the default, and no padding in the batch) at the cache's
+  own positions, or, decoding one token per row, with a mask that is exactly the layer's own
+  rule over each row's keys from its first real one (a left-padded batch: positions
+  ``held - start``; a sliding layer past its window; eager attention's mask), runs the fused
+  native decode step (:func:`multihead.decode.why_not_fused`: B ≤ 8, float32, bfloat16 or
+  float16 on a CPU with AVX-512 or AVX2, ...; a left-padded row's slots before its start are
+  never read): ``layer(x, cache=kv)``, or the step itself where that call adds nothing
+  (padded rows take only that); the step writes K/V into the cache itself.
+* **update**: anything else (a mask that hides more, other positions, an
   unpatched layer, or the fused step not applying, whose reason is recorded) calls
   :meth:`~transformers.Cache.update`, which writes the new K/V in place and returns views
   of the held ones (B, Hkv, L, D); HF's mask then covers padding (left padding works: its
@@ -64,7 +66,7 @@ from typing import Any
 
 import torch
 
-from ..decode import fused_for, repeat_step
+from ..decode import FusedStep, fused_for, repeat_step
 from ..module import MultiHeadAttention
 from .hf_structure import is_own_rule
 
@@ -103,15 +105,16 @@ def own_step(layer: MultiHeadAttention, layer_idx: int | None, cache: Any, x: to
         return None  # traced: update's static write (the adapter's shapes do not follow the lengths there)
     slot = cache.slot(layer_idx, positions)  # checked: a layer the adapter has, a new generate at 0
     held = slot.get_seq_length()
-    if not cache.at_own_positions(positions, held, x.shape[1]):
-        return None
-    if mask is not None and not (mask.shape[-1] == held + 1 and is_own_rule(layer.structure, attention_mask, mask, 1)):
-        return None  # padding, or a mask of HF's own: the step-by-step way with it
+    fits, starts = _left_padding(layer, cache, x, mask, positions, attention_mask, held)
+    if not fits:
+        return None  # other positions, or a mask beyond the rule and left padding: the step-by-step way
+    bare = _bare(layer)
+    if starts is not None and not bare:
+        return None  # layer(x, cache=kv) takes no padding: the step-by-step way
     slot.begin_write()
     kv = slot.kv_for(layer, x)
     slot.check_room(x.shape[1])
-    bare = _bare(layer)
-    y = repeat_step(layer, x, kv) if bare else None  # the last step's checks still hold: not asked again
+    y = repeat_step(layer, x, kv, starts) if bare else None  # the last step's checks still hold: not asked again
     if y is None:
         if bare:
             layer.check(x, cache=kv)  # what layer(x, cache=kv) checks first
@@ -119,9 +122,25 @@ def own_step(layer: MultiHeadAttention, layer_idx: int | None, cache: Any, x: to
         if isinstance(step, str):  # the wrapper's own steps around update (in place) then
             slot.not_fused = step  # recorded by the update that follows
             return None
-        y = step(x) if bare else layer(x, cache=kv)
+        # bare: the step itself (eager here: a FusedStep); else the module's call (no padding then)
+        y = step(x, starts=starts) if bare and isinstance(step, FusedStep) else layer(x, cache=kv)
     slot.record("fused")
     return y
+
+
+def _left_padding(layer: MultiHeadAttention, cache: Any, x: torch.Tensor, mask: torch.Tensor | None,
+                  positions: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                  held: int) -> tuple[bool, torch.Tensor | None]:
+    """Whether the fused step computes HF's call on the cache's ``held`` tokens, and the rows'
+    first slots it then takes: None (at the cache's own positions, HF's mask none or the layer's
+    rule), or (B,) int64 (one new token per row of a left-padded batch: positions ``held -
+    starts``, HF's mask the layer's rule over each row's keys from its start)."""
+    if mask is None or x.shape[1] != 1:
+        return cache.at_own_positions(positions, held, x.shape[1]), None
+    starts = cache.row_starts(positions, held, x.shape[0])  # None: every row from slot 0
+    if starts is False or mask.shape[-1] != held + 1:
+        return False, None
+    return is_own_rule(layer.structure, attention_mask, mask, 1, starts), starts
 
 
 def _bare(layer: MultiHeadAttention) -> bool:

@@ -287,6 +287,7 @@ class KVCacheAdapter(Cache):
         super().__init__(layers=list(self.slots))
         self.max_len = max_len
         self._checked: tuple[torch.Tensor, int, bool] | None = None
+        self._starts: tuple[torch.Tensor, int, int, torch.Tensor | None | bool] | None = None
         self._given = False  # transformers' generate has taken this cache (see _is_user_defined)
         self._forgotten = 0  # tokens per row forgotten when the running generate began
         self._first_write = False  # a generate began and has not written yet (see _check_fresh)
@@ -313,6 +314,7 @@ class KVCacheAdapter(Cache):
         self._first_write = True
         self.reset()
         self._checked = None
+        self._starts = None
 
     def slot(self, layer_idx: int, positions: torch.Tensor | None = None) -> KVCacheLayer:
         """Layer ``layer_idx``'s :class:`KVCacheLayer`, checked before it is written.
@@ -383,6 +385,27 @@ class KVCacheAdapter(Cache):
         own = positions.shape[-1] == s and bool((positions == want).all())
         self._checked = (positions, held, own)  # the reference keeps the identity unique
         return own
+
+    def row_starts(self, positions: torch.Tensor | None, held: int, batch: int) -> torch.Tensor | None | bool:
+        """Each row's first slot for one new token per row at ``positions`` ((1,) or (B|1, 1)):
+        ``held - positions``, (B,) int64, where every row's start lies in [0, held] and one is
+        not 0 (HF's positions of a left-padded batch count its real tokens, so a row's start is
+        its padding); None where every start is 0 (or no positions); False where a start lies
+        outside. Remembered for HF's positions tensor of the step (one read for all layers).
+        """
+        if positions is None:
+            return None
+        found = self._starts
+        if found is not None and found[0] is positions and found[1:3] == (held, batch):
+            return found[3]
+        last = positions.reshape(-1, positions.shape[-1])[:, -1].to(torch.int64)  # (B|1,)
+        starts = (held - last).expand(batch).contiguous()
+        answer: torch.Tensor | None | bool = False
+        if positions.shape[-1] == 1 and last.shape[0] in (1, batch):
+            low, high = (int(v) for v in torch.aminmax(starts))
+            answer = (starts if high > 0 else None) if 0 <= low and high <= held else False
+        self._starts = (positions, held, batch, answer)  # the reference keeps the identity unique
+        return answer
 
     @property
     def paths(self) -> list[str | None]:

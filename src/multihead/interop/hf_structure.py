@@ -83,20 +83,29 @@ def attend_structure(structure: Structure, attention_mask: torch.Tensor | None, 
 
 
 def is_own_rule(structure: Structure, attention_mask: torch.Tensor | None, mask: torch.Tensor | None,
-                sq: int) -> bool:
-    """Whether HF's mask is exactly the layer's own rule over the call's keys, for every row: no
-    padding, nothing hidden or shown beyond ``structure`` (a sliding layer's mask once the cache
-    passes its window, an eager model's all-True decoding mask). The layer's cached call then
-    computes what HF's would without the mask (:func:`multihead.interop.hf_cache.own_step`).
+                sq: int, starts: torch.Tensor | None = None) -> bool:
+    """Whether HF's mask is exactly the layer's own rule over the call's keys, for every row:
+    nothing hidden or shown beyond ``structure`` (a sliding layer's mask once the cache passes
+    its window, an eager model's all-True decoding mask) but, given ``starts``, each row's keys
+    before its start (left padding). The layer's fused step then computes what HF's call would
+    (:func:`multihead.interop.hf_cache.own_step`).
 
     Args: as :func:`attend_structure`'s, ``mask`` (B|1, 1|H, S, Sk) with Sk the keys after the
-    call's write. False while a compiler traces (no value read back) or without a mask.
+    call's write; ``starts``: (B,) int64, each row's first key, or None (every row from key 0).
+    False while a compiler traces (no value read back) or without a mask.
     """
     if mask is None or attention_mask is None or torch.compiler.is_compiling():
         return False
-    what = ("own", sq, mask.shape[-1], structure.causal, structure.window)
-    return _answer(_own, attention_mask, what, lambda: bool(
-        (mask == structure.dense(sq, mask.shape[-1], device=mask.device)).all()))
+    sk = mask.shape[-1]
+    what = ("own", sq, sk, structure.causal, structure.window, None if starts is None else tuple(starts.tolist()))
+
+    def ask() -> bool:
+        rule = structure.dense(sq, sk, device=mask.device)  # (S, Sk)
+        if starts is not None:  # (B, 1, S, Sk): and each row's keys from its start
+            rule = rule & (torch.arange(sk, device=mask.device) >= starts.to(mask.device)[:, None, None, None])
+        return bool((mask == rule).all())
+
+    return _answer(_own, attention_mask, what, ask)
 
 
 def _answer(table: dict[int, tuple[Any, int, Any, bool]], attention_mask: torch.Tensor, what: Any,

@@ -86,12 +86,13 @@ def decode_step(
     scale: float,
     norm: Norm | None = None,
     window: int | None = None,
+    starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A whole decoding step of a layer in one call (one token per row, B ≤ :data:`MAX_STEP_ROWS`).
 
-    Projects x to q, k, v, rotates q and k at each row's position ``lengths[b]``, writes
-    k and v into the cache at that slot, attends over the row's ``lengths[b] + 1`` keys
-    and projects with W_o. It does **not** advance the cache's counters: the caller
+    Projects x to q, k, v, rotates q and k at each row's position ``lengths[b] - starts[b]``,
+    writes k and v into the cache at slot ``lengths[b]``, attends over the row's slots
+    ``starts[b] .. lengths[b]`` and projects with W_o. It does **not** advance the cache's counters: the caller
     (:func:`multihead.decode.fused_step`, traced) commits them through ``KVCache.commit``
     (a :class:`StepPlan`'s step does). The caller has validated everything
     (:func:`multihead.decode.why_not_fused`).
@@ -109,6 +110,9 @@ def decode_step(
         window: a sliding window (each row's query sees its last ``window`` keys, itself
             included, as :class:`multihead.masks.Structure`), or None. The cache's slots must
             hold positions 0 .. lengths[b] (a linear cache, not a ring).
+        starts: (B,) int64, contiguous, each row's first slot, 0 ≤ starts[b] ≤ lengths[b]: a
+            left-padded row (its slots before it are padding, never attended; its positions
+            count from it), or None (every row from slot 0).
 
     Returns:
         y: (B, E) in x's dtype.
@@ -117,6 +121,7 @@ def decode_step(
     _check_step_shapes(x, layers, num_heads, num_kv_heads, head_dim, rope, cache_k, cache_v, lengths)
     norm_args = _checked_norm(norm, x.dtype, (num_heads, num_kv_heads, head_dim))
     win = _window_argument(window)
+    _check_starts(starts, lengths)
     lib = require()
     b, e = x.shape
     y = torch.empty((b, e), dtype=x.dtype)
@@ -125,7 +130,7 @@ def decode_step(
         ptr(x), b, e, pointers([w for w, _ in layers]), pointers([bias for _, bias in layers]),
         num_heads, num_kv_heads, head_dim, ptr(cos), ptr(sin), rotary_dim, int(interleaved), *norm_args,
         ptr(cache_k), ptr(cache_v), tuple(cache_k.stride()[:3]), lengths.data_ptr(),
-        float(scale), win, ptr(y), None, torch.get_num_threads(), None, 0, 0)
+        float(scale), win, ptr(starts), ptr(y), None, torch.get_num_threads(), None, 0, 0)
     if code == -1:
         raise MemoryError("the native decoding step could not allocate its buffers")
     if code != 0:
@@ -193,13 +198,15 @@ class StepPlan:
                 cache_k.data_ptr(), cache_v.data_ptr(), cache_k.stride(), lengths.data_ptr(), slot_pos.data_ptr(),
                 slot_pos.shape, slot_pos.stride())
 
-    def run(self, x: torch.Tensor) -> torch.Tensor:
+    def run(self, x: torch.Tensor, starts: torch.Tensor | None = None) -> torch.Tensor:
         """The step for x (B, E) or (B, 1, E), contiguous, of the plan's dtype: y (B, 1, E).
         K and V written, the counters advanced; the written slots' old K and V are kept in
-        :attr:`saved`. Nothing is written if it fails (every row must have room)."""
+        :attr:`saved`. Nothing is written if it fails (every row must have room). ``starts``:
+        as :func:`decode_step`'s (B,) int64 contiguous, checked by the caller (the kernel
+        refuses a start past its row's new token)."""
         y = torch.empty(self._shape, dtype=self._dtype)
-        code = self._fn(x.data_ptr(), *self._args, y.data_ptr(), self.saved.data_ptr(), torch.get_num_threads(),
-                        *self._counters)
+        code = self._fn(x.data_ptr(), *self._args, ptr(starts), y.data_ptr(), self.saved.data_ptr(),
+                        torch.get_num_threads(), *self._counters)
         if code == -1:
             raise MemoryError("the native decoding step could not allocate its buffers")
         if code != 0:
@@ -275,6 +282,18 @@ def _check_step_dtypes(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.T
     for name, t in zip(("cos", "sin"), rope[:2] if rope is not None else ()):
         if t.dtype != torch.float32:
             raise TypeError(f"the RoPE table {name} must be float32, got {t.dtype}")
+
+
+def _check_starts(starts: torch.Tensor | None, lengths: torch.Tensor) -> None:
+    """Each row's first slot: None, or (B,) int64 contiguous on the CPU with 0 <= starts[b] <= lengths[b]."""
+    if starts is None:
+        return
+    if not isinstance(starts, torch.Tensor) or starts.dtype != torch.int64 or starts.shape != lengths.shape \
+            or not starts.is_contiguous() or starts.device.type != "cpu":
+        raise _shape_error("starts", starts, f"a contiguous int64 CPU tensor ({lengths.shape[0]},)")
+    if bool((starts < 0).any()) or bool((starts > lengths).any()):
+        raise ValueError(f"starts must lie in [0, lengths[b]] (a row's first slot, at most its new token's), got "
+                         f"{starts.tolist()} for lengths {lengths.tolist()}")
 
 
 def _window_argument(window: int | None) -> int:

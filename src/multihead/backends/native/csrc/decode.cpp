@@ -1036,8 +1036,9 @@ extern "C" int mh_linear_few_rows_f32(const float* x, int64_t M, int64_t K, int6
 // One whole decoding step of a layer, one token per row (B <= MAX_STEP_ROWS), in one parallel region:
 //
 //   qkv = x · [W_q; W_k; W_v]ᵀ + b          (B, (H + 2·Hkv)·D)   weights split over threads
-//   RoPE on q and k at each row's position; k, v written to cache slot lengths[b]
-//   heads = attention(q, cache[:lengths[b] + 1])   (decode_item, keys split if few heads)
+//   RoPE on q and k at each row's position lengths[b] - starts[b]; k, v written to slot lengths[b]
+//   heads = attention(q, cache[starts[b] : lengths[b] + 1])   (decode_item, keys split if few heads;
+//   starts null: 0, no left padding)
 //   y = heads · W_oᵀ + b_o                    (B, E)
 //   given slot_pos (B rows of slot_ld): the counters advanced, as mh_advance_counters;
 //   else by the caller (KVCache.commit)
@@ -1072,11 +1073,13 @@ template <class T>
 int decode_step(const T* x, int64_t B, int64_t E, const T* const* W, const T* const* bias, int64_t H, int64_t Hkv,
                 int64_t D, const float* rope_cos, const float* rope_sin, int64_t rotary_dim, int interleaved,
                 const T* const* norms, float norm_eps, int norm_mode, T* cache_k, T* cache_v,
-                const int64_t* cache_strides, int64_t* lengths, float scale, int64_t window, T* y, T* saved,
-                int threads, int64_t* slot_pos, int64_t slot_ld, int64_t capacity) {
+                const int64_t* cache_strides, int64_t* lengths, float scale, int64_t window, const int64_t* starts,
+                T* y, T* saved, int threads, int64_t* slot_pos, int64_t slot_ld, int64_t capacity) {
     if (B < 1 || B > MAX_STEP_ROWS || Hkv < 1 || H % Hkv != 0 || D < 1 || rotary_dim % 2 != 0 || rotary_dim > D ||
         window < 0)
         return -2;
+    for (int64_t b = 0; starts && b < B; ++b)  // each row's first slot: at most its new token's
+        if (starts[b] < 0 || starts[b] > lengths[b]) return -2;
     // 0: no QK-norm, 1: per head before RoPE, 2: per head after it, 3: across the projection before it
     const int norm_at = norm_mode & 3;
     if ((norm_mode & ~7) || (norm_at && (!norms || !norms[0] || !norms[1] || !(norm_eps > 0.f)))) return -2;
@@ -1090,8 +1093,10 @@ int decode_step(const T* x, int64_t B, int64_t E, const T* const* W, const T* co
     // x and the heads de-interleaved once per step for the bf16 GEMV (null: it reads them as they are)
     float* xs = splits_x<T>(E) ? alloc(B * E) : nullptr;
     float* hs = splits_x<T>(H * D) ? alloc(B * H * D) : nullptr;
+    // Row b attends to slots [first(b), lengths[b]]: from its start (left padding before it).
+    const auto first = [&](int64_t b) { return starts ? starts[b] : int64_t(0); };
     int64_t longest = 0;
-    for (int64_t b = 0; b < B; ++b) longest = std::max(longest, lengths[b] + 1);
+    for (int64_t b = 0; b < B; ++b) longest = std::max(longest, lengths[b] + 1 - first(b));
     const int64_t heads_b = B * Hkv;
     const int64_t splits = key_splits(heads_b, longest);
     const int64_t per = (longest + splits - 1) / splits, items = heads_b * splits, rows = G;
@@ -1162,7 +1167,7 @@ int decode_step(const T* x, int64_t B, int64_t E, const T* const* W, const T* co
             }
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < B * (H + Hkv); ++t) {  // rotate q and k heads, store k and v
-                const int64_t b = t / (H + Hkv), head = t % (H + Hkv), pos = lengths[b];
+                const int64_t b = t / (H + Hkv), head = t % (H + Hkv), slot = lengths[b], pos = slot - first(b);
                 float* vec = qkv + b * width + head * D;
                 const T* norm_w = norm_at == 1 || norm_at == 2 ? norms[head < H ? 0 : 1] : nullptr;
                 if (norm_at == 1) rms_norm(vec, D, norm_w, norm_eps, norm_mode & 4);
@@ -1179,7 +1184,7 @@ int decode_step(const T* x, int64_t B, int64_t E, const T* const* W, const T* co
                 if (norm_at == 2) rms_norm(vec, D, norm_w, norm_eps, norm_mode & 4);
                 if (head >= H) {
                     const int64_t kvh = head - H;
-                    const int64_t at = b * cache_strides[0] + kvh * cache_strides[1] + pos * cache_strides[2];
+                    const int64_t at = b * cache_strides[0] + kvh * cache_strides[1] + slot * cache_strides[2];
                     const float* vv = qkv + b * width + (H + Hkv + kvh) * D;
                     if (saved) {  // the slot's old K and V, for the caller to restore on a later failure
                         std::memcpy(saved + (b * 2 * Hkv + kvh) * D, cache_k + at, sizeof(T) * D);
@@ -1193,8 +1198,8 @@ int decode_step(const T* x, int64_t B, int64_t E, const T* const* W, const T* co
             }
 #pragma omp for schedule(static)
             for (int64_t it = 0; it < items; ++it) {
-                const int64_t sp = it % splits, head = it / splits, b = head / Hkv;
-                decode_item<float, T>(Ps[b], buf, b, head % Hkv, sp * per, std::min(Ps[b].Sk, (sp + 1) * per),
+                const int64_t sp = it % splits, head = it / splits, b = head / Hkv, k0 = first(b) + sp * per;
+                decode_item<float, T>(Ps[b], buf, b, head % Hkv, k0, std::min(Ps[b].Sk, k0 + per),
                                       part ? part + it * rows * (D + 2) : nullptr);
             }
             if (part) {
@@ -1234,10 +1239,11 @@ extern "C" int mh_decode_step_f32(
     const float* x, int64_t B, int64_t E, const float* const* W, const float* const* bias, int64_t H,
     int64_t Hkv, int64_t D, const float* rope_cos, const float* rope_sin, int64_t rotary_dim, int interleaved,
     const float* const* norms, float norm_eps, int norm_mode, float* cache_k, float* cache_v,
-    const int64_t* cache_strides, int64_t* lengths, float scale, int64_t window, float* y, float* saved, int threads,
+    const int64_t* cache_strides, int64_t* lengths, float scale, int64_t window, const int64_t* starts, float* y,
+    float* saved, int threads,
     int64_t* slot_pos, int64_t slot_ld, int64_t capacity) {
     return decode_step<float>(x, B, E, W, bias, H, Hkv, D, rope_cos, rope_sin, rotary_dim, interleaved, norms,
-                              norm_eps, norm_mode, cache_k, cache_v, cache_strides, lengths, scale, window, y, saved,
+                              norm_eps, norm_mode, cache_k, cache_v, cache_strides, lengths, scale, window, starts, y, saved,
                               threads, slot_pos, slot_ld, capacity);
 }
 
@@ -1246,13 +1252,14 @@ extern "C" int mh_decode_step_bf16(
     const void* x, int64_t B, int64_t E, const void* const* W, const void* const* bias, int64_t H,
     int64_t Hkv, int64_t D, const float* rope_cos, const float* rope_sin, int64_t rotary_dim, int interleaved,
     const void* const* norms, float norm_eps, int norm_mode, void* cache_k, void* cache_v,
-    const int64_t* cache_strides, int64_t* lengths, float scale, int64_t window, void* y, void* saved, int threads,
+    const int64_t* cache_strides, int64_t* lengths, float scale, int64_t window, const int64_t* starts, void* y,
+    void* saved, int threads,
     int64_t* slot_pos, int64_t slot_ld, int64_t capacity) {
     return decode_step<bf16>(static_cast<const bf16*>(x), B, E, reinterpret_cast<const bf16* const*>(W),
                              reinterpret_cast<const bf16* const*>(bias), H, Hkv, D, rope_cos, rope_sin, rotary_dim,
                              interleaved, reinterpret_cast<const bf16* const*>(norms), norm_eps, norm_mode,
                              static_cast<bf16*>(cache_k), static_cast<bf16*>(cache_v), cache_strides,
-                             lengths, scale, window, static_cast<bf16*>(y), static_cast<bf16*>(saved), threads,
+                             lengths, scale, window, starts, static_cast<bf16*>(y), static_cast<bf16*>(saved), threads,
                              slot_pos, slot_ld, capacity);
 }
 
@@ -1261,12 +1268,13 @@ extern "C" int mh_decode_step_f16(
     const void* x, int64_t B, int64_t E, const void* const* W, const void* const* bias, int64_t H,
     int64_t Hkv, int64_t D, const float* rope_cos, const float* rope_sin, int64_t rotary_dim, int interleaved,
     const void* const* norms, float norm_eps, int norm_mode, void* cache_k, void* cache_v,
-    const int64_t* cache_strides, int64_t* lengths, float scale, int64_t window, void* y, void* saved, int threads,
+    const int64_t* cache_strides, int64_t* lengths, float scale, int64_t window, const int64_t* starts, void* y,
+    void* saved, int threads,
     int64_t* slot_pos, int64_t slot_ld, int64_t capacity) {
     return decode_step<f16>(static_cast<const f16*>(x), B, E, reinterpret_cast<const f16* const*>(W),
                             reinterpret_cast<const f16* const*>(bias), H, Hkv, D, rope_cos, rope_sin, rotary_dim,
                             interleaved, reinterpret_cast<const f16* const*>(norms), norm_eps, norm_mode,
                             static_cast<f16*>(cache_k), static_cast<f16*>(cache_v), cache_strides,
-                            lengths, scale, window, static_cast<f16*>(y), static_cast<f16*>(saved), threads, slot_pos,
+                            lengths, scale, window, starts, static_cast<f16*>(y), static_cast<f16*>(saved), threads, slot_pos,
                             slot_ld, capacity);
 }

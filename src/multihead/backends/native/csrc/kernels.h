@@ -67,26 +67,30 @@ int mh_linear_few_rows_f32(const float* x, int64_t M, int64_t K, int64_t count, 
 // sin (float32 or null), rotary dim, interleaved; QK-norm: the q and k weights (D each, of the
 // step's type) or null, eps, where (0 none, 1 before RoPE, 2 after it; + 4: the scale is 1 + w);
 // cache k, v (B, Hkv, C, D), their strides (3),
-// lengths (B); scale; window (0: none; a sliding window, as span()); y (B, E); saved slots
-// (B, 2, Hkv, D) or null; threads; slot_pos (B × C, row stride) or null, its row stride, C
-// (given: the counters are advanced too).
+// lengths (B); scale; window (0: none; a sliding window, as span()); starts (B) or null: each
+// row's first slot (left padding before it: never attended, RoPE positions count from it); y
+// (B, E); saved slots (B, 2, Hkv, D) or null; threads; slot_pos (B × C, row stride) or null,
+// its row stride, C (given: the counters are advanced too).
 int mh_decode_step_f32(const float* x, int64_t B, int64_t E, const float* const* W, const float* const* bias,
                        int64_t H, int64_t Hkv, int64_t D, const float* rope_cos, const float* rope_sin,
                        int64_t rotary_dim, int interleaved, const float* const* norms, float norm_eps,
                        int norm_mode, float* cache_k, float* cache_v,
-                       const int64_t* cache_strides, int64_t* lengths, float scale, int64_t window, float* y,
+                       const int64_t* cache_strides, int64_t* lengths, float scale, int64_t window,
+                       const int64_t* starts, float* y,
                        float* saved, int threads, int64_t* slot_pos, int64_t slot_ld, int64_t capacity);
 int mh_decode_step_bf16(const void* x, int64_t B, int64_t E, const void* const* W, const void* const* bias,
                         int64_t H, int64_t Hkv, int64_t D, const float* rope_cos, const float* rope_sin,
                         int64_t rotary_dim, int interleaved, const void* const* norms, float norm_eps,
                         int norm_mode, void* cache_k, void* cache_v,
-                        const int64_t* cache_strides, int64_t* lengths, float scale, int64_t window, void* y,
+                        const int64_t* cache_strides, int64_t* lengths, float scale, int64_t window,
+                        const int64_t* starts, void* y,
                         void* saved, int threads, int64_t* slot_pos, int64_t slot_ld, int64_t capacity);
 int mh_decode_step_f16(const void* x, int64_t B, int64_t E, const void* const* W, const void* const* bias,
                        int64_t H, int64_t Hkv, int64_t D, const float* rope_cos, const float* rope_sin,
                        int64_t rotary_dim, int interleaved, const void* const* norms, float norm_eps,
                        int norm_mode, void* cache_k, void* cache_v,
-                       const int64_t* cache_strides, int64_t* lengths, float scale, int64_t window, void* y,
+                       const int64_t* cache_strides, int64_t* lengths, float scale, int64_t window,
+                       const int64_t* starts, void* y,
                        void* saved, int threads, int64_t* slot_pos, int64_t slot_ld, int64_t capacity);
 // A cache's counters after one token per row: lengths (B), slot_pos (B × C, row stride ld).
 int mh_advance_counters(int64_t* lengths, int64_t* slot_pos, int64_t rows, int64_t ld, int64_t capacity);
