@@ -81,13 +81,14 @@ def own_step(layer: MultiHeadAttention, layer_idx: int | None, cache: Any, x: to
              positions: torch.Tensor | None, attention_mask: torch.Tensor | None = None) -> torch.Tensor | None:
     """The fused native step ``layer(x, cache=kv)`` on the adapter's KVCache of ``layer_idx``, or None.
 
-    Taken when HF's mask says nothing beyond the layer's own rule — none (purely causal, no
-    padding), or, for one new token per row, a mask equal to the layer's rule over the cache's
-    keys (:func:`~multihead.interop.hf_structure.is_own_rule`: a sliding layer's mask once the
-    cache passes its window, an eager model's all-True one) — ``positions`` are the cache's own
-    (each row's length onwards) — then our module's cached call computes what HF's would —
-    and :func:`~multihead.decode.fused_for` (the question the layer's ``forward`` asks too)
-    gives the fused step. Otherwise the caller goes through ``cache.update`` (in place too;
+    Taken when HF's mask says nothing beyond the layer's own rule and the positions are the
+    cache's own — no mask (purely causal, no padding) at each row's length onwards; or, for one
+    new token per row, a mask equal to the layer's rule over each row's keys from its start
+    (:func:`~multihead.interop.hf_structure.is_own_rule`: a sliding layer's mask once the cache
+    passes its window, an eager model's all-True one, a left-padded batch's, whose positions
+    ``held - start`` give the starts the step takes) — then the fused step computes what HF's
+    call would — and :func:`~multihead.decode.fused_for` (the question the layer's ``forward``
+    asks too) gives the fused step. Otherwise the caller goes through ``cache.update`` (in place too;
     the reason is recorded in :attr:`KVCacheAdapter.paths`): unfused, the wrapper composes
     the layer's steps around ``update``.
 
