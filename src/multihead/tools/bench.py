@@ -79,7 +79,7 @@ import torch.nn.functional as F
 from . import bench_overhead as overhead
 from .machine import machine_info, reset_peak_rss, rss
 
-__all__ = ["time_interleaved", "machine_limits", "run_suite", "format_report", "write_json", "plot",
+__all__ = ["time_interleaved", "machine_limits", "run_suite", "format_report", "write_json", "plot", "save_figure",
            "measure_memory", "memory_probe", "paired_speedup"]
 
 Fn = Callable[[], object]
@@ -785,6 +785,13 @@ def plot(suite: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     title = (f"multihead vs torch SDPA — {m.get('cpu', 'CPU')} ({features}), {m['cores']} cores, "
              f"{m['torch_threads']} threads, torch {m['torch']}")
     fig.suptitle(textwrap.fill(title, 110))  # wrapped: a long feature list ran off both edges
+    return save_figure(fig, path)
+
+
+def save_figure(fig: Any, path: str | os.PathLike[str]) -> Path:
+    """A matplotlib figure laid out, written as a PNG at ``path`` (its folder made) and closed."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

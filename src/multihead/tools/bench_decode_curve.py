@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .bench import paired_speedup
+from .bench import paired_speedup, save_figure
 from .bench_generate import MODELS, QUICK_MODELS, make_models
 
 __all__ = ["run_decode_curve", "format_decode_curve", "plot", "LENGTHS", "QUICK_LENGTHS", "STEPS", "WARM", "WAYS"]
@@ -198,9 +198,4 @@ def plot(result: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     title = (f"{s['arch']} ({s['layers']} layers, d={s['embed_dim']}, {s['heads']}/{s['kv_heads']} heads), float32, "
              f"one row — {m.get('cpu', 'CPU')}, {result['threads']} threads")
     fig.suptitle(textwrap.fill(title, 110), fontsize=10)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path)

@@ -691,6 +691,29 @@ inline int64_t key_splits(int64_t heads, int64_t keys) {
 
 namespace {
 
+// A parallel region of `threads` threads, each holding decode_item's buffers for `rows` rows of P
+// (FlushToZero on), that runs body(buf) on every thread once every buffer is allocated (the
+// body's worksharing loops bind to this region): 0, or -1 if a thread could not allocate (then
+// no thread runs the body).
+template <class F>
+int with_item_buffers(const Problem& P, int64_t rows, int threads, F&& body) {
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        const FlushToZero ftz;  // this thread, for the loop (restored as it ends)
+        Buffers buf{alloc(rows * P.D), alloc(wide_floats(P.D, P.Dv)), alloc(rows * score_stride(KD)), alloc(rows),
+                    alloc(rows), alloc(rows * P.Dv)};
+        if (!buf.ok()) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) body(buf);
+        buf.release();
+    }
+    return failed ? -1 : 0;
+}
+
 // The body of mh_decode_f32 (_bf16, _f16): q, k, v and out of type T.
 template <class T>
 int decode_attention(const void* q, const void* k, const void* v, void* out, float* lse, const uint8_t* mask,
@@ -705,34 +728,21 @@ int decode_attention(const void* q, const void* k, const void* v, void* out, flo
     const int64_t per = (P.Sk + splits - 1) / splits, items = heads * splits;
     float* part = nullptr;
     if (splits > 1 && !(part = alloc(items * rows * (P.Dv + 2)))) return -1;
-    int failed = 0;
-#pragma omp parallel num_threads(threads)
-    {
-        const FlushToZero ftz;  // this thread, for the loop (restored as it ends)
-        Buffers buf{alloc(rows * P.D), alloc(wide_floats(P.D, P.Dv)), alloc(rows * score_stride(KD)), alloc(rows),
-                    alloc(rows), alloc(rows * P.Dv)};
-        if (!buf.ok()) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp barrier
-        if (!failed) {
+    const int code = with_item_buffers(P, rows, threads, [&](Buffers& buf) {
 #pragma omp for schedule(static)
-            for (int64_t it = 0; it < items; ++it) {
-                const int64_t sp = it % splits, head = it / splits;
-                decode_item<T, T>(P, buf, head / P.Hkv, head % P.Hkv, sp * per, std::min(P.Sk, (sp + 1) * per),
-                                  part ? part + it * rows * (P.Dv + 2) : nullptr);
-            }
-            if (part) {
-#pragma omp for schedule(static)
-                for (int64_t head = 0; head < heads; ++head)
-                    merge_splits<T>(P, part + head * splits * rows * (P.Dv + 2), splits, head / P.Hkv, head % P.Hkv);
-            }
+        for (int64_t it = 0; it < items; ++it) {
+            const int64_t sp = it % splits, head = it / splits;
+            decode_item<T, T>(P, buf, head / P.Hkv, head % P.Hkv, sp * per, std::min(P.Sk, (sp + 1) * per),
+                              part ? part + it * rows * (P.Dv + 2) : nullptr);
         }
-        buf.release();
-    }
+        if (part) {
+#pragma omp for schedule(static)
+            for (int64_t head = 0; head < heads; ++head)
+                merge_splits<T>(P, part + head * splits * rows * (P.Dv + 2), splits, head / P.Hkv, head % P.Hkv);
+        }
+    });
     std::free(part);
-    return failed ? -1 : 0;
+    return code;
 }
 
 }  // namespace
@@ -754,25 +764,11 @@ bool lanes_take(const Problem& P) {
 }
 
 int lanes_attention(const Problem& P, int threads) {
-    const int64_t rows = P.H / P.Hkv * P.Sq, items = P.B * P.Hkv;
-    int failed = 0;
-#pragma omp parallel num_threads(threads)
-    {
-        const FlushToZero ftz;  // this thread, for the loop (restored as it ends)
-        Buffers buf{alloc(rows * P.D), alloc(wide_floats(P.D, P.Dv)), alloc(rows * score_stride(KD)), alloc(rows),
-                    alloc(rows), alloc(rows * P.Dv)};
-        if (!buf.ok()) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp barrier
-        if (!failed) {
+    const int64_t items = P.B * P.Hkv;
+    return with_item_buffers(P, P.H / P.Hkv * P.Sq, threads, [&](Buffers& buf) {
 #pragma omp for schedule(static)
-            for (int64_t it = 0; it < items; ++it) small_item<float, float>(P, buf, it / P.Hkv, it % P.Hkv, 0, P.Sk);
-        }
-        buf.release();
-    }
-    return failed ? -1 : 0;
+        for (int64_t it = 0; it < items; ++it) small_item<float, float>(P, buf, it / P.Hkv, it % P.Hkv, 0, P.Sk);
+    });
 }
 
 }  // namespace mh
