@@ -62,7 +62,7 @@ CASES = {
     "a negative length": lambda: step(lengths=(-1,)),
     "more K/V heads than the cache holds": lambda: step(hkv_arg=H * 4, wk=(H * 4 * HD, E)),
     "a RoPE table shorter than the position": lambda: step(lengths=(6,), table=4),
-    "more rows than the step takes": lambda: step(lengths=(1,) * 5, rows=5, cache=(5, HKV, C, HD)),
+    "more rows than the step takes": lambda: step(lengths=(1,) * 9, rows=9, cache=(9, HKV, C, HD)),  # MAX_STEP_ROWS 8
     "a k weight of the wrong shape": lambda: step(wk=(HKV * HD + 1, E)),
     "rows of x and of the cache differ": lambda: step(lengths=(1, 1), rows=2),
     "a rotary dim past the head dim": lambda: step(rotary=2 * HD),
