@@ -765,7 +765,9 @@ bool lanes_take(const Problem& P) {
 
 int lanes_attention(const Problem& P, int threads) {
     const int64_t items = P.B * P.Hkv;
-    return with_item_buffers(P, P.H / P.Hkv * P.Sq, threads, [&](Buffers& buf) {
+    // small_item reads only its q tile and its scores, which fit the buffers of W/2 rows (the
+    // fewest it takes): not the buffers of every row of a long packed item (MiBs a thread)
+    return with_item_buffers(P, W / 2, threads, [&](Buffers& buf) {
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; ++it) small_item<float, float>(P, buf, it / P.Hkv, it % P.Hkv, 0, P.Sk);
     });
