@@ -1,7 +1,10 @@
 """Spawn a gloo world on 127.0.0.1 and run a table of cases in it (used by test_parallel*.py).
 
-Spawning is slow (about 4 s a process on 2 cores), so each world size is spawned once
-and its ranks run every case; each rank returns a dict of results through a queue.
+Starting a fresh interpreter is slow (about 4 s a process on 2 cores, most of it importing
+torch), so the ranks are forked from one forkserver that has imported torch, multihead and the
+case tables once for the session (each rank still a process of its own, with a fresh gloo group);
+each world size is started once and its ranks run every case; each rank returns a dict of
+results through a queue.
 Every collective runs under the process group's timeout; the parent waits a bounded
 time and kills its own children (by their process objects) if they do not finish.
 """
@@ -51,6 +54,11 @@ def _child(rank: int, world_size: int, port: int, target: str, results: Any,
             dist.destroy_process_group()
 
 
+#: Imported once by the forkserver the ranks are forked from (not by each rank).
+PRELOAD = ["torch", "torch.distributed", "multihead", "multihead.parallel", "parallel_harness", "parallel_cases",
+           "parallel_agree_cases"]
+
+
 def run_world(world_size: int, target: str, *, timeout_s: float = 170.0,
               collective_timeout_s: float = COLLECTIVE_TIMEOUT_S) -> list[dict[str, Any]]:
     """Run ``target`` ("module:function", called as ``function(rank, world_size)``) on every rank.
@@ -64,7 +72,8 @@ def run_world(world_size: int, target: str, *, timeout_s: float = 170.0,
     Raises:
         RuntimeError: a rank raised (its traceback included) or the world did not finish.
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # the forkserver starts with the first rank (start_measurable's env)
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_child, args=(r, world_size, port, target, results, collective_timeout_s),

@@ -2,7 +2,7 @@
 
 Notation: B batch, S tokens, H query heads, Hkv key/value heads, P world size.
 
-Each world size is spawned once (spawning costs seconds here) and runs every table of
+Each world size is started once (from a forkserver that has imported torch: parallel_harness.py) and runs every table of
 ``parallel_cases.py``; the tests below read one behaviour each from those tables.
 float64 results must equal the single-process layer to 1e-10 (forward, dx and every
 parameter gradient); a split that cannot be done must be refused, never run wrong.
