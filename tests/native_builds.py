@@ -8,6 +8,11 @@ compiler ran. So one real compile (about 20 s on 2 cores) serves every test of t
 others point ``$CXX`` at :data:`STAND_IN` (this Python running a script, a command with arguments
 as ``CXX="ccache g++"`` is), which copies that build to the output it is asked for and logs each
 link, one line per build.
+
+The real compile starts in the background as soon as collection shows that a test needs it
+(:func:`pytest_collection_modifyitems`): the tests collected before the first that asks for it
+run meanwhile (most of them keep one core busy, the compiler takes the other), and the fixture
+waits for it and checks it as it did a compile it started itself.
 """
 
 from __future__ import annotations
@@ -49,13 +54,8 @@ class StandIn(NamedTuple):
         return len(self.log.read_text().splitlines())
 
 
-@pytest.fixture(scope="session")
-def machine_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The machine's own build (``MULTIHEAD_NATIVE_ISA=machine``), compiled by the real compiler
-    into a fresh cache folder, loaded and checked against the float64 reference in that process:
-    the path of its shared library."""
-    cache = tmp_path_factory.mktemp("machine-build")
-    code = """
+#: The machine build's check, in the process that compiles it: build, load, compare with float64.
+MACHINE_BUILD = """
 import torch, multihead as mh
 from multihead import native
 assert native.build(), native.status()
@@ -65,11 +65,53 @@ want = mh.attention(q.double(), k.double(), v.double(), causal=True, backend="ex
 assert (out.double() - want).abs().max() < 1e-5
 print(native.status())
 """
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "MULTIHEAD_NATIVE": "1", "MULTIHEAD_NATIVE_ISA": "machine",
-                               "MULTIHEAD_CACHE_DIR": str(cache)})
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "compiled in" in done.stderr  # the real compile is announced
+
+#: The machine build under way: (its process, its cache folder), started at collection.
+_STARTED: dict[str, tuple[subprocess.Popen, Path]] = {}
+
+
+def _start_machine_build(cache: Path) -> subprocess.Popen:
+    """Start the machine build into ``cache`` (its output in ``cache/stdout`` and ``cache/stderr``)."""
+    with open(cache / "stdout", "w") as out, open(cache / "stderr", "w") as err:
+        return subprocess.Popen([sys.executable, "-c", MACHINE_BUILD], stdout=out, stderr=err,
+                                env={**os.environ, "MULTIHEAD_NATIVE": "1", "MULTIHEAD_NATIVE_ISA": "machine",
+                                     "MULTIHEAD_CACHE_DIR": str(cache)})
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection: only the tests that will run count
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if any("machine_build" in getattr(item, "fixturenames", ()) for item in items):
+        cache = config._tmp_path_factory.mktemp("machine-build")  # type: ignore[attr-defined]
+        _STARTED["build"] = (_start_machine_build(cache), cache)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A build no test waited for (the run stopped early) is stopped with the session."""
+    started = _STARTED.pop("build", None)
+    if started is not None and started[0].poll() is None:
+        started[0].kill()
+        started[0].wait()
+
+
+@pytest.fixture(scope="session")
+def machine_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The machine's own build (``MULTIHEAD_NATIVE_ISA=machine``), compiled by the real compiler
+    into a fresh cache folder, loaded and checked against the float64 reference in that process:
+    the path of its shared library. (Started at collection where the session runs a test using it.)"""
+    started = _STARTED.pop("build", None)
+    if started is None:
+        cache = tmp_path_factory.mktemp("machine-build")
+        started = (_start_machine_build(cache), cache)
+    process, cache = started
+    try:
+        returncode = process.wait(timeout=600)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        raise
+    stderr = (cache / "stderr").read_text()
+    assert returncode == 0, stderr[-3000:]
+    assert "compiled in" in stderr  # the real compile is announced
     (build,) = cache.glob("*.so")
     return build
 
