@@ -15,6 +15,7 @@ from torch import nn
 
 from ._checks import check_bool_mask, check_finite as _check_finite, check_tensor
 from .cache import KVCache
+from ._memo import derived
 from .masks import key_padding_mask, packed_cu_seqlens
 from .rope import RoPE, check_positions
 
@@ -144,7 +145,7 @@ def validate_call(layer: Layer, x: torch.Tensor, context: torch.Tensor | None, m
     # packed without a rope: the positions only mark where each sequence begins (checked below)
     at = positions if layer.rope is not None or not packed else None
     attn_mask = _check_inputs(layer, x, context, mask, None if cache is not None else key_mask, at)
-    if attn_mask is not None:
+    if attn_mask is not None and attn_mask.dim() < 4:  # a 4-D one stays the caller's (read_keys remembers by it)
         attn_mask = attn_mask[(None,) * (4 - attn_mask.dim())]  # (B|1, H|1, S|1, Sk|1)
     cu = None
     if packed:
@@ -257,7 +258,7 @@ def _check_inputs(
             raise ValueError(f"mask must be on device {x.device} like x, got {mask.device}")
     if key_mask is not None:
         _check_key_mask(key_mask, b, sk, x.device)
-        padding = key_padding_mask(key_mask)  # (B, 1, 1, Sk)
+        padding = derived(key_mask, "key padding", key_padding_mask)  # (B, 1, 1, Sk), one view per key_mask
         combined = padding if combined is None else combined & padding
     return combined
 
