@@ -23,7 +23,6 @@ A query row with no allowed key outputs zeros (never NaN) on every path of multi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
@@ -36,7 +35,6 @@ __all__ = [
     "sliding_window_mask",
     "key_padding_mask",
     "read_keys",
-    "KeyRows",
     "from_torch_mha",
     "full_mask",
     "from_additive",
@@ -163,20 +161,7 @@ def key_padding_mask(key_mask: torch.Tensor) -> torch.Tensor:
 HIDDEN_SHARE = 1 / 8
 
 
-class KeyRows(NamedTuple):
-    """The key rows of a call that some query reads (:func:`read_keys`).
-
-    Attributes:
-        read: (N,) int64 indices into the B·Sk key rows (row-major: ``b * Sk + j``), N ≥ 1.
-        spread: (B·Sk,) int64: for each key row, its index in ``read``; 0 for a row no query
-            reads (it then takes the first read row's values, which no query reads there).
-    """
-
-    read: torch.Tensor
-    spread: torch.Tensor
-
-
-def read_keys(mask: torch.Tensor | None, batch: int, keys: int) -> KeyRows | None:
+def read_keys(mask: torch.Tensor | None, batch: int, keys: int) -> torch.Tensor | None:
     """The key rows some query may read, when ``mask`` hides whole keys from every query.
 
     A padded batch's mask (a key-padding one, (B|1, 1, 1, Sk), as :func:`key_padding_mask`
@@ -189,10 +174,10 @@ def read_keys(mask: torch.Tensor | None, batch: int, keys: int) -> KeyRows | Non
         batch, keys: B and Sk of the call.
 
     Returns:
-        The :class:`KeyRows`; None when fewer than :data:`HIDDEN_SHARE` of the keys are hidden
-        from every query (none at all, as under a plain causal mask) or all of them are, for a
-        mask with a head dimension, off the CPU, or while a compiler traces (the count is
-        data-dependent).
+        (N,) int64 indices into the B·Sk key rows (row-major: ``b * Sk + j``) that some query
+        may read; None when fewer than :data:`HIDDEN_SHARE` of them are hidden from every query
+        (none at all, as under a plain causal mask), for a mask with a head dimension, off the
+        CPU, or while a compiler traces (the count is data-dependent).
     """
     if (mask is None or mask.dim() != 4 or mask.shape[1] != 1
             or mask.device.type != "cpu" or torch.compiler.is_compiling()):
@@ -208,14 +193,8 @@ def read_keys(mask: torch.Tensor | None, batch: int, keys: int) -> KeyRows | Non
         read = m.any(dim=1) if m.shape[1] > 1 else m[:, 0]  # (B|1, Sk)
         return read.expand(batch, keys).reshape(-1).nonzero().squeeze(1)  # (N,)
 
-    def spread(read: torch.Tensor) -> torch.Tensor:
-        at = torch.zeros(batch * keys, dtype=torch.int64)
-        return at.index_copy_(0, read, torch.arange(read.numel()))  # (B·Sk,)
-
     read = derived(mask, ("read keys", batch, keys), rows)
-    if not 0 < read.numel() <= batch * keys - least_hidden:
-        return None
-    return KeyRows(read, derived(read, ("spread", batch * keys), spread))
+    return read if batch * keys - read.numel() >= least_hidden else None
 
 
 def from_torch_mha(mask: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ from .cache import KVCache
 from .decode import plain_linear as _plain
 from .functional import attention, default_backend
 from .logits import Features, alibi_slopes
-from .masks import KeyRows, Structure, read_keys
+from .masks import Structure, read_keys
 from .qk_norm import QK_NORMS, RMSNorm
 from .rope import RoPE
 from .score_mods import ScoreMod
@@ -466,16 +466,16 @@ class MultiHeadAttention(nn.Module):
         return Structure(self.causal, self.window)
 
     def project(self, x: torch.Tensor, context: torch.Tensor | None = None, *,
-                key_rows: KeyRows | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                key_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Step 1, the seed's projections: q (B, S, H·D) from x; k and v (B, Sk, Hkv·D) from
         the context (default x); then QK-norm over H·D and Hkv·D when ``qk_norm="proj"`` (OLMo 2).
 
         Plain ``nn.Linear`` projections run through :func:`multihead.linear.linears` (one call
         for the three when they read x); any other module (LoRA, hooks) is called as itself.
 
-        ``key_rows``: the only key rows any query reads (:func:`multihead.masks.read_keys`): plain
-        k and v projections then run on those rows alone; the other rows (the padding of a padded
-        batch) hold a copy of the first read row's, which attention never reads there.
+        ``key_rows``: (N,) the only key rows any query reads (:func:`multihead.masks.read_keys`,
+        flat indices into B·Sk): plain k and v projections then run on those rows alone and the
+        others hold zeros, which attention never reads (the padding of a padded batch).
         """
         self._see("X", x)
         projs = (self.q_proj, self.k_proj, self.v_proj)
@@ -627,7 +627,7 @@ class MultiHeadAttention(nn.Module):
             self.watch = None
 
     def _unread_skipped(self, call: Inputs, x: torch.Tensor, context: torch.Tensor | None,
-                        cache: KVCache | None) -> KeyRows | None:
+                        cache: KVCache | None) -> torch.Tensor | None:
         """The key rows :meth:`project` computes alone (:func:`multihead.masks.read_keys`): for an
         uncached, unwatched call without autograd whose mask hides padding keys from every query;
         a watcher sees every projected row, and gradients keep their summation order."""
@@ -672,13 +672,14 @@ class Watch:
     weights: bool  # attention must return its weights, for the watcher
 
 
-def _rows_projected(src: torch.Tensor, rows: KeyRows, layers: list[tuple[torch.Tensor, torch.Tensor | None]]
+def _rows_projected(src: torch.Tensor, rows: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | None]]
                     ) -> list[torch.Tensor]:
-    """``src · wᵀ + b`` (B, Sk, out) for each layer, computed on the read rows of src (B, Sk, in)
-    alone and spread back (:class:`~multihead.masks.KeyRows`: a row no query reads gets a copy)."""
+    """``src · wᵀ + b`` (B, Sk, out) for each layer on the flat rows ``rows`` (N,) of src (B, Sk, in)
+    alone; zeros on the other rows (keys no query reads)."""
     flat = src.reshape(-1, src.shape[-1])  # (B·Sk, in)
-    outs = _linear.linears(flat.index_select(0, rows.read), layers)  # (N, out) each
-    return [o.index_select(0, rows.spread).view(*src.shape[:-1], o.shape[-1]) for o in outs]  # (B, Sk, out)
+    outs = _linear.linears(flat.index_select(0, rows), layers)  # (N, out) each
+    return [flat.new_zeros(flat.shape[0], o.shape[-1]).index_copy_(0, rows, o).view(*src.shape[:-1], o.shape[-1])
+            for o in outs]
 
 
 def _apply_linear(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -26,12 +26,10 @@ def test_read_keys_names_the_real_rows_of_a_key_padding_mask() -> None:
     keep = _padded(3, 8, [8, 5, 2])  # 9 of 24 keys hidden
     rows = mh.masks.read_keys(keep[:, None, None, :], 3, 8)
     assert rows is not None
-    assert rows.read.tolist() == keep.reshape(-1).nonzero().squeeze(1).tolist()
-    # each key row's place among the read ones; a hidden row points at the first read row
-    assert rows.spread.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 0, 0, 0, 13, 14, 0, 0, 0, 0, 0, 0]
+    assert rows.tolist() == keep.reshape(-1).nonzero().squeeze(1).tolist()
     # one row of padding for the whole batch is broadcast over it
     rows = mh.masks.read_keys(keep[1:2, None, None, :], 3, 8)
-    assert rows is not None and rows.read.tolist() == [j + 8 * b for b in range(3) for j in range(5)]
+    assert rows is not None and rows.tolist() == [j + 8 * b for b in range(3) for j in range(5)]
 
 
 def test_read_keys_of_a_mask_per_query_are_the_keys_some_query_reads() -> None:
@@ -39,13 +37,13 @@ def test_read_keys_of_a_mask_per_query_are_the_keys_some_query_reads() -> None:
     keep = _padded(2, 6, [6, 3])
     hf = keep[:, None, None, :].expand(2, 1, 6, 6).clone()  # materialised, as transformers passes it
     rows = mh.masks.read_keys(hf, 2, 6)
-    assert rows is not None and rows.read.tolist() == keep.reshape(-1).nonzero().squeeze(1).tolist()
+    assert rows is not None and rows.tolist() == keep.reshape(-1).nonzero().squeeze(1).tolist()
     # query i of 8 reads keys 0..i of 16: keys 8..15 are read by none, key 7 by the last
     mask = torch.ones(1, 1, 8, 16, dtype=torch.bool).tril()
     rows = mh.masks.read_keys(mask, 1, 16)
-    assert rows is not None and rows.read.tolist() == list(range(8))
+    assert rows is not None and rows.tolist() == list(range(8))
     rows = mh.masks.read_keys(mask.flip(2), 1, 16)  # the last query reads key 0 only: the others still read 1..7
-    assert rows is not None and rows.read.tolist() == list(range(8))
+    assert rows is not None and rows.tolist() == list(range(8))
 
 
 @pytest.mark.parametrize("mask, why", [
@@ -54,7 +52,6 @@ def test_read_keys_of_a_mask_per_query_are_the_keys_some_query_reads() -> None:
     (torch.ones(2, 1, 8, 8, dtype=torch.bool).tril(), "causal: the last query reads every key"),
     (torch.ones(2, 1, 8, 8, dtype=torch.bool).tril().flip(2), "causal upside down: the first query reads all"),
     (torch.ones(2, 3, 1, 8, dtype=torch.bool), "a mask per head"),
-    (torch.zeros(2, 1, 1, 8, dtype=torch.bool), "no key read at all"),
 ])
 def test_read_keys_is_none_where_skipping_cannot_be_told_or_pays_little(mask: torch.Tensor | None, why: str) -> None:
     assert mh.masks.read_keys(mask, 2, mask.shape[-1] if mask is not None else 8) is None, why
