@@ -164,9 +164,8 @@ HIDDEN_SHARE = 1 / 8
 def read_keys(mask: torch.Tensor | None, batch: int, keys: int) -> torch.Tensor | None:
     """The key rows some query may read, when ``mask`` hides whole keys from every query.
 
-    A padded batch's mask (a key-padding one, (B|1, 1, 1, Sk), as :func:`key_padding_mask`
-    makes, or Hugging Face's (B, 1, Sq, Sk)) hides the padding from every query, so those keys'
-    K and V are never read: a layer may skip projecting them
+    A key-padding mask ((B|1, 1, 1, Sk|1), as :func:`key_padding_mask` makes) hides the padding
+    from every query, so those keys' K and V are never read: a layer may skip projecting them
     (:meth:`multihead.MultiHeadAttention.project`'s ``key_rows``). Remembered per mask tensor.
 
     Args:
@@ -175,26 +174,19 @@ def read_keys(mask: torch.Tensor | None, batch: int, keys: int) -> torch.Tensor 
 
     Returns:
         (N,) int64 indices into the B·Sk key rows (row-major: ``b * Sk + j``) that some query
-        may read; None when fewer than :data:`HIDDEN_SHARE` of them are hidden from every query
-        (none at all, as under a plain causal mask), for a mask with a head dimension, off the
-        CPU, or while a compiler traces (the count is data-dependent).
+        may read; None when every key is read, when fewer than :data:`HIDDEN_SHARE` of them are
+        hidden, for a mask of any other shape, off the CPU, or while a compiler traces (the
+        count is data-dependent).
     """
-    if (mask is None or mask.dim() != 4 or mask.shape[1] != 1
+    if (mask is None or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1
             or mask.device.type != "cpu" or torch.compiler.is_compiling()):
         return None
-    least_hidden = batch * keys * HIDDEN_SHARE
 
     def rows(m: torch.Tensor) -> torch.Tensor:
-        m = m[:, 0].expand(-1, -1, keys)  # (B|1, Sq|1, Sk)
-        # what the last query hides bounds what every query hides: most masks that hide too
-        # little (a causal one's last query reads every key) are told from it alone
-        if int((~m[:, -1]).sum()) * (batch // m.shape[0]) < least_hidden:
-            return torch.arange(batch * keys)  # (B·Sk,): every row, as far as this call is concerned
-        read = m.any(dim=1) if m.shape[1] > 1 else m[:, 0]  # (B|1, Sk)
-        return read.expand(batch, keys).reshape(-1).nonzero().squeeze(1)  # (N,)
+        return m.reshape(m.shape[0], m.shape[3]).expand(batch, keys).reshape(-1).nonzero().squeeze(1)  # (N,)
 
     read = derived(mask, ("read keys", batch, keys), rows)
-    return read if batch * keys - read.numel() >= least_hidden else None
+    return read if read.numel() <= batch * keys * (1 - HIDDEN_SHARE) else None
 
 
 def from_torch_mha(mask: torch.Tensor) -> torch.Tensor:
