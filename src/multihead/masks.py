@@ -34,7 +34,6 @@ __all__ = [
     "causal_mask",
     "sliding_window_mask",
     "key_padding_mask",
-    "read_keys",
     "from_torch_mha",
     "full_mask",
     "from_additive",
@@ -154,39 +153,6 @@ def key_padding_mask(key_mask: torch.Tensor) -> torch.Tensor:
     if key_mask.dtype != torch.bool:
         raise TypeError(f"key_mask must be a bool tensor (True = real token), got dtype {key_mask.dtype}")
     return key_mask[:, None, None, :]  # (B, 1, 1, Sk)
-
-
-#: :func:`read_keys` names the read keys only when at least this share of them is hidden: fewer
-#: rows saved do not pay for gathering and scattering the rest.
-HIDDEN_SHARE = 1 / 8
-
-
-def read_keys(mask: torch.Tensor | None, batch: int, keys: int) -> torch.Tensor | None:
-    """The key rows some query may read, when ``mask`` hides whole keys from every query.
-
-    A key-padding mask ((B|1, 1, 1, Sk|1), as :func:`key_padding_mask` makes) hides the padding
-    from every query, so those keys' K and V are never read: a layer may skip projecting them
-    (:meth:`multihead.MultiHeadAttention.project`'s ``key_rows``). Remembered per mask tensor.
-
-    Args:
-        mask: bool, True = may attend, broadcastable to (B, H, Sq, Sk); None = all keys.
-        batch, keys: B and Sk of the call.
-
-    Returns:
-        (N,) int64 indices into the B·Sk key rows (row-major: ``b * Sk + j``) that some query
-        may read; None when every key is read, when fewer than :data:`HIDDEN_SHARE` of them are
-        hidden, for a mask of any other shape, off the CPU, or while a compiler traces (the
-        count is data-dependent).
-    """
-    if (mask is None or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1
-            or mask.device.type != "cpu" or torch.compiler.is_compiling()):
-        return None
-
-    def rows(m: torch.Tensor) -> torch.Tensor:
-        return m.reshape(m.shape[0], m.shape[3]).expand(batch, keys).reshape(-1).nonzero().squeeze(1)  # (N,)
-
-    read = derived(mask, ("read keys", batch, keys), rows)
-    return read if read.numel() <= batch * keys * (1 - HIDDEN_SHARE) else None
 
 
 def from_torch_mha(mask: torch.Tensor) -> torch.Tensor:

@@ -35,13 +35,13 @@ from . import linear as _linear
 from ._checks import check_float, check_int, check_tensor
 from .config import AttentionConfig, check_overrides
 from .backends import get_backend, resolve_backend
-from .backends.registry import Backend, get_spec, needs_grad, place_segments
+from .backends.registry import Backend, get_spec, place_segments
 from .block_mask import BlockMask, MaskMod
 from .cache import KVCache
 from .decode import plain_linear as _plain
 from .functional import attention, default_backend
 from .logits import Features, alibi_slopes
-from .masks import Structure, read_keys
+from .masks import Structure
 from .qk_norm import QK_NORMS, RMSNorm
 from .rope import RoPE
 from .score_mods import ScoreMod
@@ -419,8 +419,7 @@ class MultiHeadAttention(nn.Module):
                 return_weights=return_weights, **programmable), str):
             y = step(x)  # the whole cached call in one native call
             return y.transpose(0, 1) if seq_first else y
-        q, k, v = self.split(*self.project(x, context, key_rows=self._unread_skipped(call, x, context, cache)))
-        # (B, H, S, D), (B, Hkv, Sk, D) ×2
+        q, k, v = self.split(*self.project(x, context))  # (B, H, S, D), (B, Hkv, Sk, D) ×2
         at, bound = call.rope_positions(cache, x.shape[1])
         q, k = self.rotate(q, k, at, bound=bound)
         fn = self.resolve(q, k, v, return_weights=return_weights)  # refused before anything is written
@@ -465,25 +464,17 @@ class MultiHeadAttention(nn.Module):
         """The layer's causal/window rule (:class:`~multihead.masks.Structure`)."""
         return Structure(self.causal, self.window)
 
-    def project(self, x: torch.Tensor, context: torch.Tensor | None = None, *,
-                key_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, context: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Step 1, the seed's projections: q (B, S, H·D) from x; k and v (B, Sk, Hkv·D) from
         the context (default x); then QK-norm over H·D and Hkv·D when ``qk_norm="proj"`` (OLMo 2).
 
         Plain ``nn.Linear`` projections run through :func:`multihead.linear.linears` (one call
         for the three when they read x); any other module (LoRA, hooks) is called as itself.
-
-        ``key_rows``: (N,) the only key rows any query reads (:func:`multihead.masks.read_keys`,
-        flat indices into B·Sk): plain k and v projections then run on those rows alone and the
-        others hold zeros, which attention never reads (the padding of a padded batch).
         """
         self._see("X", x)
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        if key_rows is not None and all(map(_plain, projs)):
-            q = _linear.linear(x, self.q_proj.weight, self.q_proj.bias)
-            k, v = _rows_projected(x if context is None else context, key_rows,
-                                   [(p.weight, p.bias) for p in projs[1:]])
-        elif context is None and all(map(_plain, projs)):  # one call: decoding streams all three at once
+        if context is None and all(map(_plain, projs)):  # one call: decoding streams all three at once
             q, k, v = _linear.linears(x, [(p.weight, p.bias) for p in projs])
         else:
             src = x if context is None else context
@@ -626,17 +617,6 @@ class MultiHeadAttention(nn.Module):
         finally:
             self.watch = None
 
-    def _unread_skipped(self, call: Inputs, x: torch.Tensor, context: torch.Tensor | None,
-                        cache: KVCache | None) -> torch.Tensor | None:
-        """The key rows :meth:`project` computes alone (:func:`multihead.masks.read_keys`): for an
-        uncached, unwatched call without autograd whose mask hides padding keys from every query;
-        a watcher sees every projected row, and gradients keep their summation order."""
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        if cache is not None or self.watch is not None or not all(map(_plain, projs)) or needs_grad(
-                x, *(t for p in projs for t in (p.weight, p.bias) if t is not None)):
-            return None
-        return read_keys(call.mask, x.shape[0], x.shape[1] if context is None else context.shape[1])
-
     def _see(self, name: str, t: torch.Tensor) -> None:
         watch = self.watch
         if watch is not None:
@@ -670,16 +650,6 @@ class Watch:
 
     observe: Observer
     weights: bool  # attention must return its weights, for the watcher
-
-
-def _rows_projected(src: torch.Tensor, rows: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | None]]
-                    ) -> list[torch.Tensor]:
-    """``src · wᵀ + b`` (B, Sk, out) for each layer on the flat rows ``rows`` (N,) of src (B, Sk, in)
-    alone; zeros on the other rows (keys no query reads)."""
-    flat = src.reshape(-1, src.shape[-1])  # (B·Sk, in)
-    outs = _linear.linears(flat.index_select(0, rows), layers)  # (N, out) each
-    return [flat.new_zeros(flat.shape[0], o.shape[-1]).index_copy_(0, rows, o).view(*src.shape[:-1], o.shape[-1])
-            for o in outs]
 
 
 def _apply_linear(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
