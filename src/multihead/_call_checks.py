@@ -145,7 +145,7 @@ def validate_call(layer: Layer, x: torch.Tensor, context: torch.Tensor | None, m
     # packed without a rope: the positions only mark where each sequence begins (checked below)
     at = positions if layer.rope is not None or not packed else None
     attn_mask = _check_inputs(layer, x, context, mask, None if cache is not None else key_mask, at)
-    if attn_mask is not None and attn_mask.dim() < 4:  # a 4-D one stays the caller's (read_keys remembers by it)
+    if attn_mask is not None and attn_mask.dim() < 4:  # a 4-D one stays the caller's own tensor
         attn_mask = attn_mask[(None,) * (4 - attn_mask.dim())]  # (B|1, H|1, S|1, Sk|1)
     cu = None
     if packed:
