@@ -28,7 +28,6 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from .._memo import derived
 from ..functional import attention
 from ..masks import from_additive
 
@@ -97,7 +96,7 @@ def bool_mask(attention_mask: torch.Tensor | None, sk: int | None = None) -> tor
         raise ValueError(f"attention_mask must be a 4-D HF mask [B, 1, S, Sk], got shape {list(attention_mask.shape)}")
     # may be built for a longer cache; else the caller's tensor, the same for every layer of a model call
     mask = attention_mask if sk is None or attention_mask.shape[-1] == sk else attention_mask[..., :sk]
-    return mask if mask.dtype == torch.bool else derived(mask, "bool", from_additive)  # once per model call
+    return mask if mask.dtype == torch.bool else from_additive(mask)
 
 
 # ---- what the kernel accepts -----------------------------------------------------------------
