@@ -15,7 +15,6 @@ from torch import nn
 
 from ._checks import check_bool_mask, check_finite as _check_finite, check_tensor
 from .cache import KVCache
-from ._memo import derived
 from .masks import key_padding_mask, packed_cu_seqlens
 from .rope import RoPE, check_positions
 
@@ -258,7 +257,7 @@ def _check_inputs(
             raise ValueError(f"mask must be on device {x.device} like x, got {mask.device}")
     if key_mask is not None:
         _check_key_mask(key_mask, b, sk, x.device)
-        padding = derived(key_mask, "key padding", key_padding_mask)  # (B, 1, 1, Sk), one view per key_mask
+        padding = key_padding_mask(key_mask)  # (B, 1, 1, Sk)
         combined = padding if combined is None else combined & padding
     return combined
 
