@@ -139,7 +139,7 @@ def test_run_uses_the_threads_asked_for_shows_them_and_restores_torchs(tmp_path:
     info = _main_json(capsys, "run", "one", "two", "--model", str(path), "--no-progress", "--threads", "1")
     assert info["threads"] == 1 and seen == [1] and torch.get_num_threads() == before
     assert cli.main(["run", "one", "--model", str(path), "--no-progress", "--threads", "1"]) == 0
-    assert "on this CPU, 1 torch threads):" in capsys.readouterr().out
+    assert "on this CPU, 1 torch thread):" in capsys.readouterr().out
 
 
 def test_heads_uses_the_threads_asked_for_and_shows_them(tmp_path: Path, capsys,

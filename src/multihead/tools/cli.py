@@ -147,7 +147,7 @@ def cmd_run(args: argparse.Namespace) -> int:
          ", ".join(f"{c:.6f}" for c in cos)) if cos is not None else "not a sentence-transformers model",
         f"unpatch restored the original modules: {info['unpatch_restored']}",
         f"time per attention layer (medians of {TIMED_RUNS} runs each and their range, the two alternating, "
-        f"on this CPU, {info['threads']} torch threads):",
+        f"on this CPU, {info['threads']} torch thread{'' if info['threads'] == 1 else 's'}):",
         *timing,
         *(["(multihead runs the padded batch on its real tokens only, mh.hf.pack_padding; Hugging Face "
            "runs it padded)"] if info.get("packed") else []),
