@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
@@ -68,6 +70,8 @@ print(native.status())
 
 #: The machine build under way: (its process, its cache folder), started at collection.
 _STARTED: dict[str, tuple[subprocess.Popen, Path]] = {}
+#: The folders those builds were started in (outside pytest's own temporary folders).
+_FOLDERS: list[Path] = []
 
 
 def _start_machine_build(cache: Path) -> subprocess.Popen:
@@ -81,16 +85,20 @@ def _start_machine_build(cache: Path) -> subprocess.Popen:
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection: only the tests that will run count
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if any("machine_build" in getattr(item, "fixturenames", ()) for item in items):
-        cache = config._tmp_path_factory.mktemp("machine-build")  # type: ignore[attr-defined]
+        cache = Path(tempfile.mkdtemp(prefix="multihead-machine-build-"))  # removed at the session's end
+        _FOLDERS.append(cache)
         _STARTED["build"] = (_start_machine_build(cache), cache)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """A build no test waited for (the run stopped early) is stopped with the session."""
+    """A build no test waited for (the run stopped early) is stopped with the session; the folders
+    started at collection are removed."""
     started = _STARTED.pop("build", None)
     if started is not None and started[0].poll() is None:
         started[0].kill()
         started[0].wait()
+    while _FOLDERS:
+        shutil.rmtree(_FOLDERS.pop(), ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

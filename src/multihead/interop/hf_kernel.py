@@ -94,7 +94,7 @@ def bool_mask(attention_mask: torch.Tensor | None, sk: int | None = None) -> tor
         return None
     if attention_mask.dim() != 4:
         raise ValueError(f"attention_mask must be a 4-D HF mask [B, 1, S, Sk], got shape {list(attention_mask.shape)}")
-    # may be built for a longer cache; else the caller's tensor, the same for every layer of a model call
+    # sliced only where HF built it for a longer cache
     mask = attention_mask if sk is None or attention_mask.shape[-1] == sk else attention_mask[..., :sk]
     return mask if mask.dtype == torch.bool else from_additive(mask)
 
