@@ -183,8 +183,9 @@ def test_no_key_outside_a_query_s_sequence_is_read(causal: bool) -> None:
 
 def _expected_panels(b: int, hkv: int, g: int, s: int, bounds: list[tuple[int, int]], causal: bool,
                      window: int | None) -> int:
-    """The key panels of the query tiles' row blocks: the hull of their rows' spans (structure
-    and own sequence), in panels of NR keys; nothing else."""
+    """The key panels of the query tiles' row blocks (MR rows, fewer where the tile or the rows'
+    sequence ends): the hull of their rows' spans (structure and own sequence), in panels of NR
+    keys; nothing else."""
     wide = native.vector_bits() == 512
     mr, nr, qt = (12, 32, native.attention.query_tile()) if wide else (6, 16, native.attention.query_tile())
 
@@ -200,9 +201,12 @@ def _expected_panels(b: int, hkv: int, g: int, s: int, bounds: list[tuple[int, i
     per_kv = 0
     for p0 in range(0, s, qt):
         rows = min(qt, s - p0)
-        for r0 in range(0, rows, mr):
-            lo, hi = span(p0 + r0)[0], span(p0 + min(r0 + mr, rows) - 1)[1]
+        r0 = 0
+        while r0 < rows:
+            n = min(mr, rows - r0, bounds[p0 + r0][1] - (p0 + r0))
+            lo, hi = span(p0 + r0)[0], span(p0 + r0 + n - 1)[1]
             per_kv += (-(-hi // nr) - lo // nr) if hi > lo else 0
+            r0 += n
     return b * hkv * g * per_kv
 
 
@@ -292,12 +296,16 @@ def test_short_packed_sequences_in_the_lanes_within_twice_naive(structure: str) 
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_short_packed_sequences_in_the_lanes_read_no_other_sequence(causal: bool) -> None:
-    """Sequences aligned to the lanes' blocks of 16 rows (S = 96 ≤ 128 keys): poisoning every
-    key and value outside a sequence with NaN changes none of its outputs, bit for bit."""
-    lengths = [32, 0, 48, 16]
+@pytest.mark.parametrize("lengths", [[32, 0, 48, 16], [7, 100, 0, 61, 1, 31]], ids=["lanes", "flash-loop"])
+def test_packed_sequences_read_no_other_sequence(causal: bool, lengths: list[int]) -> None:
+    """Poisoning every key and value outside a packed sequence with NaN changes none of its
+    outputs, bit for bit: sequences aligned to the lanes' blocks of 16 rows (S = 96 ≤ 128 keys:
+    the rows-in-lanes path with AVX-512, the FlashAttention loop with AVX2), and sequences at odd
+    offsets over 200 keys (the FlashAttention loop on every build: its groups of rows end where a
+    sequence does, and p · v reads only their own keys)."""
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    q, k, v = (t.float() for t in _qkv(b=1, h=4, hkv=2, sq=96, sk=96))
+    s = sum(lengths)
+    q, k, v = (t.float() for t in _qkv(b=1, h=4, hkv=2, sq=s, sk=s))
     with torch.no_grad():
         clean = mh.attention(q, k, v, causal=causal, cu_seqlens=cu, backend="native")
         for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):

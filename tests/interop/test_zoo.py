@@ -30,6 +30,7 @@ Runtime: about 4 minutes on 2 shared cores (75 s of it building every model type
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import pkgutil
@@ -459,20 +460,49 @@ def compare(model_type: str) -> str:
 def compare_patched(model: nn.Module, model_type: str, generator: bool, patching: Any,
                     inputs: Any = None) -> str:
     """``"exact"``, or what differs, between ``model`` (eager) and ``model`` after ``patching(model)``:
-    right- and left-padded batches (relative 1e-5 on real tokens), and greedy tokens for generators.
-    ``inputs(model_type, side)`` makes a batch (default :func:`_inputs`)."""
+    right- and left-padded batches (relative 1e-5 on real tokens, or where more, within the accuracy
+    criterion against the unpatched model in float64: :func:`_within_criterion`), and greedy tokens
+    for generators. ``inputs(model_type, side)`` makes a batch (default :func:`_inputs`)."""
     batches = [(inputs or _inputs)(model_type, side) for side in ("right", "left")]
     wants = [_outs(model, inputs) for inputs in batches]
     tokens = _generate(model, model_type, batches[0]) if generator else None
+    oracle = _unpatched_copy(model)
     patching(model)
     for side, inputs, want in zip(("right", "left"), batches, wants):
-        for (got, _), (out, real) in zip(_outs(model, inputs), want):
+        for index, ((got, _), (out, real)) in enumerate(zip(_outs(model, inputs), want)):
             rel = ((got[real] - out[real]).abs().max() / out[real].abs().max()).item()
-            if not rel <= RTOL:
+            if not (rel <= RTOL or _within_criterion(oracle, inputs, index, got, out, real)):
                 return f"wrong: relative difference {rel:.2e} on real tokens ({side} padding)"
     if generator and not torch.equal(_generate(model, model_type, batches[0]), tokens):
         return "wrong: different greedy tokens"
     return "exact"
+
+
+def _unpatched_copy(model: nn.Module) -> nn.Module | None:
+    """A copy of ``model`` before patching, for :func:`_within_criterion` (None where it cannot be copied:
+    then the relative 1e-5 alone decides)."""
+    try:
+        return copy.deepcopy(model)
+    except Exception:  # a model holding something deepcopy refuses
+        return None
+
+
+def _within_criterion(oracle: nn.Module | None, inputs: dict[str, torch.Tensor], index: int, got: torch.Tensor,
+                      out: torch.Tensor, real: Any) -> bool:
+    """Whether the patched output ``got`` (the ``index``-th of :func:`_outs`) meets the accuracy criterion
+    where it differs from HF's float32 ``out`` by more than :data:`RTOL`: its error against the unpatched
+    model run in float64 on the same inputs at most 2× HF's own float32 error (a float32 model whose
+    logits are not scaled down, T5's, differs from itself in float64 by 2.7e-5 relative). False where the
+    copy is missing or does not run in float64."""
+    if oracle is None:
+        return False
+    wide = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
+    try:
+        truth = _outs(oracle.double(), wide)[index][0][real]
+    except (RuntimeError, TypeError):  # a model hard-wired to float32 somewhere
+        return False
+    ours, theirs = (got[real].double() - truth).abs().max(), (out[real].double() - truth).abs().max()
+    return bool(ours <= 2 * theirs)
 
 
 @pytest.mark.parametrize("model_type", list(ZOO))

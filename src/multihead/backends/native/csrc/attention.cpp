@@ -239,6 +239,10 @@ void run_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t p0
                 // two blocks would compute the union of their live tiles (90% empty tiles, S = 2048:
                 // 0.203× the time of every tile full, 0.19× so; Intel Xeon, AVX-512).
                 if (P.tiles) nr = std::min(nr, P.bq - (p0 + r0) % P.bq);
+                // Packed sequences: a group of rows ends where its sequence does, so that its keys
+                // (and the values p · v reads) are its own sequence's only: a NaN or inf in another
+                // sequence never reaches it (0 · NaN is NaN).
+                if (P.seg) nr = std::clamp<int64_t>(P.seg[b * P.seg_bs + P.Sk + p0 + r0] - (p0 + r0), 1, nr);
                 int64_t blo, bhi;  // keys these rows may see
                 key_range(P, p0 + r0, p0 + r0 + nr, blo, bhi, b);
                 blo = std::max(blo, c0);
@@ -262,7 +266,10 @@ void run_item(const Problem& P, Buffers& buf, int64_t b, int64_t kvh, int64_t p0
                     row_update(P, s + i * KC, width, valid, j0, p0 + r0 + i + off, mrow, buf.m[row], buf.l[row],
                                buf.o + row * Dv, b, h);
                 }
-                pv(s, KC, nr, valid, vb + j0 * P.vs[2], P.vs[2], buf.o + (g * rows + r0) * Dv, Dv, Dv);
+                // p · v over the rows' keys: the panels' columns, or with packed sequences exactly
+                // the rows' own keys [blo, bhi) (the panels' other columns are another sequence's)
+                const int64_t v0 = P.seg ? blo - j0 : 0, nv = P.seg ? bhi - blo : valid;
+                pv(s + v0, KC, nr, nv, vb + (j0 + v0) * P.vs[2], P.vs[2], buf.o + (g * rows + r0) * Dv, Dv, Dv);
             }
         }
     }
@@ -315,9 +322,10 @@ int attention(const void* q, const void* k, const void* v, void* out, float* lse
     const int64_t qt = std::min(query_tile, std::max<int64_t>(P.Sq, 1));
     const int64_t tiles = (P.Sq + qt - 1) / qt;
     const int64_t items = P.B * P.Hkv * tiles;
-    // Rows of packed queries per head: the tile rounded up to MR; with a block mask, MR more (zeros),
-    // because its row groups end at query blocks and may then start at any row (qk_tile reads MR).
-    const int64_t qt_pad = (qt + MR - 1) / MR * MR + (P.tiles ? MR : 0);
+    // Rows of packed queries per head: the tile rounded up to MR; with a block mask or packed
+    // sequences, MR more (zeros), because its row groups end at query blocks or sequences and may
+    // then start at any row (qk_tile reads MR).
+    const int64_t qt_pad = (qt + MR - 1) / MR * MR + (P.tiles || P.seg ? MR : 0);
     // With enough (b, K/V head) pairs for the threads and K small enough to stay in L2 once packed,
     // each thread takes whole pairs and packs each one's K once (not once per query tile).
     const int64_t heads = P.B * P.Hkv, kpanels = (P.Sk + NR - 1) / NR;
