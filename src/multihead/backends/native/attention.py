@@ -506,9 +506,11 @@ DECODE_ROWS = 32
 #: (Intel Xeon, 1 thread, key padding, best of 3 × 5 timings; its time / the FlashAttention loop's):
 #: H=12, D=32, B=32: S=48 0.63×, 96 0.93×, 128 0.93×; D=64, causal, B=8: S=64 0.75×, 128 0.82×;
 #: GQA 32/8, D=128, causal: S=64 0.61×, 32 queries on 128 keys 0.89×; B=1, S=128 0.95×; 256
-#: queries on 128 keys 0.94×. (The AVX2 build keeps the FlashAttention loop: not measured ahead.)
-#: csrc/decode.cpp's lanes_take holds the FlashAttention loop's float32 calls to the same bounds
-#: (packed sequences of at most LANE_KEYS keys at any row count) and runs them on that path.
+#: queries on 128 keys 0.94×. csrc/decode.cpp's lanes_take holds the FlashAttention loop's float32
+#: calls to the same bounds (packed sequences of at most LANE_KEYS keys at any row count) and runs
+#: them on that path. With the AVX2 build (8 lanes) both loops take it for short prefills only (at
+#: least 8 queries per head and at most 64 keys, or packed: csrc/decode.cpp's small_item_fits,
+#: with its measurements), not through this routing.
 LANE_KEYS = 128
 LANE_ROWS = 256
 

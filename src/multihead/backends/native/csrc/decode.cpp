@@ -351,16 +351,31 @@ inline int64_t score_stride(int64_t keys) { return (std::clamp<int64_t>(keys, 1,
 // and two W × W tiles fit decode_item's score buffer for any row count it takes.
 constexpr int64_t SMALL_KEYS = 128;
 
-// Whether small_item takes decode_item's (b, kvh) item: AVX-512, float32, every key in one piece
-// (no split), no logit feature, bias or block mask (packed sequences only as the FlashAttention
-// loop hands them over: lanes_attention), at least W/2 rows (its lanes) and at most SMALL_KEYS
-// keys. Measured (Intel Xeon, 1 thread, its time / decode_item's): the bundled model's
-// (3, 12, 24, 32) 0.70×, (1, 12, 16, 64) 0.53×, (1, 12, 8, 64) 0.65×, a GQA 32/4 step on 64
-// keys 0.88×, on 128 keys 0.96×. The AVX2 build (8 lanes, the same CPU) was slower on decoding
-// steps (G = 4 and 8 rows on 64-128 keys: 1.0-2.2×) and mixed on short prefills (0.77-1.11×),
-// so it keeps decode_item there.
+// Whether small_item takes decode_item's (b, kvh) item: float32, every key in one piece (no
+// split), no logit feature, bias or block mask (packed sequences only as the FlashAttention loop
+// hands them over: lanes_attention), at least W/2 rows (its lanes) and at most SMALL_KEYS keys.
+// AVX-512, measured (Intel Xeon, 1 thread, its time / decode_item's): the bundled model's
+// (3, 12, 24, 32) 0.70×, (1, 12, 16, 64) 0.53×, (1, 12, 8, 64) 0.65×, a GQA 32/4 step on 64 keys
+// 0.88×, on 128 keys 0.96×. AVX2 (8 lanes) only for short prefills: at least W queries per head
+// and at most AVX2_LANE_KEYS keys (or packed sequences, whose lanes stop at their own). Measured
+// (AMD EPYC, Zen 3; medians of 4 alternating processes, 1 / 2 threads, its time / the loops'):
+// (1, 12, S, 32) S = 8: 0.81× / 0.92× (0.54× / 0.65× causal), S = 16: 0.63× / 0.94× (0.52× /
+// 0.73×), S = 32: 0.84× / 0.86× (0.60× / 0.69×), S = 64: 0.97× / 0.96× (0.74× / 0.78×), S = 128
+// 1.21× / 1.23× (0.83× / 0.98× causal: not taken); the bundled layer's masked (3, 12, 24, 32)
+// 0.92× / 0.77×; its 52 tokens packed 0.78× / 0.86×; 9 sequences packed into 128 (D = 64) 0.91× /
+// 0.90×; GQA 32/8, D = 128, S = 16 causal 0.62× / 0.57×, S = 64 1.02× / 0.93×. Decoding steps
+// (fewer queries than lanes per head, G·Sq rows) stay with decode_item on AVX2: 1.0-2.2× (G = 4
+// and 8 rows on 64-128 keys; Intel Xeon, the AVX2 build).
+// (The builds without AVX, 'baseline' and 'generic', not measured: never taken there.)
+constexpr int64_t AVX2_LANE_KEYS = 64;
+#if defined(__AVX2__)
+constexpr bool AVX2_LANES = true;
+#else
+constexpr bool AVX2_LANES = false;
+#endif
 inline bool small_item_fits(const Problem& P, int64_t rows, int64_t keys, const float* part) {
-    return W == 16 && !part && P.softcap == 0.f && !P.alibi && !P.sinks && !P.tiles && !P.bias &&
+    const bool width_takes = W == 16 || (AVX2_LANES && P.Sq >= W && (keys <= AVX2_LANE_KEYS || P.seg));
+    return width_takes && !part && P.softcap == 0.f && !P.alibi && !P.sinks && !P.tiles && !P.bias &&
            2 * rows >= W && keys <= SMALL_KEYS;
 }
 
