@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -344,7 +345,39 @@ def test_bfloat16_encoder_is_as_accurate_as_transformers_own_in_bfloat16() -> No
     texts = TEXTS[:12]
     exact = _hf_embeddings(texts, torch.float64)
     naive = (_hf_embeddings(texts, torch.bfloat16) - exact).norm(dim=-1)  # (N,)
-    ours = embed_mod.Embedder(dtype=torch.bfloat16).embed(texts, batch_size=4).vectors
+    with warnings.catch_warnings():  # said on a CPU without bfloat16 instructions (tested below)
+        warnings.filterwarnings("ignore", "bfloat16 on a CPU without", UserWarning)
+        ours = embed_mod.Embedder(dtype=torch.bfloat16).embed(texts, batch_size=4).vectors
     err = (torch.from_numpy(ours).double() - exact).norm(dim=-1)
     assert err.max() <= 2 * naive.max() and err.mean() <= 2 * naive.mean(), (err, naive)
     assert _cosines(ours, exact.numpy()).min() > 0.999
+
+
+@pytest.mark.parametrize("hardware", [True, False], ids=["bf16 instructions", "emulated"])
+def test_bfloat16_without_bfloat16_instructions_warns_and_the_bench_skips_it(
+        monkeypatch: pytest.MonkeyPatch, hardware: bool) -> None:
+    """On a CPU without AVX512-BF16 or AMX, torch emulates bfloat16 products (6.7× float32's time with
+    AVX2): ``Embedder(dtype=torch.bfloat16)`` says so in a ``UserWarning`` (float32 does not), and the
+    embedding benchmark lists its bfloat16 way as skipped with that reason instead of timing it."""
+    from multihead.backends import native
+    from multihead.tools import bench_embed
+
+    monkeypatch.setattr(native, "bf16_instructions", lambda: hardware)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        embed_mod.Embedder(dtype=torch.float32)
+        assert not [w for w in caught if "bfloat16" in str(w.message)]
+        embed_mod.Embedder(dtype=torch.bfloat16)
+    said = [str(w.message) for w in caught if issubclass(w.category, UserWarning) and "bfloat16" in str(w.message)]
+    assert bool(said) == (not hardware)
+    assert not said or ("avx512_bf16, amx_bf16" in said[0] and "slower than float32" in said[0])
+    made: list[torch.dtype] = []
+
+    class Counted(embed_mod.Embedder):
+        def __init__(self, *args: object, dtype: torch.dtype = torch.float32, **kwargs: object) -> None:
+            made.append(dtype)  # not loaded: what the bench asks for is the point
+    monkeypatch.setattr(embed_mod, "Embedder", Counted)
+    ways, skipped, facts = bench_embed._ways(TEXTS[:4])
+    assert (bench_embed.WAYS[3] in ways) == hardware and (torch.bfloat16 in made) == hardware
+    assert set(ways) | set(skipped) == set(bench_embed.WAYS) and facts["texts"] == 4
+    assert hardware or "no bfloat16 instructions (avx512_bf16, amx_bf16)" in skipped[bench_embed.WAYS[3]]

@@ -83,13 +83,16 @@ def corpus(n: int, seed: int = 0) -> list[str]:
     return texts
 
 
-def _ways(texts: list[str]) -> tuple[dict[str, Callable[[int], np.ndarray]], dict[str, Any]]:
-    """The ways of :data:`WAYS`, each embedding ``texts`` when called with a batch size, and facts about
+def _ways(texts: list[str]) -> tuple[dict[str, Callable[[int], np.ndarray]], dict[str, str], dict[str, Any]]:
+    """The ways of :data:`WAYS`, each embedding ``texts`` when called with a batch size; those not run
+    here, each with why (bfloat16 on a CPU without bfloat16 instructions: torch emulates it, several
+    times slower than float32, :func:`multihead.backends.native.bf16_instructions`); facts about
     the corpus."""
     import torch
     from sentence_transformers import SentenceTransformer
 
     import multihead as mh
+    from multihead.backends import native
 
     from . import embed, models
 
@@ -98,16 +101,22 @@ def _ways(texts: list[str]) -> tuple[dict[str, Callable[[int], np.ndarray]], dic
     patched = SentenceTransformer(path, device="cpu")
     bert: Any = patched[0].auto_model  # the transformers model inside sentence-transformers' first module
     mh.hf.patch(bert)
-    ours, ours16 = embed.Embedder(path), embed.Embedder(path, dtype=torch.bfloat16)
+    ours = embed.Embedder(path)
     ways: dict[str, Callable[[int], np.ndarray]] = {
         WAYS[0]: lambda batch: plain.encode(texts, batch_size=batch),
         WAYS[1]: lambda batch: patched.encode(texts, batch_size=batch),
         WAYS[2]: lambda batch: ours.embed(texts, batch_size=batch).vectors,
-        WAYS[3]: lambda batch: ours16.embed(texts, batch_size=batch).vectors,
     }
+    skipped: dict[str, str] = {}
+    if native.bf16_instructions():
+        ours16 = embed.Embedder(path, dtype=torch.bfloat16)
+        ways[WAYS[3]] = lambda batch: ours16.embed(texts, batch_size=batch).vectors
+    else:
+        skipped[WAYS[3]] = (f"this CPU has no bfloat16 instructions ({', '.join(native.BF16_FLAGS)}): torch "
+                            "emulates bfloat16 products, several times slower than float32")
     tokens = [len(ids) for ids in plain.tokenizer(texts)["input_ids"]]
-    return ways, {"texts": len(texts), "tokens": sum(tokens), "longest": max(tokens),
-                  "median_tokens": statistics.median(tokens)}
+    return ways, skipped, {"texts": len(texts), "tokens": sum(tokens), "longest": max(tokens),
+                           "median_tokens": statistics.median(tokens)}
 
 
 def run_embed(*, quick: bool = False, reps: int | None = None, batch_sizes: Sequence[int] = (32,),
@@ -147,8 +156,9 @@ def run_embed(*, quick: bool = False, reps: int | None = None, batch_sizes: Sequ
         for peer in peers.values():
             stack.callback(peer.close)
         say(f"loading the bundled model {len(WAYS)} ways, {len(corpus_texts)} texts")
-        ours, facts = _ways(corpus_texts)
-        runs = [_run_batch(ours, peers, skipped, batch, reps or (2 if quick else 7), say) for batch in batch_sizes]
+        ours, not_run, facts = _ways(corpus_texts)
+        runs = [_run_batch(ours, peers, {**not_run, **skipped}, batch, reps or (2 if quick else 7), say)
+                for batch in batch_sizes]
     return {"case": "embed", "corpus": facts, "threads": threads, "machine": machine.machine_info(),
             "peers": {"python": None if peers_python is None else os.fspath(peers_python), "info": infos},
             "runs": runs}

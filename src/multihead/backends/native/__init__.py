@@ -50,13 +50,13 @@ from ._ffi import MAX_STEP_ROWS, SUFFIX, kernel
 from .attention import (DECODE_ROWS, LANE_KEYS, LANE_ROWS, MAX_BLOCK_KEYS, Logits, Tiles, attention_f32, decode_f32,
                         key_panels, rows_per_kv_head)
 from .counters import advance_counters
-from .cpu import amx_bf16, cpu_vendor
+from .cpu import BF16_FLAGS, amx_bf16, bf16_instructions, cpu_vendor
 from .loader import amx, amx_enabled, available, build, build_name, compile_for_machine, status, vector_bits
 from .ops import run
 from .step import NORM_MODES, Norm, StepPlan, decode_step, linear_few_rows
 
 __all__ = ["available", "status", "build", "build_name", "compile_for_machine", "vector_bits", "cpu_vendor",
-           "amx_bf16", "amx", "amx_enabled",
+           "amx_bf16", "bf16_instructions", "BF16_FLAGS", "amx", "amx_enabled",
            "advance_counters", "attention_f32", "decode_f32", "key_panels", "linear_few_rows", "decode_step",
            "StepPlan", "Norm", "NORM_MODES", "MAX_STEP_ROWS", "DTYPES", "SUFFIX", "DECODE_ROWS", "Logits", "kernel",
            "rows_per_kv_head", "LANE_KEYS", "LANE_ROWS",

@@ -12,7 +12,7 @@ import functools
 
 from ..._compile import constant_in_graphs
 
-__all__ = ["cpuinfo", "cpu_vendor", "amx_bf16"]
+__all__ = ["cpuinfo", "cpu_vendor", "amx_bf16", "bf16_instructions", "BF16_FLAGS"]
 
 
 @functools.cache
@@ -45,3 +45,15 @@ def amx_bf16() -> bool:
     """Whether the CPU has AMX tiles for bfloat16 (``amx_bf16``), which oneDNN, and so torch's
     SDPA in bfloat16, runs on. ``"auto"`` asks it."""
     return "amx_bf16" in cpuinfo().get("flags", "").split()
+
+
+#: The CPU flags of bfloat16 products in hardware (AVX512-BF16's dot products, AMX's tiles).
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def bf16_instructions() -> bool:
+    """Whether the CPU multiplies bfloat16 in hardware (one of :data:`BF16_FLAGS`). Without them
+    torch emulates bfloat16 products in float32 arithmetic: with AVX2 alone, the bundled model's
+    encoder in bfloat16 took 6.7x its float32 time (AMD EPYC, Zen 3, 2 threads)."""
+    flags = cpuinfo().get("flags", "").split()
+    return any(flag in flags for flag in BF16_FLAGS)
