@@ -18,6 +18,13 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 # faster (multihead.backends.gemm.gemm_choice); tests/backends/test_gemm_choice.py covers the rest.
 # Set MULTIHEAD_GEMM=torch to run the whole suite on torch.matmul instead.
 os.environ.setdefault("MULTIHEAD_GEMM", "onednn")
+# Under pytest-xdist (pyproject's addopts) the workers share the cores. Each keeps at least 2 torch
+# threads, so the kernels' parallel splits are still what the tests exercise; OpenMP's idle threads
+# sleep instead of spinning (2 workers of 2 spinning threads on 2 cores took 1.8x the serial time;
+# sleeping: 0.67x). Set before torch is imported (OpenMP reads them once), inherited by subprocesses.
+if workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(2, len(os.sched_getaffinity(0)) // int(workers))))
 
 from collections.abc import Iterator  # noqa: E402
 from typing import Any  # noqa: E402

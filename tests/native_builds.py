@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -84,15 +85,20 @@ def _start_machine_build(cache: Path) -> subprocess.Popen:
 
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection: only the tests that will run count
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if any("machine_build" in getattr(item, "fixturenames", ()) for item in items):
-        cache = Path(tempfile.mkdtemp(prefix="multihead-machine-build-"))  # removed at the session's end
-        _FOLDERS.append(cache)
-        _STARTED["build"] = (_start_machine_build(cache), cache)
+    if not any("machine_build" in getattr(item, "fixturenames", ()) for item in items):
+        return
+    if _xdist_worker():  # every worker collects every test: the first to get here starts the run's one build
+        _start_shared_build(_shared_folder())
+        return
+    cache = Path(tempfile.mkdtemp(prefix="multihead-machine-build-"))  # removed at the session's end
+    _FOLDERS.append(cache)
+    _STARTED["build"] = (_start_machine_build(cache), cache)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """A build no test waited for (the run stopped early) is stopped with the session; the folders
-    started at collection are removed."""
+    started at collection are removed. (A build shared by pytest-xdist's workers finishes by itself, in
+    pytest's temporary folder.)"""
     started = _STARTED.pop("build", None)
     if started is not None and started[0].poll() is None:
         started[0].kill()
@@ -101,27 +107,98 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         shutil.rmtree(_FOLDERS.pop(), ignore_errors=True)
 
 
+#: The folder of the build pytest-xdist's workers share, made by the controlling process (inherited).
+SHARED = "MULTIHEAD_TESTS_SHARED_BUILD"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, the controlling process makes the folder of the workers' one machine build
+    before it starts them (they inherit its environment); removed at its session's end."""
+    if getattr(config.option, "numprocesses", None) and not _xdist_worker():
+        folder = Path(tempfile.mkdtemp(prefix="multihead-machine-build-"))
+        _FOLDERS.append(folder)
+        os.environ[SHARED] = str(folder / "build")
+
+
+def _xdist_worker() -> bool:
+    return "PYTEST_XDIST_WORKER" in os.environ
+
+
+def _shared_folder() -> Path:
+    return Path(os.environ[SHARED])
+
+
+#: Run by the build shared between workers: the build's check, then its exit status in a file (the
+#: workers that did not start it wait for that file).
+_SHARED_BUILD = """
+import os, subprocess, sys
+folder = sys.argv[1]
+with open(os.path.join(folder, "stdout"), "w") as out, open(os.path.join(folder, "stderr"), "w") as err:
+    code = subprocess.run([sys.executable, "-c", sys.argv[2]], stdout=out, stderr=err).returncode
+with open(os.path.join(folder, "returncode.tmp"), "w") as f:
+    f.write(str(code))
+os.replace(os.path.join(folder, "returncode.tmp"), os.path.join(folder, "returncode"))
+"""
+
+
+def _start_shared_build(folder: Path) -> None:
+    """Start the machine build into ``folder`` unless a worker of this run already has (a lock file
+    decides)."""
+    from filelock import FileLock
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder) + ".lock", timeout=60):
+        if (folder / "started").exists():
+            return
+        subprocess.Popen([sys.executable, "-c", _SHARED_BUILD, str(folder), MACHINE_BUILD],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                         env={**os.environ, "MULTIHEAD_NATIVE": "1", "MULTIHEAD_NATIVE_ISA": "machine",
+                              "MULTIHEAD_CACHE_DIR": str(folder)})
+        (folder / "started").touch()
+
+
+def _wait_shared_build(folder: Path, timeout_s: float = 600.0) -> int:
+    """The shared build's exit status, once it has one (polled; bounded by ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while not (folder / "returncode").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the shared machine build in {folder} did not finish within {timeout_s} s")
+        time.sleep(0.2)
+    return int((folder / "returncode").read_text())
+
+
 @pytest.fixture(scope="session")
 def machine_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The machine's own build (``MULTIHEAD_NATIVE_ISA=machine``), compiled by the real compiler
     into a fresh cache folder, loaded and checked against the float64 reference in that process:
-    the path of its shared library. (Started at collection where the session runs a test using it.)"""
+    the path of its shared library. (Started at collection where the session runs a test using it;
+    one build for all of pytest-xdist's workers.)"""
+    if _xdist_worker():
+        cache = _shared_folder()
+        _start_shared_build(cache)  # started at collection; here too for a test that asked for it late
+        returncode = _wait_shared_build(cache)
+    else:
+        returncode, cache = _wait_own_build(tmp_path_factory)
+    stderr = (cache / "stderr").read_text()
+    assert returncode == 0, stderr[-3000:]
+    assert "compiled in" in stderr  # the real compile is announced
+    (build,) = cache.glob("*.so")
+    return build
+
+
+def _wait_own_build(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path]:
+    """(exit status, cache folder) of this session's machine build, started at collection or now."""
     started = _STARTED.pop("build", None)
     if started is None:
         cache = tmp_path_factory.mktemp("machine-build")
         started = (_start_machine_build(cache), cache)
     process, cache = started
     try:
-        returncode = process.wait(timeout=600)
+        return process.wait(timeout=600), cache
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
         raise
-    stderr = (cache / "stderr").read_text()
-    assert returncode == 0, stderr[-3000:]
-    assert "compiled in" in stderr  # the real compile is announced
-    (build,) = cache.glob("*.so")
-    return build
 
 
 def stand_in(machine_build: Path, folder: Path) -> StandIn:
