@@ -100,7 +100,8 @@ def test_small_calls_are_timed_against_sdpa_and_the_bundled_layer_against_hf_ber
     paths = {rule.path for rule in mh.backends.auto.AUTO_RULES}
     assert all(r["path"] in paths for r in calls)  # the path "auto" took
     bundled = {r["impl"] for r in suite["results"] if r["case"] == "layer/bundled"}
-    assert bundled == {"multihead", overhead.PACKED, "HF BertAttention sdpa", "HF BertAttention eager"}
+    assert bundled == {"multihead", overhead.PACKED, "HF BertAttention sdpa", "HF BertAttention eager",
+                       overhead.GEMMS_ONLY}
 
 
 def test_start_up_is_measured_in_fresh_processes(suite: dict[str, Any]) -> None:
@@ -175,6 +176,23 @@ def test_train_case_reports_its_projection_gemm_floor(suite: dict[str, Any]) -> 
                 if row is not ours:
                     ratio = (row["median_s"] - floor["median_s"]) / (ours["median_s"] - floor["median_s"])
                     assert f"({ratio:.2f}x ours)" in rest
+
+
+def test_bundled_case_reports_its_projection_gemm_floor(suite: dict[str, Any]) -> None:
+    """layer/bundled times its floor too, the layer's four projections alone (4 GEMMs of 2·B·S·E²
+    FLOPs per call), among its peers but apart from their rows in the report, with each row's share."""
+    rows = [r for r in suite["results"] if r["case"] == "layer/bundled"]
+    floor = next(r for r in rows if r["impl"] == "(projection GEMMs only)")
+    assert not floor["is_ours"]
+    assert floor["flops"] == floor["calls"] * 4 * 2.0 * floor["batch"] * floor["seq"] * floor["embed_dim"] ** 2
+    for row in rows:
+        assert row["gemm_fraction"] == pytest.approx(floor["median_s"] / row["median_s"])
+    text = bench.format_report(suite)
+    section = text[text.index("== layer/bundled =="):].split("\n== ")[0].splitlines()
+    assert not any(line.startswith("batch=") and "(projection GEMMs only)" in line for line in section)
+    assert any("the step's 4 projection GEMMs alone" in line for line in section)
+    (share,) = [line for line in section if "their share of each step" in line]
+    assert all(f"{r['impl']} {100 * r['gemm_fraction']:.0f}%" in share for r in rows if r is not floor)
 
 
 def test_core_train_case_times_the_same_gradients_and_counts_flash_attention_2s_flops() -> None:

@@ -87,7 +87,7 @@ Result = dict[str, Any]
 _COPY = "(copy)"  # the bandwidth probe timed among a case's implementations
 _READ = "(read)"  # a plain read of the case's bytes, timed among them too
 _GEMM_LOOP = "(gemm)"  # the best GEMM kind, timed among a compute-bound case's implementations
-_GEMMS = "(projection GEMMs only)"  # layer/train's floor: its projections' GEMMs alone, timed among its peers
+_GEMMS = overhead.GEMMS_ONLY  # layer/train's and layer/bundled's floor: the projections' GEMMs alone
 
 #: Sequence lengths of the core cases (full run, --quick run).
 CORE_SEQ = (512, 1024, 2048, 4096)
@@ -454,8 +454,9 @@ def _projection_gemms(layer: Any, x: torch.Tensor, grad: torch.Tensor) -> tuple[
 
 
 def _gemm_floor(rows: list[Result], limits: dict[str, Any]) -> None:
-    """layer/train's rows: the floor's row rated by its own FLOPs, and every row's ``gemm_fraction``,
-    the floor's time over its own: the share of its step that is projection GEMM work."""
+    """A layer case's rows (layer/train, layer/bundled): the floor's row rated by its own FLOPs, and
+    every row's ``gemm_fraction``, the floor's time over its own: the share of its step that is
+    projection GEMM work."""
     floor = next(r for r in rows if r["impl"] == _GEMMS)
     floor["flops"] = floor["gemm_flops"]
     _add_rates(floor, limits)
@@ -561,7 +562,7 @@ def run_suite(*, quick: bool = False, progress: Callable[[str], None] | None = N
         bundled = overhead.bundled_layer_case(quick)
         if bundled is not None:
             say("layer at the bundled model's shapes")
-            record(*bundled)
+            _gemm_floor(record(*bundled), limits)
     for causal in (False, True):
         for s in QUICK_CORE_SEQ[-1:] if quick else TRAIN_CORE_SEQ:
             say(f"core train (forward + backward) causal={causal} S={s}")
@@ -696,8 +697,9 @@ def format_report(suite: dict[str, Any]) -> str:
 
 
 def _floor_lines(floor: Result, rows: list[Result]) -> list[str]:
-    """layer/train's floor: its time and GEMM rate, the share of each implementation's step it is,
-    and what each step takes beyond it (the attention's forward and backward, and the glue around it)."""
+    """A layer case's floor: its time and GEMM rate, the share of each implementation's step it is,
+    and what each step takes beyond it (the attention, forward and backward in training, and the
+    glue around it)."""
     steps = [r for r in rows if r is not floor]
     shares = ", ".join(f"{r['impl']} {100 * r['gemm_fraction']:.0f}%" for r in steps)
     ours = next(r for r in steps if r["is_ours"])
@@ -705,10 +707,12 @@ def _floor_lines(floor: Result, rows: list[Result]) -> list[str]:
     rest = ", ".join(f"{r['impl']} {(r['median_s'] - floor['median_s']) * 1e3:.2f} ms"
                      + ("" if r is ours else f" ({(r['median_s'] - floor['median_s']) / own:.2f}x ours)")
                      for r in steps)
-    return [f"{_GEMMS} {floor['median_s'] * 1e3:.2f} ms ({100 * floor['frac_sgemm']:.0f}% of sgemm): the step's 9 "
-            "projection GEMMs alone, a floor no attention kernel can go below;",
+    train = floor["case"] == "layer/train"
+    return [f"{_GEMMS} {floor['median_s'] * 1e3:.2f} ms ({100 * floor['frac_sgemm']:.0f}% of sgemm): the step's "
+            f"{floor.get('gemm_count', 9)} projection GEMMs alone, a floor no attention kernel can go below;",
             f"  their share of each step: {shares}",
-            f"  each step beyond them (attention forward + backward and the rest): {rest}"]
+            f"  each step beyond them ({'attention forward + backward' if train else 'attention'} and the rest): "
+            f"{rest}"]
 
 
 def _header(case: str) -> str:

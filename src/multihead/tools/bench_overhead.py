@@ -27,13 +27,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["CALLS", "STARTS", "one_thread", "call_cases", "bundled_layer_case", "startup"]
+__all__ = ["CALLS", "STARTS", "GEMMS_ONLY", "one_thread", "call_cases", "bundled_layer_case", "startup"]
 
 Fn = Callable[[], object]
 #: Calls per timed sample of a small case.
 CALLS = 200
 #: Fresh processes per start-up measurement.
 STARTS = 5
+#: A layer case's floor: its projections' GEMMs alone, timed among its peers.
+GEMMS_ONLY = "(projection GEMMs only)"
 
 
 @contextlib.contextmanager
@@ -82,7 +84,9 @@ def bundled_layer_case(quick: bool = False) -> tuple[dict[str, Any], dict[str, F
     """The layer at the bundled MiniLM's shapes (B=3, S=24, E=384, 12 heads, key padding)
     against Hugging Face's ``BertAttention`` (sdpa and eager) on the same tokens, and the same
     layer on the batch's 52 real tokens packed into one row (:data:`PACKED`: what the patched
-    model runs); None without transformers."""
+    model runs), and the floor (:data:`GEMMS_ONLY`): the layer's four projections on the padded
+    batch, ``F.linear`` with its weights, as the layer and HF run them at this size; None without
+    transformers."""
     try:
         import transformers as tf
         from transformers.models.bert.modeling_bert import BertAttention
@@ -100,8 +104,12 @@ def bundled_layer_case(quick: bool = False) -> tuple[dict[str, Any], dict[str, F
     # the real tokens packed into one row once, as mh.hf.pack_padding does once per model call
     packed = x[keep][None]  # (1, 52, E)
     positions = torch.cat([torch.arange(int(n)) for n in keep.sum(1)])[None]  # (1, 52): each sentence from 0
+    heads = torch.randn(b, s, e)  # stands for the attention's output
+    projections = [(p.weight, p.bias, src) for p, src in ((layer.q_proj, x), (layer.k_proj, x), (layer.v_proj, x),
+                                                          (layer.o_proj, heads))]
     fns: dict[str, Fn] = {"multihead": _repeat(functools.partial(layer, x, mask=keep[:, None, None, :]), calls),
-                          PACKED: _repeat(functools.partial(layer, packed, positions=positions, packed=True), calls)}
+                          PACKED: _repeat(functools.partial(layer, packed, positions=positions, packed=True), calls),
+                          GEMMS_ONLY: _repeat(lambda: [F.linear(src, w, bias) for w, bias, src in projections], calls)}
     for impl in ("sdpa", "eager"):
         cfg = tf.BertConfig(hidden_size=e, num_attention_heads=h, attention_probs_dropout_prob=0.0,
                             hidden_dropout_prob=0.0)
@@ -110,7 +118,7 @@ def bundled_layer_case(quick: bool = False) -> tuple[dict[str, Any], dict[str, F
         fns[f"HF BertAttention {impl}"] = _repeat(functools.partial(bert, x, attention_mask=additive), calls)
     flops = calls * (4 * 2.0 * b * s * e * e + 4.0 * b * s * s * e)
     return {"case": "layer/bundled", "batch": b, "seq": s, "embed_dim": e, "heads": h, "calls": calls,
-            "flops": flops}, fns
+            "flops": flops, "gemm_flops": calls * 4 * 2.0 * b * s * e * e, "gemm_count": 4}, fns
 
 
 _FIRST_CALL = """
