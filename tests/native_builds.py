@@ -12,7 +12,9 @@ link, one line per build.
 The real compile starts in the background as soon as collection shows that a test needs it
 (:func:`pytest_collection_modifyitems`): the tests collected before the first that asks for it
 run meanwhile (most of them keep one core busy, the compiler takes the other), and the fixture
-waits for it and checks it as it did a compile it started itself.
+waits for it and checks it as it did a compile it started itself. Under pytest-xdist every worker
+collects every test: the first to get there starts the run's one build, in a folder the controlling
+process made, and each worker that needs it waits for its exit status there.
 """
 
 from __future__ import annotations
@@ -78,9 +80,12 @@ _FOLDERS: list[Path] = []
 def _start_machine_build(cache: Path) -> subprocess.Popen:
     """Start the machine build into ``cache`` (its output in ``cache/stdout`` and ``cache/stderr``)."""
     with open(cache / "stdout", "w") as out, open(cache / "stderr", "w") as err:
-        return subprocess.Popen([sys.executable, "-c", MACHINE_BUILD], stdout=out, stderr=err,
-                                env={**os.environ, "MULTIHEAD_NATIVE": "1", "MULTIHEAD_NATIVE_ISA": "machine",
-                                     "MULTIHEAD_CACHE_DIR": str(cache)})
+        return subprocess.Popen([sys.executable, "-c", MACHINE_BUILD], stdout=out, stderr=err, env=_build_env(cache))
+
+
+def _build_env(cache: Path) -> dict[str, str]:
+    """The machine build's environment: the native kernels on, built for this CPU into ``cache``."""
+    return {**os.environ, "MULTIHEAD_NATIVE": "1", "MULTIHEAD_NATIVE_ISA": "machine", "MULTIHEAD_CACHE_DIR": str(cache)}
 
 
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection: only the tests that will run count
@@ -97,8 +102,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """A build no test waited for (the run stopped early) is stopped with the session; the folders
-    started at collection are removed. (A build shared by pytest-xdist's workers finishes by itself, in
-    pytest's temporary folder.)"""
+    started at collection are removed (under pytest-xdist, the controlling process removes the
+    workers' shared one after they have all finished)."""
     started = _STARTED.pop("build", None)
     if started is not None and started[0].poll() is None:
         started[0].kill()
@@ -152,8 +157,7 @@ def _start_shared_build(folder: Path) -> None:
             return
         subprocess.Popen([sys.executable, "-c", _SHARED_BUILD, str(folder), MACHINE_BUILD],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                         env={**os.environ, "MULTIHEAD_NATIVE": "1", "MULTIHEAD_NATIVE_ISA": "machine",
-                              "MULTIHEAD_CACHE_DIR": str(folder)})
+                         env=_build_env(folder))
         (folder / "started").touch()
 
 
