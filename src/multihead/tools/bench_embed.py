@@ -85,14 +85,12 @@ def corpus(n: int, seed: int = 0) -> list[str]:
 
 def _ways(texts: list[str]) -> tuple[dict[str, Callable[[int], np.ndarray]], dict[str, str], dict[str, Any]]:
     """The ways of :data:`WAYS`, each embedding ``texts`` when called with a batch size; those not run
-    here, each with why (bfloat16 on a CPU without bfloat16 instructions: torch emulates it, several
-    times slower than float32, :func:`multihead.backends.native.bf16_instructions`); facts about
-    the corpus."""
+    here, each with why (bfloat16 on a CPU without bfloat16 instructions: :func:`embed.bf16_emulated`);
+    facts about the corpus."""
     import torch
     from sentence_transformers import SentenceTransformer
 
     import multihead as mh
-    from multihead.backends import native
 
     from . import embed, models
 
@@ -108,12 +106,11 @@ def _ways(texts: list[str]) -> tuple[dict[str, Callable[[int], np.ndarray]], dic
         WAYS[2]: lambda batch: ours.embed(texts, batch_size=batch).vectors,
     }
     skipped: dict[str, str] = {}
-    if native.bf16_instructions():
+    if (why := embed.bf16_emulated()) is None:
         ours16 = embed.Embedder(path, dtype=torch.bfloat16)
         ways[WAYS[3]] = lambda batch: ours16.embed(texts, batch_size=batch).vectors
     else:
-        skipped[WAYS[3]] = (f"this CPU has no bfloat16 instructions ({', '.join(native.BF16_FLAGS)}): torch "
-                            "emulates bfloat16 products, several times slower than float32")
+        skipped[WAYS[3]] = why
     tokens = [len(ids) for ids in plain.tokenizer(texts)["input_ids"]]
     return ways, skipped, {"texts": len(texts), "tokens": sum(tokens), "longest": max(tokens),
                            "median_tokens": statistics.median(tokens)}

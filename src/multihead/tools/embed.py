@@ -41,7 +41,7 @@ import torch
 from . import models
 
 __all__ = ["Embedder", "Embedded", "embed", "embed_file", "read_texts", "check_texts", "check_batch_size",
-           "check_dtype", "DTYPES", "check_out_path", "OUT_FORMATS", "DEFAULT_BATCH_SIZE"]
+           "bf16_emulated", "check_dtype", "DTYPES", "check_out_path", "OUT_FORMATS", "DEFAULT_BATCH_SIZE"]
 
 #: Texts per batch unless told (sentence-transformers' default too).
 DEFAULT_BATCH_SIZE = 32
@@ -153,6 +153,19 @@ def check_dtype(dtype: object) -> torch.dtype:
     return dtype
 
 
+def bf16_emulated() -> str | None:
+    """Why bfloat16 is the slow choice on this CPU, or None where the CPU multiplies bfloat16 in
+    hardware (:func:`multihead.backends.native.bf16_instructions`): without those instructions
+    torch emulates bfloat16 products in float32 arithmetic (the bundled model took 6.7x its float32
+    time on an AMD EPYC with AVX2)."""
+    from ..backends import native
+
+    if native.bf16_instructions():
+        return None
+    return (f"this CPU has no bfloat16 instructions ({', '.join(native.BF16_FLAGS)}): torch emulates bfloat16 "
+            "products, several times slower than float32")
+
+
 def check_batch_size(batch_size: int) -> int:
     """``batch_size`` if it is a positive int, else a TypeError/ValueError naming it."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int):
@@ -190,13 +203,10 @@ class Embedder:
             raise TypeError(f"normalize must be None or a bool, got {normalize!r}")
         check_dtype(dtype)
         from .. import hf
-        from ..backends import native
 
-        if dtype == torch.bfloat16 and not native.bf16_instructions():
-            warnings.warn("bfloat16 on a CPU without bfloat16 instructions (" + ", ".join(native.BF16_FLAGS) +
-                          "): torch emulates its products, several times slower than float32 here (6.7x on an "
-                          "AMD EPYC with AVX2, the bundled model); float32 is the faster choice on this CPU",
-                          UserWarning, stacklevel=2)
+        if dtype == torch.bfloat16 and (why := bf16_emulated()) is not None:
+            warnings.warn(f"Embedder in bfloat16: {why}; float32 is the faster choice here", UserWarning,
+                          stacklevel=2)
         self.path = models._checkpoint_dir(model_dir)
         listed = _pipeline(self.path)  # before loading: a refused pipeline costs nothing
         self.normalize = listed if normalize is None else normalize
