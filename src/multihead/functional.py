@@ -179,8 +179,8 @@ def attention(
             and block_mask is None and bias is None and score_mod is None):
         features = NO_FEATURES  # the common call: nothing to check, its backend remembered
         plan = _plan_for(name, tensors, q, k, v, dropout_p, return_weights, return_lse)
-        if plan.fast is not None and mask is None and not check_finite and type(q) is _Tensor:
-            out = plan.fast(q, k, v, scale, bool(causal), window)  # what plan.run would run, made once
+        if plan.fast is not None and not check_finite and type(q) is _Tensor:
+            out = plan.fast(q, k, v, scale, bool(causal), window, mask)  # what plan.run would run, made once
             if out is not None:
                 return out
         fn = plan.run
@@ -216,9 +216,9 @@ class _Plan(NamedTuple):
     signature (:func:`_plan_for`): the backend's spec, the function to call, for ``"auto"`` the
     rules' decision, whose path is called directly, and where the backend (or auto's path)
     prepares one (:attr:`~multihead.backends.registry.BackendSpec.prepare`) and the signature asks
-    for no weights, lse, gradient or dropout, the function it made for a call without a mask
-    (``fast``: ``(q, k, v, scale, causal, window) -> out``, or None from it where it does not take
-    the call)."""
+    for no weights, lse, gradient or dropout, the function it made for such a call
+    (``fast``: ``(q, k, v, scale, causal, window, mask) -> out``, or None from it where it does not
+    take the call)."""
 
     spec: BackendSpec
     run: Backend
@@ -270,8 +270,7 @@ def _resolve(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropo
     if fn is not auto.auto_backend:
         return _Plan(spec, fn, None, spec.prepare(q, k, v) if prepare and spec.prepare is not None else None)
     picked = auto.decision(q, k, v, dropout_p, return_weights, return_lse)
-    rule = picked.rule
-    return _Plan(spec, rule.run, picked, rule.prepare(q, k, v) if prepare and rule.prepare is not None else None)
+    return _Plan(spec, picked.rule.run, picked, picked.fast if prepare else None)
 
 
 #: The floating dtypes (``dtype.is_floating_point``), for the common call's one look-up.

@@ -112,10 +112,15 @@ def linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | Non
             return [onednn_linear_op(x, w, b) for w, b in layers]
         return [F.linear(x, w, b) for w, b in layers]
     tensors = [x] + [t for layer in layers for t in layer if t is not None]
+    grad = needs_grad(*tensors)
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0  # N
+    if not grad and rows > native.MAX_STEP_ROWS and all(rows * w.shape[0] * w.shape[1] <= SMALL_GEMM
+                                                        for w, _ in layers):
+        return [F.linear(x, w, b) for w, b in layers]  # small GEMMs, first: what every path below gives them
     if x.device.type != "cpu" or any(t.dtype != torch.float32 for t in tensors):
         return [F.linear(x, w, b) for w, b in layers]
     onednn = onednn_available()  # this machine's GEMM (measured once: gemm_choice)
-    if needs_grad(*tensors):
+    if grad:
         if onednn:
             return list(_OneDNNLinear.apply(x, *(t for layer in layers for t in layer)))
         return [F.linear(x, w, b) for w, b in layers]

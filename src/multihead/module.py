@@ -40,7 +40,7 @@ from .block_mask import BlockMask, MaskMod
 from .cache import KVCache
 from .decode import plain_linear as _plain
 from .functional import attention, default_backend
-from .logits import Features, alibi_slopes
+from .logits import NO_FEATURES, Features, alibi_slopes
 from .masks import Structure
 from .qk_norm import QK_NORMS, RMSNorm
 from .rope import RoPE
@@ -629,8 +629,10 @@ class MultiHeadAttention(nn.Module):
         """(H, Hkv) in this call's projections: this rank's share when ``parallelize_module`` shards them
         (``mh.parallel.tensor_parallel_plan``); anything but whole heads and whole query groups is refused."""
         w = self.q_proj.weight
-        mesh, placements = getattr(w, "device_mesh", None), getattr(w, "placements", ())  # a DTensor's
-        p = math.prod(mesh.size(i) for i, pl in enumerate(placements) if pl.is_shard()) if mesh is not None else 1
+        p = 1
+        if type(w) is not nn.Parameter and type(w) is not torch.Tensor:  # a DTensor's mesh and placements
+            mesh, placements = getattr(w, "device_mesh", None), getattr(w, "placements", ())
+            p = math.prod(mesh.size(i) for i, pl in enumerate(placements) if pl.is_shard()) if mesh is not None else 1
         h, hkv, d = q_width // self.head_dim, k_width // self.head_dim, self.head_dim
         if (h * p, hkv * p, h * d, hkv * d) != (self.num_heads, self.num_kv_heads, q_width, k_width):
             raise ValueError(f"num_heads={self.num_heads} and num_kv_heads={self.num_kv_heads} must split into "
@@ -640,8 +642,12 @@ class MultiHeadAttention(nn.Module):
 
     @property
     def features(self) -> Features:
-        """The layer's logit features (soft-capping, ALiBi, sinks), one value for its backend."""
-        return Features(self.softcap, self.alibi_slopes, self.sinks)
+        """The layer's logit features (soft-capping, ALiBi, sinks), one value for its backend
+        (:data:`~multihead.logits.NO_FEATURES` itself when it has none: the backends' common case)."""
+        softcap, slopes, sinks = self.softcap, self.alibi_slopes, self.sinks
+        if softcap is None and slopes is None and sinks is None:
+            return NO_FEATURES
+        return Features(softcap, slopes, sinks)
 
 
 @dataclass(frozen=True)

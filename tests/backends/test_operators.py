@@ -342,6 +342,73 @@ def test_eager_calls_without_gradients_skip_the_operators_dispatch(monkeypatch: 
     assert calls == {"direct": 2, "operator": 1}
 
 
+def _prepared_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Each call of a prepared plain call (``PlainCall``): whether it was given a mask."""
+    from multihead.backends.native import attention as loops
+
+    seen: list[bool] = []
+    real = loops.PlainCall.__call__
+
+    def recorded(self: loops.PlainCall, *args: Any) -> torch.Tensor | None:
+        seen.append(len(args) > 6 and args[6] is not None)
+        return real(self, *args)
+
+    monkeypatch.setattr(loops.PlainCall, "__call__", recorded)
+    return seen
+
+
+@pytest.mark.parametrize("sq, sk, causal", [(20, 33, False), (1, 40, True), (24, 24, False)])
+def test_masked_calls_take_the_prepared_call_bitwise(sq: int, sk: int, causal: bool,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call with a bool mask (key padding, broadcast or whole) and no gradient runs the signature's
+    prepared call, through multihead.attention ("auto" and "native") and through "auto" as the layer
+    calls it; its output is bitwise the general path's (the same kernel and arguments), the decoding
+    loop's (one query) and the FlashAttention loop's alike."""
+    from multihead.backends import get_backend
+    from multihead.backends.native import attention as loops
+
+    seen = _prepared_calls(monkeypatch)
+    q, k, v = _qkv(b=2, sq=sq, sk=sk)
+    masks = [torch.rand(2, 1, 1, sk) > 0.3, torch.rand(2, 4, sq, sk) > 0.5, torch.rand(sk) > 0.4]
+    with torch.no_grad():
+        for mask in masks:
+            want = loops.run_kernel("mh_decode_f32" if loops.decoding_loop_fits(q, k) else "mh_attention_f32", q, k,
+                                    v, 0.25, causal, None, mask, False,
+                                    *(() if loops.decoding_loop_fits(q, k) else (loops.query_tile(),)))
+            for backend in ("auto", "native"):
+                seen.clear()
+                got = mh.attention(q, k, v, mask=mask, causal=causal, scale=0.25, backend=backend)
+                assert seen == [True], (backend, seen)
+                assert torch.equal(got, want), backend
+            seen.clear()
+            four = mask[(None,) * (4 - mask.dim())]  # as the layer's checks give it
+            got, _, _ = get_backend("auto")(q, k, v, mask=four, causal=causal, window=None, scale=0.25,
+                                            dropout_p=0.0, return_weights=False, return_lse=False)
+            assert seen == [True] and torch.equal(got, want)
+
+
+def test_prepared_calls_are_only_for_plain_signatures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The weights, the log-sum-exp, gradients, a logit feature or packed sequences never take a
+    prepared call (each is a signature of its own), and neither does a block mask (not in the
+    signature: checked per call); the layer's calls with key padding do, forward without gradients."""
+    seen = _prepared_calls(monkeypatch)
+    q, k, v = _qkv(b=2, sq=24, sk=24)
+    mask = torch.rand(2, 1, 1, 24) > 0.3
+    with torch.no_grad():
+        mh.attention(q, k, v, mask=mask, return_lse=True)
+        mh.attention(q, k, v, mask=mask, softcap=30.0)
+        mh.attention(q, k, v, cu_seqlens=torch.tensor([0, 10, 24]))
+        mh.attention(q, k, v, block_mask=mh.create_block_mask(lambda b, h, i, j: i >= j, 2, 4, 24, 24, block_size=32))
+        assert seen == []
+    mh.attention(q.requires_grad_(), k, v, mask=mask).sum().backward()
+    assert seen == []
+    layer = mh.MultiHeadAttention(64, 4).eval()
+    x = torch.randn(2, 24, 64)
+    with torch.no_grad():
+        layer(x, key_mask=mask[:, 0, 0])
+    assert seen == [True]
+
+
 @pytest.mark.parametrize("watcher", ["grad", "profiler", "fake", "dispatch mode", "compile"])
 def test_anything_that_watches_operators_sees_the_operator(watcher: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Gradients, the profiler, dispatch modes (fake tensors) and torch.compile get the operator,

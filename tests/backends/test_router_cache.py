@@ -211,7 +211,9 @@ def test_the_thread_count_is_not_read_by_the_rules() -> None:
     try:
         for threads in (1, 2, before):
             torch.set_num_threads(threads)
-            assert auto.decision(q, k, v) == want == auto.fresh_decision(q, k, v)
+            # the remembered one carries its prepared call (made once), a fresh one none
+            assert auto.decision(q, k, v) == want == auto.fresh_decision(q, k, v, prepare=True)._replace(fast=want.fast)
+            assert auto.fresh_decision(q, k, v).fast is None
             assert auto.decision(q, k, v).rule.path == auto.auto_path(q, k, v)
     finally:
         torch.set_num_threads(before)

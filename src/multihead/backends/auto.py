@@ -482,6 +482,9 @@ class Decision(NamedTuple):
     differentiable: bool
     asked: tuple[Asked, ...]
     generation: int
+    #: What the rule runs for a plain call of this signature, made once (:attr:`Rule.prepare`: no
+    #: logit feature, packing, weights, lse, gradient or dropout; any mask), or None.
+    fast: Prepared | None = None
 
     def holds(self) -> bool:
         """Whether the rules would decide the same now for a call of the same :func:`signature`:
@@ -528,11 +531,16 @@ def signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: floa
 
 def fresh_decision(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                    return_weights: bool = False, return_lse: bool = False,
-                   features: Features = NO_FEATURES) -> Decision:
+                   features: Features = NO_FEATURES, *, prepare: bool = False) -> Decision:
     """The rules' decision for this call, taken now (:func:`auto_path`'s, with what it asked);
-    neither looked up nor remembered."""
+    neither looked up nor remembered. ``prepare``: with the rule's prepared call where the
+    signature is plain (:attr:`Decision.fast`)."""
     call = _call(q, k, v, dropout_p, return_weights, return_lse, features)
-    return Decision(_rule(call), call.differentiable, tuple(call.asked), _generation)
+    rule = _rule(call)
+    plain = not (call.differentiable or call.symbolic or return_weights or return_lse or call.logits
+                 or call.varlen or call.bias or call.score_mod)
+    fast = rule.prepare(q, k, v) if prepare and plain and rule.prepare is not None else None
+    return Decision(rule, call.differentiable, tuple(call.asked), _generation, fast)
 
 
 def decision(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
@@ -552,7 +560,7 @@ def decision(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float
         return fresh_decision(q, k, v, dropout_p, return_weights, return_lse, features)
     if found is not None and found.holds():
         return found
-    found = fresh_decision(q, k, v, dropout_p, return_weights, return_lse, features)
+    found = fresh_decision(q, k, v, dropout_p, return_weights, return_lse, features, prepare=True)
     remember(_decisions, key, found, DECISION_CACHE_SIZE)
     return found
 
@@ -580,6 +588,10 @@ def auto_backend(
     other path as a block-diagonal mask; a block mask (``features.block_mask``) reaches a rule
     declaring :attr:`Rule.block_mask` as tiles, every other as its dense mask."""
     picked = decision(q, k, v, dropout_p, return_weights, return_lse, features)
+    if picked.fast is not None and features.block_mask is None:  # a plain call: the rule's, made once
+        out = picked.fast(q, k, v, scale, causal, window, mask)
+        if out is not None:
+            return out, None, None
     rule, cu, block = picked.rule, features.cu_seqlens, features.block_mask
     if cu is not None and (picked.differentiable or not rule.path.startswith("native")):
         segments = segment_mask(cu, q.shape[2], q.device)  # (B|1, 1, S, S)

@@ -39,9 +39,11 @@ __all__ = ["Backend", "BackendSpec", "register_backend", "get_backend", "get_spe
            "place_block_mask", "FEATURES"]
 
 
-#: A backend's prepared plain call (:attr:`BackendSpec.prepare`): ``(q, k, v, scale, causal, window)``
-#: -> out, or None where it does not take the call.
-Prepared = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, bool, Optional[int]], Optional[torch.Tensor]]
+#: A backend's prepared plain call (:attr:`BackendSpec.prepare`): ``(q, k, v, scale, causal, window,
+#: mask)`` -> out, or None where it does not take the call; ``mask`` a validated bool mask
+#: broadcastable to (B, H, Sq, Sk), or None.
+Prepared = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, bool, Optional[int], Optional[torch.Tensor]],
+                    Optional[torch.Tensor]]
 
 
 class Backend(Protocol):
@@ -93,10 +95,11 @@ class BackendSpec:
             (``features.block_mask``); others get it as a dense mask (:func:`place_block_mask`).
         bias: adds an additive float bias to the logits (keyword ``bias``).
         score_mod: applies a Python score_mod (keyword ``score_mod``).
-        prepare: for a call signature without mask, logit feature, packing, weights, lse, gradient or
+        prepare: for a call signature without logit feature, packing, weights, lse, gradient or
             dropout, ``prepare(q, k, v)`` makes once what the backend runs for it: a function
-            ``(q, k, v, scale, causal, window) -> out (B, H, Sq, Dv)``, or None from it where it does
-            not take a call (the backend then runs as usual); None = no such function.
+            ``(q, k, v, scale, causal, window, mask) -> out (B, H, Sq, Dv)`` (``mask``: bool,
+            broadcastable to (B, H, Sq, Sk), or None), or None from it where it does not take a call
+            (the backend then runs as usual); None = no such function.
     """
 
     name: str

@@ -337,7 +337,7 @@ def run_kernel(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     out = torch.empty_strided((b, h, sq, dv), (sq * h * dv, dv, h * dv, 1), dtype=q.dtype)  # (B, Sq, H, Dv) memory
     lse = torch.empty((b, h, sq), dtype=torch.float32) if return_lse else None  # (B, H, Sq)
     if mask is not None:
-        mask = mask[(None,) * (4 - mask.dim())].expand(b, h, sq, sk)  # strides 0 where broadcast
+        mask = _expanded(mask, (b, h, sq, sk))  # strides 0 where broadcast
     qs, ks, vs = q.stride(), k.stride(), v.stride()
     strides = (qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], sq * h * dv, dv, h * dv,
                *(_NO_MASK_STRIDES if mask is None else mask.stride()),
@@ -370,16 +370,25 @@ def run_kernel(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     return out
 
 
+def _expanded(mask: torch.Tensor, shape: tuple[int, int, int, int]) -> torch.Tensor:
+    """``mask``, broadcastable to ``shape``, as a view of that shape (strides 0 where broadcast)."""
+    if mask.dim() < 4:
+        mask = mask[(None,) * (4 - mask.dim())]
+    return mask if mask.shape == shape else mask.expand(shape)
+
+
 class PlainCall:
     """One call signature's kernel call, made once: a loop (the decoding loop or the FlashAttention
-    loop) for tensors of these shapes and dtype, with no mask, logit feature, lse or gradient, as
-    :func:`run_kernel` would call it; per call only the pointers, strides and output are new.
+    loop) for tensors of these shapes and dtype, with no logit feature, lse or gradient, as
+    :func:`run_kernel` would call it; per call only the pointers, strides, the mask and the output
+    are new.
 
     Built by :func:`multihead.attention`'s remembered plan for such a signature; the shapes,
     dtype and device it was built for are the plan's key, checked by the caller's validation.
     """
 
-    __slots__ = ("_lib", "_fn", "_decode", "_size", "_out_strides", "_dtype", "_shape", "_tail", "_last")
+    __slots__ = ("_lib", "_fn", "_decode", "_size", "_out_strides", "_dtype", "_shape", "_tail", "_last",
+                 "_mask_shape", "_last_mask")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decode: bool) -> None:
         """q (B, H, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv): the signature's tensors (any
@@ -393,14 +402,17 @@ class PlainCall:
         self._dtype = q.dtype
         self._shape = (b, h, hkv, sq, sk, d, dv)
         self._tail = (sq * h * dv, dv, h * dv, *_NO_MASK_STRIDES, *_NO_LSE_STRIDES)  # out's strides, no mask/lse
+        self._mask_shape = (b, h, sq, sk)
+        self._last_mask: tuple[tuple[object, ...], tuple[int, ...]] = ((), ())  # (shape, strides) -> the kernel's
         # the last call's strides of q, k, v, and the kernel's strides argument for them
         self._last: tuple[tuple[tuple[int, ...], ...], tuple[int, ...]] = ((), ())
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                 window: int | None) -> torch.Tensor | None:
-        """out (B, H, Sq, Dv) for tensors of the signature (validated by the caller), or None where
-        a last dimension is strided (the general path copies it first) or the kernels were loaded
-        again since (:func:`.loader.loaded`'s cache cleared: another build may run now)."""
+                 window: int | None, mask: torch.Tensor | None = None) -> torch.Tensor | None:
+        """out (B, H, Sq, Dv) for tensors of the signature and a bool ``mask`` broadcastable to
+        (B, H, Sq, Sk) or None (validated by the caller, as :func:`run_kernel`'s ``checked``), or
+        None where a last dimension is strided (the general path copies it first) or the kernels
+        were loaded again since (:func:`.loader.loaded`'s cache cleared: another build may run now)."""
         if loader.library() is not self._lib:
             return None
         given = (q.stride(), k.stride(), v.stride())
@@ -412,13 +424,25 @@ class PlainCall:
             # one tuple, set at once: a thread never reads another call's strides with its own
             last = self._last = (given, (qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], *self._tail))
         strides = last[1]
+        if mask is not None:  # its strides in place of the tail's zeros (9 of q, k, v, 3 of out; 4 of the mask)
+            strides = (*strides[:12], *self._mask_strides(mask), *_NO_LSE_STRIDES)
         out = torch.empty_strided(self._size, self._out_strides, dtype=self._dtype)
         extra = () if self._decode else (*_NO_LOGITS, query_tile())
-        code = self._fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), None, None, self._shape, strides,
+        code = self._fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), None,
+                        None if mask is None else mask.data_ptr(), self._shape, strides,
                         scale, int(causal), window or 0, *extra, torch.get_num_threads())
         if code != 0:
             _refused(code)
         return out
+
+    def _mask_strides(self, mask: torch.Tensor) -> tuple[int, ...]:
+        """The kernel's strides of ``mask`` as broadcast to (B, H, Sq, Sk) (0 where broadcast), kept
+        for the last mask's shape and strides (a layer's calls give the same ones)."""
+        given = (mask.shape, mask.stride())
+        last = self._last_mask
+        if given != last[0]:
+            last = self._last_mask = (given, _expanded(mask, self._mask_shape).stride())
+        return last[1]
 
 
 def _bias_pointer(bias: torch.Tensor | None, relative: torch.Tensor | None) -> tuple[int | None, tuple[int, ...]]:

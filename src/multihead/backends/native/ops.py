@@ -428,9 +428,9 @@ def _decode_step_fake(x: Tensor, weights: list[Tensor], biases: list[Optional[Te
 
 
 def prepare(q: Tensor, k: Tensor, v: Tensor, decode: bool | None = None) -> Prepared:
-    """The native loop for one call signature (these shapes and dtype; no mask, logit feature, lse,
-    gradient or dropout), made once (:class:`.attention.PlainCall`): what :func:`run` would run for
-    such a call, without its per-call choices. ``decode``: the decoding loop, the FlashAttention
+    """The native loop for one call signature (these shapes and dtype; no logit feature, lse,
+    gradient or dropout; any bool mask), made once (:class:`.attention.PlainCall`): what :func:`run`
+    would run for such a call, without its per-call choices. ``decode``: the decoding loop, the FlashAttention
     loop, or None: :func:`.attention.decoding_loop_fits`. The function it
     returns gives None (the caller then runs the general path) where :func:`direct` says the
     operator must be seen (a compiler, a dispatch mode, the profiler) or a last dimension is strided."""
@@ -439,8 +439,8 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, decode: bool | None = None) -> Prep
     call = loops.PlainCall(q, k, v, decode)
 
     def run_prepared(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
-                     window: Optional[int]) -> Optional[Tensor]:
-        return call(q, k, v, scale, causal, window) if direct(q, k, v) else None
+                     window: Optional[int], mask: Optional[Tensor] = None) -> Optional[Tensor]:
+        return call(q, k, v, scale, causal, window, mask) if direct(q, k, v, mask) else None
 
     return run_prepared
 
