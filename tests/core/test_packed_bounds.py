@@ -74,16 +74,34 @@ def test_derived_is_made_once_while_the_tensor_is_unchanged() -> None:
     assert len(made) == 5
 
 
-def test_derived_remembers_nothing_for_inference_tensors_and_is_bounded() -> None:
+def test_derived_remembers_small_inference_tensors_by_value_and_is_bounded() -> None:
+    """Inference tensors count no in-place change: a small one is remembered while it and the
+    value hold the same values (an in-place change of either is seen), a large one never."""
     made = []
+
+    def make(t: torch.Tensor) -> torch.Tensor:
+        made.append(1)
+        return t + 1
+
     with torch.inference_mode():
         source = torch.arange(3)
+        first = _memo.derived(source, "x", make)
+        assert _memo.derived(source, "x", make) is first and len(made) == 1
+        source.add_(1)  # not counted by a version: seen by value
+        assert torch.equal(_memo.derived(source, "x", make), torch.arange(1, 4) + 1) and len(made) == 2
+        _memo.derived(source, "x", make).zero_()  # the value changed by a caller: made afresh
+        assert torch.equal(_memo.derived(source, "x", make), torch.arange(1, 4) + 1) and len(made) == 3
+        assert torch.equal(_memo.derived(source.clone(), "x", make), torch.arange(1, 4) + 1)  # another tensor
+        assert len(made) == 4
+        large = torch.zeros(_memo.BY_VALUE_MAX + 1, dtype=torch.int64)
         for _ in range(2):
-            _memo.derived(source, "x", lambda t: made.append(1) or t + 1)
-    assert len(made) == 2
+            _memo.derived(large, "x", make)
+        assert len(made) == 6
+        for i in range(3 * _memo.DERIVED_SIZE):
+            _memo.derived(torch.arange(i + 1), "x", make)
     for i in range(3 * _memo.DERIVED_SIZE):
-        _memo.derived(torch.arange(i + 1), "x", lambda t: t + 1)
-    assert len(_memo._derived) <= _memo.DERIVED_SIZE
+        _memo.derived(torch.arange(i + 1), "x", make)
+    assert len(_memo._derived) <= _memo.DERIVED_SIZE and len(_memo._by_value) <= _memo.DERIVED_SIZE
 
 
 @pytest.mark.parametrize("seq", [masks.HOST_BOUNDS_MAX, masks.HOST_BOUNDS_MAX + 1])
