@@ -28,15 +28,14 @@ def remember(table: dict[K, V], key: K, value: V, limit: int) -> V:
     return value
 
 
-#: At most this many derived values are remembered (:func:`derived`), of tensors with a version
-#: counter and of inference tensors each; the oldest goes first.
+#: At most this many derived values are remembered (:func:`derived`); the oldest goes first.
 DERIVED_SIZE = 8
 #: Inference tensors of at most this many elements, on the CPU, are remembered by value (:func:`derived`).
 BY_VALUE_MAX = 1 << 16
-#: (source, its version, what) -> (the source, its version, the value, the value's version)
-_derived: dict[tuple[int, int, Hashable], tuple[torch.Tensor, int, torch.Tensor, int]] = {}
-#: (inference source, what) -> (the source, a copy of it, the value, a copy of the value)
-_by_value: dict[tuple[int, Hashable], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+#: What shows a tensor's change: its version counter, or for an inference tensor a copy of it.
+Mark = int | torch.Tensor
+#: (source, what) -> (the source, its mark, the value, the value's mark)
+_derived: dict[tuple[int, Hashable], tuple[torch.Tensor, Mark, torch.Tensor, Mark]] = {}
 
 
 def derived(source: torch.Tensor, what: Hashable, make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -45,11 +44,11 @@ def derived(source: torch.Tensor, what: Hashable, make: Callable[[torch.Tensor],
     A tensor's version counter moves with every in-place change, so the same tensor object at the
     same version holds the same values; the entry keeps the source alive, so its ``id`` cannot be
     taken by another tensor meanwhile. A change through ``.data`` is not counted: don't mutate a
-    tensor that way between two calls that read it. Inference tensors (``torch.inference_mode``,
-    as ``SentenceTransformer.encode`` runs) count no change: a small one on the CPU
-    (:data:`BY_VALUE_MAX`) is remembered by value instead, with copies of it and of the value
-    compared before reuse (``torch.equal``: a few µs where the values it serves cost tens), a
-    larger one not at all. Nothing is remembered while a compiler traces.
+    tensor that way between two calls that read it. Inference tensors (made under
+    ``torch.inference_mode``, as ``SentenceTransformer.encode`` runs; the value made from any tensor
+    there is one) count no change: a small one on the CPU (:data:`BY_VALUE_MAX`) is compared with
+    a copy before reuse (``torch.equal``: a few µs where the values this serves cost tens), a
+    larger one is not remembered. Nothing is remembered while a compiler traces.
 
     Args:
         source: the tensor the value is derived from.
@@ -58,30 +57,27 @@ def derived(source: torch.Tensor, what: Hashable, make: Callable[[torch.Tensor],
     """
     if torch.compiler.is_compiling():
         return make(source)
-    if source.is_inference():
-        return _derived_by_value(source, what, make)
-    key = (id(source), source._version, what)
-    found = _derived.get(key)
-    if found is not None and found[0] is source and found[2]._version == found[3]:
-        return found[2]
-    value = make(source)
-    if not value.is_inference():
-        remember(_derived, key, (source, source._version, value, value._version), DERIVED_SIZE)
-    return value
-
-
-def _derived_by_value(source: torch.Tensor, what: Hashable,
-                      make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """:func:`derived` for an inference tensor: remembered while it and the value hold the values
-    they held (compared with copies), for small CPU tensors only."""
-    if source.device.type != "cpu" or source.numel() > BY_VALUE_MAX:
-        return make(source)
     key = (id(source), what)
-    found = _by_value.get(key)
-    if (found is not None and found[0] is source and torch.equal(found[1], source)
-            and torch.equal(found[2], found[3])):
+    found = _derived.get(key)
+    if found is not None and found[0] is source and _unchanged(source, found[1]) and _unchanged(found[2], found[3]):
         return found[2]
     value = make(source)
-    if value.device.type == "cpu" and value.numel() <= BY_VALUE_MAX:
-        remember(_by_value, key, (source, source.clone(), value, value.clone()), DERIVED_SIZE)
+    source_mark, value_mark = _mark(source), _mark(value)
+    if source_mark is not None and value_mark is not None:
+        remember(_derived, key, (source, source_mark, value, value_mark), DERIVED_SIZE)
     return value
+
+
+def _mark(t: torch.Tensor) -> Mark | None:
+    """What shows a change of ``t`` later: its version, or for a small CPU inference tensor a copy
+    of it; None for a larger inference tensor (not remembered)."""
+    if not t.is_inference():
+        return t._version
+    if t.device.type != "cpu" or t.numel() > BY_VALUE_MAX:
+        return None
+    return t.clone()
+
+
+def _unchanged(t: torch.Tensor, mark: Mark) -> bool:
+    """Whether ``t`` holds what it held when ``mark`` was taken (:func:`_mark`)."""
+    return t._version == mark if isinstance(mark, int) else torch.equal(t, mark)

@@ -101,7 +101,20 @@ def test_derived_remembers_small_inference_tensors_by_value_and_is_bounded() -> 
             _memo.derived(torch.arange(i + 1), "x", make)
     for i in range(3 * _memo.DERIVED_SIZE):
         _memo.derived(torch.arange(i + 1), "x", make)
-    assert len(_memo._derived) <= _memo.DERIVED_SIZE and len(_memo._by_value) <= _memo.DERIVED_SIZE
+    assert len(_memo._derived) <= _memo.DERIVED_SIZE
+
+
+def test_a_value_made_under_inference_mode_is_remembered_by_value() -> None:
+    """A tensor with a version counter whose value is made under inference_mode (an HF mask made
+    before the model call): remembered, the value compared with a copy."""
+    made = []
+    source = torch.arange(4)
+    with torch.inference_mode():
+        first = _memo.derived(source, "y", lambda t: made.append(1) or t * 3)
+        assert first.is_inference() and _memo.derived(source, "y", lambda t: made.append(1) or t * 3) is first
+        first.add_(1)  # the value changed by a caller: made afresh
+        assert torch.equal(_memo.derived(source, "y", lambda t: made.append(1) or t * 3), torch.arange(4) * 3)
+    assert len(made) == 2
 
 
 @pytest.mark.parametrize("seq", [masks.HOST_BOUNDS_MAX, masks.HOST_BOUNDS_MAX + 1])

@@ -72,6 +72,33 @@ def test_patched_minilm_equals_unpatched_on_real_tokens(minilm: dict, impl: str)
     assert float((got - want)[real].abs().max()) <= TOL
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_an_additive_mask_is_converted_once_per_model_call(minilm: dict, mode: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The eager model hands every layer the same additive mask: it is converted to ours once per
+    model call (also under inference_mode, where tensors count no change), the output still HF's."""
+    from multihead.interop import hf_kernel
+
+    model, batch = minilm["model"], minilm["batch"]
+    model.set_attn_implementation("eager")  # additive float masks
+    converted = []
+    real = hf_kernel.from_additive
+    monkeypatch.setattr(hf_kernel, "from_additive", lambda m: converted.append(1) or real(m))
+    context = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    try:
+        with context():
+            want = model(**batch).last_hidden_state
+        mh.hf.patch(model)
+        with context():
+            got = [model(**batch).last_hidden_state for _ in range(2)]
+    finally:
+        mh.hf.unpatch(model)
+        model.set_attn_implementation("sdpa")
+    assert len(converted) == 2  # one per model call, for its 6 layers
+    mask = batch["attention_mask"].bool()
+    assert all(float((g - want)[mask].abs().max()) <= TOL for g in got)
+
+
 def test_patched_embeddings_equal_sentence_transformers(minilm: dict) -> None:
     model, batch = minilm["model"], minilm["batch"]
     mh.hf.patch(model)

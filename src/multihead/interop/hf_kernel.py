@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from .._memo import derived
 from ..functional import attention
 from ..masks import from_additive
 
@@ -87,6 +88,11 @@ class KernelWatcher(Protocol):
 def bool_mask(attention_mask: torch.Tensor | None, sk: int | None = None) -> torch.Tensor | None:
     """An HF 4-D mask (bool or additive float) as ours: bool (B|1, 1|H, S, Sk), True = attend.
 
+    An additive mask is converted once per mask tensor while it is unchanged
+    (:func:`multihead._memo.derived`): every layer of a model call gets the same one from
+    transformers, and the conversion's half-dozen small tensor operations and read-back cost more
+    than the bundled model's attention kernel at its shapes.
+
     Raises:
         ValueError: a mask that is not 4-D, or a float mask holding a real bias (ALiBi).
     """
@@ -94,9 +100,11 @@ def bool_mask(attention_mask: torch.Tensor | None, sk: int | None = None) -> tor
         return None
     if attention_mask.dim() != 4:
         raise ValueError(f"attention_mask must be a 4-D HF mask [B, 1, S, Sk], got shape {list(attention_mask.shape)}")
-    # sliced only where HF built it for a longer cache
-    mask = attention_mask if sk is None or attention_mask.shape[-1] == sk else attention_mask[..., :sk]
-    return mask if mask.dtype == torch.bool else from_additive(mask)
+    if sk is not None and attention_mask.shape[-1] == sk:
+        sk = None
+    if attention_mask.dtype == torch.bool:  # sliced only where HF built it for a longer cache
+        return attention_mask if sk is None else attention_mask[..., :sk]
+    return derived(attention_mask, ("bool", sk), lambda m: from_additive(m if sk is None else m[..., :sk]))
 
 
 # ---- what the kernel accepts -----------------------------------------------------------------
