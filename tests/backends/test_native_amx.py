@@ -171,6 +171,30 @@ def test_amx_with_logit_features(names: tuple[str, ...]) -> None:
     assert ours[1] <= 1.5 * one_rounding[1] + 1e-7, (ours, one_rounding)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_value_stays_in_its_packed_sequence(bad: float) -> None:
+    """Packed sequences are independent: a NaN or inf in one sequence's V reaches its own rows only.
+    The AMX loop's row groups of 16 straddle sequences and its tiles read 32 keys at a time, which
+    would weigh another sequence's values by p = 0 (0 · NaN is NaN): such a call runs the loop that
+    reads each sequence's keys alone, and the other sequences' rows equal those of the same call
+    with that value finite (to bfloat16's rounding: the finite call may run on the tiles)."""
+    gen = torch.Generator().manual_seed(11)
+    lengths = [5, 27, 20, 44]  # bounds off the 16-row groups and the 32-key tiles
+    s = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    q, k, v = (torch.randn(1, 4, s, 64, generator=gen).to(BF16) for _ in range(3))
+    poisoned = v.clone()
+    poisoned[0, :, 5 + 3] = bad  # the second sequence's fourth key
+    with torch.no_grad():
+        clean = mh.attention(q, k, v, cu_seqlens=cu, backend="native")
+        out = mh.attention(q, k, poisoned, cu_seqlens=cu, backend="native")
+    own = torch.zeros(s, dtype=torch.bool)
+    own[5:32] = True
+    assert out[:, :, ~own].isfinite().all()
+    assert (out[:, :, ~own].float() - clean[:, :, ~own].float()).abs().max() <= 0.05
+    assert not out[:, :, own].isfinite().all()  # its own rows see it, as SDPA's would
+
+
 def test_amx_results_do_not_depend_on_the_thread_count() -> None:
     """3 heads: one thread takes them whole, packing each (b, K/V head) itself; two share the
     packing, then the work items (3 pairs do not split evenly over 2 threads): the same bits."""

@@ -433,9 +433,32 @@ void pack(const Problem& P, int64_t bh, int64_t u0, int64_t u1, int64_t Dp, int6
     }
 }
 
+// Whether every value of V (bfloat16, (B, Hkv, Sk, Dv) at strides vs) is finite: no exponent of all ones.
+bool values_finite(const Problem& P) {
+    const uint16_t* v = reinterpret_cast<const uint16_t*>(P.v);
+    for (int64_t b = 0; b < P.B; ++b)
+        for (int64_t h = 0; h < P.Hkv; ++h)
+            for (int64_t j = 0; j < P.Sk; ++j) {
+                const uint16_t* row = v + b * P.vs[0] + h * P.vs[1] + j * P.vs[2];
+                int nonfinite = 0;  // or-ed over the row (no branch: the loop vectorizes)
+                for (int64_t t = 0; t < P.Dv; ++t) nonfinite |= (row[t] & 0x7F80) == 0x7F80;
+                if (nonfinite) return false;
+            }
+    return true;
+}
+
 }  // namespace
 
-bool amx_takes(const Problem& P) { return amx_switch.load() && P.Sk > 0 && amx_permitted(); }
+// Packed sequences: a row group of TR rows may straddle two sequences and the tiles read whole
+// blocks of 32 keys, so keys of another sequence are weighed by p = 0 in p · v, and 0 · NaN (or
+// inf) is NaN. The AVX-512 loop ends each row group where its sequence does and reads only its
+// keys (attention.cpp): packed calls whose V holds a value that is not finite run there instead,
+// so a NaN or inf in one sequence never reaches another's rows (the scan reads V once: O(Sk · Dv)
+// against the loop's O(Sq · Sk · D)). A NaN or inf in K needs no such care: masking sets the
+// scores of another sequence's keys to -inf whatever they were.
+bool amx_takes(const Problem& P) {
+    return amx_switch.load() && P.Sk > 0 && amx_permitted() && (!P.seg || values_finite(P));
+}
 
 // Work shared out two ways. With enough (b, K/V head) pairs for the threads, each thread takes
 // whole pairs, packs their K and V itself just before it uses them (then still in its L2: 0.94-
