@@ -114,8 +114,8 @@ def linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | Non
     tensors = [x] + [t for layer in layers for t in layer if t is not None]
     grad = needs_grad(*tensors)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0  # N
-    if not grad and rows > native.MAX_STEP_ROWS and all(rows * w.shape[0] * w.shape[1] <= SMALL_GEMM
-                                                        for w, _ in layers):
+    small = all(rows * w.shape[0] * w.shape[1] <= SMALL_GEMM for w, _ in layers)
+    if not grad and small and rows > native.MAX_STEP_ROWS:
         return [F.linear(x, w, b) for w, b in layers]  # small GEMMs, first: what every path below gives them
     if x.device.type != "cpu" or any(t.dtype != torch.float32 for t in tensors):
         return [F.linear(x, w, b) for w, b in layers]
@@ -129,7 +129,7 @@ def linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | Non
             and native.vector_bits() >= 256):  # AVX-512 or AVX2 (measured: 1.2-1.7× oneDNN's on AVX2;
         # 5 to 8 rows, Intel Xeon, 1 thread: 0.44-0.72× torch's time with the AVX-512 build, 0.69-0.97× with AVX2's)
         outs = native.linear_few_rows(x2.contiguous(), layers)
-    elif not onednn or all(x2.shape[0] * w.shape[0] * w.shape[1] <= SMALL_GEMM for w, _ in layers):
+    elif not onednn or small:
         return [F.linear(x, w, b) for w, b in layers]
     else:
         op = _gemm()

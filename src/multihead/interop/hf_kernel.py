@@ -100,11 +100,10 @@ def bool_mask(attention_mask: torch.Tensor | None, sk: int | None = None) -> tor
         return None
     if attention_mask.dim() != 4:
         raise ValueError(f"attention_mask must be a 4-D HF mask [B, 1, S, Sk], got shape {list(attention_mask.shape)}")
-    if sk is not None and attention_mask.shape[-1] == sk:
-        sk = None
-    if attention_mask.dtype == torch.bool:  # sliced only where HF built it for a longer cache
-        return attention_mask if sk is None else attention_mask[..., :sk]
-    return derived(attention_mask, ("bool", sk), lambda m: from_additive(m if sk is None else m[..., :sk]))
+    cut = sk if sk is not None and attention_mask.shape[-1] != sk else None  # HF built it for a longer cache
+    if attention_mask.dtype == torch.bool:
+        return attention_mask if cut is None else attention_mask[..., :cut]
+    return derived(attention_mask, ("bool", cut), lambda m: from_additive(m if cut is None else m[..., :cut]))
 
 
 # ---- what the kernel accepts -----------------------------------------------------------------
