@@ -24,7 +24,7 @@ from .backends import native
 from .backends.gemm import MatMul, onednn_gemm, compiled_onednn, gemm_for, mm_nt, onednn_available, onednn_linear_op
 from .backends.registry import needs_grad
 
-__all__ = ["linear", "linears", "onednn_available", "gemm_for", "mm_nt", "MatMul"]
+__all__ = ["linear", "linears", "few_rows", "onednn_available", "gemm_for", "mm_nt", "MatMul"]
 
 
 #: Without autograd, GEMMs of at most this many multiply-adds (N·in·out) run on ``F.linear``.
@@ -113,25 +113,54 @@ def linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | Non
         return [F.linear(x, w, b) for w, b in layers]
     tensors = [x] + [t for layer in layers for t in layer if t is not None]
     grad = needs_grad(*tensors)
+    if not grad:
+        few = few_rows(x, layers)
+        if few is not None:
+            return few
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0  # N
     small = all(rows * w.shape[0] * w.shape[1] <= SMALL_GEMM for w, _ in layers)
-    if not grad and small and rows > native.MAX_STEP_ROWS:
-        return [F.linear(x, w, b) for w, b in layers]  # small GEMMs, first: what every path below gives them
-    if x.device.type != "cpu" or any(t.dtype != torch.float32 for t in tensors):
+    if x.device.type != "cpu" or any(t.dtype != torch.float32 for t in tensors) or (not grad and small):
         return [F.linear(x, w, b) for w, b in layers]
     onednn = onednn_available()  # this machine's GEMM (measured once: gemm_choice)
     if grad:
         if onednn:
             return list(_OneDNNLinear.apply(x, *(t for layer in layers for t in layer)))
         return [F.linear(x, w, b) for w, b in layers]
-    x2 = x.reshape(-1, x.shape[-1])  # (N, in)
-    if (0 < x2.shape[0] <= native.MAX_STEP_ROWS and all(t.is_contiguous() for t in tensors[1:])
-            and native.vector_bits() >= 256):  # AVX-512 or AVX2 (measured: 1.2-1.7× oneDNN's on AVX2;
-        # 5 to 8 rows, Intel Xeon, 1 thread: 0.44-0.72× torch's time with the AVX-512 build, 0.69-0.97× with AVX2's)
-        outs = native.linear_few_rows(x2.contiguous(), layers)
-    elif not onednn or small:
+    if not onednn:
         return [F.linear(x, w, b) for w, b in layers]
-    else:
-        op = _gemm()
-        outs = [op(x2, w, b, "none", [], "") for w, b in layers]
+    op = _gemm()
+    x2 = x.reshape(-1, x.shape[-1])  # (N, in)
+    return [op(x2, w, b, "none", [], "").view(*x.shape[:-1], w.shape[0]) for w, b in layers]
+
+
+#: The tensor types the few-row kernel reads (subclasses such as DTensor keep their own dispatch).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def few_rows(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor] | None:
+    """``[x · wᵀ + b for w, b in layers]`` on the native few-row kernel, or None where it does not
+    apply: more than :data:`multihead.backends.native.MAX_STEP_ROWS` rows, autograd, autocast,
+    tracing, a dtype other than float32, a device other than the CPU, non-contiguous weights,
+    tensor subclasses, or no AVX2/AVX-512 build here.
+
+    Decoding reads every weight once per token: the kernel streams them across all threads
+    (AVX2, 2 threads, a 128256 × 1024 weight: 33 GB/s at one row against torch's 20, 17 against 4.7
+    at eight rows), and sums each dot product in float32 as a GEMM does.
+
+    Args:
+        x: (..., in). layers: (weight (out_i, in), bias (out_i,) or None).
+
+    Returns:
+        One (..., out_i) tensor per layer, or None.
+    """
+    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0  # N
+    if not 0 < rows <= native.MAX_STEP_ROWS or torch.compiler.is_compiling() or torch.is_autocast_enabled("cpu"):
+        return None
+    params = [t for layer in layers for t in layer if t is not None]
+    if (x.device.type != "cpu" or any(type(t) not in _PLAIN or t.dtype != torch.float32 for t in [x, *params])
+            or not all(t.is_contiguous() for t in params) or needs_grad(x, *params)
+            or native.vector_bits() < 256):  # AVX-512 or AVX2 (measured: 1.2-1.7× oneDNN's on AVX2;
+        # 5 to 8 rows, Intel Xeon, 1 thread: 0.44-0.72× torch's time with the AVX-512 build, 0.69-0.97× with AVX2's)
+        return None
+    outs = native.linear_few_rows(x.reshape(rows, x.shape[-1]).contiguous(), layers)
     return [o.view(*x.shape[:-1], o.shape[-1]) for o in outs]

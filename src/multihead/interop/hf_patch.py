@@ -54,7 +54,7 @@ from torch import nn
 
 from ..latent import MultiHeadLatentAttention
 from ..module import MultiHeadAttention
-from . import hf_mrope, hf_registry, hf_routes, hf_wrappers, hf_wrappers_other
+from . import hf_linears, hf_mrope, hf_registry, hf_routes, hf_wrappers, hf_wrappers_other
 from .hf_kernel import NAME, attention_forward, register
 from .hf_recorders import record_like_the_original, restore_recording
 from .hf_routes import Route
@@ -176,16 +176,16 @@ def routes(model: nn.Module, *, kernel: bool = True) -> list[Route]:
 
 @overload
 def patch(model: nn.Module, *, strict: bool = ..., backend: str | None = ..., kernel: bool = ...,
-          report: Literal[False] = ...) -> nn.Module: ...
+          linears: bool = ..., report: Literal[False] = ...) -> nn.Module: ...
 
 
 @overload
 def patch(model: nn.Module, *, strict: bool = ..., backend: str | None = ..., kernel: bool = ...,
-          report: Literal[True]) -> list[Route]: ...
+          linears: bool = ..., report: Literal[True]) -> list[Route]: ...
 
 
 def patch(model: nn.Module, *, strict: bool = True, backend: str | None = None, kernel: bool = True,
-          report: bool = False) -> nn.Module | list[Route]:
+          linears: bool = True, report: bool = False) -> nn.Module | list[Route]:
     """Run every attention module of ``model`` on multihead, in place, each by the best exact route.
 
     Exact or refused, per module (:func:`routes` lists the decision and its reason):
@@ -201,12 +201,19 @@ def patch(model: nn.Module, *, strict: bool = True, backend: str | None = None, 
       refused by name when the module runs;
     * ``"refused"``: neither, with both reasons.
 
+    With ``linears=True``, the model's other plain ``nn.Linear`` layers (MLPs, the LM head)
+    also run their few-row calls without autograd (decoding) on multihead's few-row kernel,
+    which streams the weights faster than torch's GEMM; every other call is unchanged
+    (:mod:`multihead.interop.hf_linears`).
+
     Args:
         model: a transformers model (e.g. BertModel, GPT2Model, LlamaForCausalLM).
         strict: raise on an attention module that cannot be converted exactly; False leaves
             such modules as they are, with one warning that lists them and why.
         backend: multihead backend for the converted layers and the kernel (default: the library's).
         kernel: allow the kernel route (False: registered wrappers only).
+        linears: also give the model's other ``nn.Linear`` layers the few-row path (False: they
+            stay torch's).
         report: return :func:`routes` of the patched model instead of the model.
 
     Returns:
@@ -244,18 +251,22 @@ def patch(model: nn.Module, *, strict: bool = True, backend: str | None = None, 
         else:
             skipped.append(f"{name} ({decided.why})")
     already = is_patched(model)
+    inside = tuple(f"{name}." for name, _ in plan)  # the modules the wrappers replace
+    few_row = [n for n in hf_linears.linears_to_patch(model, skip=(PatchedAttention,)) if not n.startswith(inside)
+               ] if linears else []
     if not plan and not to_kernel and not already:
         why = f": {'; '.join(skipped[:3])}" if skipped else ""
         raise ValueError(f"model {type(model).__name__} has no supported attention module to patch{why}")
     if skipped:
         warnings.warn(f"multihead.hf.patch left {len(skipped)} attention module(s) unpatched: "
                       + "; ".join(skipped), stacklevel=2)
-    if not plan and not to_kernel:
+    if not plan and not to_kernel and not few_row:
         warnings.warn(f"model {type(model).__name__} is already patched; nothing left to patch, "
                       "nothing changed", stacklevel=2)
     for name, wrapper in plan:  # only now, so that a failure above leaves the model untouched
         set_submodule(model, name, wrapper)
         record_like_the_original(model, name, wrapper)
+    hf_linears.patch_linears(model, few_row)
     hf_mrope.link(model, [(name, w) for name, w in plan if isinstance(w, MRopeWrapper)])
     hf_routes.route(model, to_kernel, backend)
     return routes(model) if report else model
@@ -283,13 +294,15 @@ def unpatch(model: nn.Module) -> nn.Module:
             restore_recording(model, name, module)
             hf_mrope.unlink(module)
     hf_routes.restore(model)
+    hf_linears.unpatch_linears(model)
     return model
 
 
 def is_patched(model: nn.Module) -> bool:
-    """Whether any module of ``model`` is a :class:`PatchedAttention` or runs the multihead kernel
-    through the kernel route."""
-    return any(isinstance(m, PatchedAttention) or hf_routes.dispatches_here(m) for m in model.modules())
+    """Whether any module of ``model`` is a :class:`PatchedAttention`, runs the multihead kernel
+    through the kernel route, or is a :class:`~multihead.interop.hf_linears.FewRowLinear`."""
+    return any(isinstance(m, (PatchedAttention, hf_linears.FewRowLinear)) or hf_routes.dispatches_here(m)
+               for m in model.modules())
 
 
 def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
