@@ -55,7 +55,7 @@ def patch_linears(model: nn.Module, names: list[str]) -> None:
         if type(module) is not nn.Linear:
             raise TypeError(f"{name} must be a torch.nn.Linear, got {type(module).__name__}")
     for name in names:  # only now, so that a refusal above leaves the model untouched
-        model.get_submodule(name).__class__ = FewRowLinear
+        setattr(model.get_submodule(name), "__class__", FewRowLinear)
 
 
 def unpatch_linears(model: nn.Module) -> int:
@@ -63,6 +63,6 @@ def unpatch_linears(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         if type(module) is FewRowLinear:
-            module.__class__ = nn.Linear
+            setattr(module, "__class__", nn.Linear)
             count += 1
     return count
