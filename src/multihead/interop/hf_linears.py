@@ -55,7 +55,7 @@ def patch_linears(model: nn.Module, names: list[str]) -> None:
         if type(module) is not nn.Linear:
             raise TypeError(f"{name} must be a torch.nn.Linear, got {type(module).__name__}")
     for name in names:  # only now, so that a refusal above leaves the model untouched
-        setattr(model.get_submodule(name), "__class__", FewRowLinear)
+        _set_class(model.get_submodule(name), FewRowLinear)
 
 
 def unpatch_linears(model: nn.Module) -> int:
@@ -63,6 +63,11 @@ def unpatch_linears(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         if type(module) is FewRowLinear:
-            setattr(module, "__class__", nn.Linear)
+            _set_class(module, nn.Linear)
             count += 1
     return count
+
+
+def _set_class(module: nn.Module, cls: type[nn.Module]) -> None:
+    """Give ``module`` the class ``cls`` (nn.Linear or its subclass, same attributes)."""
+    module.__class__ = cls
