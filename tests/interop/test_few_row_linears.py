@@ -172,3 +172,18 @@ def test_generate_runs_the_linears_on_the_kernel_with_hf_tokens(batch: int, monk
     per_step = 2 * 3 + 1  # two layers' gate, up and down projections, and the LM head
     assert calls["kernel"] == 5 * per_step + 1  # the 5 steps after the first token, the prefill's LM head
     assert calls["torch"] == 2 * 3  # the prefill's MLPs
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 5, 8])
+def test_several_weights_in_chunks_that_straddle_them(rows: int) -> None:
+    """The threads take the weights' rows in chunks (256 KB: 16 rows at K=4096) that cross from
+    one weight to the next; every output row is computed once, as accurately as torch's."""
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 4096)
+    layers = [(torch.randn(n, 4096), torch.randn(n) if n != 3 else None) for n in (70, 3, 129, 1)]
+    outs = native.linear_few_rows(x, layers)
+    for out, (w, b) in zip(outs, layers):
+        exact = nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+        theirs = (nn.functional.linear(x, w, b).double() - exact).abs().max().item()
+        assert (out.double() - exact).abs().max().item() <= 2 * theirs + 1e-6

@@ -13,6 +13,7 @@
 #include "common.h"
 #include "kernels.h"
 
+#include <atomic>
 #include <type_traits>
 
 namespace {
@@ -985,15 +986,12 @@ constexpr bool splits_x(int64_t K) {
 #endif
 }
 
-// This thread's share (thread id of nt) of out_i (M, N_i; row stride ldo_i) = x · W_iᵀ + b_i:
-// the rows of all weights together, split evenly in multiples of 4.
+// Rows [begin, end) of out_i (M, N_i; row stride ldo_i) = x · W_iᵀ + b_i, the rows of all
+// weights counted together (W_0's first, then W_1's, ...).
 template <class TW>
-void gemv_share(int64_t id, int64_t nt, int64_t M, const float* x, const float* xs, int64_t K, int64_t count,
+void gemv_range(int64_t begin, int64_t end, int64_t M, const float* x, const float* xs, int64_t K, int64_t count,
                 const TW* const* W, const int64_t* N, const TW* const* bias, float* const* out,
                 const int64_t* ldo) {
-    int64_t total = 0;
-    for (int64_t i = 0; i < count; ++i) total += N[i];
-    const int64_t begin = (total * id / nt) / 4 * 4, end = id + 1 == nt ? total : (total * (id + 1) / nt) / 4 * 4;
     int64_t base = 0;
     for (int64_t i = 0; i < count; ++i) {
         const int64_t lo = std::max(begin, base) - base, hi = std::min(end, base + N[i]) - base;
@@ -1002,6 +1000,25 @@ void gemv_share(int64_t id, int64_t nt, int64_t M, const float* x, const float* 
         base += N[i];
     }
 }
+
+int64_t total_rows(int64_t count, const int64_t* N) {
+    int64_t total = 0;
+    for (int64_t i = 0; i < count; ++i) total += N[i];
+    return total;
+}
+
+// This thread's share (thread id of nt) of gemv_range over every row: split evenly in multiples of 4.
+template <class TW>
+void gemv_share(int64_t id, int64_t nt, int64_t M, const float* x, const float* xs, int64_t K, int64_t count,
+                const TW* const* W, const int64_t* N, const TW* const* bias, float* const* out,
+                const int64_t* ldo) {
+    const int64_t total = total_rows(count, N);
+    const int64_t begin = (total * id / nt) / 4 * 4, end = id + 1 == nt ? total : (total * (id + 1) / nt) / 4 * 4;
+    gemv_range(begin, end, M, x, xs, K, count, W, N, bias, out, ldo);
+}
+
+// Weight bytes per chunk that the threads of mh_linear_few_rows_f32 take in turn.
+constexpr int64_t CHUNK_BYTES = 256 * 1024;
 
 }  // namespace
 
@@ -1040,8 +1057,14 @@ extern "C" int mh_advance_counters(int64_t* lengths, int64_t* slot_pos, int64_t 
 extern "C" int mh_linear_few_rows_f32(const float* x, int64_t M, int64_t K, int64_t count, const float* const* W,
                                       const int64_t* N, const float* const* bias, float* const* out, int threads) {
     if (M < 1 || M > MAX_STEP_ROWS || K < 1 || count < 1) return -2;
+    // Chunks of rows taken in turn, not an even split: a thread that the OS deschedules (another
+    // process on the core) leaves its chunks to the others instead of holding every thread at the end.
+    const int64_t total = total_rows(count, N);
+    const int64_t chunk = std::max<int64_t>(4, CHUNK_BYTES / (K * static_cast<int64_t>(sizeof(float))) / 4 * 4);
+    std::atomic<int64_t> next{0};
 #pragma omp parallel num_threads(threads)
-    gemv_share(omp_get_thread_num(), omp_get_num_threads(), M, x, nullptr, K, count, W, N, bias, out, N);
+    for (int64_t begin = next.fetch_add(chunk); begin < total; begin = next.fetch_add(chunk))
+        gemv_range(begin, std::min(total, begin + chunk), M, x, nullptr, K, count, W, N, bias, out, N);
     return 0;
 }
 
