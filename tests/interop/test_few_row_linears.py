@@ -187,3 +187,23 @@ def test_several_weights_in_chunks_that_straddle_them(rows: int) -> None:
         exact = nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
         theirs = (nn.functional.linear(x, w, b).double() - exact).abs().max().item()
         assert (out.double() - exact).abs().max().item() <= 2 * theirs + 1e-6
+
+
+@needs_kernel
+def test_the_same_bits_on_any_number_of_threads() -> None:
+    """The kernel picks one thread or all per call (whichever has been faster for the size: timed
+    from 1 MB of weights); every output row is computed by one thread with the same chunks, so
+    the result never depends on it."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 1024)
+    layers = [(torch.randn(700, 1024), torch.randn(700)), (torch.randn(90, 1024), None)]  # 3.2 MB: timed
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = native.linear_few_rows(x, layers)
+        torch.set_num_threads(2)
+        for _ in range(40):  # both choices measured, then the faster one and the other now and then
+            got = native.linear_few_rows(x, layers)
+            assert all(torch.equal(g, w) for g, w in zip(got, want))
+    finally:
+        torch.set_num_threads(before)

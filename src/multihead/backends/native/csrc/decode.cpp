@@ -14,6 +14,7 @@
 #include "kernels.h"
 
 #include <atomic>
+#include <chrono>
 #include <type_traits>
 
 namespace {
@@ -1054,6 +1055,63 @@ extern "C" int mh_advance_counters(int64_t* lengths, int64_t* slot_pos, int64_t 
     return 0;
 }
 
+namespace {
+
+// How many threads a few-row call takes: all it is given, or one where one has been faster.
+// A machine's other processes can make the threads wait for one another (measured on a 2-core
+// AMD EPYC beside one CPU-bound process: the 0.5B Llama's decoding steps ran at 5.1 tokens/s with
+// the MLP and LM head projections on 2 threads, at 11.3 on 1; idle, 13.6 and 10.3). So calls of
+// at least TIMED_BYTES of weights are timed, per size class (log2 of the bytes): each class keeps
+// a moving average of the time per byte on all threads and on one and runs the faster; now and
+// then it runs the other, to see a change: after EXPLORE_MIN calls, and twice as long after each
+// try that confirms the choice (up to EXPLORE_MAX). Each output row is computed by one thread with
+// the same code and the same chunks whatever the count, so the results are the same bits.
+constexpr int64_t TIMED_BYTES = int64_t{1} << 20;
+constexpr int SIZE_CLASSES = 48;
+constexpr uint32_t EXPLORE_MIN = 16, EXPLORE_MAX = 1024;
+
+struct ThreadChoice {
+    std::atomic<double> ns_per_byte[2];  // [0]: all threads, [1]: one; 0 until measured
+    std::atomic<uint32_t> calls, interval{EXPLORE_MIN};
+};
+ThreadChoice choices[SIZE_CLASSES];
+
+int size_class(int64_t bytes) {
+    int c = 0;
+    while (bytes > 1 && c < SIZE_CLASSES - 1) bytes >>= 1, ++c;
+    return c;
+}
+
+// The slot the faster so far: 0 (all threads) or 1 (one); -1 while either is unmeasured.
+int best_slot(const ThreadChoice& choice) {
+    const double all = choice.ns_per_byte[0].load(std::memory_order_relaxed);
+    const double one = choice.ns_per_byte[1].load(std::memory_order_relaxed);
+    if (all == 0.0 || one == 0.0) return -1;
+    return one < all ? 1 : 0;
+}
+
+// The slot this call runs: the best, or the other on an exploring call.
+int pick_slot(ThreadChoice& choice) {
+    if (choice.ns_per_byte[0].load(std::memory_order_relaxed) == 0.0) return 0;
+    const int best = best_slot(choice);
+    if (best < 0) return 1;
+    const uint32_t n = choice.calls.fetch_add(1, std::memory_order_relaxed) + 1;
+    return n % choice.interval.load(std::memory_order_relaxed) == 0 ? 1 - best : best;
+}
+
+void record(ThreadChoice& choice, int slot, double ns_per_byte) {
+    const int best = best_slot(choice);
+    const double old = choice.ns_per_byte[slot].load(std::memory_order_relaxed);
+    const double keep = old == 0.0 ? 0.0 : slot == best ? 0.75 : 0.5;  // an explored slot's estimate is older
+    choice.ns_per_byte[slot].store(keep * old + (1.0 - keep) * ns_per_byte, std::memory_order_relaxed);
+    if (best < 0 || slot == best) return;
+    const uint32_t interval = choice.interval.load(std::memory_order_relaxed);
+    choice.interval.store(best_slot(choice) == best ? std::min(EXPLORE_MAX, 2 * interval) : EXPLORE_MIN,
+                          std::memory_order_relaxed);
+}
+
+}  // namespace
+
 extern "C" int mh_linear_few_rows_f32(const float* x, int64_t M, int64_t K, int64_t count, const float* const* W,
                                       const int64_t* N, const float* const* bias, float* const* out, int threads) {
     if (M < 1 || M > MAX_STEP_ROWS || K < 1 || count < 1) return -2;
@@ -1061,10 +1119,18 @@ extern "C" int mh_linear_few_rows_f32(const float* x, int64_t M, int64_t K, int6
     // process on the core) leaves its chunks to the others instead of holding every thread at the end.
     const int64_t total = total_rows(count, N);
     const int64_t chunk = std::max<int64_t>(4, CHUNK_BYTES / (K * static_cast<int64_t>(sizeof(float))) / 4 * 4);
+    const int64_t bytes = total * K * static_cast<int64_t>(sizeof(float));
+    ThreadChoice* choice = threads > 1 && bytes >= TIMED_BYTES ? &choices[size_class(bytes)] : nullptr;
+    const int slot = choice ? pick_slot(*choice) : 0;
+    const auto start = std::chrono::steady_clock::now();
     std::atomic<int64_t> next{0};
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(slot == 1 ? 1 : threads)
     for (int64_t begin = next.fetch_add(chunk); begin < total; begin = next.fetch_add(chunk))
         gemv_range(begin, std::min(total, begin + chunk), M, x, nullptr, K, count, W, N, bias, out, N);
+    if (choice) {
+        const std::chrono::duration<double, std::nano> took = std::chrono::steady_clock::now() - start;
+        record(*choice, slot, took.count() / static_cast<double>(bytes));
+    }
     return 0;
 }
 
