@@ -207,3 +207,17 @@ def test_the_same_bits_on_any_number_of_threads() -> None:
             assert all(torch.equal(g, w) for g, w in zip(got, want))
     finally:
         torch.set_num_threads(before)
+
+
+def test_multiheads_own_layers_keep_their_projections() -> None:
+    """A model holding a multihead layer beside HF modules: the layer's projections stay nn.Linear
+    (its fused decoding step reads plain nn.Linear projections only)."""
+    class Both(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = _llama()
+            self.extra = mh.MultiHeadAttention(64, 4)
+
+    model = mh.hf.patch(Both())
+    assert type(model.lm.lm_head) is FewRowLinear
+    assert [type(m) for m in model.extra.modules() if isinstance(m, nn.Linear)] == [nn.Linear] * 4

@@ -174,6 +174,10 @@ def routes(model: nn.Module, *, kernel: bool = True) -> list[Route]:
     return found
 
 
+#: The modules whose projections multihead already runs (their nn.Linear stay as they are).
+_OURS = (PatchedAttention, MultiHeadAttention, MultiHeadLatentAttention)
+
+
 @overload
 def patch(model: nn.Module, *, strict: bool = ..., backend: str | None = ..., kernel: bool = ...,
           linears: bool = ..., report: Literal[False] = ...) -> nn.Module: ...
@@ -252,7 +256,7 @@ def patch(model: nn.Module, *, strict: bool = True, backend: str | None = None, 
             skipped.append(f"{name} ({decided.why})")
     already = is_patched(model)
     inside = tuple(f"{name}." for name, _ in plan)  # the modules the wrappers replace
-    few_row = [n for n in hf_linears.linears_to_patch(model, skip=(PatchedAttention,)) if not n.startswith(inside)
+    few_row = [n for n in hf_linears.linears_to_patch(model, skip=_OURS) if not n.startswith(inside)
                ] if linears else []
     if not plan and not to_kernel and not already:
         why = f": {'; '.join(skipped[:3])}" if skipped else ""
