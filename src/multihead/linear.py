@@ -111,12 +111,11 @@ def linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | Non
         if compiled_onednn() and x.device.type == "cpu" and all(t.dtype == torch.float32 for t in [x, *params]):
             return [onednn_linear_op(x, w, b) for w, b in layers]
         return [F.linear(x, w, b) for w, b in layers]
+    few = few_rows(x, layers)  # decoding's few rows; None at once for more
+    if few is not None:
+        return few
     tensors = [x] + [t for layer in layers for t in layer if t is not None]
     grad = needs_grad(*tensors)
-    if not grad:
-        few = few_rows(x, layers)
-        if few is not None:
-            return few
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0  # N
     small = all(rows * w.shape[0] * w.shape[1] <= SMALL_GEMM for w, _ in layers)
     if x.device.type != "cpu" or any(t.dtype != torch.float32 for t in tensors) or (not grad and small):
