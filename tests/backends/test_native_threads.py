@@ -71,6 +71,29 @@ def test_a_decoding_step_gives_the_same_bits_for_any_thread_count(kv_heads: int)
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_timed_decoding_step_gives_the_same_bits_whichever_thread_count_it_picks(dtype: torch.dtype) -> None:
+    """From 1 MB of weights the fused step runs on all its threads or on one, whichever has been
+    faster lately, and now and then the other (in a fresh process, both within the first 40
+    steps): every step equals the 1-thread run bit for bit, as its projections are cut into the
+    same chunks whoever takes them."""
+    torch.random.default_generator.manual_seed(7)
+    layer = mh.MultiHeadAttention(512, 8, num_kv_heads=2, causal=True, bias=True,
+                                  rope=mh.RoPE(64, max_positions=512)).eval().to(dtype)  # 2.6 MB float32
+    prompt, tokens = torch.randn(2, 30, 512, dtype=dtype), torch.randn(2, 40, 512, dtype=dtype)
+
+    def steps() -> torch.Tensor:
+        cache = layer.new_cache(2, 80)
+        layer(prompt, cache=cache)
+        return torch.cat([layer(tokens[:, i:i + 1], cache=cache) for i in range(tokens.shape[1])], dim=1)
+
+    cache = layer.new_cache(2, 80)
+    layer(prompt, cache=cache)
+    assert (decode.why_not_fused(layer, tokens[:, :1], cache) is None) == (native.vector_bits() >= 256)
+    assert_bitwise_equal(with_threads(steps))
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hkv", [3, 6])
 def test_the_flash_loop_gives_the_same_bits_for_any_thread_count(dtype: torch.dtype, hkv: int) -> None:

@@ -1008,18 +1008,28 @@ int64_t total_rows(int64_t count, const int64_t* N) {
     return total;
 }
 
-// This thread's share (thread id of nt) of gemv_range over every row: split evenly in multiples of 4.
+// Weight bytes per chunk that the threads of a few-row GEMV take in turn (gemv_chunks).
+constexpr int64_t CHUNK_BYTES = 256 * 1024;
+
+// The rows per chunk of gemv_chunks for rows of K values of TW: CHUNK_BYTES, a multiple of 4.
 template <class TW>
-void gemv_share(int64_t id, int64_t nt, int64_t M, const float* x, const float* xs, int64_t K, int64_t count,
-                const TW* const* W, const int64_t* N, const TW* const* bias, float* const* out,
-                const int64_t* ldo) {
-    const int64_t total = total_rows(count, N);
-    const int64_t begin = (total * id / nt) / 4 * 4, end = id + 1 == nt ? total : (total * (id + 1) / nt) / 4 * 4;
-    gemv_range(begin, end, M, x, xs, K, count, W, N, bias, out, ldo);
+int64_t chunk_rows(int64_t K) {
+    return std::max<int64_t>(4, CHUNK_BYTES / (K * static_cast<int64_t>(sizeof(TW))) / 4 * 4);
 }
 
-// Weight bytes per chunk that the threads of mh_linear_few_rows_f32 take in turn.
-constexpr int64_t CHUNK_BYTES = 256 * 1024;
+// gemv_range over every row, in chunks of `chunk` rows that the calling threads take in turn from
+// `next` (0 at first, shared): a thread that the OS deschedules (another process on its core)
+// leaves its chunks to the others instead of holding them all at the end. The chunks do not
+// depend on how many threads take them and each output row is computed by one thread, so the
+// results are the same bits on any thread count.
+template <class TW>
+void gemv_chunks(std::atomic<int64_t>& next, int64_t chunk, int64_t M, const float* x, const float* xs, int64_t K,
+                 int64_t count, const TW* const* W, const int64_t* N, const TW* const* bias, float* const* out,
+                 const int64_t* ldo) {
+    const int64_t total = total_rows(count, N);
+    for (int64_t begin = next.fetch_add(chunk); begin < total; begin = next.fetch_add(chunk))
+        gemv_range(begin, std::min(total, begin + chunk), M, x, xs, K, count, W, N, bias, out, ldo);
+}
 
 }  // namespace
 
@@ -1057,15 +1067,16 @@ extern "C" int mh_advance_counters(int64_t* lengths, int64_t* slot_pos, int64_t 
 
 namespace {
 
-// How many threads a few-row call takes: all it is given, or one where one has been faster.
-// A machine's other processes can make the threads wait for one another (measured on a 2-core
-// AMD EPYC beside one CPU-bound process: the 0.5B Llama's decoding steps ran at 5.1 tokens/s with
-// the MLP and LM head projections on 2 threads, at 11.3 on 1; idle, 13.6 and 10.3). So calls of
-// at least TIMED_BYTES of weights are timed, per size class (log2 of the bytes): each class keeps
-// a moving average of the time per byte on all threads and on one and runs the faster; now and
-// then it runs the other, to see a change: after EXPLORE_MIN calls, and twice as long after each
-// try that confirms the choice (up to EXPLORE_MAX). Each output row is computed by one thread with
-// the same code and the same chunks whatever the count, so the results are the same bits.
+// How many threads a few-row GEMV or a fused decoding step takes: all it is given, or one where
+// one has been faster. A machine's other processes can make the threads wait for one another
+// (measured on a 2-core AMD EPYC beside one CPU-bound process: the 0.5B Llama's decoding steps ran
+// at 5.1 tokens/s with the MLP and LM head projections on 2 threads, at 11.3 on 1; idle, 13.6
+// and 10.3). So calls of at least TIMED_BYTES of weights are timed, per kind of call and size
+// class (log2 of the bytes): each class keeps a moving average of the time per byte on all
+// threads and on one and runs the faster; now and then it runs the other, to see a change: after
+// EXPLORE_MIN calls, and twice as long after each try that confirms the choice (up to
+// EXPLORE_MAX). The work is cut the same way whatever the count (gemv_chunks; the attention's
+// items), so the results are the same bits.
 constexpr int64_t TIMED_BYTES = int64_t{1} << 20;
 constexpr int SIZE_CLASSES = 48;
 constexpr uint32_t EXPLORE_MIN = 16, EXPLORE_MAX = 1024;
@@ -1074,7 +1085,7 @@ struct ThreadChoice {
     std::atomic<double> ns_per_byte[2];  // [0]: all threads, [1]: one; 0 until measured
     std::atomic<uint32_t> calls, interval{EXPLORE_MIN};
 };
-ThreadChoice choices[SIZE_CLASSES];
+ThreadChoice linear_choices[SIZE_CLASSES], step_choices[SIZE_CLASSES];
 
 int size_class(int64_t bytes) {
     int c = 0;
@@ -1110,27 +1121,38 @@ void record(ThreadChoice& choice, int slot, double ns_per_byte) {
                           std::memory_order_relaxed);
 }
 
+// One call's thread count, picked from `table` (linear_choices or step_choices) for `bytes` of
+// weights, and its timing: threads() for the parallel region, then done() once it has run.
+class TimedThreads {
+  public:
+    TimedThreads(ThreadChoice* table, int threads, int64_t bytes)
+        : choice_(threads > 1 && bytes >= TIMED_BYTES ? &table[size_class(bytes)] : nullptr),
+          slot_(choice_ ? pick_slot(*choice_) : 0), threads_(slot_ == 1 ? 1 : threads), bytes_(bytes),
+          start_(std::chrono::steady_clock::now()) {}
+    int threads() const { return threads_; }
+    void done() const {
+        if (!choice_) return;
+        const std::chrono::duration<double, std::nano> took = std::chrono::steady_clock::now() - start_;
+        record(*choice_, slot_, took.count() / static_cast<double>(bytes_));
+    }
+
+  private:
+    ThreadChoice* choice_;
+    int slot_, threads_;
+    int64_t bytes_;
+    std::chrono::steady_clock::time_point start_;
+};
+
 }  // namespace
 
 extern "C" int mh_linear_few_rows_f32(const float* x, int64_t M, int64_t K, int64_t count, const float* const* W,
                                       const int64_t* N, const float* const* bias, float* const* out, int threads) {
     if (M < 1 || M > MAX_STEP_ROWS || K < 1 || count < 1) return -2;
-    // Chunks of rows taken in turn, not an even split: a thread that the OS deschedules (another
-    // process on the core) leaves its chunks to the others instead of holding every thread at the end.
-    const int64_t total = total_rows(count, N);
-    const int64_t chunk = std::max<int64_t>(4, CHUNK_BYTES / (K * static_cast<int64_t>(sizeof(float))) / 4 * 4);
-    const int64_t bytes = total * K * static_cast<int64_t>(sizeof(float));
-    ThreadChoice* choice = threads > 1 && bytes >= TIMED_BYTES ? &choices[size_class(bytes)] : nullptr;
-    const int slot = choice ? pick_slot(*choice) : 0;
-    const auto start = std::chrono::steady_clock::now();
+    const TimedThreads timed(linear_choices, threads, total_rows(count, N) * K * static_cast<int64_t>(sizeof(float)));
     std::atomic<int64_t> next{0};
-#pragma omp parallel num_threads(slot == 1 ? 1 : threads)
-    for (int64_t begin = next.fetch_add(chunk); begin < total; begin = next.fetch_add(chunk))
-        gemv_range(begin, std::min(total, begin + chunk), M, x, nullptr, K, count, W, N, bias, out, N);
-    if (choice) {
-        const std::chrono::duration<double, std::nano> took = std::chrono::steady_clock::now() - start;
-        record(*choice, slot, took.count() / static_cast<double>(bytes));
-    }
+#pragma omp parallel num_threads(timed.threads())
+    gemv_chunks(next, chunk_rows<float>(K), M, x, nullptr, K, count, W, N, bias, out, N);
+    timed.done();
     return 0;
 }
 
@@ -1238,10 +1260,11 @@ int decode_step(const T* x, int64_t B, int64_t E, const T* const* W, const T* co
         P.window = window;  // 0: none; else the span() of a sliding window
     }
     int failed = 0;
-#pragma omp parallel num_threads(threads)
+    const TimedThreads timed(step_choices, threads, (width + H * D) * E * static_cast<int64_t>(sizeof(T)));
+    std::atomic<int64_t> next_qkv{0}, next_o{0};
+#pragma omp parallel num_threads(timed.threads())
     {
         const FlushToZero ftz;  // this thread, for the step (restored as it ends)
-        const int64_t id = omp_get_thread_num(), nt = omp_get_num_threads();
         // Every buffer first: nothing is written to the cache unless the whole step can run.
         Buffers buf{alloc(rows * D), alloc(wide_floats(D, D)), alloc(rows * score_stride(KD)), alloc(rows),
                     alloc(rows), alloc(rows * D)};
@@ -1256,7 +1279,7 @@ int decode_step(const T* x, int64_t B, int64_t E, const T* const* W, const T* co
                 const T* bqkv[3] = {bias[0], bias[1], bias[2]};
                 const int64_t N[3] = {H * D, Hkv * D, Hkv * D}, ld[3] = {width, width, width};
                 float* out[3] = {qkv, qkv + H * D, qkv + (H + Hkv) * D};
-                gemv_share(id, nt, B, xw, xs, E, 3, Wqkv, N, bqkv, out, ld);
+                gemv_chunks(next_qkv, chunk_rows<T>(E), B, xw, xs, E, 3, Wqkv, N, bqkv, out, ld);
             }
 #pragma omp barrier
             if (norm_at == 3) {  // q (H·D) and k (Hkv·D) of each row normed across the projection (OLMo 2, 3)
@@ -1320,7 +1343,7 @@ int decode_step(const T* x, int64_t B, int64_t E, const T* const* W, const T* co
             const T* bo[1] = {bias[3]};
             const int64_t N[1] = {E}, ld[1] = {E};
             float* out[1] = {yw};
-            gemv_share(id, nt, B, heads, hs, H * D, 1, Wo, N, bo, out, ld);
+            gemv_chunks(next_o, chunk_rows<T>(H * D), B, heads, hs, H * D, 1, Wo, N, bo, out, ld);
         }
         buf.release();
     }
@@ -1329,6 +1352,7 @@ int decode_step(const T* x, int64_t B, int64_t E, const T* const* W, const T* co
             for (int64_t i = 0; i < B * E; ++i) y[i] = from_f32<T>(yf[i]);
     release();
     if (failed) return -1;
+    timed.done();
     // Given slot_pos, the cache's counters too, as mh_advance_counters (the eager fused step's
     // plan; KVCache.commit otherwise): once everything else is written, so a failure leaves them.
     if (slot_pos) advance(lengths, slot_pos, B, slot_ld);
