@@ -1110,15 +1110,23 @@ int pick_slot(ThreadChoice& choice) {
     return n % choice.interval.load(std::memory_order_relaxed) == 0 ? 1 - best : best;
 }
 
+// A call's time per byte into its slot's moving average. One sample moves an estimate by at most
+// 2× its weight (a sample is capped at twice the estimate): a lone slow call (the VM's hiccup)
+// does not flip the choice, a slowdown that lasts does within a few calls. When the choice
+// changes, the other slot is tried again soon (EXPLORE_MIN); an explored slot that confirms the
+// choice doubles the wait before the next try.
 void record(ThreadChoice& choice, int slot, double ns_per_byte) {
     const int best = best_slot(choice);
     const double old = choice.ns_per_byte[slot].load(std::memory_order_relaxed);
     const double keep = old == 0.0 ? 0.0 : slot == best ? 0.75 : 0.5;  // an explored slot's estimate is older
-    choice.ns_per_byte[slot].store(keep * old + (1.0 - keep) * ns_per_byte, std::memory_order_relaxed);
-    if (best < 0 || slot == best) return;
+    const double sample = old == 0.0 ? ns_per_byte : std::min(ns_per_byte, 2.0 * old);
+    choice.ns_per_byte[slot].store(keep * old + (1.0 - keep) * sample, std::memory_order_relaxed);
+    if (best < 0) return;
     const uint32_t interval = choice.interval.load(std::memory_order_relaxed);
-    choice.interval.store(best_slot(choice) == best ? std::min(EXPLORE_MAX, 2 * interval) : EXPLORE_MIN,
-                          std::memory_order_relaxed);
+    if (best_slot(choice) != best)
+        choice.interval.store(EXPLORE_MIN, std::memory_order_relaxed);
+    else if (slot != best)
+        choice.interval.store(std::min(EXPLORE_MAX, 2 * interval), std::memory_order_relaxed);
 }
 
 // One call's thread count, picked from `table` (linear_choices or step_choices) for `bytes` of
