@@ -106,14 +106,14 @@ def linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | Non
     Returns:
         One (..., out_i) tensor per layer.
     """
+    few = few_rows(x, layers)  # decoding's few rows; None at once for more
+    if few is not None:
+        return few
     if torch.compiler.is_compiling():  # oneDNN's op does not lower: an opaque operator around it
         params = [t for layer in layers for t in layer if t is not None]
         if compiled_onednn() and x.device.type == "cpu" and all(t.dtype == torch.float32 for t in [x, *params]):
             return [onednn_linear_op(x, w, b) for w, b in layers]
         return [F.linear(x, w, b) for w, b in layers]
-    few = few_rows(x, layers)  # decoding's few rows; None at once for more
-    if few is not None:
-        return few
     tensors = [x] + [t for layer in layers for t in layer if t is not None]
     grad = needs_grad(*tensors)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0  # N
@@ -139,8 +139,9 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 def few_rows(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor] | None:
     """``[x · wᵀ + b for w, b in layers]`` on the native few-row kernel, or None where it does not
     apply: more than :data:`multihead.backends.native.MAX_STEP_ROWS` rows, autograd, autocast,
-    tracing, a dtype other than float32, a device other than the CPU, non-contiguous weights,
-    tensor subclasses, or no AVX2/AVX-512 build here.
+    a dtype other than float32, a device other than the CPU, non-contiguous weights, tensor
+    subclasses, or no AVX2/AVX-512 build here. Traced by ``torch.compile``, it is the operator
+    ``multihead::linear_few_rows`` in the graph (the same kernel).
 
     Decoding reads every weight once per token: the kernel streams them across the threads
     (AMD EPYC, AVX2, 2 threads, a 128256 × 1024 weight: 34 GB/s at one row against torch's 20,
@@ -154,7 +155,7 @@ def few_rows(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | No
         One (..., out_i) tensor per layer, or None.
     """
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0  # N
-    if not 0 < rows <= native.MAX_STEP_ROWS or torch.compiler.is_compiling() or torch.is_autocast_enabled("cpu"):
+    if not 0 < rows <= native.MAX_STEP_ROWS or torch.is_autocast_enabled("cpu"):
         return None
     params = [t for layer in layers for t in layer if t is not None]
     if (x.device.type != "cpu" or any(type(t) not in _PLAIN or t.dtype != torch.float32 for t in [x, *params])
@@ -162,5 +163,9 @@ def few_rows(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | No
             or native.vector_bits() < 256):  # AVX-512 or AVX2 (measured: 1.2-1.7× oneDNN's on AVX2;
         # 5 to 8 rows, Intel Xeon, 1 thread: 0.44-0.72× torch's time with the AVX-512 build, 0.69-0.97× with AVX2's)
         return None
-    outs = native.linear_few_rows(x.reshape(rows, x.shape[-1]).contiguous(), layers)
+    x2 = x.reshape(rows, x.shape[-1]).contiguous()  # (rows, in)
+    if torch.compiler.is_compiling():
+        outs = native.ops.linear_few_rows(x2, [w for w, _ in layers], [b for _, b in layers])
+    else:
+        outs = native.linear_few_rows(x2, layers)
     return [o.view(*x.shape[:-1], o.shape[-1]) for o in outs]

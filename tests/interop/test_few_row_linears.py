@@ -73,7 +73,7 @@ def test_every_other_call_is_nn_linear_bitwise(what: str, x: torch.Tensor, cast:
         assert torch.equal(patched(x), plain(x))
 
 
-def test_autograd_autocast_and_tracing_keep_nn_linear() -> None:
+def test_autograd_and_autocast_keep_nn_linear() -> None:
     plain, patched = _few_row_linear(64, 48)
     x = torch.randn(2, 64, requires_grad=True)
     got, want = patched(x), plain(x)  # autograd on: the kernel has no backward
@@ -83,9 +83,26 @@ def test_autograd_autocast_and_tracing_keep_nn_linear() -> None:
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         assert patched(x).dtype == plain(x).dtype == torch.bfloat16
         assert torch.equal(patched(x), plain(x))
-    compiled = torch.compile(patched, backend="eager", fullgraph=True)
+
+
+@needs_kernel
+def test_compiled_few_rows_are_the_kernels_operator_and_more_rows_nn_linear() -> None:
+    """Traced by torch.compile (one graph, fullgraph), a call of 2 rows is the operator
+    multihead::linear_few_rows, bitwise the eager kernel's result; 9 rows are nn.Linear's, bitwise."""
+    plain, patched = _few_row_linear(64, 48)
+    ops: list[str] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> torch.fx.GraphModule:
+        ops.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm
+
+    compiled = torch.compile(patched, backend=backend, fullgraph=True)
+    two, nine = torch.randn(2, 64), torch.randn(9, 64)
     with torch.no_grad():
-        assert torch.equal(compiled(x.detach()), plain(x.detach()))
+        assert torch.equal(compiled(two), patched(two))
+        assert few_rows(two, [(patched.weight, patched.bias)]) is not None
+        assert any(op.startswith("multihead.linear_few_rows") for op in ops), ops
+        assert torch.equal(compiled(nine), plain(nine))
 
 
 def test_patch_gives_the_path_to_plain_linears_outside_its_wrappers() -> None:

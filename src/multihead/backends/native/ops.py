@@ -15,7 +15,9 @@ exact output shapes, dtypes and strides, they are opaque nodes of a graph instea
   with another is refused by name). ``bias`` is dense, ``rel_bias`` one value per head and
   distance (T5's), read along diagonals;
 * ``multihead::decode_step(...)`` a whole cached decoding step; it writes the new
-  token's K and V into the cache buffers (declared as mutated).
+  token's K and V into the cache buffers (declared as mutated);
+* ``multihead::linear_few_rows(x, weights, biases) -> [y_i]``: the few-row GEMV of decoding's
+  projections (:func:`.step.linear_few_rows`), forward only.
 
 float32, bfloat16 and float16 run the tiled kernels of their dtype (computed in float32,
 half precision widened as loaded: no float32 copies); float64 runs a
@@ -42,8 +44,8 @@ from . import loader, step
 from ..registry import Prepared
 from ._ffi import ptr
 
-__all__ = ["attention", "attention_impl", "attention_backward", "decode_step", "direct", "forward", "run",
-           "symbolic", "prepare"]
+__all__ = ["attention", "attention_impl", "attention_backward", "decode_step", "linear_few_rows", "direct", "forward",
+           "run", "symbolic", "prepare"]
 
 Tensor = torch.Tensor
 
@@ -425,6 +427,22 @@ def _decode_step_fake(x: Tensor, weights: list[Tensor], biases: list[Optional[Te
                       q_norm: Optional[Tensor] = None, k_norm: Optional[Tensor] = None, norm_eps: float = 0.0,
                       norm_mode: int = 0, window: Optional[int] = None) -> Tensor:
     return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("multihead::linear_few_rows", mutates_args=())
+def linear_few_rows(x: Tensor, weights: list[Tensor], biases: list[Optional[Tensor]]) -> list[Tensor]:
+    """``[x · wᵀ + b for w, b in zip(weights, biases)]`` for few rows of x
+    (:func:`multihead.backends.native.linear_few_rows`): x (M, K), M at most
+    :data:`multihead.backends.native.MAX_STEP_ROWS`; one (M, N_i) tensor per weight (N_i, K). The operator that
+    ``torch.compile`` keeps in its graphs where eager calls run the function itself."""
+    if len(weights) != len(biases):
+        raise ValueError(f"biases must have one entry per weight ({len(weights)}), got {len(biases)}")
+    return step.linear_few_rows(x, list(zip(weights, biases)))
+
+
+@linear_few_rows.register_fake
+def _linear_few_rows_fake(x: Tensor, weights: list[Tensor], biases: list[Optional[Tensor]]) -> list[Tensor]:
+    return [x.new_empty((x.shape[0], w.shape[0])) for w in weights]
 
 
 def prepare(q: Tensor, k: Tensor, v: Tensor, decode: bool | None = None) -> Prepared:
