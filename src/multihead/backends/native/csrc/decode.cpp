@@ -816,8 +816,8 @@ extern "C" int mh_decode_f16(const void* q, const void* k, const void* v, void* 
 // ---------------------------------------------------------------------------------------
 // Few-row linear layers (decoding): out_i (M, N_i) = x (M, K) · W_iᵀ (+ b_i) for `count`
 // weights at once (q, k and v projections share x), M <= MAX_STEP_ROWS (8). The weights' rows, all
-// weights together, are split evenly across threads; each weight row is read once and
-// multiplied with the M rows of x held in L1. Bandwidth-bound: this streams the weights.
+// weights together, are taken by the threads in chunks (gemv_chunks); each weight row is read once
+// and multiplied with the M rows of x held in L1. Bandwidth-bound: this streams the weights.
 
 namespace {
 
@@ -1165,9 +1165,10 @@ extern "C" int mh_linear_few_rows_f32(const float* x, int64_t M, int64_t K, int6
 }
 
 // ---------------------------------------------------------------------------------------
-// One whole decoding step of a layer, one token per row (B <= MAX_STEP_ROWS), in one parallel region:
+// One whole decoding step of a layer, one token per row (B <= MAX_STEP_ROWS), in one parallel region
+// (on all threads or on one: TimedThreads):
 //
-//   qkv = x · [W_q; W_k; W_v]ᵀ + b          (B, (H + 2·Hkv)·D)   weights split over threads
+//   qkv = x · [W_q; W_k; W_v]ᵀ + b          (B, (H + 2·Hkv)·D)   weights in chunks over threads
 //   RoPE on q and k at each row's position lengths[b] - starts[b]; k, v written to slot lengths[b]
 //   heads = attention(q, cache[starts[b] : lengths[b] + 1])   (decode_item, keys split if few heads;
 //   starts null: 0, no left padding)
