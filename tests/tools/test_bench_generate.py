@@ -88,12 +88,6 @@ def test_prompts_are_seeded_and_left_padded_to_different_lengths() -> None:
         assert (ids[row, :16 - n] == 0).all() and (ids[row, 16 - n:] > 0).all()
 
 
-def test_the_competing_process_runs_during_the_block_and_is_ended_after() -> None:
-    with bench_generate._spinning() as proc:
-        assert proc.poll() is None
-    assert proc.poll() is not None
-
-
 def test_a_competing_run_times_beside_the_process_and_says_so() -> None:
     result = bench_generate.run_generate_jobs(quick=True, compiled=False, models=["llama"], batches=[1],
                                               competing=True)

@@ -147,22 +147,24 @@ def test_the_worker_loads_times_and_embeds_as_sentence_transformers(loading_peer
 
 
 def test_a_peer_is_one_more_way_in_the_round_robin(loading_peer: LoadingPeer) -> None:
-    """Rows for our ways, the loaded peer (its own clock kept too) and a skipped peer with its reason."""
+    """Rows for our ways, the loaded peer (its own clock kept too) and a skipped peer with its reason;
+    timed beside a competing process, which the table names."""
     peer, _ = loading_peer.loaded()
     vectors = peer.embeddings(8)
     ours = {bench_embed.WAYS[0]: lambda batch: vectors}  # the base way: this peer's own vectors
-    run = bench_embed._run_batch(ours, {"torch peer": peer}, {"ST backend=onnx": "no onnx here"}, 8, 2,
+    run = bench_embed._run_batch(ours, {"torch peer": peer}, {"ST backend=onnx": "no onnx here"}, 8, 2, True,
                                  lambda line: None)
     rows = run["ways"]
     assert run["batch_size"] == 8 and list(rows) == [bench_embed.WAYS[0], "torch peer", "ST backend=onnx"]
     assert rows["torch peer"]["least_cosine"] > 1 - 1e-6 and rows["torch peer"]["median_s"] > 0
     assert rows["torch peer"]["peer_median_s"] <= rows["torch peer"]["median_s"]
     assert rows["ST backend=onnx"] == {"skipped": "no onnx here"}
-    result = {"corpus": {"texts": 16, "tokens": 1, "median_tokens": 1, "longest": 1}, "threads": 1,
+    result = {"corpus": {"texts": 16, "tokens": 1, "median_tokens": 1, "longest": 1}, "threads": 1, "competing": True,
               "machine": {}, "runs": [run], "peers": {"python": sys.executable, "info": {"torch peer": _info()}}}
     text = bench_embed.format_embed(result)
     assert "ST backend=onnx                        skipped: no onnx here" in text
     assert "torch peer: float32, 1 threads" in text
+    assert "beside one competing CPU-bound process:" in text and "(the competing process included)" in text
 
 
 def _info() -> dict:
@@ -179,9 +181,9 @@ def test_the_cli_passes_the_embed_options(tmp_path: Path, monkeypatch: pytest.Mo
 
     monkeypatch.setattr(bench_embed, "run_embed", fake_run)
     argv = ["bench", "--embed", "--texts", "2000", "--batch-size", "32", "128", "--reps", "3", "--peers-python",
-            "/p/bin/python", "--peers-cache", str(tmp_path / "cache"), "--out", str(tmp_path)]
+            "/p/bin/python", "--peers-cache", str(tmp_path / "cache"), "--competing", "--out", str(tmp_path)]
     assert main(argv) == 0
-    assert (seen["texts"], seen["batch_sizes"], seen["reps"]) == (2000, [32, 128], 3)
+    assert (seen["texts"], seen["batch_sizes"], seen["reps"], seen["competing"]) == (2000, [32, 128], 3, True)
     assert (seen["peers_python"], seen["peers_cache"]) == ("/p/bin/python", str(tmp_path / "cache"))
     assert "batches of 32:" in capsys.readouterr().out and (tmp_path / "embed.json").is_file()
 

@@ -56,3 +56,11 @@ def test_others_load_sees_a_competing_process() -> None:
     cores = os.cpu_count() or 1
     assert load.share is not None and load.share > 0.6 / cores and load.busy
 
+
+
+def test_the_competing_process_runs_during_the_block_and_is_ended_after() -> None:
+    with machine.competing_process() as proc:
+        assert proc is not None and proc.poll() is None
+    assert proc.poll() is not None
+    with machine.competing_process(False) as none:
+        assert none is None

@@ -38,8 +38,10 @@ Timed round-robin (:func:`multihead.tools.bench.time_interleaved`), one round-ro
 so machine noise hits every way alike: sentences/s of the median and the spread (slowest and
 fastest call), the speed-up over sentence-transformers of the medians and paired per round, and the
 share of the CPUs other processes used meanwhile (:class:`multihead.tools.machine.OthersLoad`; the
-peers' workers count as this run's). Every way's embeddings are compared with
-sentence-transformers' at the same batch size (the least cosine).
+peers' workers count as this run's). ``competing=True`` runs one CPU-bound process beside each
+round-robin (:func:`multihead.tools.machine.competing_process`), to see the ways under load.
+Every way's embeddings are compared with sentence-transformers' at the same batch size (the
+least cosine).
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ def _ways(texts: list[str]) -> tuple[dict[str, Callable[[int], np.ndarray]], dic
 
 def run_embed(*, quick: bool = False, reps: int | None = None, batch_sizes: Sequence[int] = (32,),
               texts: int | None = None, peers_python: str | os.PathLike[str] | None = None,
-              peers_cache: str | os.PathLike[str] | None = None,
+              peers_cache: str | os.PathLike[str] | None = None, competing: bool = False,
               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Embed the corpus each way of :data:`WAYS` and :data:`~multihead.tools.bench_embed_peers.PEERS`
     (see the module's docstring); returns the results as JSON data.
@@ -131,6 +133,7 @@ def run_embed(*, quick: bool = False, reps: int | None = None, batch_sizes: Sequ
         peers_python: the peers' environment's interpreter (None: the peers are listed as skipped).
         peers_cache: where the peers keep the exported models (default
             :func:`~multihead.tools.bench_embed_peers.default_cache_dir`).
+        competing: one CPU-bound process beside each round-robin's timing.
 
     Raises:
         ImportError: sentence-transformers or the bundled model's package is not installed.
@@ -154,16 +157,18 @@ def run_embed(*, quick: bool = False, reps: int | None = None, batch_sizes: Sequ
             stack.callback(peer.close)
         say(f"loading the bundled model {len(WAYS)} ways, {len(corpus_texts)} texts")
         ours, not_run, facts = _ways(corpus_texts)
-        runs = [_run_batch(ours, peers, {**not_run, **skipped}, batch, reps or (2 if quick else 7), say)
+        runs = [_run_batch(ours, peers, {**not_run, **skipped}, batch, reps or (2 if quick else 7), competing, say)
                 for batch in batch_sizes]
-    return {"case": "embed", "corpus": facts, "threads": threads, "machine": machine.machine_info(),
+    return {"case": "embed", "corpus": facts, "threads": threads, "competing": competing,
+            "machine": machine.machine_info(),
             "peers": {"python": None if peers_python is None else os.fspath(peers_python), "info": infos},
             "runs": runs}
 
 
 def _run_batch(ours: dict[str, Callable[[int], np.ndarray]], peers: dict[str, Peer], skipped: dict[str, str],
-               batch: int, reps: int, say: Callable[[str], None]) -> dict[str, Any]:
-    """One timed round-robin of every way at batch size ``batch``: its rows and the machine's load."""
+               batch: int, reps: int, competing: bool, say: Callable[[str], None]) -> dict[str, Any]:
+    """One timed round-robin of every way at batch size ``batch`` (beside a competing process where
+    ``competing``): its rows and the machine's load."""
     import torch
 
     from . import machine
@@ -175,7 +180,8 @@ def _run_batch(ours: dict[str, Callable[[int], np.ndarray]], peers: dict[str, Pe
         outputs.update({name: peer.embeddings(batch) for name, peer in peers.items()})
         say(f"timing, batches of {batch}")
         first = {name: len(peer.seconds) for name, peer in peers.items()}
-        with machine.OthersLoad(helpers=[peer.pid for peer in peers.values()]) as load:
+        with machine.competing_process(competing), \
+                machine.OthersLoad(helpers=[peer.pid for peer in peers.values()]) as load:
             stats = time_interleaved(fns, reps=reps, warmup=1)
     base = stats[_BASE]["times_s"]
     rows: dict[str, dict[str, Any]] = {}
@@ -204,13 +210,15 @@ def format_embed(result: dict[str, Any]) -> str:
     runs = result.get("runs") or [{k: result.get(k) for k in ("batch_size", "others_cpu_share", "ways")}]
     lines = [f"the bundled all-MiniLM-L6-v2 on {c['texts']} texts ({c['tokens']} tokens, median "
              f"{c['median_tokens']:g}, longest {c['longest']}), {result['threads']} threads, "
-             f"{result['machine'].get('cpu', 'this CPU')}:"]
+             f"{result['machine'].get('cpu', 'this CPU')}"
+             + ("; beside one competing CPU-bound process:" if result.get("competing") else ":")]
     for run in runs:
         lines += ["", f"batches of {run['batch_size']}:", *_format_rows(run["ways"])]
         share = run.get("others_cpu_share")
         if share is not None:
             lines.append(f"other processes used {share:.0%} of the CPUs meanwhile"
-                         + (" (busy: these figures are not a verdict)" if share > 0.10 else ""))
+                         + (" (the competing process included)" if result.get("competing")
+                            else " (busy: these figures are not a verdict)" if share > 0.10 else ""))
     lines += _format_peers(result.get("peers") or {})
     return "\n".join(lines)
 

@@ -31,8 +31,7 @@ ones too, are compared with those of ``HF, DynamicCache``'s first call: a differ
 
 The load: the share of the CPUs other processes used while a job was timed
 (:class:`~multihead.tools.machine.OthersLoad`) and the load average. ``competing=True`` runs one
-CPU-bound process (a spinning Python, ended when the job's timing ends and after
-:data:`COMPETING_MAX_S` at most) beside each job's timing.
+CPU-bound process beside each job's timing (:func:`~multihead.tools.machine.competing_process`).
 
 Prompts run in increasing length: transformers sizes a static cache to the longest it has made
 for the model, so a shorter prompt after a longer one would attend over a longer cache.
@@ -43,10 +42,8 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -54,7 +51,7 @@ import torch
 from .bench import paired_speedup, time_interleaved
 
 __all__ = ["run_generate_jobs", "make_prompts", "make_models", "format_generate_jobs", "MODELS", "QUICK_MODELS", "WAYS",
-           "PROMPTS", "BATCHES", "NEW_TOKENS", "FULL", "QUICK", "COMPETING_MAX_S"]
+           "PROMPTS", "BATCHES", "NEW_TOKENS", "FULL", "QUICK"]
 
 #: The models' sizes: about 0.5B parameters each (Llama-3's vocabulary untied; Qwen3-0.6B's widths, tied).
 MODELS: dict[str, dict[str, Any]] = {
@@ -76,13 +73,10 @@ QUICK: dict[str, Any] = {"prompts": (12,), "batches": (1, 3), "new_tokens": 4, "
 WAYS = ("HF, DynamicCache", "HF, StaticCache", "HF, StaticCache, compiled", "patched + KVCacheAdapter",
         "patched + KVCacheAdapter, compiled")
 BASE = WAYS[0]
-#: The competing process ends after this many seconds even if the benchmark did not end it.
-COMPETING_MAX_S = 6 * 3600.0
 #: Untimed calls of each way first, without and with the compiled ways: a compiled forward compiles
 #: in the first call and again in the second (where our adapter reuses the buffers the first made).
 _WARMUP = {False: 1, True: 2}
 _PAD = 0  # the pad token id; prompts draw from 1 .. V - 1
-_SPIN = "import sys, time\nend = time.monotonic() + float(sys.argv[1])\nwhile time.monotonic() < end:\n    pass\n"
 
 Way = Callable[[Any], torch.Tensor]  # a logits processor (the first-token stamp) -> tokens (B, P + N)
 
@@ -174,23 +168,6 @@ def _ways(hf: Any, patched: Any, compiled: dict[str, Callable[..., Any]] | None,
     return ways, adapter
 
 
-def _competing(on: bool) -> contextlib.AbstractContextManager[Any]:
-    """One CPU-bound process beside the block (``on``), killed when it ends, alive at most :data:`COMPETING_MAX_S`."""
-    return _spinning() if on else contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def _spinning() -> Iterator[subprocess.Popen[bytes]]:
-    """A Python process spinning on one core for :data:`COMPETING_MAX_S` at most, killed when the block ends."""
-    proc = subprocess.Popen([sys.executable, "-c", _SPIN, str(COMPETING_MAX_S)], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        yield proc
-    finally:
-        proc.kill()
-        proc.wait()
-
-
 def _job(ways: dict[str, Way], batch: int, new_tokens: int, reps: int, competing: bool,
          warmup: int) -> dict[str, Any]:
     """Time ``ways`` round-robin on one job; per way its stats (:func:`_stats`) and every call's
@@ -210,7 +187,7 @@ def _job(ways: dict[str, Way], batch: int, new_tokens: int, reps: int, competing
         outputs[name].append(tokens)
 
     fns = {name: (lambda n=name: timed(n)) for name in ways}
-    with _competing(competing), _loud_recompile_limit():
+    with machine.competing_process(competing), _loud_recompile_limit():
         for _ in range(warmup):  # the compiled ways compile here
             for fn in fns.values():
                 fn()

@@ -249,7 +249,7 @@ def _bench_embed(args: argparse.Namespace) -> int:
 
     result = bench_embed.run_embed(quick=args.quick, reps=args.reps, batch_sizes=args.embed_batch_sizes or (32,),
                                    texts=args.texts, peers_python=args.peers_python, peers_cache=args.peers_cache,
-                                   progress=_say)
+                                   competing=args.competing, progress=_say)
     return _write_result(args, result, "embed.json", bench_embed.format_embed(result))
 
 
@@ -407,7 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--no-compile; default 3); with --embed: timed calls of each way per batch size, after "
                         "one untimed (default 7); with --families: timed steps of each way per family (default 15)")
     p.add_argument("--competing", action="store_true",
-                   help="with --generate-jobs: one CPU-bound process runs beside the timings (ended with them)")
+                   help="with --generate-jobs or --embed: one CPU-bound process runs beside the timings (ended "
+                        "with them)")
     p.add_argument("--no-compile", action="store_true",
                    help="with --generate-jobs: without the two compiled ways (compiling takes minutes)")
     p.add_argument("--embed", action="store_true",
@@ -499,11 +500,12 @@ def _refuse_generate_options(parser: argparse.ArgumentParser, args: argparse.Nam
     for flag, dest in (("--model", "gen_models"), ("--prompt", "gen_prompts"), ("--batch", "gen_batches"),
                        ("--new-tokens", "new_tokens"), ("--reps", "reps"), ("--competing", "competing"),
                        ("--no-compile", "no_compile"), ("--curve", "curve")):
-        if dest == "reps" and (args.embed or args.families is not None):
+        if (dest == "reps" and (args.embed or args.families is not None)) or (dest == "competing" and args.embed):
             continue
         if getattr(args, dest) not in (None, False):
             _refuse(parser, f"{flag} applies to --generate-jobs only"
-                    + (" (and to --embed and --families)" if dest == "reps" else ""))
+                    + (" (and to --embed and --families)" if dest == "reps" else
+                       " (and to --embed)" if dest == "competing" else ""))
 
 
 def _refuse_curve_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -10,18 +10,27 @@ minus :func:`rss` ``("VmRSS:")`` before it (Linux's ``/proc/self``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
+import subprocess
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["VECTOR_FEATURES", "cpu_model", "machine_info", "rss", "reset_peak_rss", "OthersLoad", "BUSY_SHARE"]
+__all__ = ["VECTOR_FEATURES", "cpu_model", "machine_info", "rss", "reset_peak_rss", "OthersLoad", "BUSY_SHARE",
+           "competing_process", "COMPETING_MAX_S"]
 
 #: Other processes using more than this share of the machine's CPUs make a timing unreliable.
 BUSY_SHARE = 0.10
+
+#: A competing process (:func:`competing_process`) ends after this many seconds even if its block did not end it.
+COMPETING_MAX_S = 6 * 3600.0
+
+_SPIN = "import sys, time\nend = time.monotonic() + float(sys.argv[1])\nwhile time.monotonic() < end:\n    pass\n"
 
 #: The vector features the kernels (or their peers) can use, as /proc/cpuinfo names them.
 VECTOR_FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
@@ -143,3 +152,19 @@ class OthersLoad:
     def busy(self) -> bool:
         """Other processes used more than :data:`BUSY_SHARE` of the CPUs during the block."""
         return self.share is not None and self.share > BUSY_SHARE
+
+
+@contextlib.contextmanager
+def competing_process(on: bool = True) -> Iterator[subprocess.Popen[bytes] | None]:
+    """One CPU-bound process beside the block where ``on`` (a Python spinning on one core, killed
+    when the block ends, alive :data:`COMPETING_MAX_S` at most), for timings under load; None where off."""
+    if not on:
+        yield None
+        return
+    proc = subprocess.Popen([sys.executable, "-c", _SPIN, str(COMPETING_MAX_S)], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
