@@ -140,8 +140,8 @@ def few_rows(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | No
     """``[x · wᵀ + b for w, b in layers]`` on the native few-row kernel, or None where it does not
     apply: more than :data:`multihead.backends.native.MAX_STEP_ROWS` rows, autograd, autocast,
     a dtype other than float32, a device other than the CPU, non-contiguous weights, tensor
-    subclasses, or no AVX2/AVX-512 build here. Traced by ``torch.compile``, it is the operator
-    ``multihead::linear_few_rows`` in the graph (the same kernel).
+    subclasses, symbolic sizes, or no AVX2/AVX-512 build here. Traced by ``torch.compile`` with
+    static sizes, it is the operator ``multihead::linear_few_rows`` in the graph (the same kernel).
 
     Decoding reads every weight once per token: the kernel streams them across the threads
     (AMD EPYC, AVX2, 2 threads, a 128256 × 1024 weight: 34 GB/s at one row against torch's 20,
@@ -154,6 +154,8 @@ def few_rows(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | No
     Returns:
         One (..., out_i) tensor per layer, or None.
     """
+    if native.ops.symbolic(x):  # a graph for a range of sizes: comparing them would narrow it
+        return None
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0  # N
     if not 0 < rows <= native.MAX_STEP_ROWS or torch.is_autocast_enabled("cpu"):
         return None
