@@ -124,3 +124,31 @@ def test_the_readme_decode_curve_is_its_results_file() -> None:
     words = (f"{paired[256]:.2f}× HF's\n`DynamicCache` at 256 tokens, {paired[2048]:.2f}× at 2,048, "
              f"{paired[4096]:.2f}× at 4,096 (paired per step)")
     assert words in readme and f"]({name}.png)" in readme and (ROOT / f"{name}.png").exists()
+
+
+def _sentences(way: dict, texts: int) -> str:
+    """A way's sentences/s as the README's embedding table writes it: median (slowest–fastest call)."""
+    return f"{way['sentences_per_s']:.1f} ({texts / way['max_s']:.1f}–{texts / way['min_s']:.1f})"
+
+
+def test_the_readme_embedding_table_is_its_results_files() -> None:
+    """Each row of the README's embedding table (2 threads, 1 thread, 2 threads beside a competing process;
+    batches of 32 and 128): the sentences/s, spreads and ratios of the files it is made of."""
+    import json
+
+    readme = (ROOT / "README.md").read_text("utf-8")
+    settings = {"": "2 threads", "-1thread": "1 thread", "-competing": "2 threads + a competing process"}
+    for suffix, label in settings.items():
+        result = json.loads((ROOT / "docs" / "results" / "embed" / f"amd-epyc-zen3-avx2-peers{suffix}.json")
+                            .read_text("utf-8"))
+        assert result["machine"]["cpu"] in readme and result["competing"] is (suffix == "-competing")
+        assert result["threads"] == (1 if suffix == "-1thread" else 2)
+        texts = result["corpus"]["texts"]
+        for run in result["runs"]:
+            ways = run["ways"]
+            ours = ways["multihead embed"]
+            row = (f"| {label}, {run['batch_size']} | {_sentences(ours, texts)} | "
+                   f"{_sentences(ways['sentence-transformers'], texts)} | {ours['speedup']:.2f}× "
+                   f"({ours['paired_speedup']:.2f}× paired) | {_sentences(ways['ST backend=onnx'], texts)} | "
+                   f"{_sentences(ways['ST backend=openvino'], texts)} |")
+            assert row in readme, row

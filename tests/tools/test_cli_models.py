@@ -6,6 +6,7 @@ the command's entry ``main(argv)`` in this process (a subprocess would only add 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -139,7 +140,39 @@ def test_run_uses_the_threads_asked_for_shows_them_and_restores_torchs(tmp_path:
     info = _main_json(capsys, "run", "one", "two", "--model", str(path), "--no-progress", "--threads", "1")
     assert info["threads"] == 1 and seen == [1] and torch.get_num_threads() == before
     assert cli.main(["run", "one", "--model", str(path), "--no-progress", "--threads", "1"]) == 0
-    assert "on this CPU, 1 torch thread):" in capsys.readouterr().out
+    assert f"on {info['machine']['cpu']}, 1 torch thread):" in capsys.readouterr().out
+    assert info["machine"]["torch_threads"] == 1
+
+
+@pytest.mark.parametrize("competing", [False, True])
+def test_run_competing_times_the_layers_beside_a_live_cpu_bound_process(tmp_path: Path, capsys, competing: bool,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from multihead.tools import models as tool
+
+    path = _tiny_llama_dir(tmp_path)
+    alive: list[bool] = []
+    real = tool.competing_process
+
+    @contextlib.contextmanager
+    def spy(on: bool = True):
+        with real(on) as proc:
+            yield proc
+            alive.append(proc is not None and proc.poll() is None)  # still spinning when the timing ends
+
+    monkeypatch.setattr(tool, "competing_process", spy)
+    flag = ["--competing"] if competing else []
+    info = _main_json(capsys, "run", "one", "two", "--model", str(path), "--no-progress", *flag)
+    assert info["competing"] is competing and alive == [competing]
+    assert cli.main(["run", "one", "--model", str(path), "--no-progress", *flag]) == 0
+    said = "beside one competing CPU-bound process: other processes used"
+    assert (said in capsys.readouterr().out) is competing
+
+
+def test_run_model_refuses_a_competing_that_is_not_a_bool() -> None:
+    from multihead.tools.models import run_model
+
+    with pytest.raises(TypeError, match="competing must be a bool, got str"):
+        run_model(["one"], competing="yes")  # type: ignore[arg-type]
 
 
 def test_heads_uses_the_threads_asked_for_and_shows_them(tmp_path: Path, capsys,

@@ -118,20 +118,11 @@ def cmd_cost(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .machine import BUSY_SHARE
-    from .models import TIMED_RUNS, run_model
+    from .models import run_model, timing_lines
 
-    info = run_model(args.text or None, args.model, progress=not args.no_progress, threads=args.threads)
+    info = run_model(args.text or None, args.model, progress=not args.no_progress, threads=args.threads,
+                     competing=args.competing)
     cos = info["cosine_vs_sentence_transformers"]
-    hf_ms, mh_ms = info["ms_per_layer"]["hf"], info["ms_per_layer"]["multihead"]
-    spread = info["ms_spread"]
-    timing = [f"  layer {i}: Hugging Face {a:7.2f} ms ({sa[0]:.2f}-{sa[1]:.2f})   "
-              f"multihead {b:7.2f} ms ({sb[0]:.2f}-{sb[1]:.2f})"
-              for i, (a, b, sa, sb) in enumerate(zip(hf_ms, mh_ms, spread["hf"], spread["multihead"]))]
-    others = info["others_cpu_share"]
-    if others is not None and others > BUSY_SHARE:
-        timing.append(f"  the machine was busy: other processes used {100 * others:.0f}% of its CPUs meanwhile, "
-                      "so these times say little; run it again on an idle machine")
     text = "\n".join([
         f"{info['model_type']} from {info['model_dir']}",
         f"d={info['embed_dim']}, h={info['num_heads']}, h_kv={info['num_kv_heads']}, d_head={info['head_dim']}, "
@@ -146,11 +137,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         ("sentence embeddings vs sentence-transformers encode: cosine " +
          ", ".join(f"{c:.6f}" for c in cos)) if cos is not None else "not a sentence-transformers model",
         f"unpatch restored the original modules: {info['unpatch_restored']}",
-        f"time per attention layer (medians of {TIMED_RUNS} runs each and their range, the two alternating, "
-        f"on this CPU, {info['threads']} torch thread{'' if info['threads'] == 1 else 's'}):",
-        *timing,
-        *(["(multihead runs the padded batch on its real tokens only, mh.hf.pack_padding; Hugging Face "
-           "runs it padded)"] if info.get("packed") else []),
+        *timing_lines(info),
     ])
     _emit(args, {k: v for k, v in info.items() if k != "table_text"}, text)
     return 0
@@ -364,6 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--competing", action="store_true",
+                   help="time the layers beside one CPU-bound process (both sides under the same load)")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("bench", help="benchmark multihead against torch and Hugging Face on this machine")

@@ -34,7 +34,7 @@ from torch import nn
 from .. import hf, interop
 from ..interop.hf_patch import attention_modules
 from .trace import trace
-from .machine import OthersLoad
+from .machine import BUSY_SHARE, OthersLoad, competing_process, machine_info
 
 __all__ = ["bundled_model_dir", "load_model", "load_tokenizer", "run_model", "mean_pool", "explain_config",
            "DEFAULT_TEXTS", "check_threads", "torch_threads"]
@@ -219,7 +219,7 @@ class _Timer:
 
 
 def _time_layers(model: nn.Module, inputs: dict[str, Any], wrappers: dict[str, hf.PatchedAttention],
-                 *, packed: bool = False) -> dict[str, Any]:
+                 *, packed: bool = False, competing: bool = False) -> dict[str, Any]:
     """Each attention layer's time in ms, Hugging Face's and ours: :data:`TIMED_RUNS` runs of the
     model each, alternating (the original modules put back in place of the wrappers, then the
     wrappers again), so that the machine's drift between minutes falls on both alike:
@@ -228,14 +228,16 @@ def _time_layers(model: nn.Module, inputs: dict[str, Any], wrappers: dict[str, h
 
     ``wrappers``: the patched modules by name; they are in place again after. ``packed``: our
     side runs the padded batch on its real tokens (:func:`multihead.hf.pack_padding`), as the
-    patched model does; Hugging Face's side runs it padded, as transformers does."""
+    patched model does; Hugging Face's side runs it padded, as transformers does. ``competing``:
+    one CPU-bound process runs beside the timing (:func:`multihead.tools.machine.competing_process`;
+    ``others`` then includes it)."""
     from ..interop.hf_patch import set_submodule
 
     sides = {"hf": {name: w.original for name, w in wrappers.items()}, "multihead": dict(wrappers)}
     timers = {side: _Timer(list(modules.values())) for side, modules in sides.items()}
     load = OthersLoad()
     try:
-        with torch.no_grad(), load:
+        with torch.no_grad(), competing_process(competing), load:
             for _ in range(TIMED_RUNS + 1):  # the first round warms both up and is not counted
                 for side, modules in sides.items():
                     for name, module in modules.items():
@@ -268,6 +270,7 @@ def run_model(
     *,
     progress: bool = False,
     threads: int | None = None,
+    competing: bool = False,
 ) -> dict[str, Any]:
     """Load, patch and run a model on ``texts``; compare with the unpatched model.
 
@@ -277,6 +280,7 @@ def run_model(
             default the bundled all-MiniLM-L6-v2.
         progress: show a tqdm progress bar on stderr.
         threads: torch's intra-op threads for the run (restored after); default as set.
+        competing: time the layers beside one CPU-bound process, to see both sides under load.
 
     Returns:
         a JSON-ready dict: ``model_dir``, ``model_type``, ``embed_dim`` (d), ``num_heads``
@@ -289,24 +293,29 @@ def run_model(
         (``{"hf": [...], "multihead": [...]}``, medians of :data:`TIMED_RUNS` runs, alternating),
         ``ms_spread`` (the least and largest run of each), ``others_cpu_share`` (the share of
         the CPUs other processes used during the timing; None where unknown),
-        ``threads`` (torch's, during the run), ``packed`` (our side of the timing ran the padded
-        batch on its real tokens: a BERT-family encoder), ``unpatch_restored``.
+        ``threads`` (torch's, during the run), ``competing`` (as given), ``machine``
+        (:func:`multihead.tools.machine.machine_info`: the CPU the times are of), ``packed`` (our side
+        of the timing ran the padded batch on its real tokens: a BERT-family encoder),
+        ``unpatch_restored``.
 
     Raises:
         ValueError: empty ``texts`` or non-strings, a bad ``model_dir`` or checkpoint, a
             ``threads`` below 1, or a model whose attention multihead cannot patch.
-        TypeError: a ``threads`` that is not an int.
+        TypeError: a ``threads`` that is not an int, a ``competing`` that is not a bool.
     """
+    if not isinstance(competing, bool):
+        raise TypeError(f"competing must be a bool, got {type(competing).__name__}")
     texts = list(DEFAULT_TEXTS if texts is None else texts)
     if not texts or not all(isinstance(t, str) and t for t in texts):
         raise ValueError(f"texts must be a non-empty list of non-empty strings, got {texts!r}")
     path = _checkpoint_dir(model_dir)
     with torch_threads(threads) as used:
-        info = _run_model(texts, path, progress=progress)
-    return {**info, "threads": used}
+        info = _run_model(texts, path, progress=progress, competing=competing)
+        info["machine"] = machine_info()  # within the run's threads: it names them
+    return {**info, "threads": used, "competing": competing}
 
 
-def _run_model(texts: list[str], path: Path, *, progress: bool) -> dict[str, Any]:
+def _run_model(texts: list[str], path: Path, *, progress: bool, competing: bool) -> dict[str, Any]:
     """:func:`run_model` on checked arguments."""
     from tqdm.auto import tqdm
 
@@ -347,7 +356,7 @@ def _run_model(texts: list[str], path: Path, *, progress: bool) -> dict[str, Any
         out = model(**inputs, output_hidden_states=True)
     packed = hf.packable(model) and not bool(real.all())
     timing = _time_layers(model, inputs, {name: m for name, m in patched if isinstance(m, hf.PatchedAttention)},
-                          packed=packed)
+                          packed=packed, competing=competing)
     diff = max(float((a - b)[real].abs().max()) for a, b in zip(ref.hidden_states, out.hidden_states))
     diff = max(diff, float((ref.last_hidden_state - out.last_hidden_state)[real].abs().max()))
     if packed:  # the packed run agrees too (its padding rows are zeros, not compared)
@@ -398,6 +407,30 @@ def _run_model(texts: list[str], path: Path, *, progress: bool) -> dict[str, Any
         "packed": packed,
         "unpatch_restored": unpatch_restored,
     }
+
+
+def timing_lines(info: dict[str, Any]) -> list[str]:
+    """The per-layer timing of a :func:`run_model` result as ``multihead run`` prints it: each
+    layer's medians and ranges (ms), Hugging Face's and ours, then what loaded the machine."""
+    spread = info["ms_spread"]
+    threads = info["threads"]
+    lines = [f"time per attention layer (medians of {TIMED_RUNS} runs each and their range, the two alternating, "
+             f"on {info['machine']['cpu']}, {threads} torch thread{'' if threads == 1 else 's'}):"]
+    lines += [f"  layer {i}: Hugging Face {a:7.2f} ms ({sa[0]:.2f}-{sa[1]:.2f})   "
+              f"multihead {b:7.2f} ms ({sb[0]:.2f}-{sb[1]:.2f})"
+              for i, (a, b, sa, sb) in enumerate(zip(info["ms_per_layer"]["hf"], info["ms_per_layer"]["multihead"],
+                                                     spread["hf"], spread["multihead"]))]
+    others = info["others_cpu_share"]
+    if info.get("competing"):
+        lines.append(f"  beside one competing CPU-bound process: other processes used "
+                     f"{100 * (others or 0.0):.0f}% of the CPUs meanwhile (the competing process included)")
+    elif others is not None and others > BUSY_SHARE:
+        lines.append(f"  the machine was busy: other processes used {100 * others:.0f}% of its CPUs meanwhile, "
+                     "so these times say little; run it again on an idle machine")
+    if info.get("packed"):
+        lines.append("(multihead runs the padded batch on its real tokens only, mh.hf.pack_padding; Hugging Face "
+                     "runs it padded)")
+    return lines
 
 
 def _sentence_transformers_encode(path: Path, texts: Sequence[str]) -> torch.Tensor:
