@@ -37,7 +37,7 @@ from .trace import trace
 from .machine import BUSY_SHARE, OthersLoad, competing_process, machine_info
 
 __all__ = ["bundled_model_dir", "load_model", "load_tokenizer", "run_model", "mean_pool", "explain_config",
-           "DEFAULT_TEXTS", "check_threads", "torch_threads"]
+           "DEFAULT_TEXTS", "check_threads", "torch_threads", "timing_lines"]
 
 #: Texts of different lengths, so that the batch has padding.
 DEFAULT_TEXTS = (
