@@ -118,7 +118,7 @@ def test_the_readme_decode_curve_is_its_results_file() -> None:
     import json
 
     readme = (ROOT / "README.md").read_text("utf-8")
-    name = "docs/results/generate_jobs/intel-xeon-amx-llama-curve"
+    name = "docs/results/generate_jobs/amd-epyc-zen3-avx2-llama-curve"
     result = json.loads((ROOT / f"{name}.json").read_text("utf-8"))
     paired = {p["prompt"]: p["ways"]["patched + KVCacheAdapter"]["paired_speedup"] for p in result["lengths"]}
     words = (f"{paired[256]:.2f}× HF's\n`DynamicCache` at 256 tokens, {paired[2048]:.2f}× at 2,048, "
