@@ -305,6 +305,40 @@ def test_the_command_writes_npy_and_jsonl_that_load_back_equal(tmp_path: Path, r
     assert not list(tmp_path.glob(".*partial"))
 
 
+class _Load:
+    """machine.OthersLoad reporting the share set on the class."""
+
+    share_to_report: float | None = None
+
+    def __init__(self) -> None:
+        self.share: float | None = None
+
+    def __enter__(self) -> "_Load":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.share = _Load.share_to_report
+
+
+@pytest.mark.parametrize("share, busy", [(0.6, True), (0.05, False), (None, False)])
+def test_the_command_says_when_other_processes_kept_the_machine_busy(tmp_path: Path, reuse: None, capsys,
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    share: float | None, busy: bool) -> None:
+    monkeypatch.setattr(embed_mod.machine, "OthersLoad", _Load)
+    _Load.share_to_report = share
+    source = _write_lines(tmp_path / "texts.txt", TEXTS[:3])
+    assert cli.main(["embed", str(source), "--no-progress"]) == 0
+    said = "the machine was busy: other processes used 60% of its CPUs meanwhile"
+    assert (said in capsys.readouterr().out) is busy
+    assert cli.main(["embed", str(source), "--no-progress", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["others_cpu_share"] == share
+
+
+def test_the_embedding_tells_what_share_of_the_cpus_others_used(ours: embed_mod.Embedded) -> None:
+    share = ours.others_cpu_share  # measured from /proc/stat on Linux
+    assert share is None if not Path("/proc/stat").exists() else (share is not None and 0.0 <= share <= 1.0)
+
+
 def test_the_command_end_to_end(tmp_path: Path, theirs: np.ndarray) -> None:
     source = _write_lines(tmp_path / "texts.txt", TEXTS[:3])
     done = subprocess.run([sys.executable, "-m", "multihead", "embed", str(source), "--out",

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import models
+from . import machine, models
 
 __all__ = ["Embedder", "Embedded", "embed", "embed_file", "read_texts", "check_texts", "check_batch_size",
            "bf16_emulated", "check_dtype", "DTYPES", "check_out_path", "OUT_FORMATS", "DEFAULT_BATCH_SIZE"]
@@ -68,6 +68,9 @@ class Embedded:
         batches: how many forward passes ran.
         threads: torch's intra-op threads while they ran.
         seconds: wall time of the tokenizing and the passes (not the model's loading).
+        others_cpu_share: the share of the machine's CPUs other processes used meanwhile (0: none;
+            None where the machine does not tell): over :data:`machine.BUSY_SHARE`, ``seconds``
+            says little of an idle machine's.
     """
 
     vectors: np.ndarray
@@ -78,6 +81,7 @@ class Embedded:
     batches: int
     threads: int
     seconds: float
+    others_cpu_share: float | None = None
 
 
 def _read_json(path: Path) -> Any:
@@ -239,7 +243,8 @@ class Embedder:
         """
         texts = check_texts(texts)
         check_batch_size(batch_size)
-        with models.torch_threads(threads) as used, torch.no_grad():
+        load = machine.OthersLoad()
+        with models.torch_threads(threads) as used, torch.no_grad(), load:
             start = time.perf_counter()
             rows, tokens = self._tokenize([t.lower() for t in texts] if self.lower_case else texts)
             order = sorted(range(len(texts)), key=lambda i: -len(rows[i]["input_ids"]))  # longest first, stable
@@ -256,7 +261,8 @@ class Embedder:
             seconds = time.perf_counter() - start
         return Embedded(vectors=vectors, tokens=tokens, max_length=self.max_length,
                         truncated=[i for i, n in enumerate(tokens) if n > self.max_length],
-                        normalized=self.normalize, batches=len(starts), threads=used, seconds=seconds)
+                        normalized=self.normalize, batches=len(starts), threads=used, seconds=seconds,
+                        others_cpu_share=load.share)
 
     def _tokenize(self, texts: list[str]) -> tuple[list[dict[str, list[int]]], list[int]]:
         """Each text's features (cut at :attr:`max_length`) and its token count before the cut."""
@@ -388,7 +394,8 @@ def embed_file(path: str | os.PathLike[str], out_path: str | os.PathLike[str] | 
 
     Returns:
         a JSON-ready dict: ``input``, ``out``, ``model_dir``, ``texts`` (N), ``embed_dim`` (E),
-        ``normalized``, ``batch_size``, ``batches``, ``threads``, ``seconds``, ``max_length`` and
+        ``normalized``, ``batch_size``, ``batches``, ``threads``, ``seconds``, ``others_cpu_share``,
+        ``max_length`` and
         ``truncated`` (``{"count", "lines"}``: the lines cut to ``max_length`` tokens, from 1).
 
     Raises:
@@ -408,5 +415,6 @@ def embed_file(path: str | os.PathLike[str], out_path: str | os.PathLike[str] | 
             "embed_dim": int(result.vectors.shape[1]), "normalized": result.normalized, "batch_size": batch_size,
             "dtype": str(dtype).removeprefix("torch."),
             "batches": result.batches, "threads": result.threads, "seconds": result.seconds,
+            "others_cpu_share": result.others_cpu_share,
             "max_length": result.max_length,
             "truncated": {"count": len(result.truncated), "lines": [i + 1 for i in result.truncated]}}
