@@ -64,3 +64,11 @@ def test_the_competing_process_runs_during_the_block_and_is_ended_after() -> Non
     assert proc.poll() is not None
     with machine.competing_process(False) as none:
         assert none is None
+
+
+@pytest.mark.parametrize("share, note", [
+    (None, None), (0.0, None), (machine.BUSY_SHARE, None),
+    (0.37, "the machine was busy: other processes used 37% of its CPUs meanwhile"),
+])
+def test_the_busy_note_is_said_only_over_the_busy_share(share: float | None, note: str | None) -> None:
+    assert machine.busy_note(share) == note

@@ -261,7 +261,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
     import torch
 
     from .embed import embed_file
-    from .machine import BUSY_SHARE
+    from .machine import busy_note
 
     bars: list[Any] = []  # the bar starts with the first batch: a refused file or model shows none
 
@@ -289,10 +289,10 @@ def cmd_embed(args: argparse.Namespace) -> int:
             f"{info['batches']} batch{'es' if info['batches'] != 1 else ''} of up to {info['batch_size']} texts "
             "sorted by length, "
             f"{info['threads']} torch threads, {info['seconds']:.2f} s")
-    others = info["others_cpu_share"]
-    if others is not None and others > BUSY_SHARE:
-        text += (f"\nthe machine was busy: other processes used {100 * others:.0f}% of its CPUs meanwhile, so "
-                 "this time says little of an idle machine's; beside a busy process, --threads 1 can be faster")
+    busy = busy_note(info["others_cpu_share"])
+    if busy is not None:
+        text += (f"\n{busy}, so this time says little of an idle machine's; "
+                 "beside a busy process, --threads 1 can be faster")
     _emit(args, info, text)
     return 0
 

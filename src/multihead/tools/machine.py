@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 __all__ = ["VECTOR_FEATURES", "cpu_model", "machine_info", "rss", "reset_peak_rss", "OthersLoad", "BUSY_SHARE",
-           "competing_process", "COMPETING_MAX_S"]
+           "competing_process", "COMPETING_MAX_S", "busy_note"]
 
 #: Other processes using more than this share of the machine's CPUs make a timing unreliable.
 BUSY_SHARE = 0.10
@@ -152,6 +152,14 @@ class OthersLoad:
     def busy(self) -> bool:
         """Other processes used more than :data:`BUSY_SHARE` of the CPUs during the block."""
         return self.share is not None and self.share > BUSY_SHARE
+
+
+def busy_note(share: float | None) -> str | None:
+    """What a timing's output says when other processes used more than :data:`BUSY_SHARE` of the
+    CPUs meanwhile (``share``, as :class:`OthersLoad` measures it); None when they did not."""
+    if share is None or share <= BUSY_SHARE:
+        return None
+    return f"the machine was busy: other processes used {100 * share:.0f}% of its CPUs meanwhile"
 
 
 @contextlib.contextmanager

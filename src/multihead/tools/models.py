@@ -34,7 +34,7 @@ from torch import nn
 from .. import hf, interop
 from ..interop.hf_patch import attention_modules
 from .trace import trace
-from .machine import BUSY_SHARE, OthersLoad, competing_process, machine_info
+from .machine import OthersLoad, busy_note, competing_process, machine_info
 
 __all__ = ["bundled_model_dir", "load_model", "load_tokenizer", "run_model", "mean_pool", "explain_config",
            "DEFAULT_TEXTS", "check_threads", "torch_threads", "timing_lines"]
@@ -424,9 +424,8 @@ def timing_lines(info: dict[str, Any]) -> list[str]:
     if info.get("competing"):
         lines.append(f"  beside one competing CPU-bound process: other processes used "
                      f"{100 * (others or 0.0):.0f}% of the CPUs meanwhile (the competing process included)")
-    elif others is not None and others > BUSY_SHARE:
-        lines.append(f"  the machine was busy: other processes used {100 * others:.0f}% of its CPUs meanwhile, "
-                     "so these times say little; run it again on an idle machine")
+    elif (busy := busy_note(others)) is not None:
+        lines.append(f"  {busy}, so these times say little; run it again on an idle machine")
     if info.get("packed"):
         lines.append("(multihead runs the padded batch on its real tokens only, mh.hf.pack_padding; Hugging Face "
                      "runs it padded)")
