@@ -422,8 +422,9 @@ def timing_lines(info: dict[str, Any]) -> list[str]:
                                                      spread["hf"], spread["multihead"]))]
     others = info["others_cpu_share"]
     if info.get("competing"):
-        lines.append(f"  beside one competing CPU-bound process: other processes used "
-                     f"{100 * (others or 0.0):.0f}% of the CPUs meanwhile (the competing process included)")
+        used = "an unknown share" if others is None else f"{100 * others:.0f}%"
+        lines.append(f"  beside one competing CPU-bound process: other processes used {used} of the CPUs "
+                     "meanwhile (the competing process included)")
     elif (busy := busy_note(others)) is not None:
         lines.append(f"  {busy}, so these times say little; run it again on an idle machine")
     if info.get("packed"):
