@@ -206,6 +206,8 @@ def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def format_embed(result: dict[str, Any]) -> str:
     """The result of :func:`run_embed` as a table per batch size (a result of one batch size with its
     ways at the top level, as earlier versions wrote, reads too)."""
+    from .machine import BUSY_SHARE
+
     c = result["corpus"]
     runs = result.get("runs") or [{k: result.get(k) for k in ("batch_size", "others_cpu_share", "ways")}]
     lines = [f"the bundled all-MiniLM-L6-v2 on {c['texts']} texts ({c['tokens']} tokens, median "
@@ -218,7 +220,7 @@ def format_embed(result: dict[str, Any]) -> str:
         if share is not None:
             lines.append(f"other processes used {share:.0%} of the CPUs meanwhile"
                          + (" (the competing process included)" if result.get("competing")
-                            else " (busy: these figures are not a verdict)" if share > 0.10 else ""))
+                            else " (busy: these figures are not a verdict)" if share > BUSY_SHARE else ""))
     lines += _format_peers(result.get("peers") or {})
     return "\n".join(lines)
 
