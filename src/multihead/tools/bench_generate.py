@@ -33,6 +33,11 @@ The load: the share of the CPUs other processes used while a job was timed
 (:class:`~multihead.tools.machine.OthersLoad`) and the load average. ``competing=True`` runs one
 CPU-bound process beside each job's timing (:func:`~multihead.tools.machine.competing_process`).
 
+``llama_bench`` (the path of llama.cpp's ``llama-bench``) adds llama.cpp as a peer of each job of
+one row (:mod:`multihead.tools.bench_llama_cpp`): the same model written as a GGUF file, float32 and
+Q8_0, timed by ``llama-bench`` straight after the job (the same competing process, if any), its
+ratios to ``HF, DynamicCache``'s medians; its tokens are not compared.
+
 Prompts run in increasing length: transformers sizes a static cache to the longest it has made
 for the model, so a shorter prompt after a longer one would attend over a longer cache.
 """
@@ -277,6 +282,7 @@ def _plan(default: dict[str, Any], prompts: Sequence[int] | None, batches: Seque
 def run_generate_jobs(*, models: Sequence[str] | None = None, prompts: Sequence[int] | None = None,
                       batches: Sequence[int] | None = None, new_tokens: int | None = None, reps: int | None = None,
                       competing: bool = False, compiled: bool = True, quick: bool = False,
+                      llama_bench: str | None = None,
                       progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Time whole ``generate`` calls the :data:`WAYS` (see the module's docstring); the results as JSON data.
 
@@ -290,17 +296,24 @@ def run_generate_jobs(*, models: Sequence[str] | None = None, prompts: Sequence[
         compiled: also the two compiled ways (each compiles in its untimed calls: minutes at full size).
         quick: :data:`QUICK_MODELS` and :data:`QUICK`'s prompts, batches, tokens and reps (seconds),
             where not given.
+        llama_bench: llama.cpp's ``llama-bench``, timed on each job of one row (see the module's docstring).
         progress: called with a short line before each job.
 
     Returns:
         ``{"case", "machine", "threads", "competing", "new_tokens", "reps", "untimed", "models": {name: {"sizes",
         "parameters"}}, "jobs": [{"model", "prompt", "batch", "row_lengths", "others_cpu_share",
-        "load_average", "adapter_paths", "ways": {way: stats}}], "mismatches": [line]}``.
+        "load_average", "adapter_paths", "ways": {way: stats}, "peers": {name: rates} (with
+        ``llama_bench``, B = 1)}], "mismatches": [line]}``.
 
     Raises:
         ValueError: an unknown model name, a size that is not a positive integer, ``new_tokens`` < 2.
+        FileNotFoundError: ``llama_bench`` is not an executable file (before any work).
     """
     from . import machine
+    from .bench_llama_cpp import check_binary
+
+    if llama_bench is not None:
+        check_binary(llama_bench)
 
     table = QUICK_MODELS if quick else MODELS
     names = list(models) if models is not None else list(table)
@@ -313,12 +326,13 @@ def run_generate_jobs(*, models: Sequence[str] | None = None, prompts: Sequence[
                               "threads": torch.get_num_threads(), "competing": competing, "new_tokens": n,
                               "reps": r, "untimed": _WARMUP[compiled], "models": {}, "jobs": [], "mismatches": []}
     for name in names:
-        _run_model(name, table[name], lengths, sizes_b, n, r, competing, compiled, say, result)
+        _run_model(name, table[name], lengths, sizes_b, n, r, competing, compiled, say, result, llama_bench)
     return result
 
 
 def _run_model(name: str, sizes: dict[str, Any], lengths: list[int], batches: list[int], new_tokens: int,
-               reps: int, competing: bool, compiled: bool, say: Callable[[str], None], result: dict[str, Any]) -> None:
+               reps: int, competing: bool, compiled: bool, say: Callable[[str], None], result: dict[str, Any],
+               llama_bench: str | None = None) -> None:
     """Every job of one model, appended to ``result``."""
     say(f"building two {sizes['arch']} models ({sizes['layers']} layers, E={sizes['embed_dim']})")
     hf, patched = make_models(sizes)
@@ -336,8 +350,33 @@ def _run_model(name: str, sizes: dict[str, Any], lengths: list[int], batches: li
                 job = _job(ways, b, new_tokens, reps, competing, _WARMUP[compiled])
                 job = {"model": name, "prompt": p, "batch": b, "row_lengths": mask.sum(1).tolist(),
                        "adapter_paths": sorted(set(map(str, adapter.paths))), **job}
+                if llama_bench is not None and b == 1:
+                    say(f"{name}: P={p}, llama.cpp's llama-bench, {reps} repetitions")
+                    job["peers"] = _llama_cpp_peers(llama_bench, hf, job, new_tokens, reps, competing)
                 result["jobs"].append(job)
                 result["mismatches"] += _mismatch_lines(job)
+
+
+def _llama_cpp_peers(llama_bench: str, model: Any, job: dict[str, Any], new_tokens: int, reps: int,
+                     competing: bool) -> dict[str, Any]:
+    """llama.cpp's rates on ``job``'s prompt (:func:`~multihead.tools.bench_llama_cpp.llama_cpp_rates`),
+    each with its ratios to the medians of :data:`BASE` (``ttft_speedup``, ``decode_speedup``)."""
+    import tempfile
+
+    from . import machine
+    from .bench_llama_cpp import llama_cpp_rates, make_ggufs
+
+    threads = torch.get_num_threads()
+    with tempfile.TemporaryDirectory(prefix="multihead-gguf-") as work:
+        files = make_ggufs(llama_bench, model, work, threads)
+        with machine.competing_process(competing):
+            peers = llama_cpp_rates(llama_bench, files, prompt=job["prompt"], new_tokens=new_tokens,
+                                    threads=threads, reps=reps)
+    base = job["ways"][BASE]
+    for rates in peers.values():
+        rates["ttft_speedup"] = base["ttft_s"]["median"] / rates["ttft_s"]["median"]
+        rates["decode_speedup"] = rates["decode_tokens_per_s"]["median"] / base["decode_tokens_per_s"]["median"]
+    return peers
 
 
 def _mismatch_lines(job: dict[str, Any]) -> list[str]:
@@ -381,10 +420,19 @@ def _job_lines(job: dict[str, Any], competing: bool) -> list[str]:
             f"  {'way':<37}{'TTFT ms (min-max)':>26}{'vs HF':>7}{'paired':>7}"
             f"{'decode tok/s (min-max)':>27}{'vs HF':>7}{'paired':>7}  tokens"]
     for way, r in job["ways"].items():
-        t, d = r["ttft_s"], r["decode_tokens_per_s"]
-        ttft = f"{t['median'] * 1e3:.1f} ({t['min'] * 1e3:.1f}-{t['max'] * 1e3:.1f})"
-        rate = f"{d['median']:.1f} ({d['min']:.1f}-{d['max']:.1f})"
+        ttft, rate = _cells(r)
         head.append(f"  {way:<37}{ttft:>26}{r['ttft_speedup']:>6.2f}x{r['ttft_paired_speedup']:>6.2f}x"
                     f"{rate:>27}{r['decode_speedup']:>6.2f}x{r['decode_paired_speedup']:>6.2f}x  "
                     + ("equal" if r["tokens_equal"] else "DIFFER"))
+    for peer, r in job.get("peers", {}).items():  # timed after the job, not round-robin: no paired ratio
+        ttft, rate = _cells(r)
+        head.append(f"  {peer:<37}{ttft:>26}{r['ttft_speedup']:>6.2f}x{'-':>7}"
+                    f"{rate:>27}{r['decode_speedup']:>6.2f}x{'-':>7}  not compared")
     return head
+
+
+def _cells(r: dict[str, Any]) -> tuple[str, str]:
+    """A row's time to first token in ms and decode rate in tokens/s, each median (min-max)."""
+    t, d = r["ttft_s"], r["decode_tokens_per_s"]
+    return (f"{t['median'] * 1e3:.1f} ({t['min'] * 1e3:.1f}-{t['max'] * 1e3:.1f})",
+            f"{d['median']:.1f} ({d['min']:.1f}-{d['max']:.1f})")

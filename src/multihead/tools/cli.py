@@ -196,7 +196,8 @@ def _bench_generate_jobs(args: argparse.Namespace) -> int:
         return _bench_decode_curve(args)
     result = bench_generate.run_generate_jobs(
         models=args.gen_models, prompts=args.gen_prompts, batches=args.gen_batches, new_tokens=args.new_tokens,
-        reps=args.reps, competing=args.competing, compiled=not args.no_compile, quick=args.quick, progress=_say)
+        reps=args.reps, competing=args.competing, compiled=not args.no_compile, quick=args.quick,
+        llama_bench=args.llama_bench, progress=_say)
     return _write_result(args, result, "generate_jobs.json", bench_generate.format_generate_jobs(result))
 
 
@@ -405,6 +406,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "with them)")
     p.add_argument("--no-compile", action="store_true",
                    help="with --generate-jobs: without the two compiled ways (compiling takes minutes)")
+    p.add_argument("--llama-bench", default=None, metavar="PATH",
+                   help="with --generate-jobs: llama.cpp's llama-bench (built from its source), timed on the same "
+                        "model written as GGUF (float32, and Q8_0 with llama-quantize beside it) after each job "
+                        "of one row; needs the gguf package")
     p.add_argument("--embed", action="store_true",
                    help="instead of the suite: the embedding job, a corpus of 512 texts through the bundled model, "
                         "against sentence-transformers (a minute; --quick: seconds)")
@@ -493,7 +498,7 @@ def _refuse_generate_options(parser: argparse.ArgumentParser, args: argparse.Nam
     """Refuse ``bench``'s options that apply to ``--generate-jobs`` only, by name."""
     for flag, dest in (("--model", "gen_models"), ("--prompt", "gen_prompts"), ("--batch", "gen_batches"),
                        ("--new-tokens", "new_tokens"), ("--reps", "reps"), ("--competing", "competing"),
-                       ("--no-compile", "no_compile"), ("--curve", "curve")):
+                       ("--no-compile", "no_compile"), ("--curve", "curve"), ("--llama-bench", "llama_bench")):
         if (dest == "reps" and (args.embed or args.families is not None)) or (dest == "competing" and args.embed):
             continue
         if getattr(args, dest) not in (None, False):
@@ -505,7 +510,7 @@ def _refuse_generate_options(parser: argparse.ArgumentParser, args: argparse.Nam
 def _refuse_curve_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse, by name, the ``--generate-jobs`` options a ``--curve`` run does not take."""
     for flag, dest in (("--batch", "gen_batches"), ("--new-tokens", "new_tokens"), ("--competing", "competing"),
-                       ("--no-compile", "no_compile")):
+                       ("--no-compile", "no_compile"), ("--llama-bench", "llama_bench")):
         if getattr(args, dest) not in (None, False):
             _refuse(parser, f"{flag} does not apply to --curve (one row, eager ways, --reps timed steps)")
 
