@@ -152,3 +152,26 @@ def test_the_readme_embedding_table_is_its_results_files() -> None:
                    f"({ours['paired_speedup']:.2f}× paired) | {_sentences(ways['ST backend=onnx'], texts)} | "
                    f"{_sentences(ways['ST backend=openvino'], texts)} |")
             assert row in readme, row
+
+
+def test_the_readme_llama_cpp_ratios_are_their_results_files() -> None:
+    """The README's ratios against llama.cpp: the medians of the two files the performance page shows."""
+    import json
+
+    readme = " ".join((ROOT / "README.md").read_text("utf-8").split())
+    ours, f32, q8 = "patched + KVCacheAdapter", "llama.cpp, F32 GGUF", "llama.cpp, Q8_0 GGUF"
+    ratios: dict[str, list[float]] = {"decode": [], "first": [], "q8": []}
+    for name in ("llama", "qwen3"):
+        path = ROOT / "docs" / "results" / "generate_jobs" / f"amd-epyc-zen3-avx2-{name}-512-llamacpp.json"
+        result = json.loads(path.read_text("utf-8"))
+        (job,) = result["jobs"]
+        assert result["machine"]["cpu"] == "AMD EPYC" and job["batch"] == 1 and job["prompt"] == 512
+        rows = {**job["ways"], **job["peers"]}
+        rate = {way: rows[way]["decode_tokens_per_s"]["median"] for way in (ours, f32, q8)}
+        ratios["decode"].append(rate[f32] / rate[ours])
+        ratios["first"].append(rows[f32]["ttft_s"]["median"] / rows[ours]["ttft_s"]["median"])
+        ratios["q8"].append(rate[q8] / rate[ours])
+    llama, qwen3 = (f"{x:.2f}" for x in ratios["decode"])
+    assert f"decodes the Llama at {llama}× our rate and the Qwen3 at {qwen3}×" in readme
+    assert "our first tokens come {:.2f}× and {:.2f}× sooner".format(*ratios["first"]) in readme
+    assert "Q8_0 files decode {:.2f}× and {:.2f}× faster than our float32".format(*ratios["q8"]) in readme
