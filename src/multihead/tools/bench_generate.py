@@ -35,7 +35,7 @@ CPU-bound process beside each job's timing (:func:`~multihead.tools.machine.comp
 
 ``llama_bench`` (the path of llama.cpp's ``llama-bench``) adds llama.cpp as a peer of each job of
 one row (:mod:`multihead.tools.bench_llama_cpp`): the same model written as a GGUF file, float32 and
-Q8_0, timed by ``llama-bench`` straight after the job (the same competing process, if any), its
+Q8_0, timed by ``llama-bench`` straight after the job (beside a competing process if the job had one), its
 ratios to ``HF, DynamicCache``'s medians; its tokens are not compared.
 
 Prompts run in increasing length: transformers sizes a static cache to the longest it has made
