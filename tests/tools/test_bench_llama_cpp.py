@@ -36,6 +36,8 @@ print(json.dumps([{"n_prompt": p, "n_gen": n, "n_depth": d, "avg_ts": sum(rate) 
 _FAKE_QUANTIZE = """\
 import shutil, sys
 assert sys.argv[3] == "Q8_0", sys.argv
+with open(__file__ + ".log", "a") as log:
+    log.write(sys.argv[1] + "\\n")
 shutil.copyfile(sys.argv[1], sys.argv[2])
 """
 
@@ -149,10 +151,14 @@ def test_without_llama_quantize_only_the_f32_file_is_timed(fake_llama_cpp: Path,
 
 
 def test_generate_jobs_put_the_peer_in_the_one_row_jobs_table(fake_llama_cpp: Path) -> None:
-    result = bench_generate.run_generate_jobs(models=["llama"], quick=True, compiled=False,
+    """Each one-row job has the peer's rows, from GGUF files written once per model (two prompts here)."""
+    result = bench_generate.run_generate_jobs(models=["llama"], prompts=[6, 12], quick=True, compiled=False,
                                               llama_bench=str(fake_llama_cpp))
-    one, padded = result["jobs"]
-    assert "peers" not in padded and list(one["peers"]) == ["llama.cpp, F32 GGUF", "llama.cpp, Q8_0 GGUF"]
+    short, padded_short, one, padded = result["jobs"]
+    assert "peers" not in padded and "peers" not in padded_short and short["peers"].keys() == one["peers"].keys()
+    assert list(one["peers"]) == ["llama.cpp, F32 GGUF", "llama.cpp, Q8_0 GGUF"]
+    written = fake_llama_cpp.with_name("llama-quantize.log").read_text().splitlines()
+    assert len(written) == 1 and not Path(written[0]).exists()  # quantized once; the folder is gone after
     peer, base = one["peers"]["llama.cpp, F32 GGUF"], one["ways"][bench_generate.BASE]
     assert bench_generate.QUICK["reps"] == 1  # the stand-in's rates: prompt 100 tokens/s, decode 10
     assert peer["decode_speedup"] == pytest.approx(10.0 / base["decode_tokens_per_s"]["median"])

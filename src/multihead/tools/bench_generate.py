@@ -338,7 +338,8 @@ def _run_model(name: str, sizes: dict[str, Any], lengths: list[int], batches: li
     hf, patched = make_models(sizes)
     result["models"][name] = {"sizes": dict(sizes), "parameters": sum(p.numel() for p in hf.parameters())}
     forwards = {"hf": torch.compile(hf.forward), "patched": torch.compile(patched.forward)} if compiled else None
-    with torch.inference_mode():
+    peer = _LlamaCpp(llama_bench, hf) if llama_bench is not None else None
+    with torch.inference_mode(), peer if peer is not None else contextlib.nullcontext():
         for p in lengths:
             for b in batches:
                 say(f"{name}: P={p}, B={b}, N={new_tokens}, {reps} timed calls each way after "
@@ -350,33 +351,47 @@ def _run_model(name: str, sizes: dict[str, Any], lengths: list[int], batches: li
                 job = _job(ways, b, new_tokens, reps, competing, _WARMUP[compiled])
                 job = {"model": name, "prompt": p, "batch": b, "row_lengths": mask.sum(1).tolist(),
                        "adapter_paths": sorted(set(map(str, adapter.paths))), **job}
-                if llama_bench is not None and b == 1:
+                if peer is not None and b == 1:
                     say(f"{name}: P={p}, llama.cpp's llama-bench, {reps} repetitions")
-                    job["peers"] = _llama_cpp_peers(llama_bench, hf, job, new_tokens, reps, competing)
+                    job["peers"] = peer.rates(job, new_tokens, reps, competing)
                 result["jobs"].append(job)
                 result["mismatches"] += _mismatch_lines(job)
 
 
-def _llama_cpp_peers(llama_bench: str, model: Any, job: dict[str, Any], new_tokens: int, reps: int,
-                     competing: bool) -> dict[str, Any]:
-    """llama.cpp's rates on ``job``'s prompt (:func:`~multihead.tools.bench_llama_cpp.llama_cpp_rates`),
-    each with its ratios to the medians of :data:`BASE` (``ttft_speedup``, ``decode_speedup``)."""
-    import tempfile
+class _LlamaCpp:
+    """llama.cpp on one model (:mod:`multihead.tools.bench_llama_cpp`): its GGUF files, written once in
+    a folder that lasts as long as this context, timed on each job it is given."""
 
-    from . import machine
-    from .bench_llama_cpp import llama_cpp_rates, make_ggufs
+    def __init__(self, llama_bench: str, model: Any) -> None:
+        self.binary, self.model = llama_bench, model
+        self.files: dict[str, Any] = {}
 
-    threads = torch.get_num_threads()
-    with tempfile.TemporaryDirectory(prefix="multihead-gguf-") as work:
-        files = make_ggufs(llama_bench, model, work, threads)
+    def __enter__(self) -> "_LlamaCpp":
+        import tempfile
+
+        self.work = tempfile.TemporaryDirectory(prefix="multihead-gguf-")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.work.cleanup()
+
+    def rates(self, job: dict[str, Any], new_tokens: int, reps: int, competing: bool) -> dict[str, Any]:
+        """llama.cpp's rates on ``job``'s prompt (:func:`~multihead.tools.bench_llama_cpp.llama_cpp_rates`),
+        each with its ratios to the medians of :data:`BASE` (``ttft_speedup``, ``decode_speedup``)."""
+        from . import machine
+        from .bench_llama_cpp import llama_cpp_rates, make_ggufs
+
+        threads = torch.get_num_threads()
+        if not self.files:
+            self.files = make_ggufs(self.binary, self.model, self.work.name, threads)
         with machine.competing_process(competing):
-            peers = llama_cpp_rates(llama_bench, files, prompt=job["prompt"], new_tokens=new_tokens,
+            peers = llama_cpp_rates(self.binary, self.files, prompt=job["prompt"], new_tokens=new_tokens,
                                     threads=threads, reps=reps)
-    base = job["ways"][BASE]
-    for rates in peers.values():
-        rates["ttft_speedup"] = base["ttft_s"]["median"] / rates["ttft_s"]["median"]
-        rates["decode_speedup"] = rates["decode_tokens_per_s"]["median"] / base["decode_tokens_per_s"]["median"]
-    return peers
+        base = job["ways"][BASE]
+        for r in peers.values():
+            r["ttft_speedup"] = base["ttft_s"]["median"] / r["ttft_s"]["median"]
+            r["decode_speedup"] = r["decode_tokens_per_s"]["median"] / base["decode_tokens_per_s"]["median"]
+        return peers
 
 
 def _mismatch_lines(job: dict[str, Any]) -> list[str]:
