@@ -175,3 +175,12 @@ def test_the_readme_llama_cpp_ratios_are_their_results_files() -> None:
     assert f"decodes the Llama at {llama}× our rate and the Qwen3 at {qwen3}×" in readme
     assert "our first tokens come {:.2f}× and {:.2f}× sooner".format(*ratios["first"]) in readme
     assert "Q8_0 files decode {:.2f}× and {:.2f}× faster than our float32".format(*ratios["q8"]) in readme
+    settings = []
+    for name in ("1thread", "competing"):
+        path = ROOT / "docs" / "results" / "generate_jobs" / f"amd-epyc-zen3-avx2-llama-512-llamacpp-{name}.json"
+        result = json.loads(path.read_text("utf-8"))
+        assert result["threads"] == (1 if name == "1thread" else 2) and result["competing"] == (name == "competing")
+        (job,) = result["jobs"]
+        rows = {**job["ways"], **job["peers"]}
+        settings.append(rows[f32]["decode_tokens_per_s"]["median"] / rows[ours]["decode_tokens_per_s"]["median"])
+    assert "the Llama at {:.2f}× at one thread and {:.2f}× beside a competing process".format(*settings) in readme
