@@ -117,7 +117,11 @@ def test_other_architectures_and_scaled_rotary_are_refused(tmp_path: Path) -> No
                                           rope_scaling={"rope_type": "linear", "factor": 2.0}))
     with pytest.raises(ValueError, match="plain rotary positions"):
         bench_llama_cpp.write_gguf(scaled, tmp_path / "s.gguf")
-    assert not (tmp_path / "g.gguf").exists() and not (tmp_path / "s.gguf").exists()
+    biased = LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
+                                          intermediate_size=32, vocab_size=32, mlp_bias=True))
+    with pytest.raises(ValueError, match="no biases.*'mlp_bias': True"):
+        bench_llama_cpp.write_gguf(biased, tmp_path / "b.gguf")
+    assert not any(tmp_path.iterdir())
 
 
 def test_llama_bench_output_is_parsed_into_spreads() -> None:

@@ -68,7 +68,7 @@ def write_gguf(model: Any, path: str | os.PathLike[str]) -> Path:
         ``path`` as a :class:`~pathlib.Path`.
 
     Raises:
-        ValueError: another architecture, or a rotary scaling or bias this writer does not carry.
+        ValueError: another architecture, or a rotary scaling, bias or sliding window this writer does not carry.
         ModuleNotFoundError: the ``gguf`` package is not installed.
     """
     cfg = model.config
@@ -77,9 +77,11 @@ def write_gguf(model: Any, path: str | os.PathLike[str]) -> Path:
         raise ValueError(f"model must be one of the model types {sorted(GGUF_ARCHS)}, got "
                          f"{getattr(cfg, 'model_type', type(model).__name__)!r}")
     rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": getattr(cfg, "rope_theta", 10000.0)}
-    if rope.get("rope_type", "default") != "default" or getattr(cfg, "attention_bias", False):
-        raise ValueError(f"model must have plain rotary positions and no attention bias, got rope "
-                         f"{rope.get('rope_type')!r}, attention_bias={getattr(cfg, 'attention_bias', False)}")
+    unwritten = ("attention_bias", "mlp_bias", "use_sliding_window")  # settings this writer leaves out
+    extras = {k: getattr(cfg, k) for k in unwritten if getattr(cfg, k, False)}
+    if rope.get("rope_type", "default") != "default" or extras:
+        raise ValueError(f"model must have plain rotary positions, no biases and no sliding window, got rope "
+                         f"{rope.get('rope_type')!r}, {extras or 'no others'}")
     import gguf
 
     writer = gguf.GGUFWriter(str(path), arch)
