@@ -168,9 +168,10 @@ def test_generate_jobs_put_the_peer_in_the_one_row_jobs_table(fake_llama_cpp: Pa
     assert peer["decode_speedup"] == pytest.approx(10.0 / base["decode_tokens_per_s"]["median"])
     assert peer["ttft_speedup"] == pytest.approx(base["ttft_s"]["median"] / (12 / 100.0))
     lines = bench_generate.format_generate_jobs(result).splitlines()
-    row = next(line for line in lines if line.strip().startswith("llama.cpp, Q8_0 GGUF"))
-    assert row.endswith("not compared") and f"{peer['decode_speedup']:.2f}x" in next(
-        line for line in lines if line.strip().startswith("llama.cpp, F32 GGUF"))
+    q8_rows = [line for line in lines if line.strip().startswith("llama.cpp, Q8_0 GGUF")]
+    f32_rows = [line for line in lines if line.strip().startswith("llama.cpp, F32 GGUF")]
+    assert len(q8_rows) == len(f32_rows) == 2 and all(row.endswith("not compared") for row in q8_rows + f32_rows)
+    assert f"{peer['decode_speedup']:.2f}x" in f32_rows[1]  # the job of 12 tokens, after the one of 6
 
 
 def test_a_missing_llama_bench_is_refused_before_any_work(tmp_path: Path, capsys: pytest.CaptureFixture[str],
