@@ -128,13 +128,13 @@ def test_llama_bench_output_is_parsed_into_spreads() -> None:
     rows = [{"n_prompt": 64, "n_gen": 0, "n_depth": 0, "samples_ts": [100.0, 200.0, 160.0]},
             {"n_prompt": 0, "n_gen": 8, "n_depth": 64, "samples_ts": [20.0, 22.0, 21.0]},
             {"n_prompt": 0, "n_gen": 8, "n_depth": 0, "samples_ts": [99.0]}]
-    rates = bench_llama_cpp.parse_llama_bench(json.dumps(rows), prompt=64, new_tokens=8)
+    rates = bench_llama_cpp.parse_llama_bench(rows, prompt=64, new_tokens=8)
     assert rates["decode_tokens_per_s"]["median"] == 21.0  # the test at depth 64, not at 0
     assert rates["prompt_tokens_per_s"] == {"median": 160.0, "min": 100.0, "max": 200.0,
                                             "values": [100.0, 200.0, 160.0]}
     assert rates["ttft_s"]["median"] == 64 / 160.0 and rates["ttft_s"]["max"] == 64 / 100.0
     with pytest.raises(ValueError, match="must hold pp64 and tg8 at depth 64"):
-        bench_llama_cpp.parse_llama_bench(json.dumps(rows[:1]), prompt=64, new_tokens=8)
+        bench_llama_cpp.parse_llama_bench(rows[:1], prompt=64, new_tokens=8)
 
 
 def test_the_peer_times_f32_and_q8_files_with_the_jobs_threads(fake_llama_cpp: Path, tmp_path: Path) -> None:

@@ -80,7 +80,7 @@ from . import bench_overhead as overhead
 from .machine import machine_info, reset_peak_rss, rss
 
 __all__ = ["time_interleaved", "machine_limits", "run_suite", "format_report", "write_json", "plot", "save_figure",
-           "measure_memory", "memory_probe", "paired_speedup"]
+           "measure_memory", "memory_probe", "paired_speedup", "spread"]
 
 Fn = Callable[[], object]
 Result = dict[str, Any]
@@ -743,6 +743,11 @@ def paired_speedup(ours: Result, peer: Result) -> float:
     :func:`time_interleaved`: the machine's drift between rounds (other jobs, a VM's bandwidth state)
     cancels, so it is steadier than the ratio of the two medians ("speedup")."""
     return statistics.median(p / o for p, o in zip(peer["times_s"], ours["times_s"]))
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    """``{"median", "min", "max", "values"}`` of repeated measurements (the benchmarks' JSON rows)."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
 
 
 def write_json(suite: dict[str, Any], path: str | os.PathLike[str]) -> Path:

@@ -46,14 +46,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from .bench import paired_speedup, time_interleaved
+from .bench import paired_speedup, spread, time_interleaved
 
 __all__ = ["run_generate_jobs", "make_prompts", "make_models", "format_generate_jobs", "MODELS", "QUICK_MODELS", "WAYS",
            "PROMPTS", "BATCHES", "NEW_TOKENS", "FULL", "QUICK"]
@@ -242,12 +242,8 @@ def _stats(stamps: list[tuple[float, float]], decode_tokens: int) -> dict[str, A
     """Per call (time to first token, the rest) -> their medians and spreads, the decode rate in tokens/s."""
     ttft = [first for first, _ in stamps]
     rates = [decode_tokens / rest for _, rest in stamps]
-    return {"ttft_s": _spread(ttft), "decode_tokens_per_s": _spread(rates),
-            "total_s": _spread([first + rest for first, rest in stamps])}
-
-
-def _spread(values: list[float]) -> dict[str, Any]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
+    return {"ttft_s": spread(ttft), "decode_tokens_per_s": spread(rates),
+            "total_s": spread([first + rest for first, rest in stamps])}
 
 
 def _ratios(row: dict[str, Any], base: dict[str, Any]) -> dict[str, float]:
@@ -364,7 +360,7 @@ class _LlamaCpp:
 
     def __init__(self, llama_bench: str, model: Any) -> None:
         self.binary, self.model = llama_bench, model
-        self.files: dict[str, Any] = {}
+        self.files: dict[str, Path] = {}
 
     def __enter__(self) -> "_LlamaCpp":
         import tempfile

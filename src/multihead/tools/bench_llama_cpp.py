@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .bench import spread
 
 __all__ = ["write_gguf", "make_ggufs", "llama_cpp_rates", "parse_llama_bench", "check_binary", "GGUF_ARCHS",
            "QUANTIZED"]
@@ -92,9 +93,8 @@ def write_gguf(model: Any, path: str | os.PathLike[str]) -> Path:
     tensors["output_norm.weight"] = model.model.norm.weight
     if not cfg.tie_word_embeddings:
         tensors["output.weight"] = model.lm_head.weight
-    with torch.no_grad():
-        for name, t in tensors.items():
-            writer.add_tensor(name, t.detach().float().contiguous().numpy())
+    for name, t in tensors.items():
+        writer.add_tensor(name, t.detach().float().contiguous().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -128,8 +128,9 @@ def _write_metadata(writer: Any, cfg: Any, rope_theta: float) -> None:
     writer.add_add_bos_token(False)
 
 
-def parse_llama_bench(text: str, prompt: int, new_tokens: int) -> dict[str, Any]:
-    """``llama-bench -o json``'s output -> ``{"ttft_s", "prompt_tokens_per_s", "decode_tokens_per_s"}``,
+def parse_llama_bench(rows: list[dict[str, Any]], prompt: int, new_tokens: int) -> dict[str, Any]:
+    """``llama-bench -o json``'s rows (of one or more runs) -> ``{"ttft_s", "prompt_tokens_per_s",
+    "decode_tokens_per_s"}``,
     each ``{"median", "min", "max", "values"}`` over its repetitions (``ttft_s``: ``prompt`` over each
     prompt rate).
 
@@ -137,7 +138,6 @@ def parse_llama_bench(text: str, prompt: int, new_tokens: int) -> dict[str, Any]
         ValueError: the output lacks the prompt test (``n_prompt`` = ``prompt`` on an empty cache) or the
             decode test (``n_gen`` = ``new_tokens`` at a depth of ``prompt``).
     """
-    rows = json.loads(text)
     pp = [r for r in rows if r.get("n_prompt") == prompt and r.get("n_gen") == 0 and r.get("n_depth", 0) == 0]
     tg = [r for r in rows if r.get("n_prompt") == 0 and r.get("n_gen") == new_tokens
           and r.get("n_depth", 0) == prompt]
@@ -146,12 +146,7 @@ def parse_llama_bench(text: str, prompt: int, new_tokens: int) -> dict[str, Any]
                          f"{[(r.get('n_prompt'), r.get('n_gen'), r.get('n_depth')) for r in rows]}")
     rates = {"prompt_tokens_per_s": pp[0]["samples_ts"], "decode_tokens_per_s": tg[0]["samples_ts"]}
     rates["ttft_s"] = [prompt / r for r in rates["prompt_tokens_per_s"]]
-    return {name: _spread([float(v) for v in values]) for name, values in rates.items()}
-
-
-def _spread(values: list[float]) -> dict[str, Any]:
-    """Median, min, max and the values."""
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
+    return {name: spread([float(v) for v in values]) for name, values in rates.items()}
 
 
 def make_ggufs(llama_bench: str | os.PathLike[str], model: Any, work_dir: str | os.PathLike[str],
@@ -190,8 +185,7 @@ def llama_cpp_rates(llama_bench: str | os.PathLike[str], files: dict[str, Path],
     for kind, file in files.items():
         first = _run([binary, "-m", str(file), *common, "-p", str(prompt), "-n", "0"])
         then = _run([binary, "-m", str(file), *common, "-p", "0", "-n", str(new_tokens), "-d", str(prompt)])
-        text = json.dumps(json.loads(first) + json.loads(then))
-        out[f"llama.cpp, {kind} GGUF"] = parse_llama_bench(text, prompt, new_tokens)
+        out[f"llama.cpp, {kind} GGUF"] = parse_llama_bench(json.loads(first) + json.loads(then), prompt, new_tokens)
     return out
 
 
