@@ -136,6 +136,16 @@ def linears(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | Non
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+def _operands(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
+    """x, then each layer's weight and bias (where there is one)."""
+    found = [x]
+    for w, b in layers:
+        found.append(w)
+        if b is not None:
+            found.append(b)
+    return found
+
+
 def few_rows(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor] | None:
     """``[x · wᵀ + b for w, b in layers]`` on the native few-row kernel, or None where it does not
     apply: more than :data:`multihead.backends.native.MAX_STEP_ROWS` rows, autograd, autocast,
@@ -156,18 +166,21 @@ def few_rows(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | No
     """
     if native.ops.symbolic(x):  # a graph for a range of sizes: comparing them would narrow it
         return None
-    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0  # N
-    if not 0 < rows <= native.MAX_STEP_ROWS or torch.is_autocast_enabled("cpu"):
-        return None
-    params = [t for layer in layers for t in layer if t is not None]
-    if (x.device.type != "cpu" or any(type(t) not in _PLAIN or t.dtype != torch.float32 for t in [x, *params])
-            or not all(t.is_contiguous() for t in params) or needs_grad(x, *params)
-            or native.vector_bits() < 256):  # AVX-512 or AVX2 (measured: 1.2-1.7× oneDNN's on AVX2;
-        # 5 to 8 rows, Intel Xeon, 1 thread: 0.44-0.72× torch's time with the AVX-512 build, 0.69-0.97× with AVX2's)
-        return None
-    x2 = x.reshape(rows, x.shape[-1]).contiguous()  # (rows, in)
+    shape = x.shape
+    rows = x.numel() // shape[-1] if shape and shape[-1] else 0  # N
+    if not 0 < rows <= native.MAX_STEP_ROWS or torch.is_autocast_enabled("cpu") or native.vector_bits() < 256:
+        return None  # AVX-512 or AVX2 (measured: 1.2-1.7× oneDNN's on AVX2; 5 to 8 rows, Intel Xeon,
+        # 1 thread: 0.44-0.72× torch's time with the AVX-512 build, 0.69-0.97× with AVX2's)
+    grad = torch.is_grad_enabled()
+    for t in _operands(x, layers):
+        if (type(t) not in _PLAIN or t.dtype != torch.float32 or not t.is_cpu or (grad and t.requires_grad)
+                or (t is not x and not t.is_contiguous())):
+            return None
+    x2 = x.reshape(rows, shape[-1]).contiguous()  # (rows, in)
     if torch.compiler.is_compiling():
         outs = native.ops.linear_few_rows(x2, [w for w, _ in layers], [b for _, b in layers])
     else:
         outs = native.linear_few_rows(x2, layers)
-    return [o.view(*x.shape[:-1], o.shape[-1]) for o in outs]
+    if len(shape) == 2:
+        return outs
+    return [o.view(*shape[:-1], o.shape[-1]) for o in outs]

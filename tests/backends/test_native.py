@@ -163,6 +163,27 @@ def test_few_row_linear_matches_float64(m: int, k_in: int) -> None:
         assert out.shape == (m, w.shape[0]) and err <= 2 * naive_err + 8 * 2.0**-23 * want.abs().max(), (err, naive_err)
 
 
+def test_few_row_linear_outputs_ignore_the_default_dtype_and_device() -> None:
+    """The outputs the kernel writes are float32 CPU tensors whatever ``torch.set_default_dtype``
+    and ``torch.set_default_device`` say (a float64 buffer would be filled with float32 bits, a
+    meta one has no memory), and a bad layer is named."""
+    x, w = torch.randn(2, 16), torch.randn(8, 16)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    torch.set_default_device("meta")
+    try:
+        (out,) = native.linear_few_rows(x, [(w, None)])
+    finally:
+        torch.set_default_device(None)
+        torch.set_default_dtype(before)
+    assert out.dtype == torch.float32 and out.device.type == "cpu"
+    torch.testing.assert_close(out, x @ w.T, atol=1e-5, rtol=1e-5)
+    with pytest.raises(TypeError, match=r"layers\[1\]\[1\] must be a contiguous float32"):
+        native.linear_few_rows(x, [(w, None), (w, torch.zeros(8, dtype=torch.float64))])
+    with pytest.raises(ValueError, match=r"layers\[0\] weight must be \(N, 16\), got \[8, 15\]"):
+        native.linear_few_rows(x, [(w[:, :15].contiguous(), None)])
+
+
 def test_linear_uses_the_few_row_kernel_only_without_autograd(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
     real = native.linear_few_rows
@@ -175,6 +196,33 @@ def test_linear_uses_the_few_row_kernel_only_without_autograd(monkeypatch: pytes
         torch.testing.assert_close(layer(x), y.detach(), atol=1e-6, rtol=1e-6)
         layer(torch.randn(1, native.MAX_STEP_ROWS + 1, 64))  # 9 rows: oneDNN
     assert calls == [3, 1]  # q, k, v in one call, then o_proj
+
+
+def test_kernels_write_into_cpu_buffers_under_a_default_device() -> None:
+    """Inside ``with torch.device("meta")`` (how models are built without memory) the native
+    forward, backward and fused decoding step still allocate what they write on the CPU, and
+    give the answers they give outside it (a meta buffer has no memory to write into)."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 4, 40, 32, generator=gen) for _ in range(3))
+    layer = mh.MultiHeadAttention(64, 4, num_kv_heads=2, rope=mh.RoPE(16, max_positions=64), causal=True).eval()
+    x, steps = torch.randn(1, 5, 64, generator=gen), torch.randn(3, 1, 1, 64, generator=gen)
+
+    def run() -> list[torch.Tensor]:
+        qg = q.clone().requires_grad_()
+        out = mh.attention(qg, k, v, causal=True, backend="native")
+        out.sum().backward()
+        with torch.no_grad():
+            cache = layer.new_cache(1, 16, device="cpu")
+            layer(x, cache=cache)
+            decoded = [layer(s, cache=cache) for s in steps]  # the checked step, then its repeats
+        return [out.detach(), qg.grad, *decoded]
+
+    want = run()
+    with torch.device("meta"):
+        got = run()
+    for a, b in zip(got, want):
+        assert a.device.type == "cpu"
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("sq, sk", [(511, 511), (513, 513), (200, 1100), (1025, 1025), (3, 1500)])

@@ -30,6 +30,7 @@ __all__ = ["attention_f32", "check_operator_inputs", "key_panels", "decode_f32",
            "query_tile", "QUERY_TILE", "rows_per_kv_head", "DECODE_ROWS", "LANE_KEYS", "LANE_ROWS",
            "decoding_loop_fits"]
 
+_CPU = torch.device("cpu")  # the outputs' device, named (a default device set by the user must not move them)
 
 #: Query positions per work item of the FlashAttention loop (items are (batch, K/V head, query
 #: tile)), per vector width; 48 for the others. Each item packs the keys its rows see once, so
@@ -108,7 +109,7 @@ def key_panels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: floa
     a block mask none in its empty tiles (the tests compare it with the panels the query tiles'
     sequences, structure and tiles cover)."""
     _check_logits(q, k, None, None, None, cu_seqlens)
-    counter = torch.zeros(1, dtype=torch.int64)
+    counter = torch.zeros(1, dtype=torch.int64, device=q.device)
     run_kernel("mh_attention_f32", q, k, v, scale, causal, window, None, False, query_tile(),
                logits=Logits(cu_seqlens=cu_seqlens, panels=counter, tiles=tiles))
     return int(counter.item())
@@ -262,8 +263,8 @@ class Tiles(NamedTuple):
         """The mask it stands for: bool (B|1, H|1, Sq, Sk), True = may attend."""
         c = self.classes.long()  # (Bm, Hm, nQ, nK)
         bm, hm, nq, nk = c.shape
-        tile_bytes = torch.cat((self.partial.bool(), torch.zeros(1, self.bq, self.bk, dtype=torch.bool),
-                                torch.ones(1, self.bq, self.bk, dtype=torch.bool)))  # (P + 2, bq, bk): then EMPTY, FULL
+        blank = torch.zeros(1, self.bq, self.bk, dtype=torch.bool, device=c.device)  # (1, bq, bk)
+        tile_bytes = torch.cat((self.partial.bool(), blank, ~blank))  # (P + 2, bq, bk): then EMPTY, FULL
         empty, full_tile = self.partial.shape[0], self.partial.shape[0] + 1
         pick = torch.where(c == -1, empty, torch.where(c == -2, full_tile, c))  # (Bm, Hm, nQ, nK)
         blocks = tile_bytes[pick]  # (Bm, Hm, nQ, nK, bq, bk)
@@ -334,8 +335,9 @@ def run_kernel(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    out = torch.empty_strided((b, h, sq, dv), (sq * h * dv, dv, h * dv, 1), dtype=q.dtype)  # (B, Sq, H, Dv) memory
-    lse = torch.empty((b, h, sq), dtype=torch.float32) if return_lse else None  # (B, H, Sq)
+    out = torch.empty_strided((b, h, sq, dv), (sq * h * dv, dv, h * dv, 1), dtype=q.dtype,
+                              device=q.device)  # (B, Sq, H, Dv) memory
+    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device) if return_lse else None  # (B, H, Sq)
     if mask is not None:
         mask = _expanded(mask, (b, h, sq, sk))  # strides 0 where broadcast
     qs, ks, vs = q.stride(), k.stride(), v.stride()
@@ -426,7 +428,7 @@ class PlainCall:
         strides = last[1]
         if mask is not None:  # its strides in place of the tail's zeros (9 of q, k, v, 3 of out; 4 of the mask)
             strides = (*strides[:12], *self._mask_strides(mask), *_NO_LSE_STRIDES)
-        out = torch.empty_strided(self._size, self._out_strides, dtype=self._dtype)
+        out = torch.empty_strided(self._size, self._out_strides, dtype=self._dtype, device=_CPU)
         extra = () if self._decode else (*_NO_LOGITS, query_tile())
         code = self._fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), None,
                         None if mask is None else mask.data_ptr(), self._shape, strides,

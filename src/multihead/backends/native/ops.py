@@ -253,8 +253,8 @@ def _forward_f64(lib: object, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | No
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
     q, k, v = (_rows(t) for t in (q, k, v))
     mask, mstrides = _mask_strides(mask, (b, h, sq, sk))
-    out = torch.empty((b, h, sq, dv), dtype=torch.float64)
-    lse = torch.empty((b, h, sq), dtype=torch.float64)
+    out = torch.empty((b, h, sq, dv), dtype=torch.float64, device=q.device)
+    lse = torch.empty((b, h, sq), dtype=torch.float64, device=q.device)
     strides = (*_strides(q, k, v), *(0,) * 12, *mstrides)  # dout, dq, dk, dv: unread
     _check(lib.mh_attention_forward_f64(  # type: ignore[attr-defined]
         ptr(q), ptr(k), ptr(v), ptr(mask), ptr(out), ptr(lse), (b, h, hkv, sq, sk, d, dv),
@@ -309,8 +309,9 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tenso
     common = (ptr(q_), ptr(k_), ptr(v_), ptr(do_), ptr(lse_), ptr(delta_), ptr(mask), ptr(dq), ptr(dk), ptr(dv),
               (b, h, hkv, sq, sk, d, dv_), (*_strides(q_, k_, v_, do_, dq, dk, dv), *mstrides),
               float(scale), int(causal), int(window or 0))
-    dbias = torch.empty((b, h, sq, sk) if bias_grad else (0,), dtype=torch.float32)  # the kernel writes all of it
-    drel = torch.empty((b, h, sq + sk - 1) if rel_grad else (0,), dtype=torch.float32)
+    # the kernel writes all of it
+    dbias = torch.empty((b, h, sq, sk) if bias_grad else (0,), dtype=torch.float32, device=q.device)
+    drel = torch.empty((b, h, sq + sk - 1) if rel_grad else (0,), dtype=torch.float32, device=q.device)
     if wide == torch.float64:
         code = lib.mh_attention_backward_f64(*common, torch.get_num_threads())  # type: ignore[attr-defined]
     else:

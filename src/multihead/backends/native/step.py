@@ -19,6 +19,8 @@ from .loader import require
 
 __all__ = ["MAX_STEP_ROWS", "linear_few_rows", "decode_step", "StepPlan", "Norm", "NORM_MODES"]
 
+_CPU = torch.device("cpu")  # the outputs' device, named (a default device set by the user must not move them)
+
 #: QK-norm in the step: (q weight, k weight, eps, mode), the weights of the step's dtype; mode
 #: (:data:`NORM_MODES`): 1 per head before RoPE, 2 per head after it (weights (D,) each), 3 across
 #: the whole projection before RoPE (OLMo 2 and 3: weights (H·D,) and (Hkv·D,)), plus 4 where
@@ -49,27 +51,33 @@ def linear_few_rows(
         RuntimeError: the kernel is not available (see :func:`.loader.status`).
     """
     check_tensor("x", x, ndim=2)
-    if not 1 <= x.shape[0] <= MAX_STEP_ROWS:
-        raise ValueError(f"x must have 1 to {MAX_STEP_ROWS} rows, got shape {list(x.shape)}")
-    for name, t in [("x", x)] + [(f"layers[{i}][{j}]", t) for i, layer in enumerate(layers)
-                                 for j, t in enumerate(layer) if t is not None]:
-        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
-            raise TypeError(f"{name} must be a contiguous float32 CPU tensor, got {t.dtype} on {t.device}"
-                            f"{'' if t.is_contiguous() else ', not contiguous'}")
-    for i, (w, bias) in enumerate(layers):
-        if w.dim() != 2 or w.shape[1] != x.shape[1] or w.shape[0] == 0:
-            raise ValueError(f"layers[{i}] weight must be (N, {x.shape[1]}), got {list(w.shape)}")
-        if bias is not None and tuple(bias.shape) != (w.shape[0],):
-            raise ValueError(f"layers[{i}] bias must be ({w.shape[0]},), got {list(bias.shape)}")
-    lib = require()
     m, k = x.shape
-    outs = [torch.empty((m, w.shape[0]), dtype=torch.float32) for w, _ in layers]
+    if not 1 <= m <= MAX_STEP_ROWS:
+        raise ValueError(f"x must have 1 to {MAX_STEP_ROWS} rows, got shape {list(x.shape)}")
+    _check_layout("x", x)
+    for i, (w, bias) in enumerate(layers):  # one pass; a name is only spelled out for an error
+        _check_layout(f"layers[{i}][0]", w)
+        if w.dim() != 2 or w.shape[1] != k or w.shape[0] == 0:
+            raise ValueError(f"layers[{i}] weight must be (N, {k}), got {list(w.shape)}")
+        if bias is not None:
+            _check_layout(f"layers[{i}][1]", bias)
+            if bias.shape != (w.shape[0],):
+                raise ValueError(f"layers[{i}] bias must be ({w.shape[0]},), got {list(bias.shape)}")
+    lib = require()
+    outs = [torch.empty(m, w.shape[0], dtype=torch.float32, device=_CPU) for w, _ in layers]  # whatever the defaults
     code = lib.mh_linear_few_rows_f32(
-        ptr(x), m, k, len(layers), pointers([w for w, _ in layers]), tuple(w.shape[0] for w, _ in layers),
+        x.data_ptr(), m, k, len(layers), pointers([w for w, _ in layers]), tuple(w.shape[0] for w, _ in layers),
         pointers([b for _, b in layers]), pointers(outs), torch.get_num_threads())
     if code != 0:
         raise RuntimeError(f"the native linear kernel refused the problem (code {code})")
     return outs
+
+
+def _check_layout(name: str, t: torch.Tensor) -> None:
+    """``t`` is a contiguous float32 CPU tensor, or a TypeError naming ``name``."""
+    if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous():
+        raise TypeError(f"{name} must be a contiguous float32 CPU tensor, got {t.dtype} on {t.device}"
+                        f"{'' if t.is_contiguous() else ', not contiguous'}")
 
 
 def decode_step(
@@ -124,7 +132,7 @@ def decode_step(
     _check_starts(starts, lengths)
     lib = require()
     b, e = x.shape
-    y = torch.empty((b, e), dtype=x.dtype)
+    y = torch.empty((b, e), dtype=x.dtype, device=x.device)
     cos, sin, rotary_dim, interleaved = rope if rope is not None else (None, None, 0, False)
     code = kernel(lib, "mh_decode_step_f32", x.dtype)(
         ptr(x), b, e, pointers([w for w, _ in layers]), pointers([bias for _, bias in layers]),
@@ -174,7 +182,7 @@ class StepPlan:
         cos, sin, rotary_dim, interleaved = rope if rope is not None else (None, None, 0, False)
         #: (B, 2, Hkv, D): the slots the last step wrote, as they were before (the cache puts them
         #: back if the step must be undone: :meth:`multihead.KVCache.undo_native_step`).
-        self.saved = torch.empty((rows, 2, num_kv_heads, head_dim), dtype=dtype)
+        self.saved = torch.empty((rows, 2, num_kv_heads, head_dim), dtype=dtype, device=_CPU)
         self._fn = kernel(require(), "mh_decode_step_f32", dtype)
         self._shape, self._dtype = (rows, 1, e), dtype
         self._args = (rows, e, pointers([w for w, _ in layers]), pointers([b for _, b in layers]), num_heads,
@@ -204,7 +212,7 @@ class StepPlan:
         :attr:`saved`. Nothing is written if it fails (every row must have room). ``starts``:
         as :func:`decode_step`'s (B,) int64 contiguous, checked by the caller (the kernel
         refuses a start past its row's new token)."""
-        y = torch.empty(self._shape, dtype=self._dtype)
+        y = torch.empty(self._shape, dtype=self._dtype, device=_CPU)
         code = self._fn(x.data_ptr(), *self._args, ptr(starts), y.data_ptr(), self.saved.data_ptr(),
                         torch.get_num_threads(), *self._counters)
         if code == -1:
