@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import copy
 import math
 import statistics
 from pathlib import Path
@@ -91,6 +92,25 @@ def test_report_has_a_table_per_case(suite: dict[str, Any]) -> None:
                  "core/train", "layer/train", "memory", "call/attention", "layer/bundled", "start-up"):
         assert f"== {case}" in text
     assert "torch threads" in text and "speedup" in text
+
+
+def test_report_gives_each_rows_spread_and_the_load_and_flags_busy_cases(suite: dict[str, Any]) -> None:
+    """Every timed row shows both sides' least and largest round; the report says how much of the
+    CPUs other processes used, and under a case whose rounds ran on a busy machine, that they did."""
+    timed = [r for r in suite["results"] if r["case"] != "memory"]
+    assert all(r["others_cpu_share"] is None or 0 <= r["others_cpu_share"] <= 1 for r in timed)
+    text = bench.format_report(suite)
+    ours = next(r for r in timed if r["is_ours"] and r["case"] == "core/full")
+    spread = f"{min(ours['times_s']) * 1e3:.2f}-{max(ours['times_s']) * 1e3:.2f}"
+    assert "ours ms (min-max)" in text and spread in text
+    busy = copy.deepcopy(suite)
+    for r in busy["results"]:
+        r["others_cpu_share"] = 0.45 if r["case"] == "core/full" else 0.0
+    text = bench.format_report(busy)
+    assert ("load, in the busiest case's rounds: other processes used 45% of the CPUs meanwhile "
+            "(busy: these figures are not a verdict)") in text
+    flagged = [line for line in text.splitlines() if line.startswith("  (") and "busy" in line]
+    assert len(flagged) == len({bench._label(r) for r in busy["results"] if r["case"] == "core/full"})
 
 
 def test_small_calls_are_timed_against_sdpa_and_the_bundled_layer_against_hf_bert(suite: dict[str, Any]) -> None:

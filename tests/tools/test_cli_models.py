@@ -168,7 +168,8 @@ def test_run_competing_times_the_layers_beside_a_live_cpu_bound_process(tmp_path
     assert (said in capsys.readouterr().out) is competing
 
 
-@pytest.mark.parametrize("others, said", [(0.37, "used 37% of the CPUs"), (None, "used an unknown share of the CPUs")])
+@pytest.mark.parametrize("others, said", [(0.37, "other processes used 37% of the CPUs meanwhile"),
+                                          (None, "other processes' use of the CPUs is unknown")])
 def test_the_competing_timing_says_what_share_others_used_or_that_it_is_unknown(others: float | None,
                                                                                said: str) -> None:
     info = {"ms_spread": {"hf": [(1.0, 2.0)], "multihead": [(0.5, 1.5)]}, "threads": 2,
@@ -176,8 +177,7 @@ def test_the_competing_timing_says_what_share_others_used_or_that_it_is_unknown(
             "others_cpu_share": others, "competing": True, "packed": False}
     lines = models.timing_lines(info)
     assert "on Some CPU, 2 torch threads" in lines[0] and "layer 0: Hugging Face    1.50 ms (1.00-2.00)" in lines[1]
-    assert lines[2] == (f"  beside one competing CPU-bound process: other processes {said} meanwhile "
-                        "(the competing process included)")
+    assert lines[2] == f"  beside one competing CPU-bound process: {said} (the competing process included)"
 
 
 def test_run_model_refuses_a_competing_that_is_not_a_bool() -> None:

@@ -68,7 +68,18 @@ def test_the_competing_process_runs_during_the_block_and_is_ended_after() -> Non
 
 @pytest.mark.parametrize("share, note", [
     (None, None), (0.0, None), (machine.BUSY_SHARE, None),
-    (0.37, "the machine was busy: other processes used 37% of its CPUs meanwhile"),
+    (0.37, "other processes used 37% of the CPUs meanwhile (busy: these figures are not a verdict)"),
 ])
 def test_the_busy_note_is_said_only_over_the_busy_share(share: float | None, note: str | None) -> None:
     assert machine.busy_note(share) == note
+
+
+@pytest.mark.parametrize("share, competing, note", [
+    (None, False, "other processes' use of the CPUs is unknown"),
+    (0.02, False, "other processes used 2% of the CPUs meanwhile"),
+    (0.37, False, "other processes used 37% of the CPUs meanwhile (busy: these figures are not a verdict)"),
+    (0.45, True, "other processes used 45% of the CPUs meanwhile (the competing process included)"),
+    (None, True, "other processes' use of the CPUs is unknown (the competing process included)"),
+])
+def test_every_timing_says_the_load_in_one_wording(share: float | None, competing: bool, note: str) -> None:
+    assert machine.load_note(share, competing) == note

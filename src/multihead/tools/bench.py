@@ -77,7 +77,7 @@ import torch
 import torch.nn.functional as F
 
 from . import bench_overhead as overhead
-from .machine import machine_info, reset_peak_rss, rss
+from .machine import OthersLoad, is_busy, load_note, machine_info, reset_peak_rss, rss
 
 __all__ = ["time_interleaved", "machine_limits", "run_suite", "format_report", "write_json", "plot", "save_figure",
            "measure_memory", "memory_probe", "paired_speedup", "spread"]
@@ -529,11 +529,12 @@ def run_suite(*, quick: bool = False, progress: Callable[[str], None] | None = N
     gemm, gemm_flops = _gemm_probe(limits, quick)
 
     def record(spec: dict[str, Any], fns: dict[str, Fn], resets: dict[str, Fn] | None = None) -> list[Result]:
-        stats = time_interleaved({**fns, _GEMM_LOOP: gemm}, reps=2 if quick else 5, warmup=1 if quick else 3,
-                                 resets=resets, budget_s=budget)
+        with OthersLoad() as load:
+            stats = time_interleaved({**fns, _GEMM_LOOP: gemm}, reps=2 if quick else 5, warmup=1 if quick else 3,
+                                     resets=resets, budget_s=budget)
         probe = stats.pop(_GEMM_LOOP)
         spec = {**spec, "gemm_loop_gflops": gemm_flops / probe["median_s"] / 1e9, "gemm_loop_flops": gemm_flops,
-                "gemm_loop_times_s": probe["times_s"]}
+                "gemm_loop_times_s": probe["times_s"], "others_cpu_share": load.share}
         rows = [{**spec, "impl": impl, "is_ours": impl == "multihead", **st} for impl, st in stats.items()]
         for row in rows:
             _add_rates(row, limits)
@@ -612,8 +613,10 @@ def _bandwidth_rows(spec: dict[str, Any], fns: dict[str, Fn], resets: dict[str, 
     numel = (1 << 22) if quick else (1 << 26)
     src, dst = torch.randn(numel), torch.empty(numel)
     probe = torch.randn(spec["bytes"] // 4)
-    stats = time_interleaved({**fns, _COPY: functools.partial(dst.copy_, src), _READ: probe.sum},
-                             reps=2 if quick else 5, warmup=1 if quick else 3, resets=resets, budget_s=budget)
+    with OthersLoad() as load:
+        stats = time_interleaved({**fns, _COPY: functools.partial(dst.copy_, src), _READ: probe.sum},
+                                 reps=2 if quick else 5, warmup=1 if quick else 3, resets=resets, budget_s=budget)
+    spec["others_cpu_share"] = load.share
     spec["copy_gbps"] = 2.0 * src.nbytes / stats.pop(_COPY)["median_s"] / 1e9
     spec["read_s"] = stats.pop(_READ)["median_s"]
     rows = []
@@ -664,6 +667,9 @@ def format_report(suite: dict[str, Any]) -> str:
         f"limits: sgemm (torch.matmul) {lim['sgemm_gflops']:.0f} GFLOP/s, oneDNN GEMM {onednn} GFLOP/s, "
         f"copy {lim['copy_gbps']:.1f} GB/s (read + write)",
     ]
+    shares = [r["others_cpu_share"] for r in suite["results"] if r.get("others_cpu_share") is not None]
+    if shares:
+        lines.append(f"load, in the busiest case's rounds: {load_note(max(shares))}")
     groups: dict[tuple[str, str], list[Result]] = {}
     for row in suite["results"]:
         groups.setdefault((row["case"], _label(row)), []).append(row)
@@ -688,6 +694,8 @@ def format_report(suite: dict[str, Any]) -> str:
                                        if r["impl"].startswith(_KERNEL_ALONE)) + ")")
         for peer in (r for r in rows if not r["is_ours"] and r["impl"] != _GEMMS):
             lines.append(_row(case, label, ours, peer))
+        if is_busy(ours.get("others_cpu_share")):
+            lines.append(f"  ({label}: {load_note(ours['others_cpu_share'])})")
         floor = next((r for r in rows if r["impl"] == _GEMMS), None)
         if floor is not None:
             lines += _floor_lines(floor, rows)
@@ -721,7 +729,8 @@ def _header(case: str) -> str:
     unit = "%copy" if case.startswith("layer/decode") else "%sgemm"
     best = "" if case.startswith("layer/decode") else f" {'ours %best':>10} {'peer %best':>10} {'gemm GF/s':>9}"
     return (f"{'shape':<44} {'peer':<28} {'ours ms':>9} {'peer ms':>9} {'speedup':>8} {'paired':>7} "
-            f"{'ours ' + unit:>11} {'peer ' + unit:>11} {'ours xlim':>9}{best}")
+            f"{'ours ' + unit:>11} {'peer ' + unit:>11} {'ours xlim':>9}{best} {'ours ms (min-max)':>19} "
+            f"{'peer ms (min-max)':>19}")
 
 
 def _row(case: str, label: str, ours: Result, peer: Result) -> str:
@@ -735,7 +744,13 @@ def _row(case: str, label: str, ours: Result, peer: Result) -> str:
     return (f"{label:<44} {peer['impl']:<28} {ours['median_s'] * 1e3:>9.2f} {peer['median_s'] * 1e3:>9.2f} "
             f"{peer['median_s'] / ours['median_s']:>7.2f}x {paired_speedup(ours, peer):>6.2f}x "
             f"{100 * ours[frac]:>10.0f}% {100 * peer[frac]:>10.0f}% "
-            f"{ours['times_limit']:>9.2f}" + best)
+            f"{ours['times_limit']:>9.2f}" + best + f" {_min_max(ours):>19} {_min_max(peer):>19}")
+
+
+def _min_max(row: Result) -> str:
+    """A timed row's least and largest round, in ms."""
+    times = row["times_s"]
+    return f"{min(times) * 1e3:.2f}-{max(times) * 1e3:.2f}"
 
 
 def paired_speedup(ours: Result, peer: Result) -> float:

@@ -151,11 +151,13 @@ def run_decode_curve(*, model: str = "llama", lengths: Sequence[int] | None = No
 
 def format_decode_curve(result: dict[str, Any]) -> str:
     """The table: per prompt length, each way's step time (spread), tokens/s and speed-ups."""
+    from .machine import load_note
+
     m, s = result["machine"], result["sizes"]
     lines = [f"decode rate against the prompt's length, one row, float32, {result['threads']} torch threads, "
              f"{m.get('cpu', 'CPU')}; {result['steps']} timed steps per way and length after {result['warm']}",
              f"{result['model']}: {s['arch']} L={s['layers']} E={s['embed_dim']} H={s['heads']} Hkv={s['kv_heads']} "
-             f"D={s['head_dim']}; other processes' CPU share {_share(result['others_cpu_share'])}", "",
+             f"D={s['head_dim']}; {load_note(result['others_cpu_share'])}", "",
              f"  {'prompt':>6}  {'way':<26} {'step ms (min-max)':>22} {'tok/s':>6} {'vs HF':>6} {'paired':>6}  tokens"]
     for point in result["lengths"]:
         for name, row in point["ways"].items():
@@ -166,10 +168,6 @@ def format_decode_curve(result: dict[str, Any]) -> str:
     paths = sorted({p for point in result["lengths"] for p in point["adapter_paths"]})
     lines += ["", f"adapter's paths: {paths}"]
     return "\n".join(lines)
-
-
-def _share(share: float | None) -> str:
-    return "unknown" if share is None else f"{100 * share:.0f}%"
 
 
 def plot(result: dict[str, Any], path: str | os.PathLike[str]) -> Path:

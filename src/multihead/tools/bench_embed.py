@@ -206,7 +206,7 @@ def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def format_embed(result: dict[str, Any]) -> str:
     """The result of :func:`run_embed` as a table per batch size (a result of one batch size with its
     ways at the top level, as earlier versions wrote, reads too)."""
-    from .machine import BUSY_SHARE
+    from .machine import load_note
 
     c = result["corpus"]
     runs = result.get("runs") or [{k: result.get(k) for k in ("batch_size", "others_cpu_share", "ways")}]
@@ -218,9 +218,7 @@ def format_embed(result: dict[str, Any]) -> str:
         lines += ["", f"batches of {run['batch_size']}:", *_format_rows(run["ways"])]
         share = run.get("others_cpu_share")
         if share is not None:
-            lines.append(f"other processes used {share:.0%} of the CPUs meanwhile"
-                         + (" (the competing process included)" if result.get("competing")
-                            else " (busy: these figures are not a verdict)" if share > BUSY_SHARE else ""))
+            lines.append(load_note(share, bool(result.get("competing"))))
     lines += _format_peers(result.get("peers") or {})
     return "\n".join(lines)
 

@@ -418,15 +418,11 @@ def format_generate_jobs(result: dict[str, Any]) -> str:
 
 def _job_lines(job: dict[str, Any], competing: bool) -> list[str]:
     """One job's header (its rows, the load) and a row per way."""
-    from .machine import BUSY_SHARE
+    from .machine import load_note
 
     rows = job["row_lengths"]
-    share = job["others_cpu_share"]
-    load = ("unknown" if share is None else f"{share:.0%}") + (
-        " (the competing process included)" if competing
-        else " (busy: not a verdict)" if share is not None and share > BUSY_SHARE else "")
     head = [f"{job['model']} P={job['prompt']} B={job['batch']} (rows {min(rows)}..{max(rows)} tokens"
-            f"{', left-padded' if min(rows) < max(rows) else ''}); other processes' CPU share {load}, "
+            f"{', left-padded' if min(rows) < max(rows) else ''}); {load_note(job['others_cpu_share'], competing)}, "
             f"load average {job['load_average'][0]:.2f}; adapter's paths {job['adapter_paths']}",
             f"  {'way':<37}{'TTFT ms (min-max)':>26}{'vs HF':>7}{'paired':>7}"
             f"{'decode tok/s (min-max)':>27}{'vs HF':>7}{'paired':>7}  tokens"]

@@ -292,8 +292,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
             f"{info['threads']} torch threads, {info['seconds']:.2f} s")
     busy = busy_note(info["others_cpu_share"])
     if busy is not None:
-        text += (f"\n{busy}, so this time says little of an idle machine's; "
-                 "beside a busy process, --threads 1 can be faster")
+        text += f"\n{busy}; beside a busy process, --threads 1 can be faster"
     _emit(args, info, text)
     return 0
 

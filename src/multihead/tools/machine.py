@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 __all__ = ["VECTOR_FEATURES", "cpu_model", "machine_info", "rss", "reset_peak_rss", "OthersLoad", "BUSY_SHARE",
-           "competing_process", "COMPETING_MAX_S", "busy_note"]
+           "competing_process", "COMPETING_MAX_S", "busy_note", "load_note", "is_busy"]
 
 #: Other processes using more than this share of the machine's CPUs make a timing unreliable.
 BUSY_SHARE = 0.10
@@ -151,15 +151,29 @@ class OthersLoad:
     @property
     def busy(self) -> bool:
         """Other processes used more than :data:`BUSY_SHARE` of the CPUs during the block."""
-        return self.share is not None and self.share > BUSY_SHARE
+        return is_busy(self.share)
+
+
+def load_note(share: float | None, competing: bool = False) -> str:
+    """How much of the CPUs other processes used while a timing ran (``share``, as :class:`OthersLoad`
+    measures it; None: unknown), as every timing's output says it: with "the competing process
+    included" beside one, or "busy: these figures are not a verdict" above :data:`BUSY_SHARE`."""
+    text = ("other processes' use of the CPUs is unknown" if share is None
+            else f"other processes used {share:.0%} of the CPUs meanwhile")
+    if competing:
+        return f"{text} (the competing process included)"
+    return f"{text} (busy: these figures are not a verdict)" if is_busy(share) else text
+
+
+def is_busy(share: float | None) -> bool:
+    """Whether other processes used more than :data:`BUSY_SHARE` of the CPUs (``share``; None: unknown)."""
+    return share is not None and share > BUSY_SHARE
 
 
 def busy_note(share: float | None) -> str | None:
-    """What a timing's output says when other processes used more than :data:`BUSY_SHARE` of the
-    CPUs meanwhile (``share``, as :class:`OthersLoad` measures it); None when they did not."""
-    if share is None or share <= BUSY_SHARE:
-        return None
-    return f"the machine was busy: other processes used {100 * share:.0f}% of its CPUs meanwhile"
+    """:func:`load_note` for a timing whose output only speaks of the load when the machine was
+    busy (``share`` above :data:`BUSY_SHARE`); None when it was not."""
+    return load_note(share) if is_busy(share) else None
 
 
 @contextlib.contextmanager

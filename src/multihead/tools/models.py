@@ -34,7 +34,7 @@ from torch import nn
 from .. import hf, interop
 from ..interop.hf_patch import attention_modules
 from .trace import trace
-from .machine import OthersLoad, busy_note, competing_process, machine_info
+from .machine import OthersLoad, busy_note, competing_process, load_note, machine_info
 
 __all__ = ["bundled_model_dir", "load_model", "load_tokenizer", "run_model", "mean_pool", "explain_config",
            "DEFAULT_TEXTS", "check_threads", "torch_threads", "timing_lines"]
@@ -422,11 +422,9 @@ def timing_lines(info: dict[str, Any]) -> list[str]:
                                                      spread["hf"], spread["multihead"]))]
     others = info["others_cpu_share"]
     if info.get("competing"):
-        used = "an unknown share" if others is None else f"{100 * others:.0f}%"
-        lines.append(f"  beside one competing CPU-bound process: other processes used {used} of the CPUs "
-                     "meanwhile (the competing process included)")
+        lines.append(f"  beside one competing CPU-bound process: {load_note(others, True)}")
     elif (busy := busy_note(others)) is not None:
-        lines.append(f"  {busy}, so these times say little; run it again on an idle machine")
+        lines.append(f"  {busy}; run it again on an idle machine")
     if info.get("packed"):
         lines.append("(multihead runs the padded batch on its real tokens only, mh.hf.pack_padding; Hugging Face "
                      "runs it padded)")
