@@ -303,6 +303,19 @@ class MultiHeadAttention(nn.Module):
         cache.claim(self)  # it holds this layer's K/V: any other layer is refused
         return cache
 
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        # ALiBi's slopes are computed from H, in no state dict: on the meta device (a layer built
+        # under torch.device("meta")) they have no values, so given memory (to_empty) they are
+        # computed again (pruning refuses ALiBi layers: a layer's slopes are always H's standard ones).
+        slopes = self.alibi_slopes
+        super()._apply(fn, recurse)
+        now = self.alibi_slopes
+        if slopes is not None and slopes.is_meta and now is not None and not now.is_meta:
+            with torch.device("cpu"):
+                fresh = alibi_slopes(self.num_heads)  # (H,) float32
+            self.alibi_slopes = fresh.to(device=now.device, dtype=now.dtype)
+        return self
+
     @property
     def per_head_extras(self) -> list[str]:
         """Names of per-head state beyond the projections (ALiBi slopes, sinks, a whole-projection

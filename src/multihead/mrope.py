@@ -85,11 +85,16 @@ class MRoPE(RoPE):
     def __init__(self, head_dim: int, base: float = 10000.0, *, sections: Sequence[int], layout: str = "chunked",
                  interleaved: bool = False, rotary_dim: int | None = None, max_positions: int = 4096,
                  scaling: RopeScaling | None = None) -> None:
+        self.sections, self.layout = sections, layout  # read by _tables, which slot_rows checks them for
         super().__init__(head_dim, base, interleaved=interleaved, rotary_dim=rotary_dim, max_positions=max_positions,
-                         scaling=scaling)
-        self.register_buffer("rows", slot_rows(sections, layout, self.rotary_dim // 2), persistent=False)  # (P,)
+                         scaling=scaling)  # its tables, and rows (P,): see _tables
         self.sections = tuple(sections)
-        self.layout = layout
+
+    DERIVED = (*RoPE.DERIVED, "rows")
+
+    def _tables(self) -> dict[str, torch.Tensor]:
+        """RoPE's tables, and rows (P,) int64: the position row each frequency slot reads."""
+        return {**super()._tables(), "rows": slot_rows(self.sections, self.layout, self.rotary_dim // 2)}
 
     @classmethod
     def from_sections(cls, head_dim: int, base: float, *, sections: Sequence[int], layout: str = "chunked",

@@ -83,12 +83,19 @@ class RoPE(nn.Module):
         if scaling is not None and not isinstance(scaling, RopeScaling):
             raise TypeError(f"scaling must be a multihead.RopeScaling or None, got {type(scaling).__name__}")
         self.scaling = scaling
-        # Same float32 formulas as Hugging Face's rope init functions, so tables match bitwise.
-        inv_freq, self.attention_factor = rope_frequencies(rotary_dim, self.base, scaling)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (R/2,)
+        self.attention_factor = rope_frequencies(rotary_dim, self.base, scaling)[1]
+        for name, table in self._tables().items():  # on the default device (meta under torch.device("meta"))
+            self.register_buffer(name, table, persistent=False)  # inv_freq (R/2,); cos, sin (P, R/2)
+
+    #: The buffers computed from the settings: none is in the state dict.
+    DERIVED: tuple[str, ...] = ("inv_freq", "cos", "sin")
+
+    def _tables(self) -> dict[str, torch.Tensor]:
+        """The :data:`DERIVED` buffers, computed anew: inv_freq (R/2,), cos and sin (P, R/2), float32.
+        Same float32 formulas as Hugging Face's rope init functions, so the tables match bitwise."""
+        inv_freq = rope_frequencies(self.rotary_dim, self.base, self.scaling)[0]
         angles = torch.arange(self.max_positions, dtype=torch.float32)[:, None] * inv_freq  # (P, R/2)
-        self.register_buffer("cos", self._scaled(angles.cos()), persistent=False)  # (P, R/2)
-        self.register_buffer("sin", self._scaled(angles.sin()), persistent=False)  # (P, R/2)
+        return {"inv_freq": inv_freq, "cos": self._scaled(angles.cos()), "sin": self._scaled(angles.sin())}
 
     @classmethod
     def from_facts(
@@ -149,8 +156,13 @@ class RoPE(nn.Module):
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         # ``layer.half()`` / ``.to(torch.bfloat16)`` convert every float buffer; the tables
         # must stay float32 (rounding them to bf16 shifts angles), so only their device moves.
-        tables = {name: self._buffers[name] for name in ("inv_freq", "cos", "sin")}
+        # Tables on the meta device (a model built under torch.device("meta")) have no values to
+        # move: given memory (``to_empty``), they are computed again, as no state dict holds them.
+        tables = {name: self._buffers[name] for name in self.DERIVED}
         super()._apply(fn, recurse)
+        if any(t.is_meta for t in tables.values()) and not self._buffers[self.DERIVED[0]].is_meta:
+            with torch.device("cpu"):
+                tables = self._tables()
         for name, table in tables.items():
             self._buffers[name] = table.to(device=self._buffers[name].device)
         return self

@@ -156,3 +156,34 @@ def test_need_weights_is_return_weights_averaged_by_torch() -> None:
     y, weights = ours(x, return_weights=True)  # (B, H, S, S)
     torch.testing.assert_close(y, want_y)
     torch.testing.assert_close(weights.mean(dim=1), want_w)
+
+
+_DERIVED_CASES = {
+    "rope": lambda: {"rope": mh.RoPE(16, max_positions=128)},
+    "rope with yarn scaling": lambda: {"rope": mh.RoPE(16, max_positions=128, scaling=mh.RopeScaling(
+        rope_type="yarn", factor=4.0, original_max_positions=32))},
+    "mrope": lambda: {"rope": mh.MRoPE(16, sections=[2, 3, 3], max_positions=128)},
+    "alibi": lambda: {"alibi": True},
+    "qk-norm and sinks": lambda: {"rope": mh.RoPE(16), "qk_norm": "head", "sinks": True},
+}
+
+
+@pytest.mark.parametrize("case", list(_DERIVED_CASES))
+def test_a_layer_built_on_the_meta_device_then_given_memory_and_a_state_dict_is_the_same_layer(case: str) -> None:
+    """torch's way to build large models: under ``torch.device("meta")``, then ``to_empty`` and
+    ``load_state_dict``. The buffers no state dict holds (RoPE's tables, M-RoPE's rows, ALiBi's
+    slopes) are computed again when they get memory: the same bits as a layer built on the CPU
+    (ALiBi's slopes used to be whatever the fresh memory held)."""
+    torch.manual_seed(0)
+    ref = mh.MultiHeadAttention(64, 4, num_kv_heads=2, causal=True, **_DERIVED_CASES[case]())
+    with torch.device("meta"):
+        layer = mh.MultiHeadAttention(64, 4, num_kv_heads=2, causal=True, **_DERIVED_CASES[case]())
+    assert all(t.is_meta for t in layer.buffers())
+    layer = layer.to_empty(device="cpu")
+    layer.load_state_dict(ref.state_dict())
+    for (name, want), (same, got) in zip(ref.named_buffers(), layer.named_buffers(), strict=True):
+        assert name == same and got.dtype == want.dtype and torch.equal(got, want), name
+    x = torch.randn(2, 10, 64)
+    torch.testing.assert_close(layer(x), ref(x), atol=0, rtol=0)
+    half = layer.to(torch.bfloat16)  # the tables keep float32 as before; only the device would move
+    assert all(t.dtype != torch.bfloat16 for n, t in half.named_buffers() if n.startswith("rope."))
