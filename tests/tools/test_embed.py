@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import os
 import subprocess
 import sys
@@ -183,6 +184,56 @@ def test_threads_are_set_while_embedding_and_restored(embedder: embed_mod.Embedd
     assert result.threads == 1 and seen == [1] and torch.get_num_threads() == before
 
 
+def test_auto_threads_choose_per_batch_give_the_same_embeddings_and_restore_torchs(
+        embedder: embed_mod.Embedder, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``threads="auto"`` runs each batch on torch's threads or one (:class:`ThreadChooser`),
+    says which in ``batch_threads``, embeds as a fixed count does and leaves torch's setting."""
+    before = torch.get_num_threads()
+    seen: list[int] = []
+    forward = embedder._forward
+
+    def counting(rows):
+        seen.append(torch.get_num_threads())
+        return forward(rows)
+
+    monkeypatch.setattr(embedder, "_forward", counting)
+    fixed = embedder.embed(TEXTS[:9], batch_size=2)
+    seen.clear()
+    auto = embedder.embed(TEXTS[:9], batch_size=2, threads="auto")
+    assert list(auto.batch_threads) == seen and len(seen) == auto.batches == 5
+    assert fixed.batch_threads == (before,) * 5 and torch.get_num_threads() == before
+    if before > 1:  # the warm-up and the first timed batch on torch's count, then one on a single thread
+        assert seen[:3] == [before, before, 1] and auto.threads == before
+    assert _cosines(auto.vectors, fixed.vectors).min() >= 1 - 1e-6
+
+
+class _Clock:
+    """A machine whose seconds per token on 2 threads and on 1 are set by the test."""
+
+    def __init__(self, two: float, one: float) -> None:
+        self.rate = {2: two, 1: one}
+
+    def run(self, chooser: embed_mod.ThreadChooser, batches: int) -> list[int]:
+        used = []
+        for _ in range(batches):
+            used.append(chooser.next())
+            chooser.record(used[-1], self.rate[used[-1]] * 100, 100)
+        return used
+
+
+def test_the_thread_chooser_keeps_the_faster_count_and_changes_when_the_load_does() -> None:
+    chooser, machine = embed_mod.ThreadChooser(2), _Clock(two=1.0, one=1.4)  # idle: 2 threads faster
+    used = machine.run(chooser, 40)
+    assert used[:4] == [2, 2, 1, 2] and used.count(1) == 2  # one try at the start, one after PERIOD batches
+    machine.rate = {2: 2.4, 1: 1.45}  # another process takes a core: 2 threads 2.4× slower, one thread not
+    used = machine.run(chooser, 5)
+    assert used == [2, 1, 1, 1, 1] and chooser.choice == 1
+    machine.rate = {2: 1.0, 1: 1.4}  # the other process ends: the periodic try finds 2 threads faster again
+    used = machine.run(chooser, embed_mod.ThreadChooser.PERIOD + 3)
+    assert used[-2:] == [2, 2] and chooser.choice == 2
+    assert machine.run(embed_mod.ThreadChooser(1), 6) == [1] * 6  # one thread at most: nothing to choose
+
+
 # ---- the function on bad texts ---------------------------------------------------------------------
 @pytest.mark.parametrize("texts, error, message", [
     ([], ValueError, "at least one"),
@@ -201,6 +252,7 @@ def test_bad_texts_are_refused_by_index(embedder: embed_mod.Embedder, texts, err
     ({"batch_size": 0}, ValueError, "batch_size"), ({"batch_size": 2.0}, TypeError, "batch_size"),
     ({"threads": 0}, ValueError, "threads"), ({"threads": -1}, ValueError, "threads"),
     ({"threads": "2"}, TypeError, "threads"), ({"threads": True}, TypeError, "threads"),
+    ({"threads": "Auto"}, TypeError, "'auto'"),
     ({"dtype": torch.float16}, TypeError, "dtype must be one of torch.float32, torch.bfloat16"),
     ({"dtype": "bfloat16"}, TypeError, "dtype"),
 ])
@@ -334,6 +386,19 @@ def test_the_command_says_when_other_processes_kept_the_machine_busy(tmp_path: P
     assert json.loads(capsys.readouterr().out)["others_cpu_share"] == share
 
 
+def test_the_command_with_auto_threads_says_each_counts_batches(tmp_path: Path, reuse: None, capsys) -> None:
+    source = _write_lines(tmp_path / "texts.txt", TEXTS[:5])
+    assert cli.main(["embed", str(source), "--no-progress", "--threads", "auto", "--batch-size", "1"]) == 0
+    said = re.search(r"torch threads chosen per batch \(auto\): ((?:\d+ on \d+ batch(?:es)?(?:, )?)+), ",
+                     capsys.readouterr().out)  # which count ran faster is the machine's to say
+    assert said is not None
+    counts = {int(n): int(k) for n, k in re.findall(r"(\d+) on (\d+) batch", said.group(1))}  # threads: batches
+    assert sum(counts.values()) == 5 and set(counts) <= {1, torch.get_num_threads()}
+    assert cli.main(["embed", str(source), "--no-progress", "--threads", "auto", "--batch-size", "1", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["auto_threads"] is True and len(info["batch_threads"]) == info["batches"] == 5
+
+
 def test_the_embedding_tells_what_share_of_the_cpus_others_used(ours: embed_mod.Embedded) -> None:
     share = ours.others_cpu_share  # measured from /proc/stat on Linux
     assert share is None if not Path("/proc/stat").exists() else (share is not None and 0.0 <= share <= 1.0)
@@ -356,8 +421,8 @@ def test_the_command_refuses_bad_counts(tmp_path: Path, no_model: None, capsys, 
     source = _write_lines(tmp_path / "t.txt", ["one"])
     with pytest.raises(SystemExit) as e:
         cli.main(["embed", str(source), flag, value])
-    assert e.value.code == 2 and f"argument {flag}: must be a positive integer, got '{value}'" in \
-        capsys.readouterr().err
+    said = "a positive integer or auto" if flag == "--threads" else "a positive integer"
+    assert e.value.code == 2 and f"argument {flag}: must be {said}, got '{value}'" in capsys.readouterr().err
 
 
 def _hf_embeddings(texts: list[str], dtype: torch.dtype) -> torch.Tensor:

@@ -14,6 +14,8 @@ and 40 words, a long tail). Each way embeds the whole corpus per call, at each b
   (:func:`multihead.hf.patch`): multihead's attention layers on the padded batches;
 * ``multihead embed``: :func:`multihead.tools.embed.Embedder` (what ``multihead embed`` runs):
   sorted batches run on their real tokens only (:func:`multihead.hf.pack_padding`);
+* ``multihead embed, threads auto``: the same with ``threads="auto"`` (``--threads auto``): torch's
+  threads or one, batch by batch, whichever runs faster (:class:`multihead.tools.embed.ThreadChooser`);
 * ``multihead embed, bfloat16``: the same with the encoder in bfloat16 (``--dtype bfloat16``), the
   precision OpenVINO picks by default on a CPU with AMX; its least cosine says what it costs;
 * the peers (:data:`multihead.tools.bench_embed_peers.PEERS`), when ``peers_python`` names the
@@ -66,7 +68,7 @@ if TYPE_CHECKING:
 __all__ = ["corpus", "run_embed", "format_embed", "WAYS"]
 
 WAYS = ("sentence-transformers", "sentence-transformers + mh.hf.patch", "multihead embed",
-        "multihead embed, bfloat16")
+        "multihead embed, bfloat16", "multihead embed, threads auto")
 _BASE = "sentence-transformers"
 _WORDS = ("attention", "model", "token", "head", "query", "key", "value", "layer", "vector", "matrix", "the",
           "a", "of", "and", "to", "in", "is", "that", "for", "with", "language", "learns", "pattern", "each",
@@ -106,6 +108,7 @@ def _ways(texts: list[str]) -> tuple[dict[str, Callable[[int], np.ndarray]], dic
         WAYS[0]: lambda batch: plain.encode(texts, batch_size=batch),
         WAYS[1]: lambda batch: patched.encode(texts, batch_size=batch),
         WAYS[2]: lambda batch: ours.embed(texts, batch_size=batch).vectors,
+        WAYS[4]: lambda batch: ours.embed(texts, batch_size=batch, threads="auto").vectors,
     }
     skipped: dict[str, str] = {}
     if (why := embed.bf16_emulated()) is None:

@@ -37,6 +37,16 @@ def _positive_int(value: str) -> int:
     return number
 
 
+def _threads_or_auto(value: str) -> int | str:
+    """argparse type of ``embed --threads``: a positive integer or ``auto``, else a refusal naming it."""
+    if value == "auto":
+        return "auto"
+    try:
+        return _positive_int(value)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer or auto, got {value!r}") from None
+
+
 def _emit(args: argparse.Namespace, payload: dict[str, Any], text: str) -> None:
     print(json.dumps(payload, indent=2) if args.json else text)
 
@@ -289,12 +299,23 @@ def cmd_embed(args: argparse.Namespace) -> int:
             f"at most {info['max_length']} tokens a text\n"
             f"{info['batches']} batch{'es' if info['batches'] != 1 else ''} of up to {info['batch_size']} texts "
             "sorted by length, "
-            f"{info['threads']} torch threads, {info['seconds']:.2f} s")
+            f"{_threads_used(info)}, {info['seconds']:.2f} s")
     busy = busy_note(info["others_cpu_share"])
-    if busy is not None:
-        text += f"\n{busy}; beside a busy process, --threads 1 can be faster"
+    if busy is not None and not info["auto_threads"]:
+        text += f"\n{busy}; beside a busy process, --threads auto (or 1) can be faster"
+    elif busy is not None:
+        text += f"\n{busy}"
     _emit(args, info, text)
     return 0
+
+
+def _threads_used(info: dict[str, Any]) -> str:
+    """The threads ``embed_file`` ran on, in words: N, or with ``--threads auto`` each count's batches."""
+    if not info["auto_threads"]:
+        return f"{info['threads']} torch threads"
+    counts = {n: info["batch_threads"].count(n) for n in sorted(set(info["batch_threads"]), reverse=True)}
+    return "torch threads chosen per batch (auto): " + ", ".join(
+        f"{n} on {k} batch{'es' if k != 1 else ''}" for n, k in counts.items())
 
 
 def cmd_build(args: argparse.Namespace) -> int:
@@ -444,7 +465,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where to write the (N, E) float32 rows (default: FILE with the suffix .npy)")
     p.add_argument("--batch-size", type=_positive_int, default=32,
                    help="texts per forward pass, sorted by length (default %(default)s)")
-    p.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=_threads_or_auto, default=None, metavar="N|auto",
+                   help="torch threads (default: torch's); auto: torch's or one, batch by batch, whichever runs "
+                        "faster now (one is often faster beside a busy process)")
     p.add_argument("--model", default=None, metavar="DIR", help="checkpoint folder (default: the bundled MiniLM)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="the encoder's precision (default %(default)s: equal to sentence-transformers; bfloat16: "

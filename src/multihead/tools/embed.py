@@ -33,7 +33,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -41,7 +41,8 @@ import torch
 from . import machine, models
 
 __all__ = ["Embedder", "Embedded", "embed", "embed_file", "read_texts", "check_texts", "check_batch_size",
-           "bf16_emulated", "check_dtype", "DTYPES", "check_out_path", "OUT_FORMATS", "DEFAULT_BATCH_SIZE"]
+           "bf16_emulated", "check_dtype", "DTYPES", "check_out_path", "OUT_FORMATS", "DEFAULT_BATCH_SIZE",
+           "ThreadChooser", "Threads", "check_embed_threads"]
 
 #: Texts per batch unless told (sentence-transformers' default too).
 DEFAULT_BATCH_SIZE = 32
@@ -66,11 +67,12 @@ class Embedded:
         truncated: the indices of the texts cut, ascending.
         normalized: whether the rows are unit vectors (the model's ``Normalize`` module).
         batches: how many forward passes ran.
-        threads: torch's intra-op threads while they ran.
+        threads: torch's intra-op threads while they ran (with ``threads="auto"``: the most).
         seconds: wall time of the tokenizing and the passes (not the model's loading).
         others_cpu_share: the share of the machine's CPUs other processes used meanwhile (0: none;
             None where the machine does not tell): over :data:`machine.BUSY_SHARE`, ``seconds``
             says little of an idle machine's.
+        batch_threads: the threads each batch ran on, in the order they ran (longest texts first).
     """
 
     vectors: np.ndarray
@@ -82,6 +84,7 @@ class Embedded:
     threads: int
     seconds: float
     others_cpu_share: float | None = None
+    batch_threads: tuple[int, ...] = ()
 
 
 def _read_json(path: Path) -> Any:
@@ -170,6 +173,73 @@ def bf16_emulated() -> str | None:
             "products, several times slower than float32")
 
 
+#: ``threads`` of :meth:`Embedder.embed`: a count, None (as set) or ``"auto"``.
+Threads = int | Literal["auto"] | None
+
+
+def check_embed_threads(threads: object) -> int | str | None:
+    """``threads`` if it is None, a positive int or ``"auto"``, else a TypeError/ValueError naming it."""
+    if threads == "auto":
+        return "auto"
+    if threads is None or isinstance(threads, int):
+        return models.check_threads(threads)  # a bool refused there too
+    raise TypeError(f"threads must be None, a positive int or 'auto', got {threads!r}")
+
+
+class ThreadChooser:
+    """Batch by batch, ``most`` threads or one, whichever has run faster lately (seconds per token).
+
+    torch's GEMMs split each product evenly across their threads, so beside another busy
+    process a descheduled thread holds up every product, and one thread on the free core can
+    be faster (the bundled model, AMD EPYC, 2 cores, batches of 32 beside one CPU-bound process:
+    "auto" embedded 1.58× the sentences/s of two threads; idle it cost 2.5%, paired). After
+    a first batch (warm-up, not counted) it runs one batch at ``most`` and one at one thread
+    and keeps the faster; it tries the other again after :attr:`PERIOD` batches, or at once
+    when the kept one runs :attr:`SLOWER` times slower than when it was chosen (the machine's
+    load changed). A try is compared with the batch before it, whose texts are about as long
+    (the batches run longest first).
+
+    Args:
+        most: the threads to run on when the machine is free (torch's setting); 1: always one.
+    """
+
+    PERIOD = 32
+    SLOWER = 1.3
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self.choice = most
+        self.reference: float | None = None  # seconds per token of the choice when it was made
+        self.last: dict[int, float] = {}  # each count's latest seconds per token
+        self.since = 0  # batches on the choice since it was made
+        self.batches = 0
+
+    def next(self) -> int:
+        """The threads for the next batch."""
+        other = 1 if self.choice == self.most else self.most
+        if self.most == 1 or self.batches < 2:  # one thread only; the warm-up, then the choice's first
+            return self.choice
+        if self.reference is None or self.since >= self.PERIOD or self.last[self.choice] > self.SLOWER * self.reference:
+            return other
+        return self.choice
+
+    def record(self, threads: int, seconds: float, tokens: int) -> None:
+        """A batch of ``tokens`` real tokens took ``seconds`` on ``threads`` threads."""
+        self.batches += 1
+        if self.batches == 1 or tokens < 1:
+            return  # the warm-up batch: first calls' costs
+        rate = seconds / tokens
+        if threads == self.choice:
+            self.last[threads] = rate
+            self.since += 1
+            return
+        kept = self.last[self.choice]
+        if rate < kept:  # the other was faster on texts as long: it becomes the choice
+            self.choice, kept = threads, rate
+        self.last[threads] = rate
+        self.reference, self.since = kept, 0
+
+
 def check_batch_size(batch_size: int) -> int:
     """``batch_size`` if it is a positive int, else a TypeError/ValueError naming it."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int):
@@ -223,14 +293,16 @@ class Embedder:
         settings = self.path / "sentence_bert_config.json"
         self.lower_case = settings.is_file() and bool(_read_json(settings).get("do_lower_case", False))
 
-    def embed(self, texts: Sequence[str], *, batch_size: int = DEFAULT_BATCH_SIZE, threads: int | None = None,
+    def embed(self, texts: Sequence[str], *, batch_size: int = DEFAULT_BATCH_SIZE, threads: Threads = None,
               progress: Callable[[int, int], None] | None = None) -> Embedded:
         """The embeddings of ``texts``, batched by length, in input order.
 
         Args:
             texts: N non-empty strings.
             batch_size: texts per forward pass (B).
-            threads: torch's intra-op threads while embedding (restored after); default as set.
+            threads: torch's intra-op threads while embedding (restored after); default as set;
+                ``"auto"``: as set or one, batch by batch, whichever runs faster now
+                (:class:`ThreadChooser`: beside a busy process, one thread often does).
             progress: called after each batch with (texts done, N).
 
         Returns:
@@ -243,16 +315,24 @@ class Embedder:
         """
         texts = check_texts(texts)
         check_batch_size(batch_size)
+        count = check_embed_threads(threads)
         load = machine.OthersLoad()
-        with models.torch_threads(threads) as used, torch.no_grad(), load:
+        with models.torch_threads(None if isinstance(count, str) else count) as most, torch.no_grad(), load:
+            chooser = ThreadChooser(most) if count == "auto" else None
             start = time.perf_counter()
             rows, tokens = self._tokenize([t.lower() for t in texts] if self.lower_case else texts)
             order = sorted(range(len(texts)), key=lambda i: -len(rows[i]["input_ids"]))  # longest first, stable
             parts: list[np.ndarray] = []
-            starts = range(0, len(texts), batch_size)
-            for done in starts:
-                chunk = order[done:done + batch_size]
-                parts.append(self._forward([rows[i] for i in chunk]).numpy())  # (B, E)
+            used: list[int] = []
+            for done in range(0, len(texts), batch_size):
+                chunk = [rows[i] for i in order[done:done + batch_size]]
+                used.append(most if chooser is None else chooser.next())
+                if chooser is not None:
+                    torch.set_num_threads(used[-1])  # torch's own count restored by torch_threads at the end
+                began = time.perf_counter()
+                parts.append(self._forward(chunk).numpy())  # (B, E)
+                if chooser is not None:
+                    chooser.record(used[-1], time.perf_counter() - began, sum(len(r["input_ids"]) for r in chunk))
                 if progress is not None:
                     progress(min(done + batch_size, len(texts)), len(texts))
             by_length = np.concatenate(parts).astype(np.float32, copy=False)  # (N, E), longest text first
@@ -261,8 +341,8 @@ class Embedder:
             seconds = time.perf_counter() - start
         return Embedded(vectors=vectors, tokens=tokens, max_length=self.max_length,
                         truncated=[i for i, n in enumerate(tokens) if n > self.max_length],
-                        normalized=self.normalize, batches=len(starts), threads=used, seconds=seconds,
-                        others_cpu_share=load.share)
+                        normalized=self.normalize, batches=len(used), threads=max(used), seconds=seconds,
+                        others_cpu_share=load.share, batch_threads=tuple(used))
 
     def _tokenize(self, texts: list[str]) -> tuple[list[dict[str, list[int]]], list[int]]:
         """Each text's features (cut at :attr:`max_length`) and its token count before the cut."""
@@ -289,7 +369,7 @@ class Embedder:
 
 
 def embed(texts: Sequence[str], *, model_dir: str | os.PathLike[str] | None = None,
-          batch_size: int = DEFAULT_BATCH_SIZE, threads: int | None = None, normalize: bool | None = None,
+          batch_size: int = DEFAULT_BATCH_SIZE, threads: Threads = None, normalize: bool | None = None,
           dtype: torch.dtype = torch.float32, progress: Callable[[int, int], None] | None = None) -> np.ndarray:
     """(N, E) float32 sentence embeddings of ``texts``, equal to ``SentenceTransformer.encode``.
 
@@ -303,7 +383,7 @@ def embed(texts: Sequence[str], *, model_dir: str | os.PathLike[str] | None = No
     texts = check_texts(texts)
     check_batch_size(batch_size)
     check_dtype(dtype)
-    models.check_threads(threads)
+    check_embed_threads(threads)
     result = Embedder(model_dir, normalize=normalize, dtype=dtype).embed(texts, batch_size=batch_size, threads=threads,
                                                             progress=progress)
     if result.truncated:
@@ -381,7 +461,7 @@ def _write(out: Path, vectors: np.ndarray) -> None:
 
 def embed_file(path: str | os.PathLike[str], out_path: str | os.PathLike[str] | None = None, *,
                model_dir: str | os.PathLike[str] | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
-               threads: int | None = None, normalize: bool | None = None, dtype: torch.dtype = torch.float32,
+               threads: Threads = None, normalize: bool | None = None, dtype: torch.dtype = torch.float32,
                progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Embed each line of ``path`` (:func:`read_texts`) and write the (N, E) float32 rows.
 
@@ -394,7 +474,8 @@ def embed_file(path: str | os.PathLike[str], out_path: str | os.PathLike[str] | 
 
     Returns:
         a JSON-ready dict: ``input``, ``out``, ``model_dir``, ``texts`` (N), ``embed_dim`` (E),
-        ``normalized``, ``batch_size``, ``batches``, ``threads``, ``seconds``, ``others_cpu_share``,
+        ``normalized``, ``batch_size``, ``batches``, ``threads``, ``auto_threads``, ``batch_threads``,
+        ``seconds``, ``others_cpu_share``,
         ``max_length`` and
         ``truncated`` (``{"count", "lines"}``: the lines cut to ``max_length`` tokens, from 1).
 
@@ -407,7 +488,7 @@ def embed_file(path: str | os.PathLike[str], out_path: str | os.PathLike[str] | 
     texts = read_texts(source)
     check_batch_size(batch_size)
     check_dtype(dtype)
-    models.check_threads(threads)
+    check_embed_threads(threads)
     embedder = Embedder(model_dir, normalize=normalize, dtype=dtype)
     result = embedder.embed(texts, batch_size=batch_size, threads=threads, progress=progress)
     _write(out, result.vectors)
@@ -415,6 +496,7 @@ def embed_file(path: str | os.PathLike[str], out_path: str | os.PathLike[str] | 
             "embed_dim": int(result.vectors.shape[1]), "normalized": result.normalized, "batch_size": batch_size,
             "dtype": str(dtype).removeprefix("torch."),
             "batches": result.batches, "threads": result.threads, "seconds": result.seconds,
+            "auto_threads": threads == "auto", "batch_threads": list(result.batch_threads),
             "others_cpu_share": result.others_cpu_share,
             "max_length": result.max_length,
             "truncated": {"count": len(result.truncated), "lines": [i + 1 for i in result.truncated]}}
