@@ -120,7 +120,8 @@ def test_timing_commands_refuse_a_bad_thread_count(capsys, command: str, value: 
     with pytest.raises(SystemExit) as e:
         cli.main([command, "--threads", value])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and f"argument --threads: must be a positive integer, got '{value}'" in err
+    said = "a positive integer or auto" if command == "embed" else "a positive integer"  # embed --threads auto
+    assert e.value.code == 2 and f"argument --threads: must be {said}, got '{value}'" in err
 
 
 def test_run_uses_the_threads_asked_for_shows_them_and_restores_torchs(tmp_path: Path, capsys,
