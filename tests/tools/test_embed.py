@@ -169,9 +169,9 @@ def test_progress_is_called_after_each_batch(embedder: embed_mod.Embedder) -> No
     assert calls == [(2, 5), (4, 5), (5, 5)]
 
 
-def test_threads_are_set_while_embedding_and_restored(embedder: embed_mod.Embedder,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    before = torch.get_num_threads()
+@pytest.fixture
+def threads_seen(embedder: embed_mod.Embedder, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """torch's thread count at each of the embedder's forward passes, from now on."""
     seen: list[int] = []
     forward = embedder._forward
 
@@ -180,23 +180,22 @@ def test_threads_are_set_while_embedding_and_restored(embedder: embed_mod.Embedd
         return forward(rows)
 
     monkeypatch.setattr(embedder, "_forward", counting)
+    return seen
+
+
+def test_threads_are_set_while_embedding_and_restored(embedder: embed_mod.Embedder, threads_seen: list[int]) -> None:
+    before = torch.get_num_threads()
+    seen = threads_seen
     result = embedder.embed(TEXTS[:2], threads=1)
     assert result.threads == 1 and seen == [1] and torch.get_num_threads() == before
 
 
 def test_auto_threads_choose_per_batch_give_the_same_embeddings_and_restore_torchs(
-        embedder: embed_mod.Embedder, monkeypatch: pytest.MonkeyPatch) -> None:
+        embedder: embed_mod.Embedder, threads_seen: list[int]) -> None:
     """``threads="auto"`` runs each batch on torch's threads or one (:class:`ThreadChooser`),
     says which in ``batch_threads``, embeds as a fixed count does and leaves torch's setting."""
     before = torch.get_num_threads()
-    seen: list[int] = []
-    forward = embedder._forward
-
-    def counting(rows):
-        seen.append(torch.get_num_threads())
-        return forward(rows)
-
-    monkeypatch.setattr(embedder, "_forward", counting)
+    seen = threads_seen
     fixed = embedder.embed(TEXTS[:9], batch_size=2)
     seen.clear()
     auto = embedder.embed(TEXTS[:9], batch_size=2, threads="auto")

@@ -301,10 +301,9 @@ def cmd_embed(args: argparse.Namespace) -> int:
             "sorted by length, "
             f"{_threads_used(info)}, {info['seconds']:.2f} s")
     busy = busy_note(info["others_cpu_share"])
-    if busy is not None and not info["auto_threads"]:
-        text += f"\n{busy}; beside a busy process, --threads auto (or 1) can be faster"
-    elif busy is not None:
-        text += f"\n{busy}"
+    if busy is not None:
+        text += f"\n{busy}" + ("" if info["auto_threads"] else "; beside a busy process, --threads auto (or 1) "
+                                                                "can be faster")
     _emit(args, info, text)
     return 0
 
