@@ -38,6 +38,7 @@ _NAMES = {
     "AttentionConfig": ".config",
     "trace": ".tools.trace", "Trace": ".tools.trace",
     "cost": ".tools.cost", "Cost": ".tools.cost",
+    "auto_threads": ".threads", "AutoThreads": ".threads",
 }
 #: Each public module, by the name it has here.
 _MODULES = {
@@ -46,6 +47,7 @@ _MODULES = {
     "reference": ".reference",
     "logits": ".logits", "decode": ".decode", "interop": ".interop", "hf": ".hf", "models": ".tools.models",
     "bench": ".tools.bench", "cli": ".tools.cli", "heads": ".heads", "parallel": ".parallel", "embed": ".tools.embed",
+    "threads": ".threads",
 }
 
 __all__ = [
@@ -54,7 +56,7 @@ __all__ = [
     "trace", "Trace", "split_heads", "merge_heads", "interleaved_to_half", "half_to_interleaved", "masks",
     "logits", "Structure", "backends", "decode", "native", "reference", "AttentionConfig", "cost", "Cost",
     "interop", "hf", "models", "heads", "parallel", "embed", "BlockMask", "create_block_mask", "block_mask",
-    "mask_mods", "score_mods",
+    "mask_mods", "score_mods", "auto_threads", "AutoThreads", "threads",
 ]
 
 
@@ -87,5 +89,6 @@ if TYPE_CHECKING:  # what type checkers and editors see: the core's names, eager
     from .mrope import MRoPE  # noqa: F401
     from .rope import RoPE, half_to_interleaved, interleaved_to_half  # noqa: F401
     from .rope_scaling import RopeScaling  # noqa: F401
+    from .threads import AutoThreads, auto_threads  # noqa: F401
     from .tools.cost import Cost, cost  # noqa: F401
     from .tools.trace import Trace, trace  # noqa: F401

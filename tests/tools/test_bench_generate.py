@@ -20,6 +20,8 @@ import torch  # noqa: E402
 from multihead.tools import bench_generate  # noqa: E402
 from multihead.tools.cli import main  # noqa: E402
 
+#: The ways of a run without compiling; "threads auto" needs more than one torch thread (xdist's
+#: workers have two or more: tests/conftest.py).
 EAGER_WAYS = [w for w in bench_generate.WAYS if not w.endswith("compiled")]
 
 

@@ -192,7 +192,7 @@ def test_threads_are_set_while_embedding_and_restored(embedder: embed_mod.Embedd
 
 def test_auto_threads_choose_per_batch_give_the_same_embeddings_and_restore_torchs(
         embedder: embed_mod.Embedder, threads_seen: list[int]) -> None:
-    """``threads="auto"`` runs each batch on torch's threads or one (:class:`ThreadChooser`),
+    """``threads="auto"`` runs each batch on torch's threads or one (:class:`multihead.threads.ThreadChooser`),
     says which in ``batch_threads``, embeds as a fixed count does and leaves torch's setting."""
     before = torch.get_num_threads()
     seen = threads_seen
@@ -204,33 +204,6 @@ def test_auto_threads_choose_per_batch_give_the_same_embeddings_and_restore_torc
     if before > 1:  # the warm-up and the first timed batch on torch's count, then one on a single thread
         assert seen[:3] == [before, before, 1] and auto.threads == before
     assert _cosines(auto.vectors, fixed.vectors).min() >= 1 - 1e-6
-
-
-class _Clock:
-    """A machine whose seconds per token on 2 threads and on 1 are set by the test."""
-
-    def __init__(self, two: float, one: float) -> None:
-        self.rate = {2: two, 1: one}
-
-    def run(self, chooser: embed_mod.ThreadChooser, batches: int) -> list[int]:
-        used = []
-        for _ in range(batches):
-            used.append(chooser.next())
-            chooser.record(used[-1], self.rate[used[-1]] * 100, 100)
-        return used
-
-
-def test_the_thread_chooser_keeps_the_faster_count_and_changes_when_the_load_does() -> None:
-    chooser, machine = embed_mod.ThreadChooser(2), _Clock(two=1.0, one=1.4)  # idle: 2 threads faster
-    used = machine.run(chooser, 40)
-    assert used[:4] == [2, 2, 1, 2] and used.count(1) == 2  # one try at the start, one after PERIOD batches
-    machine.rate = {2: 2.4, 1: 1.45}  # another process takes a core: 2 threads 2.4× slower, one thread not
-    used = machine.run(chooser, 5)
-    assert used == [2, 1, 1, 1, 1] and chooser.choice == 1
-    machine.rate = {2: 1.0, 1: 1.4}  # the other process ends: the periodic try finds 2 threads faster again
-    used = machine.run(chooser, embed_mod.ThreadChooser.PERIOD + 3)
-    assert used[-2:] == [2, 2] and chooser.choice == 2
-    assert machine.run(embed_mod.ThreadChooser(1), 6) == [1] * 6  # one thread at most: nothing to choose
 
 
 # ---- the function on bad texts ---------------------------------------------------------------------

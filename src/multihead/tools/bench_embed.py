@@ -15,7 +15,7 @@ and 40 words, a long tail). Each way embeds the whole corpus per call, at each b
 * ``multihead embed``: :func:`multihead.tools.embed.Embedder` (what ``multihead embed`` runs):
   sorted batches run on their real tokens only (:func:`multihead.hf.pack_padding`);
 * ``multihead embed, threads auto``: the same with ``threads="auto"`` (``--threads auto``): torch's
-  threads or one, batch by batch, whichever runs faster (:class:`multihead.tools.embed.ThreadChooser`);
+  threads or one, batch by batch, whichever runs faster (:class:`multihead.threads.ThreadChooser`);
 * ``multihead embed, bfloat16``: the same with the encoder in bfloat16 (``--dtype bfloat16``), the
   precision OpenVINO picks by default on a CPU with AMX; its least cosine says what it costs;
 * the peers (:data:`multihead.tools.bench_embed_peers.PEERS`), when ``peers_python`` names the

@@ -1,4 +1,4 @@
-"""``multihead bench --generate-jobs``: whole ``model.generate`` calls, as users run them, five ways.
+"""``multihead bench --generate-jobs``: whole ``model.generate`` calls, as users run them, six ways.
 
 Notation: B batch, P prompt tokens (the longest row), N new tokens, L layers, E embed_dim, H heads,
 Hkv key/value heads, D head_dim, V vocabulary.
@@ -7,7 +7,7 @@ Two models of about 0.5B parameters with random weights from their configs, floa
 ``attn_implementation="sdpa"`` (:data:`MODELS`: a Llama and a Qwen3 architecture; the exact sizes
 and parameter counts are in the output). Each job is one ``generate`` call: a (B, P) prompt
 (B > 1: rows of different lengths, left-padded, seeded), N new tokens, greedy, ``min_new_tokens``
-= ``max_new_tokens`` = N. Five ways (:data:`WAYS`):
+= ``max_new_tokens`` = N. Six ways (:data:`WAYS`):
 
 * ``HF, DynamicCache``: the unpatched model, transformers' default cache;
 * ``HF, StaticCache``: ``cache_implementation="static"``;
@@ -15,7 +15,10 @@ and parameter counts are in the output). Each job is one ``generate`` call: a (B
   transformers' recipe for static caches (default mode: CUDA graphs do not apply on a CPU);
 * ``patched + KVCacheAdapter``: :func:`multihead.hf.patch` and ``cache=`` a
   :class:`multihead.hf.KVCacheAdapter` of ``max_len`` P + N (our in-place cache);
-* ``patched + KVCacheAdapter, compiled``: the same with the patched model's forward compiled.
+* ``patched + KVCacheAdapter, compiled``: the same with the patched model's forward compiled;
+* ``patched + KVCacheAdapter, threads auto``: the eager way inside :func:`multihead.auto_threads`
+  (each layer call on torch's threads or one, whichever runs faster now), a fresh one each call;
+  only where torch has more than one thread.
 
 Per way, from each call: the time to first token (from the call to the first token's logits: the
 prefill) and the decode rate, B·(N − 1) tokens over the rest of the call; medians with their
@@ -53,6 +56,7 @@ from typing import Any
 
 import torch
 
+from ..threads import auto_threads
 from .bench import paired_speedup, spread, time_interleaved
 
 __all__ = ["run_generate_jobs", "make_prompts", "make_models", "format_generate_jobs", "MODELS", "QUICK_MODELS", "WAYS",
@@ -76,7 +80,7 @@ REPS = 3
 FULL: dict[str, Any] = {"prompts": PROMPTS, "batches": BATCHES, "new_tokens": NEW_TOKENS, "reps": REPS}
 QUICK: dict[str, Any] = {"prompts": (12,), "batches": (1, 3), "new_tokens": 4, "reps": 1}
 WAYS = ("HF, DynamicCache", "HF, StaticCache", "HF, StaticCache, compiled", "patched + KVCacheAdapter",
-        "patched + KVCacheAdapter, compiled")
+        "patched + KVCacheAdapter, compiled", "patched + KVCacheAdapter, threads auto")
 BASE = WAYS[0]
 #: Untimed calls of each way first, without and with the compiled ways: a compiled forward compiles
 #: in the first call and again in the second (where our adapter reuses the buffers the first made).
@@ -170,6 +174,14 @@ def _ways(hf: Any, patched: Any, compiled: dict[str, Callable[..., Any]] | None,
     ways[WAYS[3]] = way(patched, cache=adapter)
     if compiled is not None:
         ways[WAYS[4]] = way(patched, compiled["patched"], cache=adapter_compiled)
+    if torch.get_num_threads() > 1:
+        adapter_auto = hf_cache.KVCacheAdapter(patched, max_len=max_len)
+
+        def auto(stamp: _FirstToken) -> torch.Tensor:
+            with auto_threads(patched):
+                return _generate(patched, ids, mask, new_tokens, stamp, cache=adapter_auto)
+
+        ways[WAYS[5]] = auto
     return ways, adapter
 
 

@@ -38,11 +38,12 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from ..threads import ThreadChooser
 from . import machine, models
 
 __all__ = ["Embedder", "Embedded", "embed", "embed_file", "read_texts", "check_texts", "check_batch_size",
            "bf16_emulated", "check_dtype", "DTYPES", "check_out_path", "OUT_FORMATS", "DEFAULT_BATCH_SIZE",
-           "ThreadChooser", "Threads", "check_embed_threads"]
+           "Threads", "check_embed_threads"]
 
 #: Texts per batch unless told (sentence-transformers' default too).
 DEFAULT_BATCH_SIZE = 32
@@ -186,60 +187,6 @@ def check_embed_threads(threads: object) -> int | str | None:
     raise TypeError(f"threads must be None, a positive int or 'auto', got {threads!r}")
 
 
-class ThreadChooser:
-    """Batch by batch, ``most`` threads or one, whichever has run faster lately (seconds per token).
-
-    torch's GEMMs split each product evenly across their threads, so beside another busy
-    process a descheduled thread holds up every product, and one thread on the free core can
-    be faster (the bundled model, AMD EPYC, 2 cores, batches of 32 beside one CPU-bound process:
-    "auto" embedded 1.58× the sentences/s of two threads; idle it cost 2.5%, paired). After
-    a first batch (warm-up, not counted) it runs one batch at ``most`` and one at one thread
-    and keeps the faster; it tries the other again after :attr:`PERIOD` batches, or at once
-    when the kept one runs :attr:`SLOWER` times slower than when it was chosen (the machine's
-    load changed). A try is compared with the batch before it, whose texts are about as long
-    (the batches run longest first).
-
-    Args:
-        most: the threads to run on when the machine is free (torch's setting); 1: always one.
-    """
-
-    PERIOD = 32
-    SLOWER = 1.3
-
-    def __init__(self, most: int) -> None:
-        self.most = most
-        self.choice = most
-        self.reference: float | None = None  # seconds per token of the choice when it was made
-        self.last: dict[int, float] = {}  # each count's latest seconds per token
-        self.since = 0  # batches on the choice since it was made
-        self.batches = 0
-
-    def next(self) -> int:
-        """The threads for the next batch."""
-        other = 1 if self.choice == self.most else self.most
-        if self.most == 1 or self.batches < 2:  # one thread only; the warm-up, then the choice's first
-            return self.choice
-        if self.reference is None or self.since >= self.PERIOD or self.last[self.choice] > self.SLOWER * self.reference:
-            return other
-        return self.choice
-
-    def record(self, threads: int, seconds: float, tokens: int) -> None:
-        """A batch of ``tokens`` real tokens took ``seconds`` on ``threads`` threads."""
-        self.batches += 1
-        if self.batches == 1 or tokens < 1:
-            return  # the warm-up batch: first calls' costs
-        rate = seconds / tokens
-        if threads == self.choice:
-            self.last[threads] = rate
-            self.since += 1
-            return
-        kept = self.last[self.choice]
-        if rate < kept:  # the other was faster on texts as long: it becomes the choice
-            self.choice, kept = threads, rate
-        self.last[threads] = rate
-        self.reference, self.since = kept, 0
-
-
 def check_batch_size(batch_size: int) -> int:
     """``batch_size`` if it is a positive int, else a TypeError/ValueError naming it."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int):
@@ -302,7 +249,7 @@ class Embedder:
             batch_size: texts per forward pass (B).
             threads: torch's intra-op threads while embedding (restored after); default as set;
                 ``"auto"``: as set or one, batch by batch, whichever runs faster now
-                (:class:`ThreadChooser`: beside a busy process, one thread often does).
+                (:class:`multihead.threads.ThreadChooser`: beside a busy process, one thread often does).
             progress: called after each batch with (texts done, N).
 
         Returns:
