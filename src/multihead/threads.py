@@ -140,7 +140,8 @@ class AutoThreads:
     The calls are grouped by block list and by their token count's power of two (a prefill's
     layers apart from a decoding step's), and each group's chooser tries the other count again
     after four passes over its list. torch's thread setting is restored after each block call
-    and when the block ends.
+    and when the ``with`` block ends. One caller at a time: the blocks' calls are timed one
+    after another, not from several Python threads at once.
 
     Args:
         groups: lists of blocks whose calls do the same work per token (:func:`repeated_blocks`).
@@ -165,8 +166,9 @@ class AutoThreads:
         for block in blocks:
             if not isinstance(block, nn.Module):
                 raise TypeError(f"blocks must be torch.nn.Modules, got {type(block).__name__}")
-        if len({id(block) for block in blocks}) < len(blocks):
-            raise ValueError("a block is given twice")
+        twice = [block for i, block in enumerate(blocks) if any(block is other for other in blocks[:i])]
+        if twice:
+            raise ValueError(f"blocks must be distinct modules; a {type(twice[0]).__name__} is given twice")
         self.groups = [list(group) for group in groups]
         self.calls: Counter[int] = Counter()
         self._choosers: dict[tuple[int, int], ThreadChooser] = {}
