@@ -16,8 +16,11 @@ and 5.4 s on one.
   forward pass adapts from its first layers on. The rest of the model (embeddings, the
   final norm, the LM head) runs on torch's setting.
 
-A thread count changes the order of no sum in multihead's kernels; torch's CPU products gave
-bitwise-equal outputs at one and two threads in the tests, so a choice changes timings only.
+A thread count changes the order of no sum in multihead's kernels, but torch's own products
+can round differently at one thread and at two (``F.linear`` of 9 or 11 rows by a 384 x 384
+weight on an AMD EPYC): under :func:`auto_threads` a model's outputs are those of a fixed count
+within float rounding, and which count ran depends on the clock, so two runs can differ in
+their last bits. In the tests greedy tokens equal a fixed count's.
 """
 
 from __future__ import annotations
