@@ -111,6 +111,30 @@ def test_repeated_blocks_are_the_outermost_lists_of_one_class() -> None:
         repeated_blocks("model")  # type: ignore[arg-type]
 
 
+def test_a_vision_language_model_has_two_groups_and_an_encoder_one() -> None:
+    """Qwen2-VL: its vision tower's blocks and its decoder's layers, judged apart; a patched BERT's
+    layers give the same hidden states under auto_threads (its padded batch packed)."""
+    from transformers import BertConfig, BertModel, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    text = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "intermediate_size": 64, "vocab_size": 200, "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]}}
+    vl = Qwen2VLForConditionalGeneration(Qwen2VLConfig(
+        text_config=text, vision_config={"depth": 2, "embed_dim": 32, "num_heads": 4, "hidden_size": 32}))
+    assert [[type(b).__name__ for b in group] for group in repeated_blocks(vl)] == [
+        ["Qwen2VLVisionBlock"] * 2, ["Qwen2VLDecoderLayer"] * 2]
+    bert = BertModel(BertConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                                intermediate_size=64)).eval()
+    mh.hf.patch(bert)
+    ids, mask = torch.randint(0, 100, (2, 9)), torch.ones(2, 9, dtype=torch.long)
+    mask[1, 6:] = 0
+    with torch.no_grad():
+        expected = bert(input_ids=ids, attention_mask=mask).last_hidden_state
+        with mh.auto_threads(bert) as auto:
+            got = bert(input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert sum(auto.calls.values()) == 3
+
+
 def test_bad_blocks_are_refused_before_any_hook() -> None:
     model = _Nested()
     with pytest.raises(ValueError, match="twice"):
