@@ -238,8 +238,16 @@ def auto_threads(model: nn.Module, blocks: Iterable[nn.Module] | None = None) ->
 
     Raises:
         TypeError: ``model`` or a block is not an ``nn.Module``.
-        ValueError: no repeated blocks found, no blocks given, a block given twice.
+        ValueError: no repeated blocks found, no blocks given, a block given twice or not inside ``model``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    return AutoThreads(repeated_blocks(model) if blocks is None else [list(blocks)])
+    if blocks is None:
+        return AutoThreads(repeated_blocks(model))
+    given = list(blocks)
+    inside = {id(m) for m in model.modules()}
+    outside = [b for b in given if isinstance(b, nn.Module) and id(b) not in inside]
+    if outside:
+        raise ValueError(f"blocks must be modules of the model; a {type(outside[0]).__name__} is not "
+                         f"inside this {type(model).__name__}")
+    return AutoThreads([given])
