@@ -154,7 +154,7 @@ class AutoThreads:
 
     Raises:
         TypeError: a block that is not an ``nn.Module``.
-        ValueError: no blocks; a block given twice.
+        ValueError: no blocks; a block given twice or inside another.
     """
 
     #: The choosers' ``tries`` and ``baseline``: a decoding step's layer calls take a few
@@ -172,6 +172,12 @@ class AutoThreads:
         twice = [block for i, block in enumerate(blocks) if any(block is other for other in blocks[:i])]
         if twice:
             raise ValueError(f"blocks must be distinct modules; a {type(twice[0]).__name__} is given twice")
+        given = {id(block) for block in blocks}
+        for block in blocks:  # one call timed at a time: a block inside another would cut the outer's timing
+            inner = next((sub for sub in block.modules() if sub is not block and id(sub) in given), None)
+            if inner is not None:
+                raise ValueError(f"blocks must not hold one another; a {type(inner).__name__} is inside a "
+                                 f"{type(block).__name__}")
         self.groups = [list(group) for group in groups]
         self.calls: Counter[int] = Counter()
         self._choosers: dict[tuple[int, int], ThreadChooser] = {}
@@ -211,8 +217,7 @@ class AutoThreads:
 
     @torch.compiler.disable
     def _post_hook(self, block: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if self._open is None:
-            return
+        assert self._open is not None  # set by this block's pre-hook: blocks never nest
         key, threads, tokens, start = self._open
         self._choosers[key].record(threads, time.perf_counter() - start, tokens)
         self.calls[threads] += 1
@@ -238,7 +243,8 @@ def auto_threads(model: nn.Module, blocks: Iterable[nn.Module] | None = None) ->
 
     Raises:
         TypeError: ``model`` or a block is not an ``nn.Module``.
-        ValueError: no repeated blocks found, no blocks given, a block given twice or not inside ``model``.
+        ValueError: no repeated blocks found, no blocks given, a block given twice, inside another or
+            not inside ``model``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")

@@ -145,6 +145,8 @@ def test_bad_blocks_are_refused_before_any_hook() -> None:
         mh.auto_threads(model, blocks=[model.layers[0], "block"])  # type: ignore[list-item]
     with pytest.raises(TypeError, match="torch.nn.Module"):
         mh.auto_threads(None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="_Expert is inside a _Layer"):
+        mh.auto_threads(model, blocks=[model.layers[0], model.layers[0].experts[1]])
     with pytest.raises(ValueError, match="not inside this _Nested"):
         mh.auto_threads(model, blocks=[model.layers[0], _Layer()])
     assert not model.layers[0]._forward_pre_hooks and not model.layers[0]._forward_hooks
